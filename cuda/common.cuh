@@ -1,0 +1,440 @@
+// rawflash tile verbs: everything the kernels share.
+//
+// Fragment conventions are those of mma.sync.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16").
+// A lane is 4*g + t (g = lane / 4 in 0..7, t = lane % 4 in 0..3).
+//   C tile (16 x 8, float[4]):   element e sits at row g + 8*(e/2), col 2t + e%2.
+//   A tile (16 x 16, 8 values):  element e sits at row g + 8*((e/2)%2), col 2t + e%2 + 8*(e/4).
+//   B tile (16 x 8,  4 values):  element e sits at k = 2t + e%2 + 8*(e/2), n = g.
+// float16 / bfloat16 keep A and B packed two per register and use tensor cores. float32 has its own overloads
+// of the three warp-level products with scalar FMAs that produce the same C layout, so every kernel body is
+// written once for all three dtypes.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef INFINITY  // NVRTC has no <cmath>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace rf {
+
+using u32 = unsigned int;  // NVRTC has no <cstdint>
+
+[[maybe_unused]] constexpr float LOG2E = 1.4426950408889634f;
+[[maybe_unused]] constexpr float LN2 = 0.6931471805599453f;
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
+
+// ---------------------------------------------------------------- element types
+template <typename T> struct Frag {                  // float16 / bfloat16: two values per 32-bit register
+  struct A { u32 r[4]; };
+  struct B { u32 r[2]; };
+};
+
+template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<u32*>(&h);
+}
+template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<u32*>(&h);
+}
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+
+// ---------------------------------------------------------------- shared-memory tiles
+// A ROWS x COLS row-major tile stored in 16-byte chunks whose index is XOR-swizzled by row, so that the
+// 8 row addresses of one ldmatrix (or one 16-byte cp.async per lane) hit 8 different bank groups.
+// A row of C chunks is swizzled in groups of 8 chunks (c ^ row%8); a trailing group of 4 chunks
+// (head_dim 32 or 96 in 16-bit) uses c ^ (row/2)%4, which is conflict-free for 64-byte row halves.
+template <typename T, int ROWS, int COLS> struct Tile {
+  static constexpr int CHUNK = 16 / (int)sizeof(T);  // elements per 16-byte chunk
+  static constexpr int C = COLS / CHUNK;             // chunks per row
+  static constexpr int FULL = (C / 8) * 8;           // chunks in whole groups of 8
+  static constexpr int BYTES = ROWS * COLS * (int)sizeof(T);
+  static_assert(COLS % CHUNK == 0, "tile rows are whole 16-byte chunks");
+  static_assert(C % 8 == 0 || C % 8 == 4, "rows of 4, 8k or 8k+4 chunks");
+  T* p;
+  __device__ __forceinline__ static int swizzle(int row, int c) {
+    return c < FULL ? (c ^ (row & 7)) : (c ^ ((row >> 1) & 3));
+  }
+  __device__ __forceinline__ int offset(int row, int col) const {  // element offset of (row, col)
+    return row * COLS + swizzle(row, col / CHUNK) * CHUNK + col % CHUNK;
+  }
+  __device__ __forceinline__ T* at(int row, int col) const { return p + offset(row, col); }
+  __device__ __forceinline__ u32 saddr(int row, int col) const {
+    return (u32)__cvta_generic_to_shared(at(row, col));
+  }
+};
+
+// ---------------------------------------------------------------- global -> shared copies (cp.async)
+__device__ __forceinline__ void cp_async16(u32 saddr, const void* gptr, bool valid) {
+  // src-size 0 writes 16 zero bytes: rows past the sequence end and columns past head_dim read as 0
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Copy rows [0, ROWS) of a tile whose row r starts at g + r*row_stride; rows >= rows_valid and
+// columns >= cols_valid are zero-filled. All NTHREADS threads of the CTA take part.
+template <int NTHREADS, typename T, int ROWS, int COLS>
+__device__ __forceinline__ void load_tile(Tile<T, ROWS, COLS> s, const T* g, long long row_stride,
+                                          int rows_valid, int cols_valid) {
+  using TL = Tile<T, ROWS, COLS>;
+#pragma unroll
+  for (int idx = threadIdx.x; idx < ROWS * TL::C; idx += NTHREADS) {
+    const int row = idx / TL::C, col = (idx % TL::C) * TL::CHUNK;
+    const bool valid = row < rows_valid && col < cols_valid;
+    const T* src = valid ? g + row * row_stride + col : g;
+    cp_async16(s.saddr(row, col), src, valid);
+  }
+}
+
+// ---------------------------------------------------------------- fragment loads from shared memory
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// A (16 x 16) at rows m0.., cols k0.. of a tile stored [m][k].
+template <typename T, int R, int C>
+__device__ __forceinline__ void load_a(typename Frag<T>::A& a, const Tile<T, R, C>& s, int m0, int k0) {
+  const int l = lane_id(), q = l >> 3;               // lane l addresses row l%8 of 8x8 matrix q
+  ldmatrix_x4(a.r, s.saddr(m0 + (l & 7) + 8 * (q & 1), k0 + 8 * (q >> 1)));
+}
+// A (16 x 16) with A[m][k] read from a tile stored transposed, [k][m] (rows k0.., cols m0..).
+template <typename T, int R, int C>
+__device__ __forceinline__ void load_a_trans(typename Frag<T>::A& a, const Tile<T, R, C>& s, int m0, int k0) {
+  const int l = lane_id(), q = l >> 3;
+  ldmatrix_x4_trans(a.r, s.saddr(k0 + (l & 7) + 8 * (q >> 1), m0 + 8 * (q & 1)));
+}
+// Two B tiles (k16 x n8 each, n0.. and n0+8..) from a tile stored [n][k] (K for S = Q K^T).
+template <typename T, int R, int C>
+__device__ __forceinline__ void load_b2_nk(typename Frag<T>::B& b0, typename Frag<T>::B& b1,
+                                           const Tile<T, R, C>& s, int n0, int k0) {
+  const int l = lane_id(), q = l >> 3;
+  u32 r[4];
+  ldmatrix_x4(r, s.saddr(n0 + (l & 7) + 8 * (q >> 1), k0 + 8 * (q & 1)));
+  b0.r[0] = r[0]; b0.r[1] = r[1]; b1.r[0] = r[2]; b1.r[1] = r[3];
+}
+// Two B tiles from a tile stored [k][n] (V for O = P V): ldmatrix.trans.
+template <typename T, int R, int C>
+__device__ __forceinline__ void load_b2_kn(typename Frag<T>::B& b0, typename Frag<T>::B& b1,
+                                           const Tile<T, R, C>& s, int k0, int n0) {
+  const int l = lane_id(), q = l >> 3;
+  u32 r[4];
+  ldmatrix_x4_trans(r, s.saddr(k0 + (l & 7) + 8 * (q & 1), n0 + 8 * (q >> 1)));
+  b0.r[0] = r[0]; b0.r[1] = r[1]; b1.r[0] = r[2]; b1.r[1] = r[3];
+}
+
+// ---------------------------------------------------------------- mma: C(16x8) += A(16x16) B(16x8)
+__device__ __forceinline__ void mma(float (&c)[4], const Frag<__half>::A& a, const Frag<__half>::B& b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
+}
+__device__ __forceinline__ void mma(float (&c)[4], const Frag<__nv_bfloat16>::A& a,
+                                    const Frag<__nv_bfloat16>::B& b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
+}
+// ---------------------------------------------------------------- warp-level products
+// Accumulators: float acc[MT][NT][4] is a (16*MT) x (8*NT) tile in C layout.
+template <int MT, int NT> __device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+}
+
+// acc += A B^T with A = rows a0.. of sa ([m][k]) and B^T = rows b0.. of sb ([n][k]), over k in [0, K).
+template <int MT, int NT, int K, typename T, int RA, int CA, int RB, int CB>
+__device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const Tile<T, RA, CA>& sa, int a0,
+                                         const Tile<T, RB, CB>& sb, int b0) {
+  static_assert(NT % 2 == 0 && K % 16 == 0, "B tiles are loaded in pairs; k in steps of 16");
+#pragma unroll 1  // k steps one at a time: unrolling them costs registers (spills at d = 256) for no gain in ILP
+  for (int kk = 0; kk < K; kk += 16) {
+    typename Frag<T>::A a[MT];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) load_a(a[i], sa, a0 + 16 * i, kk);
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+      typename Frag<T>::B b[2];
+      load_b2_nk(b[0], b[1], sb, b0 + 8 * j, kk);
+#pragma unroll
+      for (int i = 0; i < MT; ++i) { mma(acc[i][j], a[i], b[0]); mma(acc[i][j + 1], a[i], b[1]); }
+    }
+  }
+}
+
+// Convert k-chunk kk (columns 16kk..16kk+15) of a C-layout accumulator into an A fragment (P stays in registers).
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void acc_to_a(typename Frag<T>::A& a, const float (&acc)[MT][NT][4], int i, int kk) {
+  a.r[0] = pack2<T>(acc[i][2 * kk][0], acc[i][2 * kk][1]);
+  a.r[1] = pack2<T>(acc[i][2 * kk][2], acc[i][2 * kk][3]);
+  a.r[2] = pack2<T>(acc[i][2 * kk + 1][0], acc[i][2 * kk + 1][1]);
+  a.r[3] = pack2<T>(acc[i][2 * kk + 1][2], acc[i][2 * kk + 1][3]);
+}
+
+// acc += P B where P (16*MT x 16*KT) is a register accumulator and B = rows b_k0.. of sb stored [k][n],
+// columns n0.. (NT n8 tiles).
+template <int MT, int NT, int KT, typename T, int R, int C>
+__device__ __forceinline__ void gemm_rb(float (&acc)[MT][NT][4], const float (&p)[MT][2 * KT][4],
+                                        const Tile<T, R, C>& sb, int b_k0, int n0) {
+  static_assert(NT % 2 == 0, "B tiles are loaded in pairs");
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+    typename Frag<T>::A a[MT];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) acc_to_a<T>(a[i], p, i, kk);
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+      typename Frag<T>::B b[2];
+      load_b2_kn(b[0], b[1], sb, b_k0 + 16 * kk, n0 + 8 * j);
+#pragma unroll
+      for (int i = 0; i < MT; ++i) { mma(acc[i][j], a[i], b[0]); mma(acc[i][j + 1], a[i], b[1]); }
+    }
+  }
+}
+
+// acc += A B where A[m][k] is read from sa stored [k][m] (columns m0..) and B from sb stored [k][n]
+// (columns n0..), over k in [0, K). Used for dQ = dS K with dS kept as dS^T in shared memory.
+template <int MT, int NT, int K, typename T, int RA, int CA, int RB, int CB>
+__device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const Tile<T, RA, CA>& sa, int m0,
+                                         const Tile<T, RB, CB>& sb, int n0) {
+  static_assert(NT % 2 == 0 && K % 16 == 0, "B tiles are loaded in pairs; k in steps of 16");
+#pragma unroll
+  for (int kk = 0; kk < K; kk += 16) {
+    typename Frag<T>::A a[MT];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) load_a_trans(a[i], sa, m0 + 16 * i, kk);
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+      typename Frag<T>::B b[2];
+      load_b2_kn(b[0], b[1], sb, kk, n0 + 8 * j);
+#pragma unroll
+      for (int i = 0; i < MT; ++i) { mma(acc[i][j], a[i], b[0]); mma(acc[i][j + 1], a[i], b[1]); }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- float32 products (scalar FMA, same C layout)
+// Lane (g, t) computes rows g, g+8 of each m-tile and columns 2t, 2t+1 of each n-tile, summing k in order.
+template <int MT, int NT>
+__device__ __forceinline__ void fma_tile(float (&acc)[MT][NT][4], const float (&a)[2 * MT], const float (&b)[2 * NT]) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = fmaf(a[2 * i + (e >> 1)], b[2 * j + (e & 1)], acc[i][j][e]);
+}
+template <int MT, int NT, int K, int RA, int CA, int RB, int CB>
+__device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const Tile<float, RA, CA>& sa, int a0,
+                                         const Tile<float, RB, CB>& sb, int b0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll 4
+  for (int k = 0; k < K; ++k) {
+    float a[2 * MT], b[2 * NT];
+#pragma unroll
+    for (int r = 0; r < 2 * MT; ++r) a[r] = *sa.at(a0 + 16 * (r >> 1) + g + 8 * (r & 1), k);
+#pragma unroll
+    for (int c = 0; c < 2 * NT; ++c) b[c] = *sb.at(b0 + 8 * (c >> 1) + 2 * t + (c & 1), k);
+    fma_tile(acc, a, b);
+  }
+}
+template <int MT, int NT, int KT, int R, int C>
+__device__ __forceinline__ void gemm_rb(float (&acc)[MT][NT][4], const float (&p)[MT][2 * KT][4],
+                                        const Tile<float, R, C>& sb, int b_k0, int n0) {
+  const int l = lane_id(), t = l & 3;
+#pragma unroll
+  for (int kk = 0; kk < 2 * KT; ++kk)                // n-tile kk of P holds columns 8kk..8kk+7
+#pragma unroll 1
+    for (int k8 = 0; k8 < 8; ++k8) {
+      const int src = (l & ~3) | (k8 >> 1);          // the lane of this quad that holds column 8kk + k8 of P
+      const bool odd = k8 & 1;
+      float a[2 * MT], b[2 * NT];
+#pragma unroll
+      for (int r = 0; r < 2 * MT; ++r) {
+        const float (&pe)[4] = p[r >> 1][kk];
+        a[r] = __shfl_sync(0xffffffffu, odd ? pe[2 * (r & 1) + 1] : pe[2 * (r & 1)], src);
+      }
+#pragma unroll
+      for (int c = 0; c < 2 * NT; ++c) b[c] = *sb.at(b_k0 + 8 * kk + k8, n0 + 8 * (c >> 1) + 2 * t + (c & 1));
+      fma_tile(acc, a, b);
+    }
+}
+template <int MT, int NT, int K, int RA, int CA, int RB, int CB>
+__device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const Tile<float, RA, CA>& sa, int m0,
+                                         const Tile<float, RB, CB>& sb, int n0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll 4
+  for (int k = 0; k < K; ++k) {
+    float a[2 * MT], b[2 * NT];
+#pragma unroll
+    for (int r = 0; r < 2 * MT; ++r) a[r] = *sa.at(k, m0 + 16 * (r >> 1) + g + 8 * (r & 1));
+#pragma unroll
+    for (int c = 0; c < 2 * NT; ++c) b[c] = *sb.at(k, n0 + 8 * (c >> 1) + 2 * t + (c & 1));
+    fma_tile(acc, a, b);
+  }
+}
+
+// ---------------------------------------------------------------- row statistics (rows live in one quad)
+// Row r = 2*i + h (h = 0: row g, h = 1: row g+8 of m-tile i).
+template <int MT, int NT> __device__ __forceinline__ void row_max(float (&mx)[2 * MT], const float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) m = fmaxf(m, fmaxf(acc[i][j][2 * h], acc[i][j][2 * h + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      mx[2 * i + h] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    }
+}
+template <int MT, int NT> __device__ __forceinline__ void row_sum(float (&sm)[2 * MT], const float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float s = 0.f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) s += acc[i][j][2 * h] + acc[i][j][2 * h + 1];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      sm[2 * i + h] = s + __shfl_xor_sync(0xffffffffu, s, 2);
+    }
+}
+// Multiply row r of acc by f[r].
+template <int MT, int NT> __device__ __forceinline__ void scale_rows(float (&acc)[MT][NT][4], const float (&f)[2 * MT]) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] *= f[2 * i + (e >> 1)];
+}
+
+// ---------------------------------------------------------------- masking (one owner for every mask rule)
+// Query row i sees key j iff j < seqlen_k and (not causal or j <= i + seqlen_k - seqlen_q): causal masks
+// are aligned to the bottom-right corner. Sliding windows, soft-capping or ALiBi would join here.
+struct Mask {
+  int seqlen_q, seqlen_k;
+  bool causal;
+  // Keys j < row_end(i) are visible to query i.
+  __device__ __forceinline__ int row_end(int i) const {
+    return causal ? min(seqlen_k, max(0, i + 1 + seqlen_k - seqlen_q)) : seqlen_k;
+  }
+  __device__ __forceinline__ bool visible(int i, int j) const { return j < row_end(i); }
+  // True when some (i, j) of the rows [r0, r0+nr) x cols [c0, c0+nc) block is hidden: only those blocks mask.
+  __device__ __forceinline__ bool block_needs_mask(int r0, int nr, int c0, int nc) const {
+    return c0 + nc > seqlen_k || (causal && c0 + nc - 1 > r0 + seqlen_k - seqlen_q);
+  }
+  // Number of key blocks of width bc that the query rows [r0, r0+nr) see at all (blocks past it are skipped).
+  __device__ __forceinline__ int key_blocks(int r0, int nr, int bc) const {
+    int last = seqlen_k - 1;
+    if (causal) last = min(last, r0 + nr - 1 + seqlen_k - seqlen_q);
+    return last < 0 ? 0 : last / bc + 1;
+  }
+  // First query block of height br that sees any key of the block starting at key c0.
+  __device__ __forceinline__ int first_query_block(int c0, int br) const {
+    if (!causal) return 0;
+    const int first_row = c0 - (seqlen_k - seqlen_q);
+    return first_row <= 0 ? 0 : first_row / br;
+  }
+};
+
+// Set hidden scores to -inf. acc is (16*MT) x (8*NT) with its first row at r0, first column at c0.
+template <int MT, int NT>
+__device__ __forceinline__ void apply_mask(float (&acc)[MT][NT][4], const Mask& mask, int r0, int c0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int end = mask.row_end(r0 + 16 * i + g + 8 * h) - c0 - 2 * t;  // visible iff 8j + e%2 < end
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (8 * j + e >= end) acc[i][j][2 * h + e] = -INFINITY;
+    }
+}
+// The same rule for a transposed accumulator: rows are keys (first at k0), columns are queries (first at q0).
+template <int MT, int NT>
+__device__ __forceinline__ void apply_mask_t(float (&acc)[MT][NT][4], const Mask& mask, int k0, int q0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!mask.visible(q0 + 8 * j + 2 * t + (e & 1), k0 + 16 * i + g + 8 * (e >> 1))) acc[i][j][e] = -INFINITY;
+}
+
+// ---------------------------------------------------------------- stores from C layout to global memory
+// Write rows [r0, r0+16*MT) x cols [c0, c0+8*NT) of acc * f[row] to g (row stride ld), clipped to
+// rows < nrows and cols < ncols.
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void store_rows(T* g, long long ld, const float (&acc)[MT][NT][4], const float (&f)[2 * MT],
+                                           int r0, int c0, int nrows, int ncols) {
+  const int gg = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = r0 + 16 * i + gg + 8 * h;
+      if (row >= nrows) continue;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int col = c0 + 8 * j + 2 * t;          // head_dim is a multiple of 8: both or neither column fit
+        if (col >= ncols) continue;
+        T* dst = g + row * ld + col;
+        const float x0 = acc[i][j][2 * h] * f[2 * i + h], x1 = acc[i][j][2 * h + 1] * f[2 * i + h];
+        if constexpr (sizeof(T) == 2) {
+          *reinterpret_cast<u32*>(dst) = pack2<T>(x0, x1);
+        } else {
+          *reinterpret_cast<float2*>(dst) = make_float2(x0, x1);
+        }
+      }
+    }
+}
+
+// Write a C-layout accumulator into a shared tile at rows r0.., cols c0.. (dS^T for the dQ product).
+template <typename T, int MT, int NT, int R, int C>
+__device__ __forceinline__ void store_acc(const Tile<T, R, C>& s, const float (&acc)[MT][NT][4], int r0, int c0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        T* dst = s.at(r0 + 16 * i + g + 8 * h, c0 + 8 * j + 2 * t);
+        if constexpr (sizeof(T) == 2) {
+          *reinterpret_cast<u32*>(dst) = pack2<T>(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+        } else {
+          *reinterpret_cast<float2*>(dst) = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+        }
+      }
+}
+
+}  // namespace rf

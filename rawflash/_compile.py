@@ -1,0 +1,159 @@
+"""Find the CUDA sources, instantiate kernel templates through NVRTC name expressions, and cache the result.
+
+Two paths share one source assembly and one option list, so what CI compiles offline is byte for byte what a
+GPU user loads:
+
+* ``get_kernel`` (needs a GPU): ``cupy.RawModule(code=..., name_expressions=[...])``, cached in memory per
+  process and on disk by CuPy across processes;
+* ``compile_offline`` (no GPU needed): the low-level NVRTC bindings for an explicit target (``sm_80``,
+  ``sm_90``, ``sm_90a``) with ``--ptxas-options=-v``, returning registers, spills and shared memory.
+
+Local ``#include "x.cuh"`` lines are inlined before compiling: CuPy's disk cache keys on the source string, so
+inlining makes the key cover every byte of every file a kernel includes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import re
+from pathlib import Path
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$", re.M)
+
+
+def cuda_dir() -> Path:
+    """The folder holding the ``.cu``/``.cuh`` sources: inside an installed wheel, or ``cuda/`` of a checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda", here.parent / "cuda"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"rawflash CUDA sources not found next to {here} (looked in cuda/ and ../cuda/)")
+
+
+def assemble(source: str, root: Path | None = None) -> str:
+    """Return ``source`` (a file name in the CUDA folder) with its local includes inlined, each file once."""
+    root = cuda_dir() if root is None else Path(root)
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = _PRAGMA_ONCE.sub("", (root / name).read_text())
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return f"// rawflash: {source} with local includes inlined\n" + expand(source)
+
+
+def source_hash(source: str, root: Path | None = None) -> str:
+    """SHA-256 of the assembled source: changes whenever any byte of any included file changes."""
+    return hashlib.sha256(assemble(source, root).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_include_dir() -> str:
+    """Directory with ``cuda_fp16.h``: the NVIDIA runtime wheel (via cuda-pathfinder), else CUDA_PATH/CUDA_HOME."""
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            return str(found)
+    except Exception:  # pathfinder missing or too old: fall back to a toolkit install
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env) and Path(os.environ[env], "include", "cuda_fp16.h").is_file():
+            return str(Path(os.environ[env], "include"))
+    if Path("/usr/local/cuda/include/cuda_fp16.h").is_file():
+        return "/usr/local/cuda/include"
+    raise FileNotFoundError(
+        "cuda_fp16.h not found: install rawflash[cuda13] (or [cuda12]) so the CUDA runtime headers wheel is "
+        "present, or set CUDA_PATH to a CUDA toolkit"
+    )
+
+
+def base_options() -> tuple[str, ...]:
+    """NVRTC options of every kernel, minus the target (CuPy adds -arch for the current device)."""
+    return ("-std=c++17", "-ftz=true", "--device-as-default-execution-space", f"-I{cuda_include_dir()}")
+
+
+# ---------------------------------------------------------------- GPU path (CuPy RawModule)
+@functools.lru_cache(maxsize=None)
+def _module(source: str, name_expression: str, arch_option: str | None, device: int):
+    import cupy
+
+    options = base_options() + ((arch_option,) if arch_option else ())
+    return cupy.RawModule(code=assemble(source), options=options, name_expressions=[name_expression])
+
+
+def get_kernel(source: str, name_expression: str, arch_option: str | None = None):
+    """The ``cupy.RawKernel`` for one template instantiation, compiled at first use and cached."""
+    import cupy
+
+    device = cupy.cuda.Device().id
+    return _module(source, name_expression, arch_option, device).get_function(name_expression)
+
+
+def cache_dir() -> Path:
+    """CuPy's on-disk kernel cache, where compiled rawflash kernels persist across processes."""
+    return Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+
+
+# ---------------------------------------------------------------- offline path (no GPU)
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """What ptxas said about one instantiation compiled for one target."""
+
+    name_expression: str
+    arch: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    static_smem: int
+    cubin_size: int
+    log: str
+
+    @property
+    def spills(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas(log: str) -> dict:
+    """Registers, static shared memory, stack and spills from a ``--ptxas-options=-v`` log."""
+    regs = _PTXAS_REGS.findall(log)
+    smem = _PTXAS_SMEM.findall(log)
+    stack = _PTXAS_STACK.findall(log)
+    if not regs:
+        raise ValueError(f"no 'Used N registers' line in the ptxas log:\n{log}")
+    frame, stores, loads = (int(x) for x in stack[-1]) if stack else (0, 0, 0)
+    return dict(registers=int(regs[-1]), static_smem=int(smem[-1]) if smem else 0, stack_bytes=frame,
+                spill_stores=stores, spill_loads=loads)
+
+
+def compile_offline(source: str, name_expression: str, arch: str = "sm_90") -> CompileReport:
+    """Compile one instantiation with NVRTC for ``arch`` without a GPU and return ptxas's resource report."""
+    from cupy.cuda import nvrtc
+
+    options = base_options() + (f"--gpu-architecture={arch}", "--ptxas-options=-v")
+    prog = nvrtc.createProgram(assemble(source), source, [], [])
+    try:
+        nvrtc.addNameExpression(prog, name_expression)
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(f"NVRTC failed on {name_expression} for {arch}:\n{nvrtc.getProgramLog(prog)}") from err
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return CompileReport(name_expression=name_expression, arch=arch, cubin_size=len(cubin), log=log,
+                         **parse_ptxas(log))

@@ -1,0 +1,66 @@
+"""Moving arrays in and out: foreign device arrays without copies, NumPy through the device, kernel-ready views."""
+from __future__ import annotations
+
+import numpy as np
+
+from .validation import array_kind
+
+
+def import_array(x, name: str):
+    """NumPy and CuPy arrays as they are; any other device array as a CuPy array sharing its memory.
+
+    DLPack is tried first because it describes bfloat16 (``__cuda_array_interface__`` cannot).
+    """
+    kind = array_kind(x, name)
+    if kind != "foreign":
+        return x
+    import cupy
+
+    if hasattr(x, "__dlpack__"):
+        return cupy.from_dlpack(x)
+    return cupy.asarray(x)
+
+
+def to_device(x):
+    """A CuPy array for a NumPy or CuPy one (NumPy is copied to the current device)."""
+    import cupy
+
+    return cupy.asarray(x)
+
+
+def kernel_ready(x, chunk_elems: int):
+    """``x`` itself when the kernels can read it in place, else a contiguous copy.
+
+    The kernels read 16-byte chunks along head_dim: the last stride must be 1, the base 16-byte aligned and
+    every other stride a multiple of the chunk (8 half-precision or 4 single-precision elements).
+    """
+    import cupy
+
+    item = x.dtype.itemsize
+    strides = [s // item for s in x.strides]
+    ok = (x.strides[-1] == item or x.shape[-1] == 1) and x.data.ptr % 16 == 0
+    ok = ok and all(s % chunk_elems == 0 for s, n in zip(strides[:-1], x.shape[:-1]) if n > 1)
+    return x if ok else cupy.ascontiguousarray(x)
+
+
+def pad_head_dim(x, head_dim: int):
+    """Zero-pad the last axis to ``head_dim`` (a copy); the kernels then never read past the caller's data."""
+    import cupy
+
+    if x.shape[-1] == head_dim:
+        return x
+    out = cupy.zeros(x.shape[:-1] + (head_dim,), dtype=x.dtype)
+    out[..., : x.shape[-1]] = x
+    return out
+
+
+def element_strides(x) -> tuple[int, ...]:
+    """Strides in elements (CuPy and NumPy report bytes)."""
+    return tuple(s // x.dtype.itemsize for s in x.strides)
+
+
+def export(x, to_numpy: bool):
+    """Results go back the way the inputs came: NumPy for NumPy callers, CuPy otherwise."""
+    if to_numpy:
+        return x.get() if hasattr(x, "get") else np.asarray(x)
+    return x

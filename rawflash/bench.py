@@ -1,0 +1,263 @@
+"""The benchmark: validate every implementation against the reference, then time it beside the peers.
+
+Conventions (DESIGN.md section 6): FLOPs are ``4 B H Nq Nk d`` forward (half when causal), backward 2.5x that;
+times are the median of CUDA-event timings after a warm-up, with L2 flushed before every timed launch; every
+implementation is first checked by flash-attn's rule on a reduced problem with the same kernel instantiation
+(same dtype, head_dim and causal flag) and an implementation that fails is reported, not timed.
+Peers: ``torch-flash`` and ``torch-cudnn`` (PyTorch SDPA backends, only when PyTorch is importable; never a
+dependency) and ``cupy-naive`` (the matmul-softmax-matmul a CuPy user writes today).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+from . import iomodel, reference
+
+IMPLS = ("rawflash-fa2", "rawflash-fa1", "rawflash-naive", "torch-flash", "torch-cudnn", "cupy-naive")
+FLUSH_BYTES = 256 << 20  # larger than the H200's 60 MB L2
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    impl: str
+    direction: str
+    dtype: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+
+    @property
+    def flops(self) -> float:
+        shape = iomodel.Shape(self.batch, self.seqlen, self.seqlen, self.heads, self.kv_heads, self.head_dim, 2,
+                              self.causal)
+        return float(iomodel.flops(shape, self.direction))
+
+
+@dataclasses.dataclass
+class Record:
+    impl: str
+    direction: str
+    dtype: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+    ms: float | None
+    tflops: float | None
+    status: str = "ok"
+
+    @classmethod
+    def of(cls, case: Case, ms: float | None, status: str = "ok") -> "Record":
+        tf = case.flops / (ms * 1e-3) / 1e12 if ms else None
+        return cls(**dataclasses.asdict(case), ms=ms, tflops=tf, status=status)
+
+
+def sweep_cases(impls, directions, dtypes, head_dims, seqlens, causals, tokens=16384, hidden=2048, kv_ratio=1):
+    """The FA2 paper's sweep: B = tokens / N, H = hidden / d (kv_heads = H / kv_ratio for GQA runs)."""
+    cases = []
+    for impl in impls:
+        for direction in directions:
+            if direction == "bwd" and impl in ("rawflash-fa1", "rawflash-naive", "cupy-naive"):
+                continue
+            for dtype in dtypes:
+                for d in head_dims:
+                    for n in seqlens:
+                        for causal in causals:
+                            b, h = max(1, tokens // n), hidden // d
+                            cases.append(Case(impl, direction, dtype, b, h, h // kv_ratio, n, d, causal))
+    return cases
+
+
+# ---------------------------------------------------------------- timing
+def time_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> float:
+    """Median CUDA-event time of ``fn`` in ms, with L2 flushed (a 256 MB memset) before every timed call."""
+    import cupy
+
+    flush = cupy.empty(FLUSH_BYTES, dtype=cupy.uint8)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        flush.fill(1)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- implementations
+def _torch():
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def available_impls() -> list[str]:
+    have_torch = _torch() is not None
+    return [i for i in IMPLS if have_torch or not i.startswith("torch")]
+
+
+def make_inputs(case: Case, seed: int = 0):
+    import cupy
+
+    from .validation import check_choice
+
+    check_choice(case.dtype, "dtype", ("float16", "bfloat16", "float32"))
+    rng = cupy.random.default_rng(seed)
+    dt = np.dtype(ml_dtypes.bfloat16) if case.dtype == "bfloat16" else np.dtype(case.dtype)
+    shape_q = (case.batch, case.seqlen, case.heads, case.head_dim)
+    shape_k = (case.batch, case.seqlen, case.kv_heads, case.head_dim)
+    q, k, v = (rng.standard_normal(s, dtype=cupy.float32).astype(dt) for s in (shape_q, shape_k, shape_k))
+    dout = rng.standard_normal(shape_q, dtype=cupy.float32).astype(dt)
+    return q, k, v, dout
+
+
+def runner(case: Case, q, k, v, dout):
+    """A zero-argument callable that runs ``case`` once (the forward of a backward case is done here, once)."""
+    import rawflash
+
+    if case.impl.startswith("rawflash-"):
+        kernel = case.impl.split("-", 1)[1]
+        if case.direction == "fwd":
+            return lambda: rawflash.forward(q, k, v, causal=case.causal, kernel=kernel)
+        out, lse = rawflash.forward(q, k, v, causal=case.causal)
+        return lambda: rawflash.backward(dout, q, k, v, out, lse, causal=case.causal)
+    if case.impl == "cupy-naive":
+        return lambda: cupy_naive(q, k, v, case.causal)
+    return _torch_runner(case, q, k, v, dout)
+
+
+def cupy_naive(q, k, v, causal: bool):
+    """Plain CuPy attention, as a CuPy user writes it today: matmul, softmax, matmul (MHA layout)."""
+    import cupy
+
+    group = q.shape[2] // k.shape[2]
+    qh, kh, vh = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if group > 1:
+        kh, vh = cupy.repeat(kh, group, axis=1), cupy.repeat(vh, group, axis=1)
+    s = cupy.matmul(qh, kh.transpose(0, 1, 3, 2)) * q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        nq, nk = s.shape[-2:]
+        s = cupy.where(cupy.tri(nq, nk, nk - nq, dtype=bool), s, s.dtype.type(-np.inf))
+    s = s - s.max(axis=-1, keepdims=True)
+    p = cupy.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return cupy.matmul(p, vh).transpose(0, 2, 1, 3)
+
+
+def _torch_runner(case: Case, q, k, v, dout):
+    torch = _torch()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION}[case.impl]
+    tq, tk, tv, tdo = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v, dout))
+    gqa = case.heads != case.kv_heads
+
+    def fwd():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=case.causal,
+                                                                     enable_gqa=gqa)
+
+    if case.direction == "fwd":
+        return fwd
+    tq.requires_grad_(True), tk.requires_grad_(True), tv.requires_grad_(True)
+    out = fwd()
+    return lambda: torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True)
+
+
+# ---------------------------------------------------------------- validation before timing
+def validate(case: Case, seqlen_cap: int = 512) -> tuple[bool, str]:
+    """flash-attn's rule on a reduced problem (1 batch, 2 query heads, seqlen <= seqlen_cap) of the same kind."""
+    import cupy
+
+    small = dataclasses.replace(case, batch=1, heads=2, kv_heads=max(1, 2 * case.kv_heads // case.heads),
+                                seqlen=min(case.seqlen, seqlen_cap) - 3)
+    q, k, v, dout = make_inputs(small, seed=11)
+    fn = runner(small, q, k, v, dout)
+    got = fn()
+    hq, hk, hv, hdo = (cupy.asnumpy(x) for x in (q, k, v, dout))
+    if case.direction == "fwd":
+        got = got[0] if isinstance(got, tuple) else got
+        got = got.transpose(1, 2).float().cpu().numpy() if hasattr(got, "cpu") else cupy.asnumpy(got)
+        ref = reference.forward(hq, hk, hv, causal=case.causal)[0]
+        base = reference.forward(hq, hk, hv, causal=case.causal, upcast=False)[0]
+        pairs, factor = [("out", got, ref, base)], 2
+    else:
+        grads = [g.transpose(1, 2).float().cpu().numpy() if hasattr(g, "cpu") else cupy.asnumpy(g) for g in got]
+        refs = reference.backward(hdo, hq, hk, hv, causal=case.causal)
+        bases = reference.backward(hdo, hq, hk, hv, causal=case.causal, upcast=False)
+        pairs, factor = list(zip(("dq", "dk", "dv"), grads, refs, bases)), 3
+    for name, g, ref, base in pairs:
+        ok, err, base_err, bound = reference.error_ratio_ok(np.asarray(g, np.float64), ref, base, hq.dtype, factor)
+        if not ok:
+            return False, f"{name} error {err:.3g} > {bound:.3g}"
+    return True, "ok"
+
+
+def fits(case: Case, free_bytes: int) -> bool:
+    """Whether the case's buffers (and the O(N^2) score matrices of the naive implementations) fit in memory."""
+    item = 2 if case.dtype != "float32" else 4
+    tokens = case.batch * case.seqlen
+    need = tokens * (case.heads * 3 + case.kv_heads * 4) * case.head_dim * item + FLUSH_BYTES
+    if case.impl in ("cupy-naive", "rawflash-naive"):
+        need += 4 * case.batch * case.heads * case.seqlen ** 2 * item
+    return need < 0.8 * free_bytes
+
+
+def run_case(case: Case, repeats: int, validated: dict) -> Record:
+    import cupy
+
+    key = (case.impl, case.direction, case.dtype, case.head_dim, case.causal)
+    if key not in validated:
+        try:
+            validated[key] = validate(case)
+        except Exception as err:  # a peer that cannot run this case (e.g. no cuDNN kernel) is reported
+            validated[key] = (False, f"{type(err).__name__}: {str(err).splitlines()[0][:100]}")
+    ok, why = validated[key]
+    if not ok:
+        return Record.of(case, None, f"invalid: {why}")
+    free, _ = cupy.cuda.Device().mem_info
+    if not fits(case, free):
+        return Record.of(case, None, "skipped: does not fit in memory")
+    try:
+        q, k, v, dout = make_inputs(case)
+        ms = time_ms(runner(case, q, k, v, dout), repeats=repeats)
+    except Exception as err:
+        return Record.of(case, None, f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+    finally:
+        cupy.get_default_memory_pool().free_all_blocks()
+    return Record.of(case, ms)
+
+
+def ratios(records: list[Record], impl: str = "rawflash-fa2") -> list[dict]:
+    """For each timed ``impl`` record: its TFLOP/s over each peer's at the same case."""
+    index = {(r.impl, r.direction, r.dtype, r.seqlen, r.head_dim, r.causal, r.kv_heads): r for r in records}
+    rows = []
+    for r in records:
+        if r.impl != impl or r.tflops is None:
+            continue
+        row = {"direction": r.direction, "dtype": r.dtype, "seqlen": r.seqlen, "head_dim": r.head_dim,
+               "causal": r.causal, "kv_heads": r.kv_heads, "tflops": r.tflops}
+        for peer in IMPLS:
+            other = index.get((peer, r.direction, r.dtype, r.seqlen, r.head_dim, r.causal, r.kv_heads))
+            if peer != impl and other is not None and other.tflops:
+                row[f"x {peer}"] = r.tflops / other.tflops
+        rows.append(row)
+    return rows

@@ -1,0 +1,94 @@
+"""Tile sizes: the only place they live.
+
+One row per (kernel, head_dim, dtype). A head_dim without a row of its own runs on the next specialised one
+(``padded_head_dim``) with the extra columns zero-filled on load and never stored. Each row says why it was
+chosen; ``bench/results/NOTES.md`` keeps the measurements.
+
+Kernels here are the CUDA templates: ``fa1_fwd``, ``fa2_fwd``, ``fa2_fwd_splitk`` (fa2_fwd with its split-Q
+partition switched off, for the ablation), ``fa2_bwd`` and ``fa2_bwd_dq`` (the deterministic dQ pass).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+SPECIALISED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+MAX_HEAD_DIM = SPECIALISED_HEAD_DIMS[-1]
+DTYPES = ("float16", "bfloat16", "float32")
+KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_bwd", "fa2_bwd_dq")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tile shape of one kernel instantiation.
+
+    br, bc: query rows and key rows of a block (the papers' Br, Bc); warps: warps per CTA; min_blocks: the
+    CTAs per SM promised to the compiler through ``__launch_bounds__`` (it caps registers at
+    65536 / (32 * warps * min_blocks)); wc: (fa2_bwd) warps that split the head_dim columns of dK, dV.
+    """
+
+    br: int
+    bc: int
+    warps: int
+    min_blocks: int = 1
+    wc: int = 1
+    why: str = ""
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+_16BIT = ("float16", "bfloat16")
+
+
+def _rows() -> dict[tuple[str, int, str], TileConfig]:
+    rows: dict[tuple[str, int, str], TileConfig] = {}
+
+    def put(kernel, dims, dtypes, cfg):
+        for d in dims:
+            for dt in dtypes:
+                rows[(kernel, d, dt)] = cfg
+
+    # fa2_fwd, 16-bit: 4 warps own 32 rows each (MT = 2 m-tiles, so every K/V fragment read from shared memory
+    # feeds two mma); 128 x 64 is flash-attn 2's sm80 choice. 255 registers at d = 128, 1 CTA of 4 warps...
+    put("fa2_fwd", (32, 64, 96), _16BIT, TileConfig(128, 64, 4, why="FA2 sm80 default tile, 32 rows per warp"))
+    put("fa2_fwd", (128,), _16BIT, TileConfig(128, 32, 4, why="128 x 64 spills 32 B when causal; 240 regs -> 2 CTAs/SM"))
+    put("fa2_fwd", (192, 256), _16BIT, TileConfig(64, 64, 4, why="O accumulator of 16 x d per warp fits registers"))
+    # float32 runs the same body with emulated mma (FMA + shuffles): one m-tile per warp, narrow key blocks.
+    put("fa2_fwd", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low"))
+    # Split-K (ablation and FA1): all warps share BR = 16*MT rows and take BC / warps = 16 keys each.
+    put("fa2_fwd_splitk", SPECIALISED_HEAD_DIMS, _16BIT, TileConfig(32, 64, 4, why="16 keys per warp, 2 m-tiles"))
+    put("fa2_fwd_splitk", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(32, 32, 2, why="fits 227 KB at d = 256"))
+    put("fa1_fwd", SPECIALISED_HEAD_DIMS, _16BIT, TileConfig(32, 64, 4, why="16 keys per warp, 2 m-tiles"))
+    put("fa1_fwd", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(32, 32, 2, why="fits 227 KB at d = 256"))
+    # fa2_bwd: 8 warps own 16 keys each; K_j, V_j of 128 keys stay in shared memory for the whole query loop.
+    put("fa2_bwd", (32, 64), _16BIT, TileConfig(64, 128, 8, why="FA2 sm80 d<=64 shape"))
+    put("fa2_bwd", (96, 128), _16BIT, TileConfig(32, 128, 8, why="dK, dV of 16 x d per warp plus S, dP of 16 x 32"))
+    put("fa2_bwd", (192,), _16BIT, TileConfig(32, 64, 8, wc=2, why="warps also split d: 16 x d/2 per warp"))
+    put("fa2_bwd", (256,), _16BIT, TileConfig(32, 64, 8, wc=2, why="16 x 128 dK, dV per warp"))
+    put("fa2_bwd", (32, 64, 96), ("float32",), TileConfig(32, 64, 4, why="fp32 FMA path"))
+    put("fa2_bwd", (128, 192), ("float32",), TileConfig(32, 64, 8, wc=2, why="fp32 FMA path; warps split d"))
+    put("fa2_bwd", (256,), ("float32",), TileConfig(32, 32, 8, wc=4, why="fp32 FMA path; 16 x 64 dK, dV per warp"))
+    put("fa2_bwd_dq", (32, 64, 96, 128), _16BIT, TileConfig(64, 64, 4, why="split-Q, 16 rows per warp"))
+    put("fa2_bwd_dq", (192, 256), _16BIT, TileConfig(64, 16, 4, why="dQ of 16 x d per warp leaves room for 16 x 16 S"))
+    put("fa2_bwd_dq", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path"))
+    return rows
+
+
+TABLE: dict[tuple[str, int, str], TileConfig] = _rows()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The specialised head_dim a kernel runs with: the smallest one >= head_dim."""
+    for d in SPECIALISED_HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def tile_config(kernel: str, head_dim: int, dtype: str) -> TileConfig:
+    """The row for ``kernel`` at the specialised head_dim covering ``head_dim``, for ``dtype`` (a name)."""
+    key = (kernel, padded_head_dim(head_dim), dtype)
+    if key not in TABLE:
+        raise KeyError(f"no tile configuration for kernel={kernel!r}, head_dim={head_dim}, dtype={dtype!r}")
+    return TABLE[key]

@@ -1,0 +1,234 @@
+"""Launch formulas: the only place grids, blocks, shared-memory sizes and template arguments are computed.
+
+Both backends use these: the CUDA C kernels take ``Launch.template_args`` as template arguments and the Numba
+factories take the same tile sizes as arguments. Every shared-memory formula here is checked against the
+kernel's own layout at compile time (a ``static_assert`` on the ``SMEM_BYTES`` template argument), so the two
+cannot drift apart silently.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from . import configs
+from .configs import TileConfig
+
+CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+ELEMENTWISE_THREADS = 256
+ELEMENTWISE_MAX_BLOCKS = 132 * 16  # grid-stride loops: enough CTAs to fill an H200 several times over
+MAX_GRID_YZ = 65535
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The shape of one attention call after validation (head_dim is the caller's, not the padded one)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    causal: bool
+
+    @property
+    def padded_head_dim(self) -> int:
+        return configs.padded_head_dim(self.head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch: which template instantiation, and with what grid, block and dynamic shared memory."""
+
+    kernel: str
+    source: str
+    template_args: tuple
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    config: TileConfig | None = None
+
+    @property
+    def name_expression(self) -> str:
+        args = ", ".join(_cxx(a) for a in self.template_args)
+        return f"{self.kernel}<{args}>"
+
+    @property
+    def ctas(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
+
+
+def _cxx(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def register_cap(cfg: TileConfig) -> int:
+    """Registers per thread the compiler may use under ``__launch_bounds__(threads, min_blocks)``."""
+    per_thread = 65536 // (cfg.threads * cfg.min_blocks)
+    return min(255, per_thread // 8 * 8)
+
+
+# ---------------------------------------------------------------- shared memory (mirrors the *Smem structs)
+def splitk_bytes(br: int, d: int, warps: int) -> int:
+    """splitk.cuh SplitK::BYTES: red_max, red_sum (warps x BR), acc (BR x D), alpha, beta (BR), float32."""
+    return (2 * warps * br + br * d + 2 * br) * 4
+
+
+def smem_fa2_fwd(cfg: TileConfig, d: int, itemsize: int, split_q: bool = True) -> int:
+    tiles = (cfg.br + 2 * cfg.bc) * d * itemsize
+    return tiles if split_q else tiles + splitk_bytes(cfg.br, d, cfg.warps) + (cfg.br * d + 2 * cfg.br) * 4
+
+
+def smem_fa1_fwd(cfg: TileConfig, d: int, itemsize: int) -> int:
+    return (cfg.br + 2 * cfg.bc) * d * itemsize + splitk_bytes(cfg.br, d, cfg.warps)
+
+
+def smem_fa2_bwd(cfg: TileConfig, d: int, itemsize: int, atomic_dq: bool) -> int:
+    ds = cfg.bc * cfg.br * itemsize if atomic_dq else 0
+    return (2 * cfg.bc + 2 * cfg.br) * d * itemsize + ds + 2 * cfg.br * 4
+
+
+def smem_fa2_bwd_dq(cfg: TileConfig, d: int, itemsize: int) -> int:
+    return (2 * cfg.bc + 2 * cfg.br) * d * itemsize + 2 * cfg.br * 4
+
+
+# ---------------------------------------------------------------- launches
+def _check_grid(grid: tuple[int, int, int], what: str) -> tuple[int, int, int]:
+    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
+        raise ValueError(f"{what}: grid {grid} exceeds CUDA's limit of {MAX_GRID_YZ} on y and z "
+                         "(heads and batch must each be at most 65535)")
+    return grid
+
+
+def _elementwise(kernel: str, source: str, dtype: str, n: int) -> Launch:
+    blocks = max(1, min(cdiv(n, ELEMENTWISE_THREADS), ELEMENTWISE_MAX_BLOCKS))
+    return Launch(kernel, source, (CUDA_TYPES[dtype],), (blocks, 1, 1), (ELEMENTWISE_THREADS, 1, 1), 0)
+
+
+def _rows_of_warps(kernel: str, source: str, dtype: str, rows: int) -> Launch:
+    """One warp per row, 8 warps per CTA."""
+    blocks = max(1, cdiv(rows, 8))
+    return Launch(kernel, source, (CUDA_TYPES[dtype],), (blocks, 1, 1), (256, 1, 1), 0)
+
+
+def fa2_fwd(p: Problem, *, defer_norm: bool = True, seq_parallel: bool = True, split_q: bool = True) -> Launch:
+    """FA2 forward; the three switches are the FA2 ideas the ablation turns off one by one."""
+    d = p.padded_head_dim
+    cfg = configs.tile_config("fa2_fwd" if split_q else "fa2_fwd_splitk", d, p.dtype)
+    smem = smem_fa2_fwd(cfg, d, p.itemsize, split_q)
+    tr = cdiv(p.seqlen_q, cfg.br) if seq_parallel else 1
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, p.causal, defer_norm, seq_parallel,
+            split_q, smem)
+    grid = _check_grid((tr, p.heads, p.batch), "fa2_fwd")
+    return Launch("fa2_fwd", "fa2_fwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
+
+
+def fa1_fwd(p: Problem) -> Launch:
+    d = p.padded_head_dim
+    cfg = configs.tile_config("fa1_fwd", d, p.dtype)
+    smem = smem_fa1_fwd(cfg, d, p.itemsize)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, p.causal, smem)
+    grid = (p.heads, p.batch, 1)
+    if p.batch > MAX_GRID_YZ:
+        raise ValueError(f"fa1_fwd: batch must be at most {MAX_GRID_YZ}, got {p.batch}")
+    return Launch("fa1_fwd", "fa1_fwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
+
+
+def fa1_finalize(p: Problem) -> Launch:
+    return _elementwise("fa1_finalize", "fa1_fwd.cu", p.dtype, p.batch * p.heads * p.seqlen_q * p.head_dim)
+
+
+def naive_softmax(p: Problem) -> Launch:
+    return _rows_of_warps("naive_softmax", "naive.cu", p.dtype, p.batch * p.heads * p.seqlen_q)
+
+
+def fa2_bwd_preprocess(p: Problem) -> Launch:
+    return _rows_of_warps("fa2_bwd_preprocess", "fa2_bwd.cu", p.dtype, p.batch * p.heads * p.seqlen_q)
+
+
+def fa2_bwd(p: Problem, *, atomic_dq: bool = True) -> Launch:
+    """FA2 backward main pass: one CTA per (key block, kv head, batch)."""
+    d = p.padded_head_dim
+    cfg = configs.tile_config("fa2_bwd", d, p.dtype)
+    smem = smem_fa2_bwd(cfg, d, p.itemsize, atomic_dq)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.wc, cfg.min_blocks, p.causal, atomic_dq, smem)
+    grid = _check_grid((cdiv(p.seqlen_k, cfg.bc), p.kv_heads, p.batch), "fa2_bwd")
+    return Launch("fa2_bwd", "fa2_bwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
+
+
+def fa2_bwd_dq(p: Problem) -> Launch:
+    """Deterministic dQ pass: one CTA per (query block, head, batch)."""
+    d = p.padded_head_dim
+    cfg = configs.tile_config("fa2_bwd_dq", d, p.dtype)
+    smem = smem_fa2_bwd_dq(cfg, d, p.itemsize)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, p.causal, smem)
+    grid = _check_grid((cdiv(p.seqlen_q, cfg.br), p.heads, p.batch), "fa2_bwd_dq")
+    return Launch("fa2_bwd_dq", "fa2_bwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
+
+
+def fa2_bwd_convert_dq(p: Problem) -> Launch:
+    return _elementwise("fa2_bwd_convert_dq", "fa2_bwd.cu", p.dtype, p.batch * p.heads * p.seqlen_q * p.head_dim)
+
+
+def forward_launches(p: Problem, kernel: str = "fa2", **switches) -> list[Launch]:
+    """Every launch a forward call makes, in order (the naive matrix products are cuBLAS calls, not listed)."""
+    if kernel == "fa2":
+        return [fa2_fwd(p, **switches)]
+    if kernel == "fa1":
+        return [fa1_fwd(p), fa1_finalize(p)]
+    if kernel == "naive":
+        return [naive_softmax(p)]
+    raise ValueError(f"kernel must be one of 'fa2', 'fa1', 'naive', got {kernel!r}")
+
+
+def backward_launches(p: Problem, deterministic: bool = False) -> list[Launch]:
+    """Every launch a backward call makes, in order."""
+    if deterministic:
+        return [fa2_bwd_preprocess(p), fa2_bwd(p, atomic_dq=False), fa2_bwd_dq(p)]
+    return [fa2_bwd_preprocess(p), fa2_bwd(p, atomic_dq=True), fa2_bwd_convert_dq(p)]
+
+
+def waves(launch: Launch, ctas_per_sm: int, sms: int = 132) -> float:
+    """How many full waves of CTAs the grid makes on ``sms`` multiprocessors."""
+    return launch.ctas / max(1, ctas_per_sm * sms)
+
+
+def all_instantiations() -> list[Launch]:
+    """Every template instantiation the library can launch (for the offline compile tests and pre-compiling)."""
+    out: dict[str, Launch] = {}
+    for dtype in configs.DTYPES:
+        for d in configs.SPECIALISED_HEAD_DIMS:
+            for causal in (False, True):
+                p = Problem(1, 1, 1, 1, 1, d, dtype, causal)
+                launches = [fa2_fwd(p), fa1_fwd(p), fa2_bwd(p, atomic_dq=True), fa2_bwd(p, atomic_dq=False),
+                            fa2_bwd_dq(p), naive_softmax(p), fa1_finalize(p), fa2_bwd_preprocess(p),
+                            fa2_bwd_convert_dq(p)]
+                if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures
+                    launches += [fa2_fwd(p, **sw) for sw in ABLATIONS.values() if sw]
+                for launch in launches:
+                    out.setdefault(launch.name_expression, launch)
+    return list(out.values())
+
+
+ABLATIONS: dict[str, dict[str, bool]] = {
+    "fa2": {},
+    "no-deferred-norm": {"defer_norm": False},
+    "no-seq-parallel": {"seq_parallel": False},
+    "no-split-q": {"split_q": False},
+    "none (all three off)": {"defer_norm": False, "seq_parallel": False, "split_q": False},
+}

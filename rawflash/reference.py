@@ -1,0 +1,332 @@
+"""NumPy reference of exact attention, and the error rule every correctness test uses.
+
+Two precisions share one code path (naive attention: ``S = Q K^T * scale``, ``P = softmax(S)``, ``O = P V``):
+
+- ``upcast=True`` (default): everything in float64. This is ``ref`` in the error rule.
+- ``upcast=False``: the same attention done the way a plain GPU implementation (PyTorch or CuPy matmul,
+  softmax, matmul) does it in the input precision: every matmul accumulates in float32 and its result is
+  rounded to the input dtype; every elementwise step is done in float32 and rounded. This is ``base`` in
+  the error rule.
+
+The error rule (flash-attn's, DESIGN.md section 5) is :func:`error_ratio_ok`::
+
+    max|ours - ref| <= factor * max|base - ref| + rounding_floor(dtype)
+
+with ``factor = 2`` for forward outputs and ``3`` for gradients.
+
+Semantics follow DESIGN.md section 1: layout ``(batch, seqlen, heads, head_dim)``; GQA/MQA query head ``h``
+reads kv head ``h // (heads // kv_heads)``; causal masking is aligned to the bottom-right corner (query ``i``
+sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``); a query row that sees no key gets ``out = 0``,
+``lse = -inf`` and zero gradients, never NaN and never a NumPy warning.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_FLOAT_DTYPES = (np.dtype(np.float16), _BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
+_FLOOR_SAMPLES = np.linspace(-1.0, 1.0, 8193)
+_FLOOR_SHIFT = 0.3
+
+
+class _Attention(NamedTuple):
+    """Validated inputs, split by kv head and held in the accumulator dtype (values exact in ``dtype``)."""
+
+    dtype: np.dtype  # every intermediate is rounded to this dtype
+    q: np.ndarray  # (batch, kv_heads, group, seqlen_q, head_dim)
+    k: np.ndarray  # (batch, kv_heads, 1, seqlen_k, head_dim)
+    v: np.ndarray  # (batch, kv_heads, 1, seqlen_k, head_dim)
+    scale: np.floating
+    visible: np.ndarray | None  # (seqlen_q, seqlen_k) bool; None when no key is masked
+    dout: np.ndarray | None  # (batch, kv_heads, group, seqlen_q, head_dim); None in forward
+
+
+def forward(q, k, v, *, causal=False, scale=None, upcast=True):
+    """Exact attention forward: ``out = softmax(scale * q k^T) v`` and its log-sum-exp.
+
+    Parameters
+    ----------
+    q : array_like, shape (batch, seqlen_q, heads, head_dim)
+        Queries. Anything ``np.asarray`` accepts; objects with ``.get()`` (CuPy arrays) are copied to the host.
+    k, v : array_like, shape (batch, seqlen_k, kv_heads, head_dim)
+        Keys and values; ``heads % kv_heads == 0`` and query head ``h`` uses kv head ``h // (heads // kv_heads)``.
+    causal : bool
+        Bottom-right aligned causal mask: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
+    scale : float, optional
+        Score scale; defaults to ``1 / sqrt(head_dim)``.
+    upcast : bool
+        True: compute in float64 (any real dtype accepted). False: compute as a plain GPU implementation does in
+        the input precision (float16, bfloat16, float32 or float64; q, k, v of one dtype), see the module docstring.
+
+    Returns
+    -------
+    out : ndarray, shape (batch, seqlen_q, heads, head_dim)
+        float64 when ``upcast``, else the input dtype. Rows that see no key are exactly 0.
+    lse : ndarray, shape (batch, heads, seqlen_q)
+        ``log(sum_j exp(scale * q_i . k_j))`` over the keys row ``i`` sees; ``-inf`` for rows that see none.
+        float64 when ``upcast``, else float32 (float64 for float64 inputs), computed from the rounded scores.
+    """
+    att = _prepare({"q": q, "k": k, "v": v}, causal, scale, upcast)
+    probs, lse = _probabilities(att)
+    out = _matmul_rounded(probs, att.v, att.dtype)
+    return _merge_heads(out).astype(att.dtype), _merge_heads_lse(lse)
+
+
+def backward(dout, q, k, v, *, causal=False, scale=None, upcast=True):
+    """Gradients of ``sum(out * dout)`` with respect to q, k, v, where ``out = forward(q, k, v, ...)[0]``.
+
+    Parameters
+    ----------
+    dout : array_like, shape (batch, seqlen_q, heads, head_dim)
+        Gradient of the loss with respect to ``out``; with ``upcast=False`` it must have q's dtype.
+    q, k, v, causal, scale, upcast
+        As in :func:`forward`. With ``upcast=False`` the steps are rounded as PyTorch autograd rounds the naive
+        attention: ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dP * P))`` (float32, rounded), then
+        ``dS * scale`` (rounded), ``dQ = dS K``, ``dK = dS^T Q``; each matmul rounded per query head, and
+        dK / dV summed over the query heads of a GQA group in float32, then rounded.
+
+    Returns
+    -------
+    dq : ndarray, shape (batch, seqlen_q, heads, head_dim)
+    dk, dv : ndarray, shape (batch, seqlen_k, kv_heads, head_dim)
+        Summed over the query heads that share each kv head. float64 when ``upcast``, else the input dtype.
+        Rows of dq that see no key are exactly 0.
+    """
+    att = _prepare({"q": q, "k": k, "v": v, "dout": dout}, causal, scale, upcast)
+    dtype, dout = att.dtype, att.dout
+    probs, _ = _probabilities(att)
+    dv = _group_sum(_matmul_rounded(_t(probs), dout, dtype), dtype)
+    dprobs = _matmul_rounded(dout, _t(att.v), dtype)
+    dscores = _round(probs * (dprobs - np.sum(dprobs * probs, axis=-1, keepdims=True)), dtype)
+    dscores = _round(dscores * att.scale, dtype)
+    dq = _matmul_rounded(dscores, att.k, dtype)
+    dk = _group_sum(_matmul_rounded(_t(dscores), att.q, dtype), dtype)
+    return tuple(_merge_heads(grad).astype(dtype) for grad in (dq, dk, dv))
+
+
+def rounding_floor(dtype):
+    """Absolute floor of the error rule for ``dtype``: the rounding noise of one add and one subtract.
+
+    Returns ``max |((x + 0.3) - 0.3) - x|`` over 8193 evenly spaced values ``x`` in ``[-1, 1]``, where ``x``,
+    ``0.3`` and every intermediate are held in ``dtype`` (each operation rounds once to ``dtype``) and the final
+    difference is taken in float64. flash-attn's tests use the same expression on their reference outputs as an
+    absolute tolerance; a fixed sample set makes the floor a constant of the dtype. Its value is ``eps / 2``
+    (half the spacing of values in ``[1, 2)``, where attention outputs of unit-scale inputs live): float16
+    ~4.9e-4, bfloat16 ~3.9e-3, float32 ~6.0e-8.
+
+    Parameters
+    ----------
+    dtype : dtype-like
+        float16, ``ml_dtypes.bfloat16``, float32 or float64.
+
+    Returns
+    -------
+    float
+        The floor, > 0.
+    """
+    return _rounding_floor(_float_dtype(dtype, "dtype"))
+
+
+def error_ratio_ok(ours, ref, base, dtype, factor):
+    """flash-attn's correctness rule: is ``ours`` at most ``factor`` times as wrong as the naive baseline?
+
+    Parameters
+    ----------
+    ours : array_like
+        Result under test (any dtype; objects with ``.get()`` are copied to the host).
+    ref : array_like, same shape
+        The float64 reference (``upcast=True``).
+    base : array_like, same shape
+        The same quantity computed naively in the input precision (``upcast=False``).
+    dtype : dtype-like
+        The input precision, which sets the floor (``rounding_floor(dtype)``); e.g. bfloat16 when checking an
+        lse that is float32 but computed from bfloat16 inputs.
+    factor : float
+        2 for forward outputs, 3 for gradients (DESIGN.md section 5).
+
+    Returns
+    -------
+    ok : bool
+        ``max_err_ours <= bound`` and ``ours`` holds no NaN. A NaN in ``ref`` or ``base`` also fails.
+    max_err_ours : float
+        ``max |ours - ref|`` in float64; entries equal in both (e.g. both ``-inf``) count as 0; 0.0 when empty.
+    max_err_base : float
+        ``max |base - ref|``, same conventions.
+    bound : float
+        ``factor * max_err_base + rounding_floor(dtype)``.
+
+    Raises
+    ------
+    ValueError
+        If the three shapes differ (no broadcasting).
+    """
+    ours, ref, base = (_host(x).astype(np.float64) for x in (ours, ref, base))
+    if not ours.shape == ref.shape == base.shape:
+        raise ValueError(f"ours, ref and base must have one shape; got {ours.shape}, {ref.shape}, {base.shape}")
+    max_err_ours = _max_abs_error(ours, ref)
+    max_err_base = _max_abs_error(base, ref)
+    bound = float(factor) * max_err_base + rounding_floor(dtype)
+    ok = bool(not np.isnan(ours).any() and max_err_ours <= bound)
+    return ok, max_err_ours, max_err_base, bound
+
+
+def _prepare(named, causal, scale, upcast):
+    """Validate q, k, v (and dout when given) and split them by kv head into an ``_Attention``."""
+    arrays = {name: _host(x) for name, x in named.items()}
+    dtype = _compute_dtype(arrays, upcast)
+    q, k, v, dout = arrays["q"], arrays["k"], arrays["v"], arrays.get("dout")
+    _check_shapes(q, k, v, dout)
+    kv_heads, head_dim = k.shape[2], k.shape[3]
+    acc = _accumulator(dtype)
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else float(scale)
+    return _Attention(
+        dtype=dtype,
+        q=_split_heads(q.astype(acc), kv_heads),
+        k=_split_heads(k.astype(acc), kv_heads),
+        v=_split_heads(v.astype(acc), kv_heads),
+        scale=acc.type(scale),
+        visible=_causal_visibility(q.shape[1], k.shape[1]) if causal else None,
+        dout=None if dout is None else _split_heads(dout.astype(acc), kv_heads),
+    )
+
+
+def _probabilities(att):
+    """Rounded softmax probabilities ``(batch, kv_heads, group, seqlen_q, seqlen_k)`` and lse ``(..., seqlen_q)``."""
+    scores = _matmul_rounded(att.q, _t(att.k), att.dtype)
+    scores = _round(scores * att.scale, att.dtype)
+    if att.visible is not None:
+        scores = np.where(att.visible, scores, -np.inf)
+    probs, lse = _softmax(scores)
+    return _round(probs, att.dtype), lse
+
+
+def _softmax(scores):
+    """Row softmax and log-sum-exp of ``scores`` (-inf = masked); a row with no finite score gives 0 and -inf."""
+    row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)
+    shift = np.where(np.isfinite(row_max), row_max, 0)
+    expo = np.exp(scores - shift)
+    denom = np.sum(expo, axis=-1, keepdims=True)
+    probs = expo / np.where(denom > 0, denom, 1)
+    log_denom = np.log(denom, out=np.full_like(denom, -np.inf), where=denom > 0)
+    return probs, (shift + log_denom)[..., 0]
+
+
+def _matmul_rounded(a, b, dtype):
+    """``a @ b`` accumulated in float32 (float64 for float64) and rounded to ``dtype``: a plain GPU matmul.
+
+    ``a`` and ``b`` are in the accumulator dtype; the result is too, holding values exactly representable in
+    ``dtype``. This is the single owner of the matmul rounding rule.
+    """
+    return _round(np.matmul(a, b), dtype)
+
+
+def _round(x, dtype):
+    """Round ``x`` to ``dtype`` (nearest even) and hold the result, exactly, in the accumulator dtype."""
+    return x.astype(dtype, copy=False).astype(_accumulator(dtype), copy=False)
+
+
+def _group_sum(per_head, dtype):
+    """Sum per-query-head dK or dV ``(b, kv_heads, group, seqlen_k, d)`` over the group, in the accumulator dtype."""
+    return _round(np.sum(per_head, axis=2, keepdims=True), dtype)
+
+
+def _accumulator(dtype):
+    """float64 for float64 work, float32 for everything else."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def _t(x):
+    """Swap the last two axes."""
+    return np.swapaxes(x, -1, -2)
+
+
+def _split_heads(x, kv_heads):
+    """``(b, s, heads, d)`` -> ``(b, kv_heads, heads // kv_heads, s, d)``; query head h = kv_head * group + g."""
+    batch, seqlen, heads, head_dim = x.shape
+    return x.reshape(batch, seqlen, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
+
+
+def _merge_heads(x):
+    """Inverse of :func:`_split_heads`: ``(b, kv_heads, group, s, d)`` -> ``(b, s, kv_heads * group, d)``."""
+    batch, kv_heads, group, seqlen, head_dim = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(batch, seqlen, kv_heads * group, head_dim)
+
+
+def _merge_heads_lse(lse):
+    """``(b, kv_heads, group, seqlen_q)`` -> ``(b, heads, seqlen_q)``."""
+    batch, kv_heads, group, seqlen = lse.shape
+    return lse.reshape(batch, kv_heads * group, seqlen)
+
+
+def _causal_visibility(seqlen_q, seqlen_k):
+    """``(seqlen_q, seqlen_k)`` bool: query i sees key j iff ``j <= i + seqlen_k - seqlen_q`` (bottom-right)."""
+    rows = np.arange(seqlen_q)[:, None]
+    cols = np.arange(seqlen_k)[None, :]
+    return cols <= rows + (seqlen_k - seqlen_q)
+
+
+def _host(x):
+    """``x`` as a NumPy array; objects with a ``.get()`` method (CuPy arrays) are copied to the host first."""
+    if not isinstance(x, (np.ndarray, Mapping)) and callable(getattr(x, "get", None)):
+        x = x.get()
+    return np.asarray(x)
+
+
+def _compute_dtype(arrays, upcast):
+    """The dtype intermediates are rounded to: float64 when ``upcast``, else the one dtype all arrays share."""
+    if upcast:
+        for name, x in arrays.items():
+            if not (x.dtype.kind in "fiu" or x.dtype == _BFLOAT16):
+                raise TypeError(f"{name} must hold real numbers; got dtype {x.dtype}")
+        return np.dtype(np.float64)
+    dtype = _float_dtype(arrays["q"].dtype, "q")
+    for name, x in arrays.items():
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have q's dtype {dtype} when upcast=False; got {x.dtype}")
+    return dtype
+
+
+def _float_dtype(dtype, name):
+    """``np.dtype(dtype)`` if it is float16, bfloat16, float32 or float64, else ``TypeError`` naming ``name``."""
+    dtype = np.dtype(dtype)
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64; got {dtype}")
+    return dtype
+
+
+def _check_shapes(q, k, v, dout):
+    """Raise ``ValueError`` naming the argument unless q, k, v (and dout) have consistent attention shapes."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim); got shape {x.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {k.shape}; got {v.shape}")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k must have q's batch {q.shape[0]} and head_dim {q.shape[3]}; got shape {k.shape}")
+    if q.shape[3] < 1:
+        raise ValueError(f"q must have head_dim >= 1; got shape {q.shape}")
+    if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"k's kv_heads must be >= 1 and divide q's heads {q.shape[2]}; got {k.shape[2]}")
+    if dout is not None and dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {q.shape}; got {dout.shape}")
+
+
+@functools.lru_cache(maxsize=None)
+def _rounding_floor(dtype):
+    """Cached body of :func:`rounding_floor` for a validated ``np.dtype``."""
+    x = _FLOOR_SAMPLES.astype(dtype)
+    shift = dtype.type(_FLOOR_SHIFT)
+    return float(np.max(np.abs(((x + shift) - shift).astype(np.float64) - x.astype(np.float64))))
+
+
+def _max_abs_error(x, ref):
+    """``max |x - ref|`` in float64, equal entries (both -inf included) counting 0; NaN propagates; 0.0 if empty."""
+    with np.errstate(invalid="ignore"):
+        diff = np.where(x == ref, 0.0, np.abs(x - ref))
+    return float(np.max(diff, initial=0.0))

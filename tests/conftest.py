@@ -1,0 +1,39 @@
+"""Shared test set-up: GPU detection for the `gpu` marker, and input factories."""
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.cuda.is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (cupy.cuda.is_available() is false)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, dtype, seed=0, scale=1.0):
+    """Host arrays drawn from N(0, scale^2), rounded to ``dtype`` (never zeros)."""
+    rng = np.random.default_rng(seed)
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    q = (rng.standard_normal((batch, seqlen_q, heads, head_dim)) * scale).astype(dt)
+    k = (rng.standard_normal((batch, seqlen_k, kv_heads, head_dim)) * scale).astype(dt)
+    v = rng.standard_normal((batch, seqlen_k, kv_heads, head_dim)).astype(dt)
+    return q, k, v

@@ -1,0 +1,350 @@
+"""Tests of the NumPy reference (rawflash.reference) against independent, obviously-correct computations."""
+
+import itertools
+import math
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from rawflash import reference
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+LOW_PRECISION = [np.dtype(np.float16), BF16, np.dtype(np.float32)]
+
+
+def _eps(dtype):
+    return float(ml_dtypes.finfo(dtype).eps)
+
+
+def _problem(seed, batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim):
+    """Unit-scale random q, k, v, dout in float64."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, seqlen_q, heads, head_dim))
+    k = rng.standard_normal((batch, seqlen_k, kv_heads, head_dim))
+    v = rng.standard_normal((batch, seqlen_k, kv_heads, head_dim))
+    dout = rng.standard_normal((batch, seqlen_q, heads, head_dim))
+    return q, k, v, dout
+
+
+def _loop_attention(q, k, v, causal, scale):
+    """Attention one (batch, head, row) at a time with math.exp and explicit sums."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    out = np.zeros(q.shape)
+    lse = np.full((batch, heads, seqlen_q), -math.inf)
+    ql, kl, vl = q.tolist(), k.tolist(), v.tolist()
+    for b, h, i in itertools.product(range(batch), range(heads), range(seqlen_q)):
+        kv = h // (heads // kv_heads)
+        keys = [j for j in range(seqlen_k) if not causal or j <= i + seqlen_k - seqlen_q]
+        if not keys:
+            continue
+        scores = [scale * sum(ql[b][i][h][c] * kl[b][j][kv][c] for c in range(head_dim)) for j in keys]
+        top = max(scores)
+        weights = [math.exp(s - top) for s in scores]
+        total = sum(weights)
+        lse[b, h, i] = top + math.log(total)
+        for c in range(head_dim):
+            out[b, i, h, c] = sum(w * vl[b][j][kv][c] for w, j in zip(weights, keys)) / total
+    return out, lse
+
+
+FORWARD_SHAPES = [  # batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim
+    (2, 3, 5, 4, 4, 3),  # MHA, seqlen_q < seqlen_k
+    (1, 5, 5, 4, 2, 4),  # GQA, square
+    (2, 6, 3, 3, 1, 5),  # MQA, seqlen_q > seqlen_k: causal rows 0..2 see no key
+    (1, 1, 1, 2, 1, 2),
+    (2, 7, 4, 2, 2, 3),  # MHA, seqlen_q > seqlen_k
+    (1, 4, 9, 6, 3, 2),  # GQA, seqlen_q < seqlen_k
+]
+
+
+@pytest.mark.parametrize("shape", FORWARD_SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.7])
+def test_forward_matches_loop(shape, causal, scale):
+    q, k, v, _ = _problem(1, *shape)
+    out, lse = reference.forward(q, k, v, causal=causal, scale=scale)
+    want_out, want_lse = _loop_attention(q, k, v, causal, scale)
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+    assert out.shape == q.shape and lse.shape == (shape[0], shape[3], shape[1])
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-13)
+
+
+def _numerical_grads(dout, q, k, v, causal, step=1e-5):
+    """Central finite differences of sum(out * dout) with respect to q, k, v."""
+    def loss(q_, k_, v_):
+        return float(np.sum(reference.forward(q_, k_, v_, causal=causal)[0] * dout))
+
+    grads = []
+    for which in range(3):
+        args = [q.copy(), k.copy(), v.copy()]
+        grad = np.zeros(args[which].shape)
+        for index in np.ndindex(grad.shape):
+            centre = args[which][index]
+            args[which][index] = centre + step
+            up = loss(*args)
+            args[which][index] = centre - step
+            down = loss(*args)
+            args[which][index] = centre
+            grad[index] = (up - down) / (2 * step)
+        grads.append(grad)
+    return grads
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 5, 2, 1, 3), (2, 5, 3, 2, 1, 4), (1, 3, 3, 2, 2, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_matches_finite_differences(shape, causal):
+    q, k, v, dout = _problem(2, *shape)
+    grads = reference.backward(dout, q, k, v, causal=causal)
+    for name, got, want in zip("qkv", grads, _numerical_grads(dout, q, k, v, causal)):
+        assert got.dtype == np.float64
+        assert np.abs(want).max() > 1e-3, f"d{name} is trivially small"
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_equals_mha_with_repeated_kv(kv_heads, causal):
+    heads, group = 4, 4 // kv_heads
+    q, k, v, dout = _problem(3, 2, 6, 7, heads, kv_heads, 5)
+    k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    out, lse = reference.forward(q, k, v, causal=causal)
+    out_mha, lse_mha = reference.forward(q, k_rep, v_rep, causal=causal)
+    np.testing.assert_allclose(out, out_mha, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(lse, lse_mha, rtol=1e-13, atol=1e-14)
+    dq, dk, dv = reference.backward(dout, q, k, v, causal=causal)
+    dq_mha, dk_mha, dv_mha = reference.backward(dout, q, k_rep, v_rep, causal=causal)
+    fold = (2, 7, kv_heads, group, 5)
+    np.testing.assert_allclose(dq, dq_mha, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dk, dk_mha.reshape(fold).sum(axis=3), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dv, dv_mha.reshape(fold).sum(axis=3), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float64), np.dtype(np.float16)])
+def test_causal_row_ignores_keys_past_its_diagonal(dtype):
+    seqlen_q, seqlen_k = 6, 9
+    q, k, v, dout = (x.astype(dtype) for x in _problem(4, 2, seqlen_q, seqlen_k, 4, 2, 8))
+    upcast = dtype == np.float64
+    out, _ = reference.forward(q, k, v, causal=True, upcast=upcast)
+    dq = reference.backward(dout, q, k, v, causal=True, upcast=upcast)[0]
+    rng = np.random.default_rng(5)
+    for row in range(seqlen_q - 1):
+        first_hidden = row + seqlen_k - seqlen_q + 1
+        k2, v2 = k.copy(), v.copy()
+        k2[:, first_hidden:] = rng.standard_normal(k2[:, first_hidden:].shape).astype(dtype)
+        v2[:, first_hidden:] = rng.standard_normal(v2[:, first_hidden:].shape).astype(dtype)
+        out2, _ = reference.forward(q, k2, v2, causal=True, upcast=upcast)
+        dq2 = reference.backward(dout, q, k2, v2, causal=True, upcast=upcast)[0]
+        np.testing.assert_array_equal(out2[:, : row + 1], out[:, : row + 1])
+        np.testing.assert_array_equal(dq2[:, : row + 1], dq[:, : row + 1])
+        assert np.all(out2[:, row + 1 :] != out[:, row + 1 :]), "later rows must see the changed keys"
+
+
+def _assert_no_nan(*arrays):
+    for x in arrays:
+        assert not np.isnan(np.asarray(x, dtype=np.float64)).any()
+
+
+@pytest.mark.parametrize("dtype,upcast", [(np.float64, True)] + [(d, False) for d in LOW_PRECISION])
+def test_fully_masked_rows_are_zero_without_warnings(dtype, upcast):
+    q, k, v, dout = (x.astype(dtype) for x in _problem(6, 2, 5, 3, 4, 2, 4))
+    hidden = 2  # causal, seqlen_q 5 > seqlen_k 3: rows 0 and 1 see no key
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        out, lse = reference.forward(q, k, v, causal=True, upcast=upcast)
+        dq, dk, dv = reference.backward(dout, q, k, v, causal=True, upcast=upcast)
+    _assert_no_nan(out, lse, dq, dk, dv)
+    assert np.all(out[:, :hidden] == 0) and np.all(dq[:, :hidden] == 0)
+    assert np.all(np.isneginf(lse[:, :, :hidden]))
+    assert np.all(np.isfinite(lse[:, :, hidden:])) and np.all(out[:, hidden:] != 0)
+    # row 2 sees key 0 alone: P = 1 there, so its dS and dq are 0; rows 3 and 4 see several keys
+    assert np.all(dq[:, 2] == 0) and np.all(dq[:, hidden + 1 :] != 0)
+    assert np.count_nonzero(dk) > 0.9 * dk.size and np.count_nonzero(dv) > 0.9 * dv.size  # bf16 may cancel to 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_key_sequence(causal):
+    q, k, v, dout = _problem(7, 2, 3, 0, 4, 2, 8)
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        out, lse = reference.forward(q, k, v, causal=causal)
+        dq, dk, dv = reference.backward(dout, q, k, v, causal=causal)
+    np.testing.assert_array_equal(out, np.zeros(q.shape))
+    assert lse.shape == (2, 4, 3) and np.all(np.isneginf(lse))
+    np.testing.assert_array_equal(dq, np.zeros(q.shape))
+    assert dk.shape == dv.shape == (2, 0, 2, 8)
+
+
+@pytest.mark.parametrize("batch,seqlen_q", [(0, 3), (2, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_batch_or_queries(batch, seqlen_q, causal):
+    q, k, v, dout = _problem(8, batch, seqlen_q, 5, 4, 2, 8)
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        out, lse = reference.forward(q, k, v, causal=causal)
+        dq, dk, dv = reference.backward(dout, q, k, v, causal=causal)
+    assert out.shape == dq.shape == q.shape
+    assert lse.shape == (batch, 4, seqlen_q)
+    np.testing.assert_array_equal(dk, np.zeros(k.shape))
+    np.testing.assert_array_equal(dv, np.zeros(v.shape))
+
+
+def _naive_in_precision(q, k, v, dout, scale, dtype):
+    """One (batch, head) pair of 2-D arrays through the plain-GPU recipe, written out step by step."""
+    f32 = np.float32
+
+    def rnd(x):
+        return x.astype(dtype).astype(f32)
+
+    q, k, v, dout = (x.astype(f32) for x in (q, k, v, dout))
+    s = rnd(rnd(q @ k.T) * f32(scale))
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    p = rnd(e / e.sum(axis=-1, keepdims=True))
+    out = rnd(p @ v)
+    dp = rnd(dout @ v.T)
+    ds = rnd(rnd(p * (dp - (dp * p).sum(axis=-1, keepdims=True))) * f32(scale))
+    return out, rnd(ds @ k), rnd(ds.T @ q), rnd(p.T @ dout)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16])
+def test_same_precision_follows_the_rounding_recipe(dtype):
+    # head_dim 8 and seqlen_k 7 keep every float32 sum exact or order-independent, so equality is exact.
+    q, k, v, dout = (x.astype(dtype) for x in _problem(9, 1, 5, 7, 4, 2, 8))
+    scale = 1 / math.sqrt(8)
+    out, _ = reference.forward(q, k, v, upcast=False)
+    dq, dk, dv = reference.backward(dout, q, k, v, upcast=False)
+    dk_sum, dv_sum = np.zeros((7, 2, 8), np.float32), np.zeros((7, 2, 8), np.float32)
+    for h in range(4):
+        kv = h // 2
+        o, dq_h, dk_h, dv_h = _naive_in_precision(q[0, :, h], k[0, :, kv], v[0, :, kv], dout[0, :, h], scale, dtype)
+        np.testing.assert_array_equal(out[0, :, h], o.astype(dtype))
+        np.testing.assert_array_equal(dq[0, :, h], dq_h.astype(dtype))
+        dk_sum[:, kv] += dk_h
+        dv_sum[:, kv] += dv_h
+    np.testing.assert_array_equal(dk[0], dk_sum.astype(dtype))
+    np.testing.assert_array_equal(dv[0], dv_sum.astype(dtype))
+
+
+def _same_precision_errors(dtype, seed=10):
+    """Max |upcast=False - upcast=True| for out and each gradient, on unit-scale inputs."""
+    q, k, v, dout = _problem(seed, 2, 48, 64, 4, 2, 32)
+    args = [x.astype(dtype) for x in (q, k, v)]
+    exact = [x.astype(np.float64) for x in args]
+    out, lse = reference.forward(*args, causal=True, upcast=False)
+    grads = reference.backward(dout.astype(dtype), *args, causal=True, upcast=False)
+    ref_out, ref_lse = reference.forward(*exact, causal=True)
+    ref_grads = reference.backward(dout.astype(dtype).astype(np.float64), *exact, causal=True)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    assert all(g.dtype == dtype for g in grads)
+    errors = [np.abs(out.astype(np.float64) - ref_out).max()]
+    errors += [np.abs(g.astype(np.float64) - r).max() / max(1.0, np.abs(r).max()) for g, r in zip(grads, ref_grads)]
+    rounding_only = np.abs(ref_out.astype(dtype).astype(np.float64) - ref_out).max()
+    return errors, rounding_only, np.abs(lse - ref_lse).max()
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16])
+def test_same_precision_error_is_small_but_real(dtype):
+    errors, rounding_only, lse_error = _same_precision_errors(dtype)
+    eps = _eps(dtype)
+    assert all(0 < e <= 10 * eps for e in errors), (errors, eps)
+    assert errors[0] > rounding_only, "intermediate roundings must add error beyond rounding the result"
+    assert 0 < lse_error <= 10 * eps
+
+
+def test_same_precision_float32_is_tiny():
+    errors, _, lse_error = _same_precision_errors(np.dtype(np.float32))
+    assert all(0 < e <= 10 * _eps(np.float32) for e in errors), errors
+    assert lse_error <= 10 * _eps(np.float32)
+
+
+def test_bfloat16_is_less_accurate_than_float16():
+    errors_bf16 = _same_precision_errors(BF16)[0]
+    errors_f16 = _same_precision_errors(np.dtype(np.float16))[0]
+    assert all(b > f for b, f in zip(errors_bf16, errors_f16)), (errors_bf16, errors_f16)
+
+
+def test_rounding_floor_values():
+    floors = [reference.rounding_floor(d) for d in (np.float32, np.float16, ml_dtypes.bfloat16)]
+    assert floors == sorted(floors) and len(set(floors)) == 3
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
+        assert reference.rounding_floor(dtype) == _eps(dtype) / 2
+    x = np.float16(0.9)  # one sample worked by hand: (0.9 + 0.3) rounds to a multiple of 2**-10
+    assert abs(float((x + np.float16(0.3)) - np.float16(0.3)) - float(x)) <= reference.rounding_floor(np.float16)
+    with pytest.raises(TypeError, match="dtype"):
+        reference.rounding_floor(np.int32)
+
+
+class _DeviceArray:
+    """Stands in for a CuPy array: only .get() gives the host copy."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def get(self):
+        return self._array
+
+
+def _error_rule_case():
+    rng = np.random.default_rng(11)
+    ref = rng.standard_normal(50)
+    base = ref.copy()
+    base[3] += 1e-3
+    return ref, base, 2 * 1e-3 + reference.rounding_floor(np.float16)
+
+
+def test_error_ratio_ok_bound_edges():
+    ref, base, bound = _error_rule_case()
+    inside, outside = ref.copy(), ref.copy()
+    inside[7] += bound * (1 - 1e-6)
+    outside[7] += bound * (1 + 1e-6)
+    ok, err_ours, err_base, got_bound = reference.error_ratio_ok(inside, ref, base, np.float16, 2)
+    assert ok and err_ours < got_bound
+    assert err_base == pytest.approx(1e-3, rel=1e-9)
+    assert got_bound == 2 * err_base + reference.rounding_floor(np.float16)
+    assert not reference.error_ratio_ok(outside, ref, base, np.float16, 2)[0]
+    assert reference.error_ratio_ok(_DeviceArray(inside), ref, base, np.float16, 2)[0]
+
+
+def test_error_ratio_ok_nan_and_inf():
+    ref, base, _ = _error_rule_case()
+    with_nan = ref.copy()
+    with_nan[0] = np.nan
+    assert not reference.error_ratio_ok(with_nan, ref, base, np.float16, 2)[0]
+    ref, base, ours = ref.copy(), base.copy(), ref.copy()
+    ref[0] = base[0] = ours[0] = -np.inf  # a fully masked lse row: equal -inf counts as no error
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ok, err_ours, err_base, _ = reference.error_ratio_ok(ours, ref, base, np.float16, 2)
+    assert ok and err_ours == 0 and math.isfinite(err_base)
+    ours[1] = -np.inf
+    assert not reference.error_ratio_ok(ours, ref, base, np.float16, 2)[0]
+    with pytest.raises(ValueError, match="shape"):
+        reference.error_ratio_ok(ours[:-1], ref, base, np.float16, 2)
+
+
+def test_device_arrays_are_fetched_with_get():
+    q, k, v, dout = _problem(12, 1, 4, 6, 2, 1, 4)
+    want = reference.forward(q, k, v, causal=True)
+    got = reference.forward(_DeviceArray(q), _DeviceArray(k), _DeviceArray(v), causal=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    grads = reference.backward(_DeviceArray(dout), _DeviceArray(q), k, v, causal=True)
+    np.testing.assert_array_equal(grads[0], reference.backward(dout, q, k, v, causal=True)[0])
+
+
+def test_bad_input_is_refused_by_name():
+    q, k, v, dout = _problem(13, 1, 4, 6, 4, 2, 8)
+    with pytest.raises(TypeError, match="k must have q's dtype"):
+        reference.forward(q.astype(np.float16), k.astype(np.float32), v.astype(np.float16), upcast=False)
+    with pytest.raises(TypeError, match="dout"):
+        reference.backward(dout, q.astype(BF16), k.astype(BF16), v.astype(BF16), upcast=False)
+    with pytest.raises(ValueError, match="kv_heads"):
+        reference.forward(q[:, :, :3], k, v)
+    with pytest.raises(ValueError, match="dout"):
+        reference.backward(dout[:, :2], q, k, v)
+    with pytest.raises(ValueError, match="v must"):
+        reference.forward(q, k, v[:, :5])

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The one command that checks rawflash on a GPU machine: precompile, GPU tests, compute-sanitizer, benchmark.
+#   tools/gpu_run.sh [tests] [sanitize] [bench ARGS...]     (no argument: tests and sanitize)
+# Logs go to $OUT (or ./gpu_logs). Run from the repository root.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_logs}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+status=0
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests sanitize)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 tools/precompile.py 2>&1 | tee "$OUT/precompile.log" || status=1
+i=0
+while [ $i -lt ${#steps[@]} ]; do
+  step=${steps[$i]}; i=$((i + 1))
+  case $step in
+    tests)
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize.py float16 float32 \
+          > "$OUT/sanitize_$tool.log" 2>&1; rc=$?
+        echo "compute-sanitizer $tool: exit $rc; $(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitize_$tool.log") clean summaries"
+        tail -3 "$OUT/sanitize_$tool.log"
+        [ $rc -eq 0 ] || status=1
+      done ;;
+    bench)
+      python3 -m rawflash.cli bench "${steps[@]:$i}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+      i=${#steps[@]} ;;
+    *) python3 "$step" 2>&1 | tee -a "$OUT/extra.log" || status=1 ;;
+  esac
+done
+exit $status

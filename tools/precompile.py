@@ -1,0 +1,50 @@
+"""Compile every kernel instantiation into CuPy's disk cache, in parallel (run on a GPU machine).
+
+    python3 tools/precompile.py [--jobs N] [--filter SUBSTRING]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _compile(item):
+    source, expr = item
+    from rawflash import _compile
+
+    t = time.time()
+    try:
+        fn = _compile.get_kernel(source, expr)
+        return expr, fn.num_regs, fn.local_size_bytes, time.time() - t, None
+    except Exception as err:  # report and go on: one broken instantiation must not hide the others
+        return expr, 0, 0, time.time() - t, str(err)[:2000]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=max(1, mp.cpu_count() - 1))
+    ap.add_argument("--filter", default="")
+    args = ap.parse_args()
+    from rawflash import launch
+
+    items = [(l.source, l.name_expression) for l in launch.all_instantiations() if args.filter in l.name_expression]
+    t0 = time.time()
+    failed = 0
+    with mp.get_context("spawn").Pool(args.jobs) as pool:
+        for expr, regs, local, secs, err in pool.imap_unordered(_compile, items):
+            if err:
+                failed += 1
+                print(f"FAILED {expr}\n{err}", flush=True)
+            elif local:
+                print(f"spills {local} B: {expr}", flush=True)
+    print(f"precompiled {len(items) - failed}/{len(items)} instantiations in {time.time() - t0:.1f} s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
