@@ -96,12 +96,21 @@ def _naive_forward(p: Problem, q, k, v, scale: float, lse):
     g = p.heads // p.kv_heads
     qh = q.transpose(0, 2, 1, 3).reshape(p.batch, p.kv_heads, g, p.seqlen_q, p.head_dim)
     kt = k.transpose(0, 2, 3, 1)[:, :, None]                               # (b, kv_heads, 1, d, seqlen_k)
-    s = cupy.matmul(qh, kt)                                                 # (b, kv_heads, group, seqlen_q, seqlen_k)
+    s = _matmul(qh, kt)                                                     # (b, kv_heads, group, seqlen_q, seqlen_k)
     prob = cupy.empty_like(s)
     run(launch.naive_softmax(p), (s, prob, lse, np.int64(p.batch * p.heads * p.seqlen_q),
                                   *_i32(p.seqlen_q, p.seqlen_k), np.float32(scale * LOG2E), np.bool_(p.causal)))
-    o = cupy.matmul(prob, v.transpose(0, 2, 1, 3)[:, :, None])             # (b, kv_heads, group, seqlen_q, d)
+    o = _matmul(prob, v.transpose(0, 2, 1, 3)[:, :, None])                 # (b, kv_heads, group, seqlen_q, d)
     return cupy.ascontiguousarray(o.reshape(p.batch, p.heads, p.seqlen_q, p.head_dim).transpose(0, 2, 1, 3))
+
+
+def _matmul(a, b):
+    """cuBLAS product in the input dtype; CuPy has no bfloat16 matmul, so bfloat16 goes through float32."""
+    import cupy
+
+    if a.dtype.itemsize == 2 and a.dtype != np.float16:
+        return cupy.matmul(a.astype(cupy.float32), b.astype(cupy.float32)).astype(a.dtype)
+    return cupy.matmul(a, b)
 
 
 def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False):
