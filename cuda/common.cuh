@@ -50,6 +50,11 @@ template <> __device__ __forceinline__ __half from_float<__half>(float x) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 
+// exp2 for the softmax: the hardware approximation (2 ulp) for 16-bit inputs, where it is far below the input
+// rounding; through double for float32, where a naive float32 computation has correctly rounded exponentials.
+template <typename T> __device__ __forceinline__ float exp2_(float x) { return exp2f(x); }
+template <> __device__ __forceinline__ float exp2_<float>(float x) { return (float)exp2((double)x); }
+
 // ---------------------------------------------------------------- shared-memory tiles
 // A ROWS x COLS row-major tile stored in 16-byte chunks whose index is XOR-swizzled by row, so that the
 // 8 row addresses of one ldmatrix (or one 16-byte cp.async per lane) hit 8 different bank groups.

@@ -58,7 +58,7 @@ fa1_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
       // ---- [fa1_fwd:block] Alg.1 l.9-11: S_ij, m~_ij, P~_ij, l~_ij and P~_ij V_j, keys split across warps ----
       splitk_block<BR, BC, D, NWARPS>(sk, sQ, sK, sV, mask, q0, k0, scale_log2);
       // ---- [fa1_fwd:update] Alg.1 l.11-13: read O_i, l_i, m_i from HBM, merge, normalise, write back ----
-      splitk_merge<true, BR, D, NTHREADS>(sk, m_ws + q0, l_ws + q0, o_ws + (long long)q0 * head_dim, head_dim, nq,
+      splitk_merge<T, true, BR, D, NTHREADS>(sk, m_ws + q0, l_ws + q0, o_ws + (long long)q0 * head_dim, head_dim, nq,
                                           head_dim);
     }
     __syncthreads();  // every warp is done with K_j, V_j before the next blocks overwrite them

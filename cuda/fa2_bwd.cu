@@ -44,20 +44,18 @@ __global__ void fa2_bwd_preprocess(const T* __restrict__ out, const T* __restric
                                    long long o_sh, long long do_sb, long long do_ss, long long do_sh, int batch,
                                    int seqlen_q, int heads, int head_dim) {
   using namespace rf;
-  // ---- [fa2_bwd:preprocess] Alg.2 l.4: D_i = rowsum(dO_i * O_i); one warp per row ----
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;  // (b * heads + h) * seqlen_q + i
+  // ---- [fa2_bwd:preprocess] Alg.2 l.4: D_i = rowsum(dO_i * O_i); one thread per row ----
+  // The sum runs over columns in order with one FMA chain: the order in which the products accumulate dP, so a row
+  // whose P is a single 1 gets dP - D = 0 exactly, as the naive computation does.
+  const long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x;  // (b * heads + h) * seqlen_q + i
   if (row >= (long long)batch * heads * seqlen_q) return;
   const int i = row % seqlen_q, h = (row / seqlen_q) % heads, b = row / ((long long)seqlen_q * heads);
   const T* o = out + b * o_sb + i * o_ss + h * o_sh;
   const T* d = dout + b * do_sb + i * do_ss + h * do_sh;
   float acc = 0.f;
-  for (int c = lane_id(); c < head_dim; c += 32) acc += to_float(o[c]) * to_float(d[c]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane_id() == 0) {
-    delta[row] = acc;
-    lse2[row] = lse[row] == -INFINITY ? INFINITY : lse[row] * LOG2E;
-  }
+  for (int c = 0; c < head_dim; ++c) acc = fmaf(to_float(o[c]), to_float(d[c]), acc);
+  delta[row] = acc;
+  lse2[row] = lse[row] == -INFINITY ? INFINITY : lse[row] * LOG2E;
 }
 
 template <typename T, int D, int BR, int BC, int NWARPS, int WC, int MIN_BLOCKS, bool CAUSAL, bool ATOMIC_DQ,
@@ -122,7 +120,7 @@ fa2_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
         for (int y = 0; y < NQ; ++y)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) p[x][y][e] = exp2f(p[x][y][e] - sL[8 * y + 2 * t + (e & 1)]);
+          for (int e = 0; e < 4; ++e) p[x][y][e] = exp2_<T>(p[x][y][e] - sL[8 * y + 2 * t + (e & 1)]);
       // ---- [fa2_bwd:dv] Alg.2 l.11: dV_j += P^T dO_i ----
       gemm_rb<MTK, DW / 8, NQ / 2>(dv_acc, p, sdO, 0, dc);
       // ---- [fa2_bwd:dp] Alg.2 l.12: dP^T = V_j dO_i^T ----
@@ -222,7 +220,7 @@ fa2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = wq + 16 * x + g + 8 * (e >> 1);
-          const float pe = exp2f(p[x][y][e] - sL[r]);
+          const float pe = exp2_<T>(p[x][y][e] - sL[r]);
           ds[x][y][e] = pe * (ds[x][y][e] - sDelta[r]);
         }
     gemm_rb<MT, D / 8, NT / 2>(acc, ds, sK, 0, 0);

@@ -71,7 +71,7 @@ __device__ __forceinline__ void fa2_block_split_q(const Tile<T, BR, D>& sQ, cons
     for (int r = 0; r < 2 * MT; ++r) {
       const float m_new = fmaxf(m[r], mx[r]);
       mx[r] = m_new == -INFINITY ? 0.f : m_new;                             // a row with nothing visible yet keeps P = 0
-      fo[r] = exp2f(m[r] - mx[r]);
+      fo[r] = exp2_<T>(m[r] - mx[r]);
       m[r] = m_new;
     }
 #pragma unroll
@@ -79,7 +79,7 @@ __device__ __forceinline__ void fa2_block_split_q(const Tile<T, BR, D>& sQ, cons
 #pragma unroll
       for (int y = 0; y < NT; ++y)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[x][y][e] = exp2f(s[x][y][e] - mx[2 * x + (e >> 1)]);
+        for (int e = 0; e < 4; ++e) s[x][y][e] = exp2_<T>(s[x][y][e] - mx[2 * x + (e >> 1)]);
     row_sum(rs, s);
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) {
@@ -139,7 +139,7 @@ __device__ __forceinline__ void fa2_block_split_k(const Tile<T, BR, D>& sQ, cons
     cp_async_wait<0>();
     __syncthreads();  // Q_i, K_j, V_j and the zeroed state are visible to every warp
     splitk_block<BR, BC, D, NWARPS>(sk, sQ, sK, sV, mask, q0, k0, a.scale_log2);
-    splitk_merge<!DEFER_NORM, BR, D, NTHREADS>(sk, sM, sL, sO, D, BR, D);
+    splitk_merge<T, !DEFER_NORM, BR, D, NTHREADS>(sk, sM, sL, sO, D, BR, D);
   }
   // ---- [fa2_fwd:splitk_epilogue] O_i = diag(l)^-1 O_i (or as kept), L_i = m_i + log(l_i) ----
   cp_async_wait<0>();

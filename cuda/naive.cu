@@ -25,12 +25,12 @@ __global__ void naive_softmax(const T* __restrict__ s, T* __restrict__ p, float*
   const float m_use = m == -INFINITY ? 0.f : m;
   float l = 0.f;
   for (int j = lane; j < seqlen_k; j += 32)
-    if (mask.visible(i, j)) l += exp2f(to_float(srow[j]) * scale_log2 - m_use);
+    if (mask.visible(i, j)) l += exp2_<T>(to_float(srow[j]) * scale_log2 - m_use);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
   // ---- [naive:write] P_ij = exp2(S_ij - m) / l; rows that see nothing get P = 0 and lse = -inf ----
   const float inv = l > 0.f ? 1.f / l : 0.f;
   for (int j = lane; j < seqlen_k; j += 32)
-    prow[j] = from_float<T>(mask.visible(i, j) ? exp2f(to_float(srow[j]) * scale_log2 - m_use) * inv : 0.f);
+    prow[j] = from_float<T>(mask.visible(i, j) ? exp2_<T>(to_float(srow[j]) * scale_log2 - m_use) * inv : 0.f);
   if (lane == 0) lse[row] = l > 0.f ? m * LN2 + logf(l) : -INFINITY;
 }

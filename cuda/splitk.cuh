@@ -57,7 +57,7 @@ __device__ __forceinline__ void splitk_block(const SplitK<BR, D, NWARPS>& sk, co
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][j][e] = exp2f(s[i][j][e] - mx[2 * i + (e >> 1)]);
+      for (int e = 0; e < 4; ++e) s[i][j][e] = exp2_<T>(s[i][j][e] - mx[2 * i + (e >> 1)]);
   row_sum(sum, s);
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r)
@@ -82,7 +82,7 @@ __device__ __forceinline__ void splitk_block(const SplitK<BR, D, NWARPS>& sk, co
 // live in global memory for fa1 and in shared memory for fa2 with split-K. NORMALIZE keeps O divided by l
 // after every block (FA1); otherwise O stays unnormalised until the end (FA2's deferred normalisation).
 // Rows >= nrows are left alone. Ends with sk.acc zeroed again and a barrier.
-template <bool NORMALIZE, int BR, int D, int NTHREADS, int NWARPS>
+template <typename T, bool NORMALIZE, int BR, int D, int NTHREADS, int NWARPS>
 __device__ __forceinline__ void splitk_merge(const SplitK<BR, D, NWARPS>& sk, float* m, float* l, float* O,
                                              long long ldo, int nrows, int ncols) {
   for (int r = threadIdx.x; r < BR; r += NTHREADS) {
@@ -94,7 +94,7 @@ __device__ __forceinline__ void splitk_merge(const SplitK<BR, D, NWARPS>& sk, fl
     if (r >= nrows) continue;
     const float m_old = m[r], l_old = l[r], m_new = fmaxf(m_old, m_blk);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;                      // nothing visible yet: keep factors finite
-    const float a = exp2f(m_old - m_use), b = m_blk == -INFINITY ? 0.f : exp2f(m_blk - m_use);
+    const float a = exp2_<T>(m_old - m_use), b = m_blk == -INFINITY ? 0.f : exp2_<T>(m_blk - m_use);
     const float l_new = a * l_old + b * l_blk;
     const float inv = (NORMALIZE && l_new > 0.f) ? 1.f / l_new : 1.f;
     sk.alpha[r] = NORMALIZE ? a * l_old * inv : a;

@@ -158,7 +158,10 @@ def naive_softmax(p: Problem) -> Launch:
 
 
 def fa2_bwd_preprocess(p: Problem) -> Launch:
-    return _rows_of_warps("fa2_bwd_preprocess", "fa2_bwd.cu", p.dtype, p.batch * p.heads * p.seqlen_q)
+    """One thread per query row."""
+    rows = p.batch * p.heads * p.seqlen_q
+    return Launch("fa2_bwd_preprocess", "fa2_bwd.cu", (CUDA_TYPES[p.dtype],), (max(1, cdiv(rows, 128)), 1, 1),
+                  (128, 1, 1), 0)
 
 
 def fa2_bwd(p: Problem, *, atomic_dq: bool = True) -> Launch:

@@ -133,6 +133,20 @@ def rounding_floor(dtype):
     return _rounding_floor(_float_dtype(dtype, "dtype"))
 
 
+def data_floor(ref, dtype):
+    """flash-attn's absolute tolerance: ``2 * max |((r + 0.3) - 0.3) - r|`` over the finite values ``r`` of ``ref``.
+
+    ``r`` is ``ref`` rounded to ``dtype`` and both operations round to ``dtype``: twice the rounding noise of one
+    add and one subtract at the magnitude the result actually has (flash-attn's tests add this to their bound).
+    """
+    r = _host(ref).astype(np.float64)
+    r = r[np.isfinite(r)].astype(_float_dtype(dtype, "dtype"))
+    if r.size == 0:
+        return 0.0
+    shift = r.dtype.type(_FLOOR_SHIFT)
+    return 2.0 * float(np.max(np.abs(((r + shift) - shift).astype(np.float64) - r.astype(np.float64))))
+
+
 def error_ratio_ok(ours, ref, base, dtype, factor):
     """flash-attn's correctness rule: is ``ours`` at most ``factor`` times as wrong as the naive baseline?
 
@@ -159,7 +173,7 @@ def error_ratio_ok(ours, ref, base, dtype, factor):
     max_err_base : float
         ``max |base - ref|``, same conventions.
     bound : float
-        ``factor * max_err_base + rounding_floor(dtype)``.
+        ``factor * max_err_base + max(data_floor(ref, dtype), rounding_floor(dtype))``.
 
     Raises
     ------
@@ -171,7 +185,7 @@ def error_ratio_ok(ours, ref, base, dtype, factor):
         raise ValueError(f"ours, ref and base must have one shape; got {ours.shape}, {ref.shape}, {base.shape}")
     max_err_ours = _max_abs_error(ours, ref)
     max_err_base = _max_abs_error(base, ref)
-    bound = float(factor) * max_err_base + rounding_floor(dtype)
+    bound = float(factor) * max_err_base + max(data_floor(ref, dtype), rounding_floor(dtype))
     ok = bool(not np.isnan(ours).any() and max_err_ours <= bound)
     return ok, max_err_ours, max_err_base, bound
 

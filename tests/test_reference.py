@@ -294,7 +294,8 @@ def _error_rule_case():
     ref = rng.standard_normal(50)
     base = ref.copy()
     base[3] += 1e-3
-    return ref, base, 2 * 1e-3 + reference.rounding_floor(np.float16)
+    floor = max(reference.data_floor(ref, np.float16), reference.rounding_floor(np.float16))
+    return ref, base, 2 * 1e-3 + floor
 
 
 def test_error_ratio_ok_bound_edges():
@@ -305,7 +306,8 @@ def test_error_ratio_ok_bound_edges():
     ok, err_ours, err_base, got_bound = reference.error_ratio_ok(inside, ref, base, np.float16, 2)
     assert ok and err_ours < got_bound
     assert err_base == pytest.approx(1e-3, rel=1e-9)
-    assert got_bound == 2 * err_base + reference.rounding_floor(np.float16)
+    floor = max(reference.data_floor(ref, np.float16), reference.rounding_floor(np.float16))
+    assert got_bound == 2 * err_base + floor
     assert not reference.error_ratio_ok(outside, ref, base, np.float16, 2)[0]
     assert reference.error_ratio_ok(_DeviceArray(inside), ref, base, np.float16, 2)[0]
 
@@ -348,3 +350,15 @@ def test_bad_input_is_refused_by_name():
         reference.backward(dout[:, :2], q, k, v)
     with pytest.raises(ValueError, match="v must"):
         reference.forward(q, k, v[:, :5])
+
+
+def test_data_floor_scales_with_the_values_and_ignores_inf():
+    def by_hand(values):
+        h = [np.float16(x) for x in values]
+        return 2 * max(abs(float((x + np.float16(0.3)) - np.float16(0.3)) - float(x)) for x in h)
+
+    small = np.linspace(-1, 1, 101)
+    large = small * 7
+    assert reference.data_floor(small, np.float16) == by_hand(small) > 0
+    assert reference.data_floor(large, np.float16) == by_hand(large) > 2 * by_hand(small)
+    assert reference.data_floor(np.array([-np.inf, 0.0]), np.float32) == 0.0
