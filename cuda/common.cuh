@@ -170,11 +170,12 @@ template <int MT, int NT> __device__ __forceinline__ void zero(float (&acc)[MT][
 }
 
 // acc += A B^T with A = rows a0.. of sa ([m][k]) and B^T = rows b0.. of sb ([n][k]), over k in [0, K).
-template <int MT, int NT, int K, typename T, int RA, int CA, int RB, int CB>
+// KU k-steps of 16 are unrolled together (the tile table's kunroll): more loads in flight, more registers.
+template <int MT, int NT, int K, int KU, typename T, int RA, int CA, int RB, int CB>
 __device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const Tile<T, RA, CA>& sa, int a0,
                                          const Tile<T, RB, CB>& sb, int b0) {
   static_assert(NT % 2 == 0 && K % 16 == 0, "B tiles are loaded in pairs; k in steps of 16");
-#pragma unroll 1  // k steps one at a time: unrolling them costs registers (spills at d = 256) for no gain in ILP
+#pragma unroll KU
   for (int kk = 0; kk < K; kk += 16) {
     typename Frag<T>::A a[MT];
 #pragma unroll
@@ -251,7 +252,7 @@ __device__ __forceinline__ void fma_tile(float (&acc)[MT][NT][4], const float (&
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = fmaf(a[2 * i + (e >> 1)], b[2 * j + (e & 1)], acc[i][j][e]);
 }
-template <int MT, int NT, int K, int RA, int CA, int RB, int CB>
+template <int MT, int NT, int K, int KU, int RA, int CA, int RB, int CB>
 __device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const Tile<float, RA, CA>& sa, int a0,
                                          const Tile<float, RB, CB>& sb, int b0) {
   const int g = lane_id() >> 2, t = lane_id() & 3;

@@ -11,7 +11,7 @@
 namespace rf {
 
 template <typename T, int D, int BR, int BC, bool ATOMIC_DQ> struct Fa2BwdSmem {
-  static constexpr int BYTES = (2 * BC + 2 * BR) * D * (int)sizeof(T) + (ATOMIC_DQ ? BC * BR * (int)sizeof(T) : 0) + 2 * BR * 4;
+  static constexpr int BYTES = (2 * BC + 4 * BR) * D * (int)sizeof(T) + (ATOMIC_DQ ? BC * BR * (int)sizeof(T) : 0) + 4 * BR * 4;
 };
 template <typename T, int D, int BR, int BC> struct Fa2BwdDqSmem {
   static constexpr int BYTES = (2 * BC + 2 * BR) * D * (int)sizeof(T) + 2 * BR * 4;
@@ -58,8 +58,8 @@ __global__ void fa2_bwd_preprocess(const T* __restrict__ out, const T* __restric
   lse2[row] = lse[row] == -INFINITY ? INFINITY : lse[row] * LOG2E;
 }
 
-template <typename T, int D, int BR, int BC, int NWARPS, int WC, int MIN_BLOCKS, bool CAUSAL, bool ATOMIC_DQ,
-          int SMEM_BYTES>
+template <typename T, int D, int BR, int BC, int NWARPS, int WC, int MIN_BLOCKS, int KUNROLL, bool CAUSAL,
+          bool ATOMIC_DQ, int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fa2_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
         const float* __restrict__ lse2, const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
@@ -81,84 +81,99 @@ fa2_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   const int j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, group = heads / kv_heads;
   const int w = warp_id(), kw = 16 * MTK * (w % WK), dc = DW * (w / WK), k0 = j * BC;
   const Tile<T, BC, D> sK{(T*)smem}, sV{(T*)(smem + BC * D * sizeof(T))};
-  const Tile<T, BR, D> sQ{(T*)(smem + 2 * BC * D * sizeof(T))}, sdO{(T*)(smem + (2 * BC + BR) * D * sizeof(T))};
-  const Tile<T, BC, BR> sdS{(T*)(smem + (2 * BC + 2 * BR) * D * sizeof(T))};
-  float* sL = (float*)(smem + SMEM_BYTES - 2 * BR * 4);
-  float* sDelta = sL + BR;
+  T* const sQ0 = (T*)(smem + 2 * BC * D * sizeof(T));                     // 2 stages of Q_i, then 2 of dO_i
+  T* const sdO0 = sQ0 + 2 * BR * D;
+  const Tile<T, BC, BR> sdS{sdO0 + 2 * BR * D};
+  float* const sL0 = (float*)(smem + SMEM_BYTES - 4 * BR * 4);             // 2 stages of L_i, then 2 of D_i
+  float* const sDelta0 = sL0 + 2 * BR;
   const Mask mask{seqlen_q, seqlen_k, CAUSAL};
   const int nk = min(BC, seqlen_k - k0), tr = (seqlen_q + BR - 1) / BR;
+  // The CTA visits (h, i) for every query head h of the group and every query block i that sees K_j, in order.
+  const int i0 = mask.first_query_block(k0, BR), nqb = max(0, tr - i0), n_iter = group * nqb;
   // ---- [fa2_bwd:load_kv] Alg.2 l.6-7: K_j, V_j to shared memory once; dK_j = dV_j = 0 ----
   load_tile<NTHREADS>(sK, k + b * k_sb + hk * k_sh + k0 * k_ss, k_ss, nk, head_dim);
   load_tile<NTHREADS>(sV, v + b * v_sb + hk * v_sh + k0 * v_ss, v_ss, nk, head_dim);
+  cp_async_commit();
   float dk_acc[MTK][DW / 8][4], dv_acc[MTK][DW / 8][4];
   zero(dk_acc);
   zero(dv_acc);
-  for (int hh = 0; hh < group; ++hh) {
-    const int h = hk * group + hh;
+  auto issue = [&](int it) {  // start loading iteration it's Q_i, dO_i, L_i, D_i into stage it % 2
+    const int h = hk * group + it / nqb, q0 = (i0 + it % nqb) * BR, st = it & 1;
     const long long bh = (long long)b * heads + h;
-    for (int i = mask.first_query_block(k0, BR); i < tr; ++i) {
-      const int q0 = i * BR;
-      // ---- [fa2_bwd:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i ----
-      load_query_block<NTHREADS>(sQ, sdO, sL, sDelta, q + b * q_sb + h * q_sh, q_ss, dout + b * do_sb + h * do_sh,
-                                 do_ss, lse2 + bh * seqlen_q, delta + bh * seqlen_q, q0, seqlen_q, head_dim);
+    load_query_block<NTHREADS>(Tile<T, BR, D>{sQ0 + st * BR * D}, Tile<T, BR, D>{sdO0 + st * BR * D}, sL0 + st * BR,
+                               sDelta0 + st * BR, q + b * q_sb + h * q_sh, q_ss, dout + b * do_sb + h * do_sh, do_ss,
+                               lse2 + bh * seqlen_q, delta + bh * seqlen_q, q0, seqlen_q, head_dim);
+  };
+  if (n_iter > 0) issue(0);
+  for (int it = 0; it < n_iter; ++it) {
+    const int h = hk * group + it / nqb, q0 = (i0 + it % nqb) * BR, st = it & 1;
+    const long long bh = (long long)b * heads + h;
+    const Tile<T, BR, D> sQ{sQ0 + st * BR * D}, sdO{sdO0 + st * BR * D};
+    const float *sL = sL0 + st * BR, *sDelta = sDelta0 + st * BR;
+    // ---- [fa2_bwd:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i; the next block's stream in behind them ----
+    if (it + 1 < n_iter) {
+      issue(it + 1);
+      cp_async_wait<1>();
+    } else {
       cp_async_wait<0>();
-      __syncthreads();  // K_j, V_j, Q_i, dO_i, L_i, D_i are visible to every warp
-      // ---- [fa2_bwd:scores] Alg.2 l.9-10: S^T = K_j Q_i^T, P^T = exp2(S^T - L) ----
-      float p[MTK][NQ][4], ds[MTK][NQ][4];
-      zero(p);
-      gemm_abt<MTK, NQ, D>(p, sK, kw, sQ, 0);
-#pragma unroll
-      for (int x = 0; x < MTK; ++x)
-#pragma unroll
-        for (int y = 0; y < NQ; ++y)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) p[x][y][e] *= scale_log2;
-      if (mask.block_needs_mask(q0, BR, k0, BC)) apply_mask_t(p, mask, k0 + kw, q0);
-      const int t = lane_id() & 3;
-#pragma unroll
-      for (int x = 0; x < MTK; ++x)
-#pragma unroll
-        for (int y = 0; y < NQ; ++y)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) p[x][y][e] = exp2_<T>(p[x][y][e] - sL[8 * y + 2 * t + (e & 1)]);
-      // ---- [fa2_bwd:dv] Alg.2 l.11: dV_j += P^T dO_i ----
-      gemm_rb<MTK, DW / 8, NQ / 2>(dv_acc, p, sdO, 0, dc);
-      // ---- [fa2_bwd:dp] Alg.2 l.12: dP^T = V_j dO_i^T ----
-      zero(ds);
-      gemm_abt<MTK, NQ, D>(ds, sV, kw, sdO, 0);
-      // ---- [fa2_bwd:ds] Alg.2 l.13: dS^T = P^T * (dP^T - D_i) ----
-#pragma unroll
-      for (int x = 0; x < MTK; ++x)
-#pragma unroll
-        for (int y = 0; y < NQ; ++y)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ds[x][y][e] = p[x][y][e] * (ds[x][y][e] - sDelta[8 * y + 2 * t + (e & 1)]);
-      // ---- [fa2_bwd:dk] Alg.2 l.15: dK_j += dS^T Q_i (scale applied at the end) ----
-      gemm_rb<MTK, DW / 8, NQ / 2>(dk_acc, ds, sQ, 0, dc);
-      // ---- [fa2_bwd:dq] Alg.2 l.14: dQ_i += scale * dS K_j, through shared memory and float32 atomics ----
-      if constexpr (ATOMIC_DQ) {
-        if (w < WK) store_acc(sdS, ds, kw, 0);                              // column groups hold identical dS
-        __syncthreads();  // all of dS^T is in shared memory
-        const int qr = 16 * (w % QROWS), qc = DQW * (w / QROWS), g = lane_id() >> 2;
-        float* dq_bh = dq_ws + bh * seqlen_q * head_dim;
-#pragma unroll
-        for (int c0 = qc; c0 < qc + DQW && w < QROWS * QCOLS; c0 += DQC) {
-          float acc[1][DQC / 8][4];
-          zero(acc);
-          gemm_atb<1, DQC / 8, BC>(acc, sdS, qr, sK, c0);
-#pragma unroll
-          for (int y = 0; y < DQC / 8; ++y)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int row = q0 + qr + g + 8 * (e >> 1), col = c0 + 8 * y + 2 * t + (e & 1);
-              if (row < seqlen_q && col < head_dim) atomicAdd(dq_bh + (long long)row * head_dim + col, scale * acc[0][y][e]);
-            }
-        }
-      }
-      __syncthreads();  // every warp is done with Q_i, dO_i, dS, L, D before the next block overwrites them
     }
+    __syncthreads();  // K_j, V_j and this stage's Q_i, dO_i, L_i, D_i are visible to every warp
+    // ---- [fa2_bwd:scores] Alg.2 l.9-10: S^T = K_j Q_i^T, P^T = exp2(S^T - L) ----
+    float p[MTK][NQ][4], ds[MTK][NQ][4];
+    zero(p);
+    gemm_abt<MTK, NQ, D, KUNROLL>(p, sK, kw, sQ, 0);
+#pragma unroll
+    for (int x = 0; x < MTK; ++x)
+#pragma unroll
+      for (int y = 0; y < NQ; ++y)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[x][y][e] *= scale_log2;
+    if (mask.block_needs_mask(q0, BR, k0, BC)) apply_mask_t(p, mask, k0 + kw, q0);
+    const int t = lane_id() & 3;
+#pragma unroll
+    for (int x = 0; x < MTK; ++x)
+#pragma unroll
+      for (int y = 0; y < NQ; ++y)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[x][y][e] = exp2_<T>(p[x][y][e] - sL[8 * y + 2 * t + (e & 1)]);
+    // ---- [fa2_bwd:dv] Alg.2 l.11: dV_j += P^T dO_i ----
+    gemm_rb<MTK, DW / 8, NQ / 2>(dv_acc, p, sdO, 0, dc);
+    // ---- [fa2_bwd:dp] Alg.2 l.12: dP^T = V_j dO_i^T ----
+    zero(ds);
+    gemm_abt<MTK, NQ, D, KUNROLL>(ds, sV, kw, sdO, 0);
+    // ---- [fa2_bwd:ds] Alg.2 l.13: dS^T = P^T * (dP^T - D_i) ----
+#pragma unroll
+    for (int x = 0; x < MTK; ++x)
+#pragma unroll
+      for (int y = 0; y < NQ; ++y)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[x][y][e] = p[x][y][e] * (ds[x][y][e] - sDelta[8 * y + 2 * t + (e & 1)]);
+    // ---- [fa2_bwd:dk] Alg.2 l.15: dK_j += dS^T Q_i (scale applied at the end) ----
+    gemm_rb<MTK, DW / 8, NQ / 2>(dk_acc, ds, sQ, 0, dc);
+    // ---- [fa2_bwd:dq] Alg.2 l.14: dQ_i += scale * dS K_j, through shared memory and float32 atomics ----
+    if constexpr (ATOMIC_DQ) {
+      if (w < WK) store_acc(sdS, ds, kw, 0);                              // column groups hold identical dS
+      __syncthreads();  // all of dS^T is in shared memory
+      const int qr = 16 * (w % QROWS), qc = DQW * (w / QROWS), g = lane_id() >> 2;
+      float* dq_bh = dq_ws + bh * seqlen_q * head_dim;
+#pragma unroll
+      for (int c0 = qc; c0 < qc + DQW && w < QROWS * QCOLS; c0 += DQC) {
+        float acc[1][DQC / 8][4];
+        zero(acc);
+        gemm_atb<1, DQC / 8, BC>(acc, sdS, qr, sK, c0);
+#pragma unroll
+        for (int y = 0; y < DQC / 8; ++y)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = q0 + qr + g + 8 * (e >> 1), col = c0 + 8 * y + 2 * t + (e & 1);
+            if (row < seqlen_q && col < head_dim) atomicAdd(dq_bh + (long long)row * head_dim + col, scale * acc[0][y][e]);
+          }
+      }
+    }
+    __syncthreads();  // every warp is done with this stage and dS before they are refilled
   }
-  // ---- [fa2_bwd:epilogue] Alg.2 l.17: write dK_j (times scale) and dV_j ----
+  // ---- [fa2_bwd:epilogue] Alg.2 l.17: write dK_j (times scale) and dV_j (zero when no query sees K_j) ----
+  cp_async_wait<0>();
   float fk[2 * MTK], fv[2 * MTK];
 #pragma unroll
   for (int r = 0; r < 2 * MTK; ++r) { fk[r] = scale; fv[r] = 1.f; }
@@ -167,7 +182,7 @@ fa2_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 }
 
 // Deterministic dQ: one CTA per query block i (grid (Tr, heads, batch)), split-Q warps, no atomics.
-template <typename T, int D, int BR, int BC, int NWARPS, int MIN_BLOCKS, bool CAUSAL, int SMEM_BYTES>
+template <typename T, int D, int BR, int BC, int NWARPS, int MIN_BLOCKS, int KUNROLL, bool CAUSAL, int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fa2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ dout,
            const float* __restrict__ lse2, const float* __restrict__ delta, T* __restrict__ dq, long long q_sb,
@@ -203,7 +218,7 @@ fa2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     __syncthreads();  // K_j, V_j (and Q_i, dO_i, L, D) are visible to every warp
     float p[MT][NT][4], ds[MT][NT][4];
     zero(p);
-    gemm_abt<MT, NT, D>(p, sQ, wq, sK, 0);
+    gemm_abt<MT, NT, D, KUNROLL>(p, sQ, wq, sK, 0);
 #pragma unroll
     for (int x = 0; x < MT; ++x)
 #pragma unroll
@@ -212,7 +227,7 @@ fa2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
         for (int e = 0; e < 4; ++e) p[x][y][e] *= scale_log2;
     if (mask.block_needs_mask(q0, BR, k0, BC)) apply_mask(p, mask, q0 + wq, k0);
     zero(ds);
-    gemm_abt<MT, NT, D>(ds, sdO, wq, sV, 0);
+    gemm_abt<MT, NT, D, KUNROLL>(ds, sdO, wq, sV, 0);
 #pragma unroll
     for (int x = 0; x < MT; ++x)
 #pragma unroll

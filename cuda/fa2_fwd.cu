@@ -28,7 +28,7 @@ struct FwdArgs {  // everything a block step needs besides the tiles; pointers a
 };
 
 // One query block with the split-Q partition: warp w owns rows [q0 + 16*MT*w, q0 + 16*MT*(w+1)).
-template <typename T, int D, int BR, int BC, int NWARPS, bool DEFER_NORM>
+template <typename T, int D, int BR, int BC, int NWARPS, int KUNROLL, bool DEFER_NORM>
 __device__ __forceinline__ void fa2_block_split_q(const Tile<T, BR, D>& sQ, const Tile<T, BC, D>& sK,
                                                   const Tile<T, BC, D>& sV, const FwdArgs& a, int i) {
   constexpr int NTHREADS = NWARPS * 32, MT = BR / (16 * NWARPS), NT = BC / 8, NO = D / 8;
@@ -55,7 +55,7 @@ __device__ __forceinline__ void fa2_block_split_q(const Tile<T, BR, D>& sQ, cons
     // ---- [fa2_fwd:scores] Alg.1 l.8: S_ij = Q_i K_j^T, scaled into log2 units ----
     float s[MT][NT][4];
     zero(s);
-    gemm_abt<MT, NT, D>(s, sQ, wq, sK, 0);
+    gemm_abt<MT, NT, D, KUNROLL>(s, sQ, wq, sK, 0);
 #pragma unroll
     for (int x = 0; x < MT; ++x)
 #pragma unroll
@@ -157,7 +157,7 @@ __device__ __forceinline__ void fa2_block_split_k(const Tile<T, BR, D>& sQ, cons
 
 }  // namespace rf
 
-template <typename T, int D, int BR, int BC, int NWARPS, int MIN_BLOCKS, bool CAUSAL, bool DEFER_NORM,
+template <typename T, int D, int BR, int BC, int NWARPS, int MIN_BLOCKS, int KUNROLL, bool CAUSAL, bool DEFER_NORM,
           bool SEQ_PARALLEL, bool SPLIT_Q, int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 fa2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
@@ -182,7 +182,7 @@ fa2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   const int i_first = SEQ_PARALLEL ? tr - 1 - (int)blockIdx.x : 0;          // longest causal rows start first
   const int i_end = SEQ_PARALLEL ? i_first + 1 : tr;
   for (int i = i_first; i < i_end; ++i) {
-    if constexpr (SPLIT_Q) fa2_block_split_q<T, D, BR, BC, NWARPS, DEFER_NORM>(sQ, sK, sV, a, i);
+    if constexpr (SPLIT_Q) fa2_block_split_q<T, D, BR, BC, NWARPS, KUNROLL, DEFER_NORM>(sQ, sK, sV, a, i);
     else fa2_block_split_k<T, D, BR, BC, NWARPS, DEFER_NORM>(sQ, sK, sV, state, a, i);
   }
 }

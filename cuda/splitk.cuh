@@ -32,7 +32,7 @@ __device__ __forceinline__ void splitk_block(const SplitK<BR, D, NWARPS>& sk, co
   const int w = warp_id(), g = lane_id() >> 2, t = lane_id() & 3, kw = w * KEYS;
   float s[MT][NT][4];
   zero(s);
-  gemm_abt<MT, NT, D>(s, sQ, 0, sK, kw);                                     // FA1 Alg.1 l.9: S_ij slice
+  gemm_abt<MT, NT, D, 1>(s, sQ, 0, sK, kw);                                     // FA1 Alg.1 l.9: S_ij slice
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll

@@ -23,7 +23,8 @@ class TileConfig:
 
     br, bc: query rows and key rows of a block (the papers' Br, Bc); warps: warps per CTA; min_blocks: the
     CTAs per SM promised to the compiler through ``__launch_bounds__`` (it caps registers at
-    65536 / (32 * warps * min_blocks)); wc: (fa2_bwd) warps that split the head_dim columns of dK, dV.
+    65536 / (32 * warps * min_blocks)); wc: (fa2_bwd) warps that split the head_dim columns of dK, dV;
+    kunroll: k-steps of 16 unrolled together in the S = Q K^T style products (ILP against registers).
     """
 
     br: int
@@ -31,6 +32,7 @@ class TileConfig:
     warps: int
     min_blocks: int = 1
     wc: int = 1
+    kunroll: int = 1
     why: str = ""
 
     @property

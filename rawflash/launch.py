@@ -99,8 +99,9 @@ def smem_fa1_fwd(cfg: TileConfig, d: int, itemsize: int) -> int:
 
 
 def smem_fa2_bwd(cfg: TileConfig, d: int, itemsize: int, atomic_dq: bool) -> int:
+    """K_j, V_j; two stages of Q_i, dO_i; dS^T (atomic dQ only); two stages of L_i, D_i (float32)."""
     ds = cfg.bc * cfg.br * itemsize if atomic_dq else 0
-    return (2 * cfg.bc + 2 * cfg.br) * d * itemsize + ds + 2 * cfg.br * 4
+    return (2 * cfg.bc + 4 * cfg.br) * d * itemsize + ds + 4 * cfg.br * 4
 
 
 def smem_fa2_bwd_dq(cfg: TileConfig, d: int, itemsize: int) -> int:
@@ -132,8 +133,8 @@ def fa2_fwd(p: Problem, *, defer_norm: bool = True, seq_parallel: bool = True, s
     cfg = configs.tile_config("fa2_fwd" if split_q else "fa2_fwd_splitk", d, p.dtype)
     smem = smem_fa2_fwd(cfg, d, p.itemsize, split_q)
     tr = cdiv(p.seqlen_q, cfg.br) if seq_parallel else 1
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, p.causal, defer_norm, seq_parallel,
-            split_q, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.causal, defer_norm,
+            seq_parallel, split_q, smem)
     grid = _check_grid((tr, p.heads, p.batch), "fa2_fwd")
     return Launch("fa2_fwd", "fa2_fwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
 
@@ -169,7 +170,8 @@ def fa2_bwd(p: Problem, *, atomic_dq: bool = True) -> Launch:
     d = p.padded_head_dim
     cfg = configs.tile_config("fa2_bwd", d, p.dtype)
     smem = smem_fa2_bwd(cfg, d, p.itemsize, atomic_dq)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.wc, cfg.min_blocks, p.causal, atomic_dq, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.wc, cfg.min_blocks, cfg.kunroll, p.causal, atomic_dq,
+            smem)
     grid = _check_grid((cdiv(p.seqlen_k, cfg.bc), p.kv_heads, p.batch), "fa2_bwd")
     return Launch("fa2_bwd", "fa2_bwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
 
@@ -179,7 +181,7 @@ def fa2_bwd_dq(p: Problem) -> Launch:
     d = p.padded_head_dim
     cfg = configs.tile_config("fa2_bwd_dq", d, p.dtype)
     smem = smem_fa2_bwd_dq(cfg, d, p.itemsize)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, p.causal, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.causal, smem)
     grid = _check_grid((cdiv(p.seqlen_q, cfg.br), p.heads, p.batch), "fa2_bwd_dq")
     return Launch("fa2_bwd_dq", "fa2_bwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
 
