@@ -242,7 +242,9 @@ __device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const Tile<T, 
 }
 
 // ---------------------------------------------------------------- float32 products (scalar FMA, same C layout)
-// Lane (g, t) computes rows g, g+8 of each m-tile and columns 2t, 2t+1 of each n-tile, summing k in order.
+// Lane (g, t) computes rows g, g+8 of each m-tile and columns 2t, 2t+1 of each n-tile. Sums run in blocks of 16
+// terms that are then added to the accumulator (two-level summation): the rounding error grows like
+// 16 + K/16 terms instead of K, comparable to the blocked sums of a float32 BLAS.
 template <int MT, int NT>
 __device__ __forceinline__ void fma_tile(float (&acc)[MT][NT][4], const float (&a)[2 * MT], const float (&b)[2 * NT]) {
 #pragma unroll
@@ -252,53 +254,82 @@ __device__ __forceinline__ void fma_tile(float (&acc)[MT][NT][4], const float (&
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = fmaf(a[2 * i + (e >> 1)], b[2 * j + (e & 1)], acc[i][j][e]);
 }
-template <int MT, int NT, int K, int KU, int RA, int CA, int RB, int CB>
-__device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const Tile<float, RA, CA>& sa, int a0,
+// acc[.][j0 + j] += part[.][j]
+template <int MT, int NT, int NP>
+__device__ __forceinline__ void add_block(float (&acc)[MT][NT][4], const float (&part)[MT][NP][4], int j0) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NP; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j0 + j][e] += part[i][j][e];
+}
+// A from sa at [row][k] (TRANS_A: at [k][row]), B from sb at [col][k] (TRANS_B: at [k][col]).
+template <int MT, int NT, int K, bool TRANS_A, bool TRANS_B, int RA, int CA, int RB, int CB>
+__device__ __forceinline__ void fma_gemm(float (&acc)[MT][NT][4], const Tile<float, RA, CA>& sa, int a0,
                                          const Tile<float, RB, CB>& sb, int b0) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll 4
-  for (int k = 0; k < K; ++k) {
-    float a[2 * MT], b[2 * NT];
-#pragma unroll
-    for (int r = 0; r < 2 * MT; ++r) a[r] = *sa.at(a0 + 16 * (r >> 1) + g + 8 * (r & 1), k);
-#pragma unroll
-    for (int c = 0; c < 2 * NT; ++c) b[c] = *sb.at(b0 + 8 * (c >> 1) + 2 * t + (c & 1), k);
-    fma_tile(acc, a, b);
-  }
-}
-template <int MT, int NT, int KT, int R, int C>
-__device__ __forceinline__ void gemm_rb(float (&acc)[MT][NT][4], const float (&p)[MT][2 * KT][4],
-                                        const Tile<float, R, C>& sb, int b_k0, int n0) {
-  const int l = lane_id(), t = l & 3;
-#pragma unroll
-  for (int kk = 0; kk < 2 * KT; ++kk)                // n-tile kk of P holds columns 8kk..8kk+7
 #pragma unroll 1
-    for (int k8 = 0; k8 < 8; ++k8) {
-      const int src = (l & ~3) | (k8 >> 1);          // the lane of this quad that holds column 8kk + k8 of P
-      const bool odd = k8 & 1;
+  for (int kb = 0; kb < K; kb += 16) {
+    float part[MT][NT][4];
+    zero(part);
+#pragma unroll 4
+    for (int k = kb; k < kb + 16; ++k) {
       float a[2 * MT], b[2 * NT];
 #pragma unroll
       for (int r = 0; r < 2 * MT; ++r) {
-        const float (&pe)[4] = p[r >> 1][kk];
-        a[r] = __shfl_sync(0xffffffffu, odd ? pe[2 * (r & 1) + 1] : pe[2 * (r & 1)], src);
+        const int row = a0 + 16 * (r >> 1) + g + 8 * (r & 1);
+        a[r] = TRANS_A ? *sa.at(k, row) : *sa.at(row, k);
       }
 #pragma unroll
-      for (int c = 0; c < 2 * NT; ++c) b[c] = *sb.at(b_k0 + 8 * kk + k8, n0 + 8 * (c >> 1) + 2 * t + (c & 1));
-      fma_tile(acc, a, b);
+      for (int c = 0; c < 2 * NT; ++c) {
+        const int col = b0 + 8 * (c >> 1) + 2 * t + (c & 1);
+        b[c] = TRANS_B ? *sb.at(k, col) : *sb.at(col, k);
+      }
+      fma_tile(part, a, b);
     }
+    add_block(acc, part, 0);
+  }
+}
+template <int MT, int NT, int K, int KU, int RA, int CA, int RB, int CB>
+__device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const Tile<float, RA, CA>& sa, int a0,
+                                         const Tile<float, RB, CB>& sb, int b0) {
+  fma_gemm<MT, NT, K, false, false>(acc, sa, a0, sb, b0);
 }
 template <int MT, int NT, int K, int RA, int CA, int RB, int CB>
 __device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const Tile<float, RA, CA>& sa, int m0,
                                          const Tile<float, RB, CB>& sb, int n0) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll 4
-  for (int k = 0; k < K; ++k) {
-    float a[2 * MT], b[2 * NT];
+  fma_gemm<MT, NT, K, true, true>(acc, sa, m0, sb, n0);
+}
+// P from registers: column k of P lives in lane (g, k%8/2) of the quad, so each step shuffles it across the quad.
+// Columns of B go in groups of 4 n-tiles, each summed over all of P's columns before it is added to acc.
+template <int MT, int NT, int KT, int R, int C>
+__device__ __forceinline__ void gemm_rb(float (&acc)[MT][NT][4], const float (&p)[MT][2 * KT][4],
+                                        const Tile<float, R, C>& sb, int b_k0, int n0) {
+  constexpr int CG = NT % 4 == 0 ? 4 : 2;  // n-tiles summed together
+  static_assert(NT % CG == 0, "whole groups of n-tiles");
+  const int l = lane_id(), t = l & 3;
 #pragma unroll
-    for (int r = 0; r < 2 * MT; ++r) a[r] = *sa.at(k, m0 + 16 * (r >> 1) + g + 8 * (r & 1));
+  for (int j0 = 0; j0 < NT; j0 += CG) {
+    float part[MT][CG][4];
+    zero(part);
 #pragma unroll
-    for (int c = 0; c < 2 * NT; ++c) b[c] = *sb.at(k, n0 + 8 * (c >> 1) + 2 * t + (c & 1));
-    fma_tile(acc, a, b);
+    for (int kk = 0; kk < 2 * KT; ++kk)              // n-tile kk of P holds columns 8kk..8kk+7
+#pragma unroll 1
+      for (int k8 = 0; k8 < 8; ++k8) {
+        const int src = (l & ~3) | (k8 >> 1);        // the lane of this quad that holds column 8kk + k8 of P
+        const bool odd = k8 & 1;
+        float a[2 * MT], b[2 * CG];
+#pragma unroll
+        for (int r = 0; r < 2 * MT; ++r) {
+          const float (&pe)[4] = p[r >> 1][kk];
+          a[r] = __shfl_sync(0xffffffffu, odd ? pe[2 * (r & 1) + 1] : pe[2 * (r & 1)], src);
+        }
+#pragma unroll
+        for (int c = 0; c < 2 * CG; ++c) b[c] = *sb.at(b_k0 + 8 * kk + k8, n0 + 8 * (j0 + (c >> 1)) + 2 * t + (c & 1));
+        fma_tile(part, a, b);
+      }
+    add_block(acc, part, j0);
   }
 }
 

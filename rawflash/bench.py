@@ -80,13 +80,22 @@ def sweep_cases(impls, directions, dtypes, head_dims, seqlens, causals, tokens=1
 
 
 # ---------------------------------------------------------------- timing
-def time_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> float:
-    """Median CUDA-event time of ``fn`` in ms, with L2 flushed (a 256 MB memset) before every timed call."""
+def time_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3, budget_ms: float = 3000.0) -> float:
+    """Median CUDA-event time of ``fn`` in ms, with L2 flushed (a 256 MB memset) before every timed call.
+
+    Slow cases get fewer repeats (at least 3) so that one case stays within about ``budget_ms``.
+    """
     import cupy
 
     flush = cupy.empty(FLUSH_BYTES, dtype=cupy.uint8)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
     for _ in range(warmup):
         fn()
+    stop.record()
+    stop.synchronize()
+    once = cupy.cuda.get_elapsed_time(start, stop) / warmup
+    repeats = max(3, min(repeats, int(budget_ms / max(once, 1e-3))))
     times = []
     for _ in range(repeats):
         flush.fill(1)

@@ -53,11 +53,12 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
 
     # fa2_fwd, 16-bit: 4 warps own 32 rows each (MT = 2 m-tiles, so every K/V fragment read from shared memory
     # feeds two mma); 128 x 64 is flash-attn 2's sm80 choice. 255 registers at d = 128, 1 CTA of 4 warps...
-    put("fa2_fwd", (32, 64, 96), _16BIT, TileConfig(128, 64, 4, why="FA2 sm80 default tile, 32 rows per warp"))
-    put("fa2_fwd", (128,), _16BIT, TileConfig(128, 32, 4, why="128 x 64 spills 32 B when causal; 240 regs -> 2 CTAs/SM"))
+    put("fa2_fwd", (32, 64), _16BIT, TileConfig(128, 64, 4, kunroll=4, why="H200 d=64 N=4096: 232/215 TF; 128x128 spills"))
+    put("fa2_fwd", (96, 128), _16BIT, TileConfig(128, 64, 4, why="H200 N=4096 d=128: 280/240 TF vs 247/216 at 128x32"))
     put("fa2_fwd", (192, 256), _16BIT, TileConfig(64, 64, 4, why="O accumulator of 16 x d per warp fits registers"))
     # float32 runs the same body with emulated mma (FMA + shuffles): one m-tile per warp, narrow key blocks.
-    put("fa2_fwd", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low"))
+    put("fa2_fwd", (32, 64, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low"))
+    put("fa2_fwd", (256,), ("float32",), TileConfig(64, 16, 4, why="fp32 FMA path: O of 16 x 256 per warp"))
     # Split-K (ablation and FA1): all warps share BR = 16*MT rows and take BC / warps = 16 keys each.
     put("fa2_fwd_splitk", SPECIALISED_HEAD_DIMS, _16BIT, TileConfig(32, 64, 4, why="16 keys per warp, 2 m-tiles"))
     put("fa2_fwd_splitk", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(32, 32, 2, why="fits 227 KB at d = 256"))
@@ -65,7 +66,7 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa1_fwd", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(32, 32, 2, why="fits 227 KB at d = 256"))
     # fa2_bwd: 8 warps own 16 keys each; K_j, V_j of 128 keys stay in shared memory for the whole query loop.
     put("fa2_bwd", (32, 64), _16BIT, TileConfig(64, 128, 8, why="FA2 sm80 d<=64 shape"))
-    put("fa2_bwd", (96, 128), _16BIT, TileConfig(32, 128, 8, why="dK, dV of 16 x d per warp plus S, dP of 16 x 32"))
+    put("fa2_bwd", (96, 128), _16BIT, TileConfig(64, 128, 8, why="H200 N=4096 d=128: 162/145 TF vs 146/132 at Br=32"))
     put("fa2_bwd", (192,), _16BIT, TileConfig(32, 64, 8, wc=2, why="warps also split d: 16 x d/2 per warp"))
     put("fa2_bwd", (256,), _16BIT, TileConfig(32, 64, 8, wc=2, why="16 x 128 dK, dV per warp"))
     put("fa2_bwd", (32, 64), ("float32",), TileConfig(32, 64, 4, why="fp32 FMA path"))
@@ -73,7 +74,8 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_bwd", (192, 256), ("float32",), TileConfig(32, 32, 8, wc=4, why="fp32 FMA path; 16 x d/4 dK, dV per warp"))
     put("fa2_bwd_dq", (32, 64, 96, 128), _16BIT, TileConfig(64, 64, 4, why="split-Q, 16 rows per warp"))
     put("fa2_bwd_dq", (192, 256), _16BIT, TileConfig(64, 16, 4, why="dQ of 16 x d per warp leaves room for 16 x 16 S"))
-    put("fa2_bwd_dq", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path"))
+    put("fa2_bwd_dq", (32, 64, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path"))
+    put("fa2_bwd_dq", (256,), ("float32",), TileConfig(64, 16, 4, why="fp32 FMA path: dQ of 16 x 256 per warp"))
     return rows
 
 

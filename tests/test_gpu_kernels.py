@@ -197,3 +197,35 @@ def test_refused_input_leaves_context_healthy():
     out, _ = rawflash.forward(q, k, v)
     cupy.cuda.Device().synchronize()
     assert bool(cupy.isfinite(out).all())
+
+
+@pytest.mark.slow
+def test_single_head_131072_tokens_causal_forward_and_backward_in_linear_memory():
+    """N = 131072, d = 128, one head, causal: an O(N^2) buffer would need 64 GiB; rows are checked exactly."""
+    import cupy
+
+    n, d = 131072, 128
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    q, k, v = (cupy.asarray(x) for x in random_qkv(1, n, n, 1, 1, d, "bfloat16", seed=4))
+    dout = cupy.asarray(np.random.default_rng(9).standard_normal(q.shape).astype(q.dtype))
+    base = pool.total_bytes()
+    out, lse = rawflash.forward(q, k, v, causal=True)
+    dq, dk, dv = rawflash.backward(dout, q, k, v, out, lse, causal=True)
+    cupy.cuda.Device().synchronize()
+    assert pool.total_bytes() - base < 64 * n * d * 4, "work buffers must be O(N d), not O(N^2)"
+    for x in (out, dq, dk, dv):
+        assert bool(cupy.isfinite(x.astype(cupy.float32)).all())
+    hq, hk, hv, hdo = (x[0, :, 0].get().astype(np.float64) for x in (q, k, v, dout))
+    scale = 1 / np.sqrt(d)
+    o_h, dq_h = out[0, :, 0].get().astype(np.float64), dq[0, :, 0].get().astype(np.float64)
+    for i in (0, 1, 4097, 65535, n - 1):
+        s = hq[i] @ hk[: i + 1].T * scale
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        o_ref = p @ hv[: i + 1]
+        dp = hv[: i + 1] @ hdo[i]
+        dq_ref = scale * (p * (dp - hdo[i] @ o_ref)) @ hk[: i + 1]
+        assert np.abs(o_h[i] - o_ref).max() < 2e-2, f"out row {i}"
+        assert abs(float(lse[0, 0, i]) - (s.max() + np.log(np.exp(s - s.max()).sum()))) < 2e-2, f"lse row {i}"
+        assert np.abs(dq_h[i] - dq_ref).max() < 5e-2 * max(1.0, np.abs(dq_ref).max()), f"dq row {i}"
