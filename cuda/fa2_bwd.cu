@@ -45,15 +45,19 @@ __global__ void fa2_bwd_preprocess(const T* __restrict__ out, const T* __restric
                                    int seqlen_q, int heads, int head_dim) {
   using namespace rf;
   // ---- [fa2_bwd:preprocess] Alg.2 l.4: D_i = rowsum(dO_i * O_i); one thread per row ----
-  // The sum runs over columns in order with one FMA chain: the order in which the products accumulate dP, so a row
-  // whose P is a single 1 gets dP - D = 0 exactly, as the naive computation does.
+  // The sum runs in the order the products accumulate dP (FMA chains over 16 columns, added up in order), so a
+  // row whose P is a single 1 gets dP - D = 0 exactly in float32, as the naive computation does.
   const long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x;  // (b * heads + h) * seqlen_q + i
   if (row >= (long long)batch * heads * seqlen_q) return;
   const int i = row % seqlen_q, h = (row / seqlen_q) % heads, b = row / ((long long)seqlen_q * heads);
   const T* o = out + b * o_sb + i * o_ss + h * o_sh;
   const T* d = dout + b * do_sb + i * do_ss + h * do_sh;
   float acc = 0.f;
-  for (int c = 0; c < head_dim; ++c) acc = fmaf(to_float(o[c]), to_float(d[c]), acc);
+  for (int c0 = 0; c0 < head_dim; c0 += 16) {
+    float part = 0.f;
+    for (int c = c0; c < min(c0 + 16, head_dim); ++c) part = fmaf(to_float(o[c]), to_float(d[c]), part);
+    acc += part;
+  }
   delta[row] = acc;
   lse2[row] = lse[row] == -INFINITY ? INFINITY : lse[row] * LOG2E;
 }
