@@ -25,9 +25,12 @@ _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$", re.M)
 
 
 def cuda_dir() -> Path:
-    """The folder holding the ``.cu``/``.cuh`` sources: inside an installed wheel, or ``cuda/`` of a checkout."""
+    """The folder holding the ``.cu``/``.cuh`` sources: ``$RAWFLASH_CUDA_DIR`` when set (to try a kernel change
+    without reinstalling), else inside an installed wheel, else ``cuda/`` of a checkout."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "cuda", here.parent / "cuda"):
+    override = os.environ.get("RAWFLASH_CUDA_DIR")
+    candidates = [Path(override)] if override else [here / "cuda", here.parent / "cuda"]
+    for candidate in candidates:
         if (candidate / "common.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"rawflash CUDA sources not found next to {here} (looked in cuda/ and ../cuda/)")

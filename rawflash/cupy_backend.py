@@ -22,8 +22,21 @@ def run_head_dim(head_dim: int) -> int:
     return -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
 
 
+def device_arch() -> str:
+    """'sm_90' for an H100 / H200, 'sm_80' for an A100, ... (the current CuPy device)."""
+    import cupy
+
+    return f"sm_{cupy.cuda.Device().compute_capability}"
+
+
 def run(lau: Launch, args: tuple) -> None:
     """Launch one kernel on CuPy's current stream, raising its dynamic shared-memory limit when needed."""
+    import cupy
+
+    limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    if lau.smem > limit:
+        raise ValueError(f"{lau.name_expression} needs {lau.smem} B of shared memory per block and this GPU allows "
+                         f"{limit} B: its tile row in rawflash/configs.py does not fit this GPU")
     fn = _compile.get_kernel(lau.source, lau.name_expression)
     if lau.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < lau.smem:
         fn.max_dynamic_shared_size_bytes = lau.smem
@@ -55,7 +68,7 @@ def prepare(p: Problem, *arrays) -> Prepared:
     hd = run_head_dim(p.head_dim)
     chunk = 16 // np.dtype(arrays[0].dtype).itemsize
     ready = tuple(kernel_ready(pad_head_dim(cupy.asarray(x), hd), chunk) for x in arrays)
-    return Prepared(dataclasses.replace(p, head_dim=hd), ready, p.head_dim)
+    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch()), ready, p.head_dim)
 
 
 def _trim(x, head_dim: int):

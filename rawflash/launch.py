@@ -31,6 +31,7 @@ class Problem:
     head_dim: int
     dtype: str
     causal: bool
+    arch: str = "sm_90"
 
     @property
     def padded_head_dim(self) -> int:
@@ -130,7 +131,7 @@ def _rows_of_warps(kernel: str, source: str, dtype: str, rows: int) -> Launch:
 def fa2_fwd(p: Problem, *, defer_norm: bool = True, seq_parallel: bool = True, split_q: bool = True) -> Launch:
     """FA2 forward; the three switches are the FA2 ideas the ablation turns off one by one."""
     d = p.padded_head_dim
-    cfg = configs.tile_config("fa2_fwd" if split_q else "fa2_fwd_splitk", d, p.dtype)
+    cfg = configs.tile_config("fa2_fwd" if split_q else "fa2_fwd_splitk", d, p.dtype, p.arch)
     smem = smem_fa2_fwd(cfg, d, p.itemsize, split_q)
     tr = cdiv(p.seqlen_q, cfg.br) if seq_parallel else 1
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.causal, defer_norm,
@@ -141,7 +142,7 @@ def fa2_fwd(p: Problem, *, defer_norm: bool = True, seq_parallel: bool = True, s
 
 def fa1_fwd(p: Problem) -> Launch:
     d = p.padded_head_dim
-    cfg = configs.tile_config("fa1_fwd", d, p.dtype)
+    cfg = configs.tile_config("fa1_fwd", d, p.dtype, p.arch)
     smem = smem_fa1_fwd(cfg, d, p.itemsize)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, p.causal, smem)
     grid = (p.heads, p.batch, 1)
@@ -168,7 +169,7 @@ def fa2_bwd_preprocess(p: Problem) -> Launch:
 def fa2_bwd(p: Problem, *, atomic_dq: bool = True) -> Launch:
     """FA2 backward main pass: one CTA per (key block, kv head, batch)."""
     d = p.padded_head_dim
-    cfg = configs.tile_config("fa2_bwd", d, p.dtype)
+    cfg = configs.tile_config("fa2_bwd", d, p.dtype, p.arch)
     smem = smem_fa2_bwd(cfg, d, p.itemsize, atomic_dq)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.wc, cfg.min_blocks, cfg.kunroll, p.causal, atomic_dq,
             smem)
@@ -179,7 +180,7 @@ def fa2_bwd(p: Problem, *, atomic_dq: bool = True) -> Launch:
 def fa2_bwd_dq(p: Problem) -> Launch:
     """Deterministic dQ pass: one CTA per (query block, head, batch)."""
     d = p.padded_head_dim
-    cfg = configs.tile_config("fa2_bwd_dq", d, p.dtype)
+    cfg = configs.tile_config("fa2_bwd_dq", d, p.dtype, p.arch)
     smem = smem_fa2_bwd_dq(cfg, d, p.itemsize)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.causal, smem)
     grid = _check_grid((cdiv(p.seqlen_q, cfg.br), p.heads, p.batch), "fa2_bwd_dq")
@@ -213,13 +214,13 @@ def waves(launch: Launch, ctas_per_sm: int, sms: int = 132) -> float:
     return launch.ctas / max(1, ctas_per_sm * sms)
 
 
-def all_instantiations() -> list[Launch]:
-    """Every template instantiation the library can launch (for the offline compile tests and pre-compiling)."""
+def all_instantiations(arch: str = "sm_90") -> list[Launch]:
+    """Every template instantiation the library can launch on ``arch`` (for the compile tests and pre-compiling)."""
     out: dict[str, Launch] = {}
     for dtype in configs.DTYPES:
         for d in configs.SPECIALISED_HEAD_DIMS:
             for causal in (False, True):
-                p = Problem(1, 1, 1, 1, 1, d, dtype, causal)
+                p = Problem(1, 1, 1, 1, 1, d, dtype, causal, arch)
                 launches = [fa2_fwd(p), fa1_fwd(p), fa2_bwd(p, atomic_dq=True), fa2_bwd(p, atomic_dq=False),
                             fa2_bwd_dq(p), naive_softmax(p), fa1_finalize(p), fa2_bwd_preprocess(p),
                             fa2_bwd_convert_dq(p)]

@@ -30,9 +30,11 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=max(1, mp.cpu_count() - 1))
     ap.add_argument("--filter", default="")
     args = ap.parse_args()
-    from rawflash import launch
+    from rawflash import cupy_backend, launch
 
-    items = [(l.source, l.name_expression) for l in launch.all_instantiations() if args.filter in l.name_expression]
+    arch = cupy_backend.device_arch()
+    items = [(lau.source, lau.name_expression) for lau in launch.all_instantiations(arch)
+             if args.filter in lau.name_expression]
     t0 = time.time()
     failed = 0
     with mp.get_context("spawn").Pool(args.jobs) as pool:

@@ -1,0 +1,103 @@
+"""Offline NVRTC compiles of every kernel instantiation, for sm_80 and sm_90, without a GPU (marker `compile`).
+
+Each instantiation must compile (its static_asserts include launch.py's shared-memory size, so a compile is also
+the check that launch.py and the kernel agree on shared memory), use no more registers than launch.py's
+__launch_bounds__ cap, and spill nothing, except the spills recorded with a reason in configs.KNOWN_SPILLS.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from rawflash import _compile, configs, launch
+
+pytestmark = pytest.mark.compile
+ARCHS = ("sm_80", "sm_90")
+INSTANTIATIONS = [(arch, lau) for arch in ARCHS for lau in launch.all_instantiations(arch)]
+
+
+def _nvrtc_available() -> bool:
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+        _compile.cuda_include_dir()
+        return True
+    except Exception:
+        return False
+
+
+def _compile_one(item):
+    source, expr, arch = item
+    try:
+        return (expr, arch), _compile.compile_offline(source, expr, arch)
+    except Exception as err:  # reported per instantiation by the test below
+        return (expr, arch), err
+
+
+@pytest.fixture(scope="module")
+def reports():
+    if not _nvrtc_available():
+        pytest.skip("NVRTC or the CUDA headers are missing (install rawflash[cuda13] or [cuda12])")
+    items = [(lau.source, lau.name_expression, arch) for arch, lau in INSTANTIATIONS]
+    with ProcessPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return dict(pool.map(_compile_one, items, chunksize=4))
+
+
+@pytest.mark.parametrize("arch,lau", INSTANTIATIONS, ids=[f"{arch}:{lau.name_expression}" for arch, lau in INSTANTIATIONS])
+def test_instantiation_compiles_within_its_launch_bounds(reports, arch, lau):
+    rep = reports[(lau.name_expression, arch)]
+    if isinstance(rep, Exception):
+        pytest.fail(str(rep))
+    cap = launch.register_cap(lau.config) if lau.config else 255
+    assert rep.registers <= cap, f"{rep.registers} registers > cap {cap}"
+    allowed = configs.KNOWN_SPILLS.get((lau.name_expression, arch), 0)
+    assert rep.spills <= allowed, f"{rep.spill_stores} B spill stores, {rep.spill_loads} B spill loads\n{rep.log}"
+    assert rep.static_smem == 0, "shared memory is dynamic only (launch.py sizes it)"
+
+
+def test_known_spills_are_still_real(reports):
+    """An exception in KNOWN_SPILLS that no longer spills must be removed, so the list stays honest."""
+    for (expr, arch), allowed in configs.KNOWN_SPILLS.items():
+        rep = reports.get((expr, arch))
+        assert rep is not None and not isinstance(rep, Exception), f"{expr} ({arch}) is not an instantiation"
+        assert 0 < rep.spills <= allowed, f"{expr} ({arch}) now spills {rep.spills} B: update KNOWN_SPILLS"
+
+
+def test_smem_mismatch_fails_to_compile():
+    """The SMEM_BYTES static_assert is live: a wrong size is refused by the compiler."""
+    if not _nvrtc_available():
+        pytest.skip("NVRTC missing")
+    lau = launch.fa2_fwd(launch.Problem(1, 1, 1, 1, 1, 64, "float16", False))
+    wrong = lau.name_expression.replace(f", {lau.smem}>", f", {lau.smem + 16}>")
+    with pytest.raises(RuntimeError, match="disagree on shared memory"):
+        _compile.compile_offline(lau.source, wrong, "sm_90")
+
+
+def test_source_hash_covers_every_included_byte(tmp_path):
+    """The cache key is the assembled source: one changed byte in an included header changes it."""
+    import shutil
+
+    src = _compile.cuda_dir()
+    copy = tmp_path / "cuda"
+    shutil.copytree(src, copy)
+    before = _compile.source_hash("fa2_fwd.cu", copy)
+    assert before == _compile.source_hash("fa2_fwd.cu", src)
+    header = copy / "common.cuh"
+    header.write_text(header.read_text() + "\n// one more byte\n")
+    assert _compile.source_hash("fa2_fwd.cu", copy) != before
+    splitk = copy / "splitk.cuh"
+    text = _compile.assemble("fa2_fwd.cu", copy)
+    assert splitk.read_text().splitlines()[-2] in text and '#include "' not in text
+
+
+def test_ptxas_log_parsing():
+    log = ("ptxas info    : Used 168 registers, used 1 barriers, 512 bytes smem, 400 bytes cmem[0]\n"
+           "ptxas info    : Function properties for k\n"
+           "    24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n")
+    got = _compile.parse_ptxas(log)
+    assert got == dict(registers=168, static_smem=512, stack_bytes=24, spill_stores=8, spill_loads=12)
+    with pytest.raises(ValueError):
+        _compile.parse_ptxas("nothing here")
