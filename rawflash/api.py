@@ -27,7 +27,7 @@ def _is_empty(c: Checked) -> bool:
 
 
 def _xp(kind: str, backend: str):
-    if kind == "numpy" and backend == "reference":
+    if kind == "numpy" and backend in ("reference", "numba"):
         return np
     import cupy
 
@@ -73,7 +73,7 @@ def forward(q, k, v, *, causal=False, scale=None, kernel="fa2", backend="cupy", 
         if backend == "numba":
             from . import numba_backend
 
-            out, lse = numba_backend.forward(c.problem, q, k, v, c.scale, kernel)
+            out, lse = numba_backend.forward(c.problem, q, k, v, c.scale, kernel, **switches)
         else:
             from . import cupy_backend
 
