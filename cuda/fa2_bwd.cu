@@ -76,7 +76,8 @@ fa2_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
   constexpr int NTHREADS = NWARPS * 32, WK = NWARPS / WC, MTK = BC / (16 * WK), NQ = BR / 8, DW = D / WC;
   // dQ_i (BR x D) is split into QROWS x QCOLS warp tiles of 16 x DQW, done DQC columns at a time.
   constexpr int QROWS = BR / 16, QCOLS = dq_column_groups(NWARPS / QROWS, D), DQW = D / QCOLS;
-  constexpr int DQC = DQW <= 64 ? DQW : DQW % 64 == 0 ? 64 : 32;
+  constexpr int DQC_MAX = sizeof(T) == 2 ? 64 : 32;                     // float32 keeps a second sum block live
+  constexpr int DQC = DQW <= DQC_MAX ? DQW : DQW % DQC_MAX == 0 ? DQC_MAX : 16;
   static_assert(Fa2BwdSmem<T, D, BR, BC, ATOMIC_DQ>::BYTES == SMEM_BYTES,
                 "rawflash/launch.py and the kernel disagree on shared memory");
   static_assert(BC % (16 * WK) == 0 && DW % 16 == 0 && NWARPS % QROWS == 0 && DQW % DQC == 0 && DQC % 16 == 0, "warp layout");
