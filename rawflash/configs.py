@@ -87,6 +87,8 @@ ARCH_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
         **{("fa2_fwd", d, dt): TileConfig(128, 32, 4, why="sm_80: 128 x 64 spills 16 B") for d in (96, 128) for dt in _16BIT},
         **{("fa2_bwd", d, dt): TileConfig(32, 128, 8, why="sm_80: Br = 64 spills; 106 KB of shared memory")
            for d in (96, 128) for dt in _16BIT},
+        **{("fa2_bwd", d, "float32"): TileConfig(16, 32, 8, wc=4, why="sm_80: 163 KB per block; Br = 32 spills")
+           for d in (192, 256)},
     },
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 
@@ -23,10 +24,14 @@ def run_head_dim(head_dim: int) -> int:
 
 
 def device_arch() -> str:
-    """'sm_90' for an H100 / H200, 'sm_80' for an A100, ... (the current CuPy device)."""
+    """'sm_90' for an H100 / H200, 'sm_80' for an A100, ... (the current CuPy device), which picks the tile rows.
+
+    ``RAWFLASH_TILE_ARCH=sm_80`` makes a GPU use another architecture's rows (the code is still compiled for the
+    GPU at hand): how the sm_80 rows are tested on an H200.
+    """
     import cupy
 
-    return f"sm_{cupy.cuda.Device().compute_capability}"
+    return os.environ.get("RAWFLASH_TILE_ARCH") or f"sm_{cupy.cuda.Device().compute_capability}"
 
 
 def run(lau: Launch, args: tuple) -> None:

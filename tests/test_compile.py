@@ -12,6 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from rawflash import _compile, configs, launch
+from rawflash.occupancy import ARCHS as ARCHS_LIMITS
 
 pytestmark = pytest.mark.compile
 ARCHS = ("sm_80", "sm_90")
@@ -56,6 +57,8 @@ def test_instantiation_compiles_within_its_launch_bounds(reports, arch, lau):
     allowed = configs.KNOWN_SPILLS.get((lau.name_expression, arch), 0)
     assert rep.spills <= allowed, f"{rep.spill_stores} B spill stores, {rep.spill_loads} B spill loads\n{rep.log}"
     assert rep.static_smem == 0, "shared memory is dynamic only (launch.py sizes it)"
+    limit = ARCHS_LIMITS[arch].smem_per_block_optin
+    assert lau.smem <= limit, f"{lau.smem} B of shared memory > the {limit} B a block may have on {arch}"
 
 
 def test_known_spills_are_still_real(reports):
