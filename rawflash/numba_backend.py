@@ -25,6 +25,8 @@ from .launch import Problem
 from .numba_kernels import fa1_fwd, fa2_bwd, fa2_fwd  # applies the numpy shim before numba.cuda is imported
 
 SIMULATOR = bool(numba_config.ENABLE_CUDASIM)
+# The twins favour clarity over occupancy (one thread per row); small test grids would warn on every launch.
+numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 LOG2E = 1.0 / math.log(2.0)
 STATIC_SMEM_LIMIT = 48 * 1024  # a CTA gets more dynamic shared memory only after raising its limit
 SWITCHES = {"defer_norm": True, "seq_parallel": True, "split_q": True}
