@@ -4,6 +4,8 @@ Layout is flash-attn's: q (batch, seqlen_q, heads, head_dim); k, v (batch, seqle
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import arrays, reference, validation
@@ -69,6 +71,7 @@ def forward(q, k, v, *, causal=False, scale=None, kernel="fa2", backend="cupy", 
     if _is_empty(c):
         out, lse = _empty_forward(c, _xp(c.kind, backend), q.dtype)
         return arrays.export(out, to_numpy), arrays.export(lse, to_numpy)
+    _require_gpu(backend)
     with _device(c):
         if backend == "numba":
             from . import numba_backend
@@ -110,6 +113,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic
     if _is_empty(c):
         xp = _xp(c.kind, backend)
         return (xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype))
+    _require_gpu(backend)
     with _device(c):
         if backend == "numba":
             from . import numba_backend
@@ -147,6 +151,21 @@ def _check_switches(kernel: str, switches: dict) -> None:
         raise ValueError(f"the ablation switches {sorted(switches)} apply to kernel='fa2' only, got kernel={kernel!r}")
     for name, value in switches.items():
         validation.check_flag(value, name)
+
+
+def _require_gpu(backend: str) -> None:
+    """A clear error instead of a CUDA runtime failure when no GPU is visible (the simulator serves 'numba')."""
+    if backend == "numba" and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return
+    try:
+        import cupy
+
+        available = cupy.cuda.is_available()
+    except Exception:
+        available = False
+    if not available:
+        raise RuntimeError(f"backend={backend!r} needs a CUDA GPU and none is visible; use backend='reference' "
+                           "(NumPy float64), or backend='numba' under NUMBA_ENABLE_CUDASIM=1 (Numba's CPU simulator)")
 
 
 def _host_result(x, to_numpy: bool):

@@ -21,13 +21,6 @@ def import_array(x, name: str):
     return cupy.asarray(x)
 
 
-def to_device(x):
-    """A CuPy array for a NumPy or CuPy one (NumPy is copied to the current device)."""
-    import cupy
-
-    return cupy.asarray(x)
-
-
 def kernel_ready(x, chunk_elems: int):
     """``x`` itself when the kernels can read it in place, else a contiguous copy.
 
