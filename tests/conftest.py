@@ -1,23 +1,13 @@
 """Shared test set-up: GPU detection for the `gpu` marker, and input factories."""
 from __future__ import annotations
 
-import functools
-
 import ml_dtypes
 import numpy as np
 import pytest
 
+from rawflash.sysinfo import gpu_available  # noqa: F401  (tests import it from here)
+
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-
-
-@functools.lru_cache(maxsize=None)
-def gpu_available() -> bool:
-    try:
-        import cupy
-
-        return bool(cupy.cuda.is_available())
-    except Exception:
-        return False
 
 
 def pytest_collection_modifyitems(config, items):
