@@ -85,19 +85,20 @@ def base_options() -> tuple[str, ...]:
 
 # ---------------------------------------------------------------- GPU path (CuPy RawModule)
 @functools.lru_cache(maxsize=None)
-def _module(source: str, name_expression: str, arch_option: str | None, device: int):
+def _module(source: str, name_expression: str, target: str | None, device: int):
     import cupy
 
-    options = base_options() + ((arch_option,) if arch_option else ())
+    options = base_options() + ((f"-arch={target}",) if target else ())
     return cupy.RawModule(code=assemble(source), options=options, name_expressions=[name_expression])
 
 
-def get_kernel(source: str, name_expression: str, arch_option: str | None = None):
-    """The ``cupy.RawKernel`` for one template instantiation, compiled at first use and cached."""
+def get_kernel(source: str, name_expression: str, target: str | None = None):
+    """The ``cupy.RawKernel`` for one template instantiation, compiled at first use and cached. ``target``
+    (e.g. ``sm_90a`` for wgmma) replaces the GPU's own architecture, which CuPy passes otherwise."""
     import cupy
 
     device = cupy.cuda.Device().id
-    return _module(source, name_expression, arch_option, device).get_function(name_expression)
+    return _module(source, name_expression, target, device).get_function(name_expression)
 
 
 def cache_dir() -> Path:

@@ -50,7 +50,9 @@ def forward(q, k, v, *, causal=False, scale=None, kernel="fa2", backend="cupy", 
     kernel : {'fa2', 'fa1', 'naive'}
     backend : {'cupy', 'numba', 'reference'}
     **switches
-        fa2 only, for the ablation: ``defer_norm``, ``seq_parallel``, ``split_q`` (all True by default).
+        fa2 only, for the ablation: ``defer_norm``, ``seq_parallel``, ``split_q`` (all True by default);
+        ``wgmma`` (default: Hopper's warpgroup kernel where it applies, False forces mma.sync, True demands
+        wgmma) and ``overlap`` (wgmma kernel: FA3's softmax / P V overlap, default True).
 
     Returns
     -------
@@ -142,7 +144,7 @@ def vjp(q, k, v, *, causal=False, scale=None, deterministic=False):
 
 
 def _check_switches(kernel: str, switches: dict) -> None:
-    allowed = {"defer_norm", "seq_parallel", "split_q"}
+    allowed = {"defer_norm", "seq_parallel", "split_q", "wgmma", "overlap"}
     unknown = set(switches) - allowed
     if unknown:
         raise TypeError(f"forward got unexpected keyword argument(s) {sorted(unknown)}; the fa2 ablation switches "
@@ -150,7 +152,8 @@ def _check_switches(kernel: str, switches: dict) -> None:
     if switches and kernel != "fa2":
         raise ValueError(f"the ablation switches {sorted(switches)} apply to kernel='fa2' only, got kernel={kernel!r}")
     for name, value in switches.items():
-        validation.check_flag(value, name)
+        if not (name == "wgmma" and value is None):
+            validation.check_flag(value, name)
 
 
 def _require_gpu(backend: str) -> None:

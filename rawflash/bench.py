@@ -19,7 +19,13 @@ import numpy as np
 
 from . import iomodel, reference
 
-IMPLS = ("rawflash-fa2", "rawflash-fa1", "rawflash-naive", "torch-flash", "torch-cudnn", "cupy-naive")
+IMPLS = ("rawflash-fa2", "rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive", "torch-flash", "torch-cudnn",
+         "cupy-naive")
+# rawflash implementations: (kernel=, extra forward switches). rawflash-fa2 is what a user gets (Hopper's wgmma
+# kernel where it applies); rawflash-fa2-mma forces the mma.sync kernel, to show what the Hopper path is worth.
+RAWFLASH_IMPLS = {"rawflash-fa2": ("fa2", {}), "rawflash-fa2-mma": ("fa2", {"wgmma": False}),
+                  "rawflash-fa1": ("fa1", {}), "rawflash-naive": ("naive", {})}
+FORWARD_ONLY = ("rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive", "cupy-naive")
 FLUSH_BYTES = 256 << 20  # larger than the H200's 60 MB L2
 
 
@@ -68,7 +74,7 @@ def sweep_cases(impls, directions, dtypes, head_dims, seqlens, causals, tokens=1
     cases = []
     for impl in impls:
         for direction in directions:
-            if direction == "bwd" and impl in ("rawflash-fa1", "rawflash-naive", "cupy-naive"):
+            if direction == "bwd" and impl in FORWARD_ONLY:
                 continue
             for dtype in dtypes:
                 if impl == "cupy-naive" and dtype != "float16":
@@ -144,10 +150,10 @@ def runner(case: Case, q, k, v, dout):
     """A zero-argument callable that runs ``case`` once (the forward of a backward case is done here, once)."""
     import rawflash
 
-    if case.impl.startswith("rawflash-"):
-        kernel = case.impl.split("-", 1)[1]
+    if case.impl in RAWFLASH_IMPLS:
+        kernel, switches = RAWFLASH_IMPLS[case.impl]
         if case.direction == "fwd":
-            return lambda: rawflash.forward(q, k, v, causal=case.causal, kernel=kernel)
+            return lambda: rawflash.forward(q, k, v, causal=case.causal, kernel=kernel, **switches)
         out, lse = rawflash.forward(q, k, v, causal=case.causal)
         return lambda: rawflash.backward(dout, q, k, v, out, lse, causal=case.causal)
     if case.impl == "cupy-naive":

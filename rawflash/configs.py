@@ -5,7 +5,9 @@ One row per (kernel, head_dim, dtype). A head_dim without a row of its own runs 
 chosen; ``bench/results/NOTES.md`` keeps the measurements.
 
 Kernels here are the CUDA templates: ``fa1_fwd``, ``fa2_fwd``, ``fa2_fwd_splitk`` (fa2_fwd with its split-Q
-partition switched off, for the ablation), ``fa2_bwd`` and ``fa2_bwd_dq`` (the deterministic dQ pass).
+partition switched off, for the ablation), ``fa2_fwd_sm90`` (fa2_fwd on Hopper's wgmma, 16-bit, sm_90 only),
+``fa2_bwd``, ``fa2_bwd_sm90`` (fa2_bwd's atomic-dQ pass on wgmma, 16-bit, d <= 128, sm_90 only) and
+``fa2_bwd_dq`` (the deterministic dQ pass).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import dataclasses
 SPECIALISED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = SPECIALISED_HEAD_DIMS[-1]
 DTYPES = ("float16", "bfloat16", "float32")
-KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_bwd", "fa2_bwd_dq")
+KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_fwd_sm90", "fa2_bwd", "fa2_bwd_sm90", "fa2_bwd_dq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,10 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_fwd", (32, 64), _16BIT, TileConfig(128, 64, 4, kunroll=4, why="H200 d=64 N=4096: 232/215 TF; 128x128 spills"))
     put("fa2_fwd", (96, 128), _16BIT, TileConfig(128, 64, 4, why="H200 N=4096 d=128: 280/240 TF vs 247/216 at 128x32"))
     put("fa2_fwd", (192, 256), _16BIT, TileConfig(64, 64, 4, why="O accumulator of 16 x d per warp fits registers"))
+    # fa2_fwd_sm90 (wgmma, sm_90a): warps = 4 per warpgroup of 64 query rows. 1 CTA per SM (shared memory of
+    # Q_i and two stages of K_j, V_j); 8 warps, 255 registers each hold O (d/2), S (bc/2) and P (bc/4).
+    put("fa2_fwd_sm90", (64, 128), _16BIT, TileConfig(128, 128, 8, why="FA3's d<=128 shape, 161 KB smem"))
+    put("fa2_fwd_sm90", (192, 256), _16BIT, TileConfig(128, 64, 8, why="O of d/2 registers leaves room for 64 keys"))
     # float32 runs the same body with emulated mma (FMA + shuffles): one m-tile per warp, narrow key blocks.
     put("fa2_fwd", (32, 64, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low"))
     put("fa2_fwd", (256,), ("float32",), TileConfig(64, 16, 4, why="fp32 FMA path: O of 16 x 256 per warp"))
@@ -69,6 +75,8 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_bwd", (96, 128), _16BIT, TileConfig(64, 128, 8, why="H200 N=4096 d=128: 162/145 TF vs 146/132 at Br=32"))
     put("fa2_bwd", (192,), _16BIT, TileConfig(32, 64, 8, wc=2, why="warps also split d: 16 x d/2 per warp"))
     put("fa2_bwd", (256,), _16BIT, TileConfig(32, 64, 8, wc=2, why="16 x 128 dK, dV per warp"))
+    # fa2_bwd_sm90 (wgmma, sm_90a): a warpgroup per 64 keys, 64 query rows per step (one wgmma of dQ_i).
+    put("fa2_bwd_sm90", (64, 128), _16BIT, TileConfig(64, 128, 8, why="FA3's d<=128 shape: 2 warpgroups x 64 keys"))
     put("fa2_bwd", (32, 64), ("float32",), TileConfig(32, 64, 4, why="fp32 FMA path"))
     put("fa2_bwd", (96, 128), ("float32",), TileConfig(32, 64, 8, wc=2, why="fp32 FMA path; warps split d"))
     put("fa2_bwd", (192, 256), ("float32",), TileConfig(32, 32, 8, wc=4, why="fp32 FMA path; 16 x d/4 dK, dV per warp"))

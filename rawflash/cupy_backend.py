@@ -42,7 +42,7 @@ def run(lau: Launch, args: tuple) -> None:
     if lau.smem > limit:
         raise ValueError(f"{lau.name_expression} needs {lau.smem} B of shared memory per block and this GPU allows "
                          f"{limit} B: its tile row in rawflash/configs.py does not fit this GPU")
-    fn = _compile.get_kernel(lau.source, lau.name_expression)
+    fn = _compile.get_kernel(lau.source, lau.name_expression, lau.target)
     if lau.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < lau.smem:
         fn.max_dynamic_shared_size_bytes = lau.smem
     fn(lau.grid, lau.block, args, shared_mem=lau.smem)

@@ -172,11 +172,11 @@ def _offline(source: str, name_expression: str, arch: str) -> _compile.CompileRe
 def resources(lau: Launch, tgt: Target) -> Resources:
     """Registers, static shared memory and spills of ``lau``'s instantiation for ``tgt``."""
     if not tgt.on_gpu:
-        rep = _offline(lau.source, lau.name_expression, tgt.arch)
+        rep = _offline(lau.source, lau.name_expression, lau.compile_arch(tgt.arch))
         return Resources(rep.registers, rep.static_smem, rep.spills)
     from cupy.cuda import driver
 
-    fn = _compile.get_kernel(lau.source, lau.name_expression)
+    fn = _compile.get_kernel(lau.source, lau.name_expression, lau.target)
     if lau.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < lau.smem:  # opt in, as cupy_backend.run does
         fn.max_dynamic_shared_size_bytes = lau.smem
     ptr = getattr(fn, "ptr", None) or fn.kernel.ptr
@@ -272,11 +272,11 @@ def io_tiles(p: Problem, kernel: str, direction: str) -> tuple[int | None, int |
         runs = "rawflash (cuBLAS + softmax)" if direction == "fwd" else "model only (FA1 Alg. 0 backward)"
         return None, None, runs
     if direction == "fwd":
-        cfg = (launch.fa2_fwd(p) if kernel == "fa2" else launch.fa1_fwd(p)).config
-        return cfg.br, cfg.bc, f"rawflash {kernel}_fwd"
+        lau = launch.fa2_fwd(p) if kernel == "fa2" else launch.fa1_fwd(p)
+        return lau.config.br, lau.config.bc, f"rawflash {lau.kernel}"
     if kernel == "fa2":
-        cfg = launch.fa2_bwd(p).config
-        return cfg.br, cfg.bc, "rawflash fa2_bwd"
+        lau = launch.fa2_bwd(p)
+        return lau.config.br, lau.config.bc, f"rawflash {lau.kernel}"
     cfg = launch.fa1_fwd(p).config
     return cfg.br, cfg.bc, "model only (FA1 Alg. 4), fa1_fwd's tiles"
 

@@ -8,6 +8,7 @@ cannot drift apart silently.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from . import configs
 from .configs import TileConfig
@@ -53,6 +54,11 @@ class Launch:
     block: tuple[int, int, int]
     smem: int
     config: TileConfig | None = None
+    target: str | None = None  # a compile target other than the GPU's own (sm_90a for wgmma), else None
+
+    def compile_arch(self, arch: str) -> str:
+        """The NVRTC target this launch compiles for when the GPU (or the offline check) is ``arch``."""
+        return self.target or arch
 
     @property
     def name_expression(self) -> str:
@@ -128,8 +134,44 @@ def _rows_of_warps(kernel: str, source: str, dtype: str, rows: int) -> Launch:
     return Launch(kernel, source, (CUDA_TYPES[dtype],), (blocks, 1, 1), (256, 1, 1), 0)
 
 
-def fa2_fwd(p: Problem, *, defer_norm: bool = True, seq_parallel: bool = True, split_q: bool = True) -> Launch:
-    """FA2 forward; the three switches are the FA2 ideas the ablation turns off one by one."""
+def smem_fa2_fwd_sm90(cfg: TileConfig, d: int) -> int:
+    """1024 B of alignment slack, Q_i, and two stages each of K_j and V_j (16-bit)."""
+    return 1024 + (cfg.br + 4 * cfg.bc) * d * 2
+
+
+def wgmma_supported(p: Problem) -> bool:
+    """Whether ``fa2_fwd_sm90`` can run ``p``: an sm_90 GPU (wgmma is sm_90a code) and a tile row for its
+    dtype (float16 / bfloat16) and specialised head_dim (64, 128, 192, 256)."""
+    return p.arch == "sm_90" and ("fa2_fwd_sm90", p.padded_head_dim, p.dtype) in configs.TABLE
+
+
+def fa2_fwd_sm90(p: Problem, *, overlap: bool = True) -> Launch:
+    """FA2 forward with wgmma (sm_90a); ``overlap`` is FA3's softmax / P V overlap inside a warpgroup."""
+    d = p.padded_head_dim
+    cfg = configs.tile_config("fa2_fwd_sm90", d, p.dtype, p.arch)
+    smem = smem_fa2_fwd_sm90(cfg, d)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.causal, overlap, smem)
+    grid = _check_grid((cdiv(p.seqlen_q, cfg.br), p.heads, p.batch), "fa2_fwd_sm90")
+    return Launch("fa2_fwd_sm90", "fa2_fwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+
+
+def fa2_fwd(p: Problem, *, defer_norm: bool = True, seq_parallel: bool = True, split_q: bool = True,
+            wgmma: bool | None = None, overlap: bool = True) -> Launch:
+    """FA2 forward. The first three switches are the FA2 ideas the ablation turns off one by one.
+
+    ``wgmma``: None (default) runs ``fa2_fwd_sm90`` wherever ``wgmma_supported`` and every FA2 idea is on,
+    unless the environment sets ``RAWFLASH_WGMMA=0``; False forces the mma.sync kernel; True demands wgmma.
+    ``overlap`` (wgmma only): FA3's overlap of the softmax with P V inside a warpgroup.
+    """
+    ideas_on = defer_norm and seq_parallel and split_q
+    if wgmma is None:
+        wgmma = ideas_on and wgmma_supported(p) and os.environ.get("RAWFLASH_WGMMA", "1") != "0"
+    elif wgmma and not (ideas_on and wgmma_supported(p)):
+        raise ValueError(f"wgmma=True needs an sm_90 GPU, float16 or bfloat16, a head_dim that pads to 64, 128, 192 "
+                         f"or 256 and every FA2 switch on; got arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, "
+                         f"defer_norm={defer_norm}, seq_parallel={seq_parallel}, split_q={split_q}")
+    if wgmma:
+        return fa2_fwd_sm90(p, overlap=overlap)
     d = p.padded_head_dim
     cfg = configs.tile_config("fa2_fwd" if split_q else "fa2_fwd_splitk", d, p.dtype, p.arch)
     smem = smem_fa2_fwd(cfg, d, p.itemsize, split_q)
@@ -166,8 +208,37 @@ def fa2_bwd_preprocess(p: Problem) -> Launch:
                   (128, 1, 1), 0)
 
 
-def fa2_bwd(p: Problem, *, atomic_dq: bool = True) -> Launch:
-    """FA2 backward main pass: one CTA per (key block, kv head, batch)."""
+def smem_fa2_bwd_sm90(cfg: TileConfig, d: int) -> int:
+    """1024 B of alignment slack; K_j, V_j; two stages of Q_i, dO_i; dS^T; two stages of L_i, D_i (float32)."""
+    return 1024 + (2 * cfg.bc + 4 * cfg.br) * d * 2 + cfg.bc * cfg.br * 2 + 4 * cfg.br * 4
+
+
+def wgmma_bwd_supported(p: Problem) -> bool:
+    """Whether ``fa2_bwd_sm90`` can run ``p``: an sm_90 GPU and an ``fa2_bwd_sm90`` row (16-bit, d 64 or 128)."""
+    return p.arch == "sm_90" and ("fa2_bwd_sm90", p.padded_head_dim, p.dtype) in configs.TABLE
+
+
+def fa2_bwd_sm90(p: Problem) -> Launch:
+    """FA2 backward main pass with wgmma (sm_90a, atomic dQ): one CTA per (key block, kv head, batch)."""
+    d = p.padded_head_dim
+    cfg = configs.tile_config("fa2_bwd_sm90", d, p.dtype, p.arch)
+    smem = smem_fa2_bwd_sm90(cfg, d)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.causal, smem)
+    grid = _check_grid((cdiv(p.seqlen_k, cfg.bc), p.kv_heads, p.batch), "fa2_bwd_sm90")
+    return Launch("fa2_bwd_sm90", "fa2_bwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+
+
+def fa2_bwd(p: Problem, *, atomic_dq: bool = True, wgmma: bool | None = None) -> Launch:
+    """FA2 backward main pass: one CTA per (key block, kv head, batch). ``wgmma`` None picks ``fa2_bwd_sm90`` for
+    the atomic-dQ pass where ``wgmma_bwd_supported`` (unless ``RAWFLASH_WGMMA=0``); False forces mma.sync."""
+    if wgmma is None:
+        wgmma = atomic_dq and wgmma_bwd_supported(p) and os.environ.get("RAWFLASH_WGMMA", "1") != "0"
+    elif wgmma and not (atomic_dq and wgmma_bwd_supported(p)):
+        raise ValueError(f"wgmma=True (backward) needs an sm_90 GPU, float16 or bfloat16, a head_dim that pads to 64 "
+                         f"or 128 and the atomic dQ pass; got arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, "
+                         f"atomic_dq={atomic_dq}")
+    if wgmma:
+        return fa2_bwd_sm90(p)
     d = p.padded_head_dim
     cfg = configs.tile_config("fa2_bwd", d, p.dtype, p.arch)
     smem = smem_fa2_bwd(cfg, d, p.itemsize, atomic_dq)
@@ -221,20 +292,28 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
         for d in configs.SPECIALISED_HEAD_DIMS:
             for causal in (False, True):
                 p = Problem(1, 1, 1, 1, 1, d, dtype, causal, arch)
-                launches = [fa2_fwd(p), fa1_fwd(p), fa2_bwd(p, atomic_dq=True), fa2_bwd(p, atomic_dq=False),
+                launches = [fa2_fwd(p, wgmma=False), fa1_fwd(p), fa2_bwd(p, atomic_dq=True, wgmma=False),
+                             fa2_bwd(p, atomic_dq=False),
                             fa2_bwd_dq(p), naive_softmax(p), fa1_finalize(p), fa2_bwd_preprocess(p),
                             fa2_bwd_convert_dq(p)]
+                if wgmma_supported(p):
+                    launches += [fa2_fwd_sm90(p, overlap=True), fa2_fwd_sm90(p, overlap=False)]
+                if wgmma_bwd_supported(p):
+                    launches.append(fa2_bwd_sm90(p))
                 if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures
-                    launches += [fa2_fwd(p, **sw) for sw in ABLATIONS.values() if sw]
+                    launches += [fa2_fwd(p, **sw) for sw in ABLATIONS.values() if not sw.get("wgmma")]
                 for launch in launches:
                     out.setdefault(launch.name_expression, launch)
     return list(out.values())
 
 
-ABLATIONS: dict[str, dict[str, bool]] = {
-    "fa2": {},
+ABLATIONS: dict[str, dict[str, bool]] = {  # FA2's ideas, measured on the mma.sync kernel that has switches for them
+    "fa2": {"wgmma": False},
     "no-deferred-norm": {"defer_norm": False},
     "no-seq-parallel": {"seq_parallel": False},
     "no-split-q": {"split_q": False},
     "none (all three off)": {"defer_norm": False, "seq_parallel": False, "split_q": False},
+    # and what Hopper's warpgroup products add on top of full FA2 (sm_90 only), with and without FA3's overlap
+    "wgmma": {"wgmma": True},
+    "wgmma, no overlap": {"wgmma": True, "overlap": False},
 }

@@ -155,8 +155,12 @@ def _dims(pr: Problem) -> tuple[int, ...]:
 
 
 def _fa2_forward(pr: Problem, q, k, v, out, lse, scale_log2, switches: dict) -> None:
-    sw = {**SWITCHES, **switches}
-    lau = launch.fa2_fwd(pr, **switches)
+    if switches.get("wgmma"):
+        raise ValueError("wgmma=True: the warpgroup kernel has no Numba twin (the twin of fa2 is fa2_fwd's mma.sync "
+                         "form); use backend='cupy'")
+    ideas = {k: v for k, v in switches.items() if k in SWITCHES}
+    sw = {**SWITCHES, **ideas}
+    lau = launch.fa2_fwd(pr, **ideas, wgmma=False)
     c, d = lau.config, pr.padded_head_dim
     kernel = fa2_fwd.make_fa2_fwd(d, c.br, c.bc, c.warps, pr.causal, **sw)
     run(kernel, lau.grid, fa2_fwd.threads(c.br, c.warps, sw["split_q"]),
@@ -234,7 +238,7 @@ def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: b
     inputs = (q, k, v, do, lse2, delta)
     scales = (np.float32(scale), np.float32(scale * LOG2E))
     atomic = not deterministic
-    lau = launch.fa2_bwd(pr, atomic_dq=atomic)
+    lau = launch.fa2_bwd(pr, atomic_dq=atomic, wgmma=False)  # the twin mirrors fa2_bwd (mma.sync tiles)
     c, d = lau.config, pr.padded_head_dim
     kernel = fa2_bwd.make_fa2_bwd(d, c.br, c.bc, c.warps, pr.causal, atomic_dq=atomic)
     # dq_ws: float32 dQ accumulated with atomic adds; the deterministic pass leaves it alone (any 4-D float32 array)

@@ -34,6 +34,9 @@ class Variant:
         Kernel names of its rows in ``configs.TABLE`` (empty for variants without tiles).
     supports : tuple of str
         What it supports beyond the common contract (every dtype, head_dim up to 256, GQA/MQA, causal).
+    more_sources : tuple of str
+        Other ``.cu`` files holding a form of the same algorithm for one architecture (fa2_fwd_sm90.cu: the
+        wgmma form of fa2_fwd); their Numba twin is the variant's.
     """
 
     name: str
@@ -44,10 +47,15 @@ class Variant:
     kernels: tuple[str, ...]
     tile_rows: tuple[str, ...]
     supports: tuple[str, ...]
+    more_sources: tuple[str, ...] = ()
 
     @property
     def source(self) -> str:
         return f"{self.name}.cu"
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source, *self.more_sources)
 
     @property
     def numba_factory(self) -> str:
@@ -77,14 +85,19 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
             ("fa1_fwd",), COMMON),
     Variant("fa2_fwd", "fwd", "fa2", "FlashAttention-2 forward (FA2 paper, Algorithm 1)",
             "split-Q: each warp owns whole query rows, no inter-warp exchange",
-            ("fa2_fwd: one CTA per (Q block, head, batch)",), ("fa2_fwd", "fa2_fwd_splitk"),
-            COMMON + ("ablation switches: defer_norm, seq_parallel, split_q",)),
+            ("fa2_fwd: one CTA per (Q block, head, batch)",
+             "fa2_fwd_sm90: the same with wgmma, one warpgroup per 64 query rows (sm_90, 16-bit, head_dim <= 256)"),
+            ("fa2_fwd", "fa2_fwd_splitk", "fa2_fwd_sm90"),
+            COMMON + ("ablation switches: defer_norm, seq_parallel, split_q; wgmma, overlap",),
+            more_sources=("fa2_fwd_sm90.cu",)),
     Variant("fa2_bwd", "bwd", "fa2", "FlashAttention-2 backward (FA2 paper, Algorithm 2)",
             "warps split the Bc keys (and with wc > 1 the head_dim columns of dK, dV)",
             ("fa2_bwd_preprocess: D = rowsum(dO * O)", "fa2_bwd: one CTA per (K block, kv head, batch)",
              "fa2_bwd_convert_dq: float32 dQ to the input dtype (default: atomicAdd dQ)",
-             "fa2_bwd_dq: dQ without atomics, one CTA per Q block (deterministic=True)"),
-            ("fa2_bwd", "fa2_bwd_dq"), COMMON + ("deterministic=True (bitwise repeatable)",)),
+             "fa2_bwd_dq: dQ without atomics, one CTA per Q block (deterministic=True)",
+             "fa2_bwd_sm90: the atomic-dQ pass with wgmma, a warpgroup per 64 keys (sm_90, 16-bit, head_dim <= 128)"),
+            ("fa2_bwd", "fa2_bwd_dq", "fa2_bwd_sm90"), COMMON + ("deterministic=True (bitwise repeatable)",),
+            more_sources=("fa2_bwd_sm90.cu",)),
 )}
 
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The one command that checks rawflash on a GPU machine: precompile, GPU tests, compute-sanitizer, benchmark.
-#   tools/gpu_run.sh [tests] [sanitize] [bench ARGS...]     (no argument: tests and sanitize)
-# Logs go to $OUT (or ./gpu_logs). Run from the repository root.
+#   tools/gpu_run.sh [tests] [tests-mma] [hopper] [sanitize] [SCRIPT.py] [bench ARGS...]   (no argument: tests, sanitize)
+#     tests      every GPU test (the default forward path: wgmma on an H200 where it applies)
+#     tests-mma  the kernel tests again with RAWFLASH_WGMMA=0 (the mma.sync forward on the same GPU)
+#     hopper     only tests/test_gpu_hopper.py (the wgmma kernel)
+# Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}
 mkdir -p "$OUT"
@@ -10,13 +13,19 @@ status=0
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests sanitize)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 tools/precompile.py 2>&1 | tee "$OUT/precompile.log" || status=1
+python3 tools/precompile.py --filter "${PRECOMPILE_FILTER:-}" 2>&1 | tee "$OUT/precompile.log" | tail -5 || status=1
 i=0
 while [ $i -lt ${#steps[@]} ]; do
   step=${steps[$i]}; i=$((i + 1))
   case $step in
     tests)
       python3 -m pytest -q -m "gpu" -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
+    tests-mma)
+      RAWFLASH_WGMMA=0 python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 \
+        | tee "$OUT/gpu_tests_mma.log" | tail -15 || status=1 ;;
+    hopper)
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_hopper.py 2>&1 | tee "$OUT/gpu_hopper.log" \
+        | tail -25 || status=1 ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize.py float16 float32 \

@@ -14,12 +14,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _compile(item):
-    source, expr = item
+    source, expr, target = item
     from rawflash import _compile
 
     t = time.time()
     try:
-        fn = _compile.get_kernel(source, expr)
+        fn = _compile.get_kernel(source, expr, target)
         return expr, fn.num_regs, fn.local_size_bytes, time.time() - t, None
     except Exception as err:  # report and go on: one broken instantiation must not hide the others
         return expr, 0, 0, time.time() - t, str(err)[:2000]
@@ -33,7 +33,7 @@ def main() -> int:
     from rawflash import cupy_backend, launch
 
     arch = cupy_backend.device_arch()
-    items = [(lau.source, lau.name_expression) for lau in launch.all_instantiations(arch)
+    items = [(lau.source, lau.name_expression, lau.target) for lau in launch.all_instantiations(arch)
              if args.filter in lau.name_expression]
     t0 = time.time()
     failed = 0

@@ -1,0 +1,145 @@
+// rawflash Hopper tile verbs (sm_90a): warpgroup matrix products (wgmma) that read shared memory through
+// 64-bit matrix descriptors (PTX ISA, "Asynchronous Warpgroup Level Matrix Shared Memory Layout").
+//
+// A warpgroup is 4 consecutive warps (128 threads) starting at a warp index divisible by 4. One wgmma computes a
+// 64 x N tile: warp w of the group owns rows 16w..16w+15 in mma.sync's C layout (wgmma_ops.cuh), so the row
+// verbs of common.cuh (row_max, row_sum, scale_rows, apply_mask, store_rows) work on it with MT = 1.
+//
+// Shared-memory layout of a 16-bit tile (Sw128): the columns are cut into panels of 64 (128 bytes); a panel is
+// ROWS rows of 128 bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8). This is the "128-byte swizzle"
+// canonical layout of wgmma, both K-major (rows are M or N, columns are K) and MN-major (rows are K, columns
+// are N): the same bytes can be read either way, which is how V feeds O += P V without a transpose.
+#pragma once
+#include "common.cuh"
+#include "wgmma_ops.cuh"
+
+namespace rf {
+
+using u64 = unsigned long long;
+
+__device__ __forceinline__ int warpgroup_id() { return threadIdx.x >> 7; }
+__device__ __forceinline__ int warp_in_group() { return (threadIdx.x >> 5) & 3; }
+
+// Descriptor fields: start address, leading and stride byte offsets (all >> 4), layout type 1 = 128-byte swizzle.
+__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
+  return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+
+template <typename T, int ROWS, int COLS> struct Sw128 {
+  static_assert(sizeof(T) == 2, "wgmma tiles hold float16 / bfloat16");
+  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "whole 64-column panels of whole 8-row swizzle atoms");
+  static constexpr int PANEL_BYTES = ROWS * 128;
+  static constexpr int BYTES = ROWS * COLS * 2;
+  u32 base;  // shared-memory address, 1024-byte aligned (the swizzle repeats every 8 rows of 128 bytes)
+  // Address of the 16-byte chunk holding (row, col..col+7), col % 8 == 0.
+  __device__ __forceinline__ u32 addr(int row, int col) const {
+    return base + (col >> 6) * PANEL_BYTES + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4);
+  }
+  // K-major operand (A or B of D = A B^T): rows r0..r0+63 (or N rows), k-step of 16 columns at k0.
+  // Within a panel the hardware applies the swizzle to the absolute address, so stepping k is +32 bytes;
+  // the 8-row atoms follow each other every 1024 bytes (SBO); LBO is unused in this mode.
+  __device__ __forceinline__ u64 desc_k(int r0, int k0) const {
+    return make_desc(base + (k0 >> 6) * PANEL_BYTES + r0 * 128 + (k0 & 63) * 2, 16, 1024);
+  }
+  // MN-major operand (B of D = A B with B stored [k][n], or A stored [k][m]): rows k0..k0+15 are K, columns
+  // n0.. are N (or M). LBO steps from one 64-column panel to the next, SBO from one 8-row group of K to the next;
+  // a start inside a panel (n0 % 64 = 32) is a byte offset, like the k-steps of desc_k.
+  __device__ __forceinline__ u64 desc_mn(int k0, int n0) const {
+    return make_desc(base + (n0 >> 6) * PANEL_BYTES + k0 * 128 + (n0 & 63) * 2, PANEL_BYTES, 1024);
+  }
+};
+
+// Copy rows [0, ROWS) of a tile whose row r starts at g + r*row_stride into an Sw128 tile (cp.async, 16 bytes
+// per thread and step, consecutive threads on consecutive chunks of a row); rows >= rows_valid and columns
+// >= cols_valid are zero-filled.
+template <int NTHREADS, typename T, int ROWS, int COLS>
+__device__ __forceinline__ void load_tile(const Sw128<T, ROWS, COLS>& s, const T* g, long long row_stride,
+                                          int rows_valid, int cols_valid) {
+  constexpr int C = COLS / 8;
+#pragma unroll
+  for (int idx = threadIdx.x; idx < ROWS * C; idx += NTHREADS) {
+    const int row = idx / C, col = (idx % C) * 8;
+    const bool valid = row < rows_valid && col < cols_valid;
+    cp_async16(s.addr(row, col), valid ? g + row * row_stride + col : g, valid);
+  }
+}
+
+// Write a C-layout accumulator (64 rows of a warpgroup, MT = 1) into an Sw128 tile at rows r0.., cols c0..
+// (r0: this warp's first row). Each quad writes 16 contiguous bytes of a row: no bank conflicts.
+template <typename T, int NT, int R, int C>
+__device__ __forceinline__ void store_acc(const Sw128<T, R, C>& s, const float (&acc)[NT][4], int r0, int c0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = r0 + g + 8 * h, col = c0 + 8 * j + 2 * t;
+      const u32 v = pack2<T>(acc[j][2 * h], acc[j][2 * h + 1]);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s.addr(row, col & ~7) + (col & 7) * 2), "r"(v) : "memory");
+    }
+}
+
+// ---------------------------------------------------------------- ordering
+// Before the first wgmma of a batch: registers it reads or accumulates into were written by ordinary code.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Wait until at most N committed batches of this warpgroup are still running (they finish in order).
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared memory written by this thread (cp.async, st.shared) becomes visible to the tensor cores' async proxy
+// once every writer has executed this and the CTA has passed a barrier.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keep the compiler from moving reads or writes of an accumulator across a wgmma that is still running.
+template <int NT> __device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+// ---------------------------------------------------------------- warpgroup products (issue only: commit, wait)
+// acc (+)= A B^T, A = rows a0..a0+63 of sa ([m][k]), B = rows b0.. of sb ([n][k]), k over all K columns.
+// accumulate = false overwrites acc (no need to zero it first).
+template <typename T, int NT, int RA, int RB, int K>
+__device__ __forceinline__ void wg_gemm_abt(float (&acc)[NT][4], const Sw128<T, RA, K>& sa, int a0,
+                                            const Sw128<T, RB, K>& sb, int b0, bool accumulate) {
+#pragma unroll
+  for (int k = 0; k < K; k += 16)
+    Wgmma<T, 8 * NT, 0, 0>::ss(acc, sa.desc_k(a0, k), sb.desc_k(b0, k), (k > 0 || accumulate) ? 1 : 0);
+}
+// P (64 x 16*KT) in registers as A fragments, from an accumulator in C layout: k-chunk kk = columns 16kk.. .
+template <typename T, int NT>
+__device__ __forceinline__ void to_a_operand(u32 (&p)[NT / 2][4], const float (&s)[NT][4]) {
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    p[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+    p[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+    p[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    p[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+// acc += P B, P from registers (to_a_operand), B = rows k0.. (K) x columns n0.. (N = 8*NT) of sb stored [k][n].
+template <typename T, int NT, int KT, int R, int C>
+__device__ __forceinline__ void wg_gemm_rb(float (&acc)[NT][4], const u32 (&p)[KT][4], const Sw128<T, R, C>& sb,
+                                           int k0, int n0) {
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) Wgmma<T, 8 * NT, 0, 1>::rs(acc, p[kk], sb.desc_mn(k0 + 16 * kk, n0), 1);
+}
+
+// acc (+)= A B with A[m][k] read from sa stored [k][m] (columns m0..m0+63) and B from sb stored [k][n]
+// (columns n0..): both operands MN-major, k over rows [0, K). Used for dQ = dS K with dS kept as dS^T.
+template <int K, typename T, int NT, int RA, int CA, int RB, int CB>
+__device__ __forceinline__ void wg_gemm_atb(float (&acc)[NT][4], const Sw128<T, RA, CA>& sa, int m0,
+                                            const Sw128<T, RB, CB>& sb, int n0, bool accumulate) {
+#pragma unroll
+  for (int k = 0; k < K; k += 16)
+    Wgmma<T, 8 * NT, 1, 1>::ss(acc, sa.desc_mn(k, m0), sb.desc_mn(k, n0), (k > 0 || accumulate) ? 1 : 0);
+}
+
+// dst[0..1] += (a, b) in global memory, one vector reduction (sm_90).
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+
+}  // namespace rf
