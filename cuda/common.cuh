@@ -85,6 +85,9 @@ __device__ __forceinline__ void cp_async16(u32 saddr, const void* gptr, bool val
   // src-size 0 writes 16 zero bytes: rows past the sequence end and columns past head_dim read as 0
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gptr), "r"(valid ? 16 : 0));
 }
+__device__ __forceinline__ void cp_async4(u32 saddr, const void* gptr, bool valid) {  // one float; 0 when !valid
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(saddr), "l"(gptr), "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 

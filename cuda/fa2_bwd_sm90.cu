@@ -57,7 +57,10 @@ fa2_bwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   float dk_acc[NO][4], dv_acc[NO][4];
   zero(reinterpret_cast<float (&)[1][NO][4]>(dk_acc));
   zero(reinterpret_cast<float (&)[1][NO][4]>(dv_acc));
-  // Start loading iteration it's Q_i, dO_i (cp.async) and L_i, D_i (plain stores) into stage it % 2.
+  // Start loading iteration it's Q_i, dO_i, L_i, D_i into stage it % 2, all with cp.async (a plain load would
+  // stall its warp, and with it the warpgroup's next wgmma, for a full memory latency every step). Rows past
+  // seqlen_q read Q = dO = 0 and L = D = 0: their P is 1 but their dP and dO are 0, so they add nothing to dV_j,
+  // dK_j, and their dQ rows are never written.
   auto issue = [&](int it) {
     const int h = hk * group + it / nqb, q0 = (i0 + it % nqb) * BR, st = it & 1, nq = min(BR, seqlen_q - q0);
     const long long bh = (long long)b * heads + h;
@@ -65,11 +68,12 @@ fa2_bwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
                         head_dim);
     load_tile<NTHREADS>(Sw128<T, BR, D>{do_base + st * Smem::QB}, dout + b * do_sb + h * do_sh + q0 * do_ss, do_ss,
                         nq, head_dim);
-    cp_async_commit();
-    for (int r = threadIdx.x; r < BR; r += NTHREADS) {                    // rows past seqlen_q: L = +inf, D = 0
-      sL0[st * BR + r] = r < nq ? lse2[bh * seqlen_q + q0 + r] : INFINITY;
-      sDelta0[st * BR + r] = r < nq ? delta[bh * seqlen_q + q0 + r] : 0.f;
+    for (int r = threadIdx.x; r < 2 * BR; r += NTHREADS) {
+      const int row = r % BR;
+      const float* src = (r < BR ? lse2 : delta) + bh * seqlen_q + q0 + (row < nq ? row : 0);
+      cp_async4((u32)__cvta_generic_to_shared((r < BR ? sL0 : sDelta0) + st * BR + row), src, row < nq);
     }
+    cp_async_commit();
   };
   if (n_iter > 0) issue(0);
   for (int it = 0; it < n_iter; ++it) {
