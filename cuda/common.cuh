@@ -80,6 +80,28 @@ template <typename T, int ROWS, int COLS> struct Tile {
   }
 };
 
+// 8 consecutive values (16 bytes of 16-bit, 32 of float32; the address aligned to 16 bytes) to / from float.
+template <typename T> __device__ __forceinline__ void load8(float (&v)[8], const T* p) {
+  if constexpr (sizeof(T) == 2) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = to_float(reinterpret_cast<const T*>(w)[e]);
+  } else {
+    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  }
+}
+template <typename T> __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]),
+                                              pack2<T>(v[6], v[7]));
+  } else {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
 // ---------------------------------------------------------------- global -> shared copies (cp.async)
 __device__ __forceinline__ void cp_async16(u32 saddr, const void* gptr, bool valid) {
   // src-size 0 writes 16 zero bytes: rows past the sequence end and columns past head_dim read as 0

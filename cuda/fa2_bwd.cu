@@ -52,10 +52,23 @@ __global__ void fa2_bwd_preprocess(const T* __restrict__ out, const T* __restric
   const int i = row % seqlen_q, h = (row / seqlen_q) % heads, b = row / ((long long)seqlen_q * heads);
   const T* o = out + b * o_sb + i * o_ss + h * o_sh;
   const T* d = dout + b * do_sb + i * do_ss + h * do_sh;
+  // 16-byte loads of 8 values where the rows allow it (head_dim % 8 == 0, aligned), else one value at a time.
+  const bool vec =
+      head_dim % 8 == 0 && ((reinterpret_cast<unsigned long long>(o) | reinterpret_cast<unsigned long long>(d)) & 15) == 0;
   float acc = 0.f;
   for (int c0 = 0; c0 < head_dim; c0 += 16) {
     float part = 0.f;
-    for (int c = c0; c < min(c0 + 16, head_dim); ++c) part = fmaf(to_float(o[c]), to_float(d[c]), part);
+    if (vec) {
+      for (int c = c0; c < min(c0 + 16, head_dim); c += 8) {
+        float a[8], x[8];
+        load8(a, o + c);
+        load8(x, d + c);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) part = fmaf(a[e], x[e], part);
+      }
+    } else {
+      for (int c = c0; c < min(c0 + 16, head_dim); ++c) part = fmaf(to_float(o[c]), to_float(d[c]), part);
+    }
     acc += part;
   }
   delta[row] = acc;
@@ -259,12 +272,15 @@ template <typename T>
 __global__ void fa2_bwd_convert_dq(const float* __restrict__ dq_ws, T* __restrict__ dq, long long dq_sb,
                                    long long dq_ss, long long dq_sh, int batch, int seqlen_q, int heads, int head_dim) {
   using namespace rf;
-  // ---- [fa2_bwd:convert] ----
-  const long long n = (long long)batch * heads * seqlen_q * head_dim;
+  // ---- [fa2_bwd:convert] 8 columns per thread and step (head_dim is a multiple of 8: cupy_backend pads it) ----
+  const int c8 = head_dim / 8;
+  const long long n = (long long)batch * heads * seqlen_q * c8;
   for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
-    const int c = x % head_dim;
-    const long long row = x / head_dim;
+    const int c = (int)(x % c8) * 8;
+    const long long row = x / c8;
     const int i = row % seqlen_q, h = (row / seqlen_q) % heads, b = row / ((long long)seqlen_q * heads);
-    dq[b * dq_sb + i * dq_ss + h * dq_sh + c] = from_float<T>(dq_ws[x]);
+    float v[8];
+    load8(v, dq_ws + row * head_dim + c);
+    store8(dq + b * dq_sb + i * dq_ss + h * dq_sh + c, v);
   }
 }

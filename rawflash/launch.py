@@ -33,6 +33,7 @@ class Problem:
     dtype: str
     causal: bool
     arch: str = "sm_90"
+    sms: int = 132  # multiprocessors of the GPU (persistent grids are sized by it)
 
     @property
     def padded_head_dim(self) -> int:
@@ -146,12 +147,14 @@ def wgmma_supported(p: Problem) -> bool:
 
 
 def fa2_fwd_sm90(p: Problem, *, overlap: bool = True) -> Launch:
-    """FA2 forward with wgmma (sm_90a); ``overlap`` is FA3's softmax / P V overlap inside a warpgroup."""
+    """FA2 forward with wgmma (sm_90a) on a persistent grid; ``overlap`` is FA3's softmax / P V overlap inside a
+    warpgroup. Its last kernel argument is ``batch`` (the grid no longer carries it)."""
     d = p.padded_head_dim
     cfg = configs.tile_config("fa2_fwd_sm90", d, p.dtype, p.arch)
     smem = smem_fa2_fwd_sm90(cfg, d)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.causal, overlap, smem)
-    grid = _check_grid((cdiv(p.seqlen_q, cfg.br), p.heads, p.batch), "fa2_fwd_sm90")
+    tiles = cdiv(p.seqlen_q, cfg.br) * p.heads * p.batch                  # persistent: min_blocks CTAs per SM
+    grid = (max(1, min(tiles, p.sms * cfg.min_blocks)), 1, 1)
     return Launch("fa2_fwd_sm90", "fa2_fwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
 
@@ -259,7 +262,9 @@ def fa2_bwd_dq(p: Problem) -> Launch:
 
 
 def fa2_bwd_convert_dq(p: Problem) -> Launch:
-    return _elementwise("fa2_bwd_convert_dq", "fa2_bwd.cu", p.dtype, p.batch * p.heads * p.seqlen_q * p.head_dim)
+    """8 columns per thread (head_dim is a multiple of 8 in the kernels)."""
+    return _elementwise("fa2_bwd_convert_dq", "fa2_bwd.cu", p.dtype,
+                        p.batch * p.heads * p.seqlen_q * cdiv(p.head_dim, 8))
 
 
 def forward_launches(p: Problem, kernel: str = "fa2", **switches) -> list[Launch]:

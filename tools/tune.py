@@ -27,14 +27,12 @@ CANDIDATES = {
                                                                              TileConfig(64, 64, 4, kunroll=2)],
     ("fa2_bwd", 128): [TileConfig(32, 128, 8, kunroll=k) for k in (1, 2, 4)] + [TileConfig(64, 128, 8, kunroll=1),
                                                                               TileConfig(32, 64, 4, kunroll=2)],
-    ("fa2_fwd_sm90", 64): [TileConfig(128, 128, 8), TileConfig(192, 128, 12), TileConfig(64, 128, 4, min_blocks=2),
-                           TileConfig(64, 128, 4, min_blocks=3), TileConfig(64, 192, 4, min_blocks=2),
-                           TileConfig(64, 96, 4, min_blocks=3)],
-    ("fa2_fwd_sm90", 128): [TileConfig(128, 128, 8), TileConfig(192, 64, 12), TileConfig(64, 96, 4, min_blocks=2),
-                            TileConfig(128, 96, 8)],
+    ("fa2_fwd_sm90", 64): [TileConfig(64, 128, 4, min_blocks=2), TileConfig(64, 128, 4, min_blocks=3),
+                           TileConfig(128, 128, 8), TileConfig(192, 128, 12)],
+    ("fa2_fwd_sm90", 128): [TileConfig(128, 128, 8), TileConfig(192, 64, 12), TileConfig(64, 96, 4, min_blocks=2)],
     ("fa2_fwd_sm90", 256): [TileConfig(128, 64, 8), TileConfig(64, 64, 4), TileConfig(128, 32, 8)],
-    ("fa2_bwd_sm90", 64): [TileConfig(64, 128, 8), TileConfig(64, 64, 4, min_blocks=3)],
-    ("fa2_bwd_sm90", 128): [TileConfig(64, 128, 8), TileConfig(64, 64, 4, min_blocks=2)],
+    ("fa2_bwd_sm90", 64): [TileConfig(64, 128, 8)],
+    ("fa2_bwd_sm90", 128): [TileConfig(64, 128, 8)],
 }
 
 

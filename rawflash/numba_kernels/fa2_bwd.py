@@ -72,6 +72,7 @@ def load_query_block(sQ, sdO, sL, sDelta, q, dout, lse2, delta, q0, seqlen_q, he
 def fa2_bwd_preprocess(out, dout, lse, lse2, delta, batch, seqlen_q, heads, head_dim):
     """D = rowsum(dO * O) and L in log2 units, (batch, heads, seqlen_q) float32; one thread per row."""
     # ---- [fa2_bwd:preprocess] Alg.2 l.4: D_i = rowsum(dO_i * O_i); one thread per row ----
+    # MIRROR: the CUDA C reads 8 columns per 16-byte load where the rows are aligned; the sums are the same.
     # The sum runs over columns in dP's order (dot_rows), so a row whose P is a single 1 gets dP - D = 0 exactly,
     # as the naive computation does.
     row = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x            # (b * heads + h) * seqlen_q + i
@@ -280,7 +281,8 @@ def make_fa2_bwd_dq(D: int, Br: int, Bc: int, warps: int, causal: bool):
 @cuda.jit
 def fa2_bwd_convert_dq(dq_ws, dq, batch, seqlen_q, heads, head_dim):
     """dQ = dq_ws (float32, (batch, heads, seqlen_q, head_dim), already scaled) in dq's dtype; grid-stride."""
-    # ---- [fa2_bwd:convert] ----
+    # ---- [fa2_bwd:convert] 8 columns per thread and step (head_dim is a multiple of 8: cupy_backend pads it) ----
+    # MIRROR: one element per thread and step here; the CUDA C converts 8 columns (16-byte loads and stores).
     n = batch * heads * seqlen_q * head_dim
     for x in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n, cuda.gridDim.x * cuda.blockDim.x):
         c = x % head_dim
