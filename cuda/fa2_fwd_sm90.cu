@@ -3,8 +3,7 @@
 // fa2_fwd's: the algorithm and the section names are the same, only the product instructions differ.
 //
 // A CTA of BR/64 warpgroups takes query block Q_i; warpgroup w owns rows 64w..64w+63 (split-Q at warpgroup
-// grain). The grid is persistent (a few CTAs per SM walk all query blocks): the next block's Q_i, K_0, V_0 load
-// while the current one finishes. S = Q_i K_j^T reads both operands from shared memory; O += P V_j takes P from registers and V_j from
+// grain). S = Q_i K_j^T reads both operands from shared memory; O += P V_j takes P from registers and V_j from
 // shared memory read MN-major (no transpose). K_j and V_j are double-buffered and stream in with cp.async one
 // block ahead, so one barrier per key block suffices.
 // OVERLAP (FA3's intra-warpgroup pipelining, Shah et al. 2024, Alg.1): S_{j+1} = Q K_{j+1}^T and O += P_j V_j
@@ -50,130 +49,108 @@ __global__ void __launch_bounds__(BR / 64 * 128, MIN_BLOCKS)
 fa2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
              float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss,
              long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb, long long o_ss,
-             long long o_sh, int seqlen_q, int seqlen_k, int heads, int kv_heads, int head_dim, float scale_log2,
-             int batch) {
+             long long o_sh, int seqlen_q, int seqlen_k, int heads, int kv_heads, int head_dim, float scale_log2) {
   using namespace rf;
   using Smem = Fa2FwdSm90Smem<D, BR, BC>;
   static_assert(Smem::BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
   static_assert(BR % 64 == 0 && BC % 16 == 0 && D % 64 == 0, "warpgroups own 64 rows; panels of 64 columns");
   constexpr int NTHREADS = BR / 64 * 128, NT = BC / 8, NO = D / 8;
-  // ---- [fa2_fwd_sm90:setup] shared-memory tiles; K_j, V_j in two stages each ----
+  // ---- [fa2_fwd_sm90:setup] (batch, head) from the grid; query head h reads kv head h / (heads / kv_heads) ----
   extern __shared__ __align__(1024) char smem[];
   const u32 base = ((u32)__cvta_generic_to_shared(smem) + Smem::ALIGN - 1) & ~(u32)(Smem::ALIGN - 1);
   const Sw128<T, BR, D> sQ{base};
   const u32 k_base = base + Smem::Q, v_base = k_base + 2 * Smem::KV;
-  auto sK = [&](int stage) { return Sw128<T, BC, D>{k_base + (stage & 1) * Smem::KV}; };
-  auto sV = [&](int stage) { return Sw128<T, BC, D>{v_base + (stage & 1) * Smem::KV}; };
+  auto sK = [&](int j) { return Sw128<T, BC, D>{k_base + (j & 1) * Smem::KV}; };
+  auto sV = [&](int j) { return Sw128<T, BC, D>{v_base + (j & 1) * Smem::KV}; };
+  const int b = blockIdx.z, h = blockIdx.y, hk = h / (heads / kv_heads);
+  q += b * q_sb + h * q_sh;
+  k += b * k_sb + hk * k_sh;
+  v += b * v_sb + hk * v_sh;
   const Mask mask{seqlen_q, seqlen_k, CAUSAL};
-  const int wg_row = 64 * warpgroup_id(), wq = wg_row + 16 * warp_in_group();  // this warp's first row in a block
-  // ---- [fa2_fwd_sm90:schedule] sequence parallelism over a persistent grid: tile t = (query block, head, batch),
-  // query blocks fastest and the longest causal rows first; CTA c takes tiles c, c + gridDim.x, ... and loads the
-  // next tile's Q_i, K_0, V_0 while its last key block runs, so no CTA start or epilogue leaves the SM idle ----
-  const int tr = (seqlen_q + BR - 1) / BR, n_tiles = tr * heads * batch;
-  struct Tile_ {
-    int q0, nrows, tc, h, b;
-  };
-  auto tile = [&](int t) {
-    const int i = tr - 1 - t % tr, h = (t / tr) % heads, b = t / (tr * heads), q0 = i * BR;
-    const int nrows = min(BR, seqlen_q - q0);
-    return Tile_{q0, nrows, mask.key_blocks(q0, nrows, BC), h, b};         // key blocks past the diagonal: never loaded
-  };
-  auto kv_offset = [&](const Tile_& x, long long sb, long long sh) { return x.b * sb + x.h / (heads / kv_heads) * sh; };
-  // ---- [fa2_fwd_sm90:load_q] Alg.1 l.4: Q_i to shared memory, where it stays; K_0 and V_0 with it ----
-  auto prefetch = [&](int t, int stage) {
-    const Tile_ x = tile(t);
-    load_tile<NTHREADS>(sQ, q + x.b * q_sb + x.h * q_sh + x.q0 * q_ss, q_ss, x.nrows, head_dim);
-    if (x.tc > 0) {
-      load_tile<NTHREADS>(sK(stage), k + kv_offset(x, k_sb, k_sh), k_ss, min(BC, seqlen_k), head_dim);
-      load_tile<NTHREADS>(sV(stage), v + kv_offset(x, v_sb, v_sh), v_ss, min(BC, seqlen_k), head_dim);
-    }
-    cp_async_commit();
-  };
-  if ((int)blockIdx.x < n_tiles) prefetch(blockIdx.x, 0);
-  int kb = 0;                                                              // key blocks streamed by this CTA so far
-  for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-    const Tile_ x = tile(t);
-    const int q0 = x.q0, tc = x.tc, t_next = t + gridDim.x;
-    const T* kh = k + kv_offset(x, k_sb, k_sh);
-    const T* vh = v + kv_offset(x, v_sb, v_sh);
-    // ---- [fa2_fwd_sm90:init] Alg.1 l.5: O = 0, l = 0, m = -inf ----
-    float acc_o[1][NO][4], s[1][NT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, fo[2];
-    u32 p[NT / 2][4];
-    zero(acc_o);
-    // ---- [fa2_fwd_sm90:first_scores] S_0 = Q_i K_0^T and its softmax; K_1 streams in meanwhile ----
+  // ---- [fa2_fwd_sm90:schedule] sequence parallelism: one query block per CTA, longest causal rows first ----
+  const int i = (seqlen_q + BR - 1) / BR - 1 - (int)blockIdx.x;
+  const int q0 = i * BR, nrows = min(BR, seqlen_q - q0), wg_row = 64 * warpgroup_id();
+  const int wq = wg_row + 16 * warp_in_group();                            // this warp's first row in the block
+  const int tc = mask.key_blocks(q0, nrows, BC);                           // key blocks past the diagonal: never loaded
+  // ---- [fa2_fwd_sm90:load_q] Alg.1 l.4: Q_i to shared memory, where it stays; K_0, then V_0 behind it ----
+  load_tile<NTHREADS>(sQ, q + q0 * q_ss, q_ss, nrows, head_dim);
+  if (tc > 0) load_tile<NTHREADS>(sK(0), k, k_ss, min(BC, seqlen_k), head_dim);
+  cp_async_commit();
+  if (tc > 0) load_tile<NTHREADS>(sV(0), v, v_ss, min(BC, seqlen_k), head_dim);
+  cp_async_commit();
+  // ---- [fa2_fwd_sm90:init] Alg.1 l.5: O = 0, l = 0, m = -inf ----
+  float acc_o[1][NO][4], s[1][NT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, fo[2];
+  u32 p[NT / 2][4];
+  zero(acc_o);
+  // ---- [fa2_fwd_sm90:first_scores] S_0 = Q_i K_0^T and its softmax; K_1 streams in meanwhile ----
+  cp_async_wait<1>();
+  fence_async_smem();
+  __syncthreads();  // Q_i and K_0 have landed
+  if (tc > 1) load_tile<NTHREADS>(sK(1), k + BC * k_ss, k_ss, min(BC, seqlen_k - BC), head_dim);
+  cp_async_commit();
+  if (tc > 0) {
+    wgmma_fence();
+    wg_gemm_abt(s[0], sQ, wg_row, sK(0), 0, false);
+    wgmma_commit();
+    wgmma_wait<0>();
+    if (mask.block_needs_mask(q0, BR, 0, BC)) apply_mask(s, mask, q0 + wq, 0);
+    online_softmax<T>(s, m, l, fo, scale_log2);
+    to_a_operand<T>(p, s[0]);
+  }
+  for (int j = 0; j < tc; ++j) {
+    const int k0 = j * BC;
+    const bool next = j + 1 < tc;
+    // ---- [fa2_fwd_sm90:load_kv] V_j and K_{j+1} have landed; V_{j+1} and K_{j+2} start streaming ----
     cp_async_wait<0>();
     fence_async_smem();
-    __syncthreads();  // Q_i, K_0, V_0 have landed; every warpgroup is done with the previous tile
-    if (tc > 1) load_tile<NTHREADS>(sK(kb + 1), kh + BC * k_ss, k_ss, min(BC, seqlen_k - BC), head_dim);
-    if (tc == 0 && t_next < n_tiles) prefetch(t_next, kb);                // nothing to do here: go on loading
+    __syncthreads();  // V_j, K_{j+1} visible to all; every warpgroup is done with V_{j-1} (P_{j-1} V_{j-1} waited) and K_j
+    if (next) load_tile<NTHREADS>(sV(j + 1), v + (k0 + BC) * v_ss, v_ss, min(BC, seqlen_k - k0 - BC), head_dim);
+    if (j + 2 < tc) load_tile<NTHREADS>(sK(j), k + (k0 + 2 * BC) * k_ss, k_ss, min(BC, seqlen_k - k0 - 2 * BC), head_dim);
     cp_async_commit();
-    if (tc > 0) {
-      wgmma_fence();
-      wg_gemm_abt(s[0], sQ, wg_row, sK(kb), 0, false);
+    // ---- [fa2_fwd_sm90:issue] Alg.1 l.8 and l.10: S_{j+1} = Q_i K_{j+1}^T and O += P_j V_j on the tensor cores ----
+    // (each branch waits for everything it issued: ptxas serialises every wgmma when a batch may cross a branch)
+    fence_operand(acc_o[0]);
+    wgmma_fence();
+    if (next) {
+      if (OVERLAP) {
+        wg_gemm_abt(s[0], sQ, wg_row, sK(j + 1), 0, false);
+        wgmma_commit();
+      }
+      wg_gemm_rb(acc_o[0], p, sV(j), 0, 0);
+      wgmma_commit();
+      if (!OVERLAP) {
+        wg_gemm_abt(s[0], sQ, wg_row, sK(j + 1), 0, false);
+        wgmma_commit();
+      }
+      // ---- [fa2_fwd_sm90:softmax] Alg.1 l.9 for block j+1 while P_j V_j runs (OVERLAP), then O *= e^(m_old - m_new) ----
+      if (OVERLAP) wgmma_wait<1>();                                       // S_{j+1} is done; P_j V_j may still run
+      else wgmma_wait<0>();
+      fence_operand(s[0]);
+      if (mask.block_needs_mask(q0, BR, k0 + BC, BC)) apply_mask(s, mask, q0 + wq, k0 + BC);
+      online_softmax<T>(s, m, l, fo, scale_log2);
+      wgmma_wait<0>();
+      fence_operand(acc_o[0]);
+      scale_rows(acc_o, fo);                                              // Alg.1 l.10: diag(e^(m_old - m_new)) O
+      to_a_operand<T>(p, s[0]);
+    } else {
+      // ---- [fa2_fwd_sm90:last_pv] the last key block: O += P_j V_j alone ----
+      wg_gemm_rb(acc_o[0], p, sV(j), 0, 0);
       wgmma_commit();
       wgmma_wait<0>();
-      if (mask.block_needs_mask(q0, BR, 0, BC)) apply_mask(s, mask, q0 + wq, 0);
-      online_softmax<T>(s, m, l, fo, scale_log2);
-      to_a_operand<T>(p, s[0]);
-    }
-    for (int j = 0; j < tc; ++j) {
-      const int k0 = j * BC;
-      const bool next = j + 1 < tc;
-      // ---- [fa2_fwd_sm90:load_kv] V_j and K_{j+1} have landed; V_{j+1} and K_{j+2} (or the next tile) start ----
-      cp_async_wait<0>();
-      fence_async_smem();
-      __syncthreads();  // V_j, K_{j+1} visible to all; every warpgroup is done with V_{j-1} (P V waited) and K_j
-      if (next) load_tile<NTHREADS>(sV(kb + j + 1), vh + (k0 + BC) * v_ss, v_ss, min(BC, seqlen_k - k0 - BC), head_dim);
-      if (j + 2 < tc)
-        load_tile<NTHREADS>(sK(kb + j), kh + (k0 + 2 * BC) * k_ss, k_ss, min(BC, seqlen_k - k0 - 2 * BC), head_dim);
-      if (!next && t_next < n_tiles) prefetch(t_next, kb + tc);            // Q_i, K_j no longer read; V_{j-1} done
-      cp_async_commit();
-      // ---- [fa2_fwd_sm90:issue] Alg.1 l.8 and l.10: S_{j+1} = Q_i K_{j+1}^T and O += P_j V_j on the tensor cores ----
-      // (each branch waits for everything it issued: ptxas serialises every wgmma when a batch may cross a branch)
       fence_operand(acc_o[0]);
-      wgmma_fence();
-      if (next) {
-        if (OVERLAP) {
-          wg_gemm_abt(s[0], sQ, wg_row, sK(kb + j + 1), 0, false);
-          wgmma_commit();
-        }
-        wg_gemm_rb(acc_o[0], p, sV(kb + j), 0, 0);
-        wgmma_commit();
-        if (!OVERLAP) {
-          wg_gemm_abt(s[0], sQ, wg_row, sK(kb + j + 1), 0, false);
-          wgmma_commit();
-        }
-        // ---- [fa2_fwd_sm90:softmax] Alg.1 l.9 for block j+1 while P_j V_j runs (OVERLAP), then O *= e^(m_old - m_new) ----
-        if (OVERLAP) wgmma_wait<1>();                                     // S_{j+1} is done; P_j V_j may still run
-        else wgmma_wait<0>();
-        fence_operand(s[0]);
-        if (mask.block_needs_mask(q0, BR, k0 + BC, BC)) apply_mask(s, mask, q0 + wq, k0 + BC);
-        online_softmax<T>(s, m, l, fo, scale_log2);
-        wgmma_wait<0>();
-        fence_operand(acc_o[0]);
-        scale_rows(acc_o, fo);                                            // Alg.1 l.10: diag(e^(m_old - m_new)) O
-        to_a_operand<T>(p, s[0]);
-      } else {
-        // ---- [fa2_fwd_sm90:last_pv] the last key block: O += P_j V_j alone ----
-        wg_gemm_rb(acc_o[0], p, sV(kb + j), 0, 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operand(acc_o[0]);
-      }
     }
-    kb += tc;
-    // ---- [fa2_fwd_sm90:epilogue] Alg.1 l.12-13: O_i = diag(l)^-1 O_i, L_i = m_i + log(l_i); hidden rows get 0, -inf ----
-    float f[2];
+  }
+  // ---- [fa2_fwd_sm90:epilogue] Alg.1 l.12-13: O_i = diag(l)^-1 O_i, L_i = m_i + log(l_i); hidden rows get 0, -inf ----
+  float f[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) f[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    store_rows<T>(o + x.b * o_sb + x.h * o_sh, o_ss, acc_o, f, q0 + wq, 0, seqlen_q, head_dim);
-    const int g = lane_id() >> 2;
-    float* lse_bh = lse + ((long long)x.b * heads + x.h) * seqlen_q;
+  for (int r = 0; r < 2; ++r) f[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+  store_rows<T>(o + b * o_sb + h * o_sh, o_ss, acc_o, f, q0 + wq, 0, seqlen_q, head_dim);
+  const int g = lane_id() >> 2;
+  float* lse_bh = lse + ((long long)b * heads + h) * seqlen_q;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = q0 + wq + g + 8 * r;
-      if ((lane_id() & 3) == 0 && row < seqlen_q) lse_bh[row] = l[r] > 0.f ? m[r] * LN2 + logf(l[r]) : -INFINITY;
-    }
+  for (int r = 0; r < 2; ++r) {
+    const int row = q0 + wq + g + 8 * r;
+    if ((lane_id() & 3) == 0 && row < seqlen_q) lse_bh[row] = l[r] > 0.f ? m[r] * LN2 + logf(l[r]) : -INFINITY;
   }
   cp_async_wait<0>();  // no copy may still be writing when the CTA exits
 }

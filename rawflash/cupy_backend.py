@@ -73,8 +73,7 @@ def prepare(p: Problem, *arrays) -> Prepared:
     hd = run_head_dim(p.head_dim)
     chunk = 16 // np.dtype(arrays[0].dtype).itemsize
     ready = tuple(kernel_ready(pad_head_dim(cupy.asarray(x), hd), chunk) for x in arrays)
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch(), sms=sms), ready, p.head_dim)
+    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch()), ready, p.head_dim)
 
 
 def _trim(x, head_dim: int):
@@ -93,9 +92,8 @@ def forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", **switches):
     lse = cupy.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=cupy.float32)
     dims = _i32(pr.seqlen_q, pr.seqlen_k, pr.heads, pr.kv_heads, pr.head_dim)
     if kernel == "fa2":
-        lau = launch.fa2_fwd(pr, **switches)
-        args = (q, k, v, out, lse, *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out), *dims, np.float32(scale * LOG2E))
-        run(lau, args + ((np.int32(pr.batch),) if lau.kernel == "fa2_fwd_sm90" else ()))  # persistent grid: batch
+        run(launch.fa2_fwd(pr, **switches),
+            (q, k, v, out, lse, *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out), *dims, np.float32(scale * LOG2E)))
     elif kernel == "fa1":
         o_ws = cupy.zeros((pr.batch, pr.heads, pr.seqlen_q, pr.head_dim), dtype=cupy.float32)
         m_ws = cupy.full((pr.batch, pr.heads, pr.seqlen_q), -np.inf, dtype=cupy.float32)

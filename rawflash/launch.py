@@ -33,7 +33,6 @@ class Problem:
     dtype: str
     causal: bool
     arch: str = "sm_90"
-    sms: int = 132  # multiprocessors of the GPU (persistent grids are sized by it)
 
     @property
     def padded_head_dim(self) -> int:
@@ -147,14 +146,12 @@ def wgmma_supported(p: Problem) -> bool:
 
 
 def fa2_fwd_sm90(p: Problem, *, overlap: bool = True) -> Launch:
-    """FA2 forward with wgmma (sm_90a) on a persistent grid; ``overlap`` is FA3's softmax / P V overlap inside a
-    warpgroup. Its last kernel argument is ``batch`` (the grid no longer carries it)."""
+    """FA2 forward with wgmma (sm_90a); ``overlap`` is FA3's softmax / P V overlap inside a warpgroup."""
     d = p.padded_head_dim
     cfg = configs.tile_config("fa2_fwd_sm90", d, p.dtype, p.arch)
     smem = smem_fa2_fwd_sm90(cfg, d)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.causal, overlap, smem)
-    tiles = cdiv(p.seqlen_q, cfg.br) * p.heads * p.batch                  # persistent: min_blocks CTAs per SM
-    grid = (max(1, min(tiles, p.sms * cfg.min_blocks)), 1, 1)
+    grid = _check_grid((cdiv(p.seqlen_q, cfg.br), p.heads, p.batch), "fa2_fwd_sm90")
     return Launch("fa2_fwd_sm90", "fa2_fwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
 
