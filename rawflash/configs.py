@@ -58,11 +58,13 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_fwd", (32, 64), _16BIT, TileConfig(128, 64, 4, kunroll=4, why="H200 d=64 N=4096: 232/215 TF; 128x128 spills"))
     put("fa2_fwd", (96, 128), _16BIT, TileConfig(128, 64, 4, why="H200 N=4096 d=128: 280/240 TF vs 247/216 at 128x32"))
     put("fa2_fwd", (192, 256), _16BIT, TileConfig(64, 64, 4, why="O accumulator of 16 x d per warp fits registers"))
-    # fa2_fwd_sm90 (wgmma, sm_90a): warps = 4 per warpgroup of 64 query rows. 1 CTA per SM (shared memory of
-    # Q_i and two stages of K_j, V_j); 8 warps, 255 registers each hold O (d/2), S (bc/2) and P (bc/4).
-    put("fa2_fwd_sm90", (64,), _16BIT, TileConfig(64, 128, 4, min_blocks=2, why="H200 N=2048: 293/254 TF vs 251/218 "
-                                                                                   "at 128x128x8 (2 CTAs of 1 WG per SM)"))
-    put("fa2_fwd_sm90", (128,), _16BIT, TileConfig(128, 128, 8, why="H200 N=1024: 306/235 TF vs 299/208 at 192x64"))
+    # fa2_fwd_sm90 (wgmma, sm_90a): warps = 4 per warpgroup of 64 query rows; registers hold O (d/2), S (bc/2) and
+    # P (bc/4) per thread; shared memory Q_i and two stages of K_j, V_j. Several independent CTAs per SM overlap
+    # one CTA's softmax with another's products better than two warpgroups of one CTA (which share barriers).
+    put("fa2_fwd_sm90", (64,), _16BIT, TileConfig(64, 128, 4, min_blocks=3, why="H200 N=1024/4096: 359/392 TF vs "
+                                                                                   "267/305 at 128x128x8 (3 CTAs of 1 WG per SM)"))
+    put("fa2_fwd_sm90", (128,), _16BIT, TileConfig(64, 96, 4, min_blocks=2, why="H200 N=1024/4096: 373/435 TF vs "
+                                                                                  "358/417 at 128x128x8"))
     put("fa2_fwd_sm90", (192, 256), _16BIT, TileConfig(128, 64, 8, why="O of d/2 registers leaves room for 64 keys"))
     # float32 runs the same body with emulated mma (FMA + shuffles): one m-tile per warp, narrow key blocks.
     put("fa2_fwd", (32, 64, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low"))

@@ -4,7 +4,8 @@
 #     tests      every GPU test (the default forward path: wgmma on an H200 where it applies)
 #     tests-mma  the kernel tests again with RAWFLASH_WGMMA=0 (the mma.sync forward on the same GPU)
 #     hopper     only tests/test_gpu_hopper.py (the wgmma kernel)
-# Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step.
+# Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
+# TAR_TO=path packs every log into one archive at the end (for machines that return only a few files).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}
 mkdir -p "$OUT"
@@ -40,4 +41,5 @@ while [ $i -lt ${#steps[@]} ]; do
     *) python3 "$step" 2>&1 | tee -a "$OUT/extra.log" || status=1 ;;
   esac
 done
+[ -n "${TAR_TO:-}" ] && tar czf "$TAR_TO" -C "$OUT" .
 exit $status
