@@ -1,6 +1,6 @@
 """A workload for Nsight Compute: fa2 forward and backward at one shape, a few times each.
 
-    ncu --clock-control none --kernel-name regex:'fa2_(fwd|bwd)<' --launch-skip 2 --launch-count 2 \
+    ncu --clock-control none --kernel-name regex:'fa2_(fwd|bwd)(_sm90)?<' --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
         python3 tools/profile_kernels.py --head-dim 128 --seqlen 4096
 """
