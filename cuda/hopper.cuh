@@ -151,6 +151,16 @@ __device__ __forceinline__ void wg_gemm_atb(float (&acc)[NT][4], const Sw128<T, 
     Wgmma<T, 8 * NT, 1, 1>::ss(acc, sa.desc_mn(k, m0), sb.desc_mn(k, n0), (k > 0 || accumulate) ? 1 : 0);
 }
 
+// acc (+)= A B with A = rows a0..a0+63 of sa ([m][k], K-major) and B from sb stored [k][n] (columns n0..,
+// MN-major), k over rows [0, K) of sb. Used for dK, dV += (dS^T, P^T) (Q_i, dO_i) with dS^T, P^T in shared memory.
+template <int K, typename T, int NT, int RA, int CA, int RB, int CB>
+__device__ __forceinline__ void wg_gemm_ab(float (&acc)[NT][4], const Sw128<T, RA, CA>& sa, int a0,
+                                           const Sw128<T, RB, CB>& sb, int n0, bool accumulate) {
+#pragma unroll
+  for (int k = 0; k < K; k += 16)
+    Wgmma<T, 8 * NT, 0, 1>::ss(acc, sa.desc_k(a0, k), sb.desc_mn(k, n0), (k > 0 || accumulate) ? 1 : 0);
+}
+
 // dst[0..1] += (a, b) in global memory, one vector reduction (sm_90).
 __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");

@@ -186,8 +186,9 @@ def _tile_rows() -> list[dict]:
 @json_option
 def launch_config(spec, kernel, direction, deterministic, arch, sms, as_json):
     """Every launch of a call: instantiation, tiles, grid, block, shared memory, CTAs, skipped tiles and waves."""
-    p = _problem(spec, kernel=kernel, direction=direction, deterministic=deterministic)
     tgt = introspect.target(arch, sms)
+    p = dataclasses.replace(_problem(spec, kernel=kernel, direction=direction, deterministic=deterministic),
+                            arch=tgt.arch)                                   # the target's tile rows and kernels
     rows = introspect.launch_config_rows(p, kernel, direction, deterministic, tgt)
     _emit({"shape": _shape_text(p), "target": tgt.description, "launches": rows,
            "notes": ["tiles, skipped: (Q block, K block) tiles over all (batch, head), causal skipping from iomodel",
@@ -209,10 +210,11 @@ def occupancy_cmd(ctx, spec, kernel, direction, deterministic, every, arch, sms,
     """Registers, shared memory, spills and resident CTAs per SM; on a GPU, the driver's count beside ours."""
     tgt = introspect.target(arch, sms)
     if every:
-        launches = introspect.instantiations(spec.dtype, spec.causal)
+        launches = introspect.instantiations(spec.dtype, spec.causal, tgt.arch)
         what = f"every {spec.dtype} {'causal' if spec.causal else 'non-causal'} instantiation"
     else:
-        p = _problem(spec, kernel=kernel, direction=direction, deterministic=deterministic)
+        p = dataclasses.replace(_problem(spec, kernel=kernel, direction=direction, deterministic=deterministic),
+                                arch=tgt.arch)
         launches = [lau for _, lau in introspect.launches(p, kernel, direction, deterministic)]
         what = _shape_text(p)
     rows = _rows_with_progress(launches, lambda lau: introspect.occupancy_row(lau, tgt), "compiling",

@@ -6,7 +6,7 @@ chosen; ``bench/results/NOTES.md`` keeps the measurements.
 
 Kernels here are the CUDA templates: ``fa1_fwd``, ``fa2_fwd``, ``fa2_fwd_splitk`` (fa2_fwd with its split-Q
 partition switched off, for the ablation), ``fa2_fwd_sm90`` (fa2_fwd on Hopper's wgmma, 16-bit, sm_90 only),
-``fa2_bwd``, ``fa2_bwd_sm90`` (fa2_bwd's atomic-dQ pass on wgmma, 16-bit, d <= 128, sm_90 only) and
+``fa2_bwd``, ``fa2_bwd_sm90`` (fa2_bwd's atomic-dQ pass on wgmma, 16-bit, sm_90 only) and
 ``fa2_bwd_dq`` (the deterministic dQ pass).
 """
 from __future__ import annotations
@@ -81,6 +81,8 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_bwd", (256,), _16BIT, TileConfig(32, 64, 8, wc=2, why="16 x 128 dK, dV per warp"))
     # fa2_bwd_sm90 (wgmma, sm_90a): a warpgroup per 64 keys, 64 query rows per step (one wgmma of dQ_i).
     put("fa2_bwd_sm90", (64, 128), _16BIT, TileConfig(64, 128, 8, why="FA3's d<=128 shape: 2 warpgroups x 64 keys"))
+    # d 192 / 256: 8 warps on 64 keys = SPLIT_D, each warpgroup holds dK, dV for half of the columns (2 x d/4 regs).
+    put("fa2_bwd_sm90", (192, 256), _16BIT, TileConfig(64, 64, 8, why="dK, dV of 64 x d/2 per warpgroup"))
     put("fa2_bwd", (32, 64), ("float32",), TileConfig(32, 64, 4, why="fp32 FMA path"))
     put("fa2_bwd", (96, 128), ("float32",), TileConfig(32, 64, 8, wc=2, why="fp32 FMA path; warps split d"))
     put("fa2_bwd", (192, 256), ("float32",), TileConfig(32, 32, 8, wc=4, why="fp32 FMA path; 16 x d/4 dK, dV per warp"))

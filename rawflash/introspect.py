@@ -235,13 +235,13 @@ def launch_config_rows(p: Problem, kernel: str, direction: str, deterministic: b
     return rows
 
 
-def instantiations(dtype: str, causal: bool) -> list[Launch]:
-    """The rows of ``launch.all_instantiations()`` for one dtype and causal flag (elementwise kernels included).
+def instantiations(dtype: str, causal: bool, arch: str = "sm_90") -> list[Launch]:
+    """The rows of ``launch.all_instantiations(arch)`` for one dtype and causal flag (elementwise kernels included).
 
     The causal flag of a tiled kernel is its first bool template argument (pinned by tests/test_cli.py).
     """
     ctype = launch.CUDA_TYPES[dtype]
-    return [lau for lau in launch.all_instantiations()
+    return [lau for lau in launch.all_instantiations(arch)
             if lau.template_args[0] == ctype and causal_flag(lau) in (None, causal)]
 
 

@@ -208,13 +208,22 @@ def fa2_bwd_preprocess(p: Problem) -> Launch:
                   (128, 1, 1), 0)
 
 
+def bwd_sm90_split_d(cfg: TileConfig) -> bool:
+    """fa2_bwd_sm90's SPLIT_D form: more warpgroups than 64-key slices, so the warpgroups split dK, dV's columns."""
+    return cfg.threads // 128 > cfg.bc // 64
+
+
 def smem_fa2_bwd_sm90(cfg: TileConfig, d: int) -> int:
-    """1024 B of alignment slack; K_j, V_j; two stages of Q_i, dO_i; dS^T; two stages of L_i, D_i (float32)."""
-    return 1024 + (2 * cfg.bc + 4 * cfg.br) * d * 2 + cfg.bc * cfg.br * 2 + 4 * cfg.br * 4
+    """1024 B of alignment slack; K_j, V_j; two stages of Q_i, dO_i; dS^T (and with SPLIT_D P^T, float32 dP^T);
+    two stages of L_i, D_i (float32)."""
+    split = bwd_sm90_split_d(cfg)
+    ds = cfg.bc * cfg.br * 2
+    return 1024 + (2 * cfg.bc + 4 * cfg.br) * d * 2 + ds * (2 if split else 1) + (2 * ds if split else 0) + \
+        4 * cfg.br * 4
 
 
 def wgmma_bwd_supported(p: Problem) -> bool:
-    """Whether ``fa2_bwd_sm90`` can run ``p``: an sm_90 GPU and an ``fa2_bwd_sm90`` row (16-bit, d 64 or 128)."""
+    """Whether ``fa2_bwd_sm90`` can run ``p``: an sm_90 GPU and an ``fa2_bwd_sm90`` row (16-bit, d 64 - 256)."""
     return p.arch == "sm_90" and ("fa2_bwd_sm90", p.padded_head_dim, p.dtype) in configs.TABLE
 
 
@@ -223,7 +232,7 @@ def fa2_bwd_sm90(p: Problem) -> Launch:
     d = p.padded_head_dim
     cfg = configs.tile_config("fa2_bwd_sm90", d, p.dtype, p.arch)
     smem = smem_fa2_bwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.causal, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.causal, bwd_sm90_split_d(cfg), smem)
     grid = _check_grid((cdiv(p.seqlen_k, cfg.bc), p.kv_heads, p.batch), "fa2_bwd_sm90")
     return Launch("fa2_bwd_sm90", "fa2_bwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
@@ -234,8 +243,8 @@ def fa2_bwd(p: Problem, *, atomic_dq: bool = True, wgmma: bool | None = None) ->
     if wgmma is None:
         wgmma = atomic_dq and wgmma_bwd_supported(p) and os.environ.get("RAWFLASH_WGMMA", "1") != "0"
     elif wgmma and not (atomic_dq and wgmma_bwd_supported(p)):
-        raise ValueError(f"wgmma=True (backward) needs an sm_90 GPU, float16 or bfloat16, a head_dim that pads to 64 "
-                         f"or 128 and the atomic dQ pass; got arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, "
+        raise ValueError(f"wgmma=True (backward) needs an sm_90 GPU, float16 or bfloat16, a head_dim that pads to 64, "
+                         f"128, 192 or 256 and the atomic dQ pass; got arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, "
                          f"atomic_dq={atomic_dq}")
     if wgmma:
         return fa2_bwd_sm90(p)

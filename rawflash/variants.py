@@ -95,7 +95,8 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
             ("fa2_bwd_preprocess: D = rowsum(dO * O)", "fa2_bwd: one CTA per (K block, kv head, batch)",
              "fa2_bwd_convert_dq: float32 dQ to the input dtype (default: atomicAdd dQ)",
              "fa2_bwd_dq: dQ without atomics, one CTA per Q block (deterministic=True)",
-             "fa2_bwd_sm90: the atomic-dQ pass with wgmma, a warpgroup per 64 keys (sm_90, 16-bit, head_dim <= 128)"),
+             "fa2_bwd_sm90: the atomic-dQ pass with wgmma, a warpgroup per 64 keys, or per half of the columns at "
+             "head_dim > 128 (sm_90, 16-bit)"),
             ("fa2_bwd", "fa2_bwd_dq", "fa2_bwd_sm90"), COMMON + ("deterministic=True (bitwise repeatable)",),
             more_sources=("fa2_bwd_sm90.cu",)),
 )}

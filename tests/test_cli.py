@@ -112,9 +112,10 @@ def test_occupancy_offline_agrees_with_ptxas_calculator_and_register_cap(arch):
     report = invoke_json("occupancy", *SMALL, "--direction", "both", "--arch", arch)
     assert arch in report["target"]
     rows = {r["kernel"]: r for r in report["occupancy"]}
-    lau = launch.fa2_fwd(introspect.kernel_problem(SMALL_PROBLEM))
-    row = rows["fa2_fwd"]
-    ptxas = _compile.compile_offline(lau.source, lau.name_expression, arch)
+    lau = launch.fa2_fwd(dataclasses.replace(introspect.kernel_problem(SMALL_PROBLEM), arch=arch))
+    assert lau.kernel == ("fa2_fwd_sm90" if arch == "sm_90" else "fa2_fwd"), "the target's own forward kernel"
+    row = rows[lau.kernel]
+    ptxas = _compile.compile_offline(lau.source, lau.name_expression, lau.compile_arch(arch))
     ours = occupancy.occupancy(arch, lau.threads, ptxas.registers, ptxas.static_smem + lau.smem)
     assert row["instantiation"] == lau.name_expression
     assert (row["regs"], row["spills"], row["smem"]) == (ptxas.registers, ptxas.spills, ptxas.static_smem + lau.smem)
@@ -126,10 +127,12 @@ def test_occupancy_offline_agrees_with_ptxas_calculator_and_register_cap(arch):
 
 
 def test_causal_flag_is_the_first_bool_template_argument():
-    for make in (launch.fa2_fwd, launch.fa1_fwd, launch.fa2_bwd, launch.fa2_bwd_dq):
+    for make in (launch.fa2_fwd, launch.fa1_fwd, launch.fa2_bwd, launch.fa2_bwd_dq, launch.fa2_fwd_sm90,
+                 launch.fa2_bwd_sm90):
         for causal in (False, True):
-            lau = make(Problem(1, 1, 1, 1, 1, 64, "bfloat16", causal))
-            assert introspect.causal_flag(lau) is causal
+            for d in (64, 256):
+                lau = make(Problem(1, 1, 1, 1, 1, d, "bfloat16", causal))
+                assert introspect.causal_flag(lau) is causal, lau.name_expression
     assert introspect.causal_flag(launch.naive_softmax(Problem(1, 1, 1, 1, 1, 64, "bfloat16", True))) is None
 
 

@@ -80,7 +80,7 @@ def test_wgmma_and_mma_sync_agree():
 def _bwd_cases():
     out = []
     for i, (sq, dtype, causal) in enumerate(itertools.product(SEQLENS, ("float16", "bfloat16"), (False, True))):
-        d, (h, hk) = (40, 64, 128)[i % 3], HEADS[(i // 3) % len(HEADS)]
+        d, (h, hk) = (40, 64, 128, 192, 256)[i % 5], HEADS[(i // 5) % len(HEADS)]
         out.append(pytest.param(*sq, h, hk, d, dtype, causal,
                                 id=f"{dtype}-{'causal' if causal else 'full'}-{sq[0]}x{sq[1]}-d{d}-h{h}/{hk}"))
     return out
@@ -95,6 +95,16 @@ def test_wgmma_backward(sq, sk, h, hk, d, dtype, causal):
     check_backward(2, sq, sk, h, hk, d, dtype, causal, False)
 
 
-def test_wgmma_backward_long_gqa_causal():
+@pytest.mark.parametrize("d", [128, 256])
+def test_wgmma_backward_long_gqa_causal(d):
     """Many query blocks per key block and 4 query heads per kv head: the CTA's longest loop."""
-    check_backward(1, 1000, 1500, 8, 2, 128, "bfloat16", True, False, seed=3)
+    check_backward(1, 1000, 1500, 8, 2, d, "bfloat16", True, False, seed=3)
+
+
+@pytest.mark.parametrize("d", [160, 192, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wgmma_backward_split_d(d, dtype, causal):
+    """The SPLIT_D form (warpgroups split dK, dV's columns) on ragged shapes both ways."""
+    check_backward(2, 203, 113, 4, 2, d, dtype, causal, False)
+    check_backward(1, 113, 203, 2, 1, d, dtype, causal, False)

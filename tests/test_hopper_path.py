@@ -88,7 +88,8 @@ def test_api_refuses_bad_wgmma_switch_before_launch():
 
 @pytest.mark.parametrize("d,dtype,arch,deterministic,expected", [
     (128, "bfloat16", "sm_90", False, "fa2_bwd_sm90"), (40, "float16", "sm_90", False, "fa2_bwd_sm90"),
-    (128, "bfloat16", "sm_90", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa2_bwd"),
+    (128, "bfloat16", "sm_90", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa2_bwd_sm90"),
+    (96, "bfloat16", "sm_90", False, "fa2_bwd"), (32, "float16", "sm_90", False, "fa2_bwd"),
     (128, "float32", "sm_90", False, "fa2_bwd"), (128, "bfloat16", "sm_80", False, "fa2_bwd")])
 def test_backward_kernel_choice(d, dtype, arch, deterministic, expected, monkeypatch):
     monkeypatch.delenv("RAWFLASH_WGMMA", raising=False)
@@ -100,6 +101,13 @@ def test_backward_kernel_choice(d, dtype, arch, deterministic, expected, monkeyp
 
 def test_demanding_wgmma_backward_where_it_cannot_run_is_refused():
     with pytest.raises(ValueError, match="wgmma=True \\(backward\\) needs"):
-        launch.fa2_bwd(_problem(d=256), wgmma=True)
+        launch.fa2_bwd(_problem(dtype="float32"), wgmma=True)
     with pytest.raises(ValueError, match="atomic dQ"):
         launch.fa2_bwd(_problem(), atomic_dq=False, wgmma=True)
+
+
+@pytest.mark.parametrize("d,split", [(64, False), (128, False), (192, True), (256, True)])
+def test_backward_split_d_form_for_large_head_dims(d, split):
+    lau = launch.fa2_bwd(_problem(d=d))
+    assert lau.kernel == "fa2_bwd_sm90" and launch.bwd_sm90_split_d(lau.config) is split
+    assert lau.template_args[6] is split and lau.smem <= 232448
