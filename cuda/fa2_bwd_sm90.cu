@@ -1,5 +1,5 @@
 // fa2_bwd_sm90: the fa2_bwd main pass (FA2 Alg.2, atomic dQ) with Hopper's warpgroup products, for float16 /
-// bfloat16 and head_dim 64, 128 (warpgroups split the keys) or 192, 256 (SPLIT_D: they split the columns) on sm_90a. fa2_bwd_preprocess (D and L in log2 units) runs before it and
+// bfloat16 and head_dim 64, 128 (warpgroups split the keys) or 256 (SPLIT_D: they split the columns) on sm_90a. fa2_bwd_preprocess (D and L in log2 units) runs before it and
 // fa2_bwd_convert_dq after it, as for fa2_bwd; its Numba twin is fa2_bwd's.
 //
 // Grid (Tc, kv_heads, batch): one CTA per key block K_j, V_j (BC = 64 keys per warpgroup), which stay in shared
@@ -42,6 +42,9 @@ fa2_bwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restri
   static_assert(Smem::BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
   static_assert(BC % 64 == 0 && BR == 64 && D % 64 == 0 && DQN % 32 == 0, "warpgroup tiles: dQ_i is one 64-row wgmma");
   static_assert(!SPLIT_D || BC == 64, "SPLIT_D: both warpgroups own the same 64 keys");
+  // A warpgroup's column slice (dQ_i's, and with SPLIT_D dK_j's and dV_j's) must not straddle two 64-column panels:
+  // an MN-major operand may start inside a panel only when it ends there (head_dim 192 would split at 96).
+  static_assert((DQN % 64 == 0 || 64 % DQN == 0) && (DW % 64 == 0 || 64 % DW == 0), "column slices within panels");
   // ---- [fa2_bwd_sm90:setup] key block j, kv head hk, batch b; warpgroup w owns keys kw.. ----
   extern __shared__ __align__(1024) char smem[];
   const u32 base = ((u32)__cvta_generic_to_shared(smem) + Smem::ALIGN - 1) & ~(u32)(Smem::ALIGN - 1);

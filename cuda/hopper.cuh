@@ -43,7 +43,8 @@ template <typename T, int ROWS, int COLS> struct Sw128 {
   }
   // MN-major operand (B of D = A B with B stored [k][n], or A stored [k][m]): rows k0..k0+15 are K, columns
   // n0.. are N (or M). LBO steps from one 64-column panel to the next, SBO from one 8-row group of K to the next;
-  // a start inside a panel (n0 % 64 = 32) is a byte offset, like the k-steps of desc_k.
+  // a start inside a panel (n0 % 64 = 32) is a byte offset, like the k-steps of desc_k, and is only right when
+  // the operand ends inside that panel too (N <= 64 - n0 % 64): the hardware takes 64 contiguous columns per LBO.
   __device__ __forceinline__ u64 desc_mn(int k0, int n0) const {
     return make_desc(base + (n0 >> 6) * PANEL_BYTES + k0 * 128 + (n0 & 63) * 2, PANEL_BYTES, 1024);
   }

@@ -81,8 +81,10 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_bwd", (256,), _16BIT, TileConfig(32, 64, 8, wc=2, why="16 x 128 dK, dV per warp"))
     # fa2_bwd_sm90 (wgmma, sm_90a): a warpgroup per 64 keys, 64 query rows per step (one wgmma of dQ_i).
     put("fa2_bwd_sm90", (64, 128), _16BIT, TileConfig(64, 128, 8, why="FA3's d<=128 shape: 2 warpgroups x 64 keys"))
-    # d 192 / 256: 8 warps on 64 keys = SPLIT_D, each warpgroup holds dK, dV for half of the columns (2 x d/4 regs).
-    put("fa2_bwd_sm90", (192, 256), _16BIT, TileConfig(64, 64, 8, why="dK, dV of 64 x d/2 per warpgroup"))
+    # d 256: 8 warps on 64 keys = SPLIT_D, each warpgroup holds dK, dV for half of the columns (2 x 64 registers).
+    # H200 N=1024/4096/16384: 217/255/266 TF (0.95-1.04x torch-flash); fa2_bwd (mma.sync) ran 89/95/96. No d=192
+    # row: its halves of 96 columns would straddle 64-column panels (the kernel's static_assert).
+    put("fa2_bwd_sm90", (256,), _16BIT, TileConfig(64, 64, 8, why="dK, dV of 64 x 128 per warpgroup"))
     put("fa2_bwd", (32, 64), ("float32",), TileConfig(32, 64, 4, why="fp32 FMA path"))
     put("fa2_bwd", (96, 128), ("float32",), TileConfig(32, 64, 8, wc=2, why="fp32 FMA path; warps split d"))
     put("fa2_bwd", (192, 256), ("float32",), TileConfig(32, 32, 8, wc=4, why="fp32 FMA path; 16 x d/4 dK, dV per warp"))

@@ -80,7 +80,7 @@ def test_wgmma_and_mma_sync_agree():
 def _bwd_cases():
     out = []
     for i, (sq, dtype, causal) in enumerate(itertools.product(SEQLENS, ("float16", "bfloat16"), (False, True))):
-        d, (h, hk) = (40, 64, 128, 192, 256)[i % 5], HEADS[(i // 5) % len(HEADS)]
+        d, (h, hk) = (40, 64, 128, 256)[i % 4], HEADS[(i // 4) % len(HEADS)]
         out.append(pytest.param(*sq, h, hk, d, dtype, causal,
                                 id=f"{dtype}-{'causal' if causal else 'full'}-{sq[0]}x{sq[1]}-d{d}-h{h}/{hk}"))
     return out
@@ -101,7 +101,7 @@ def test_wgmma_backward_long_gqa_causal(d):
     check_backward(1, 1000, 1500, 8, 2, d, "bfloat16", True, False, seed=3)
 
 
-@pytest.mark.parametrize("d", [160, 192, 256])
+@pytest.mark.parametrize("d", [200, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_wgmma_backward_split_d(d, dtype, causal):

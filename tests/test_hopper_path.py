@@ -90,6 +90,7 @@ def test_api_refuses_bad_wgmma_switch_before_launch():
     (128, "bfloat16", "sm_90", False, "fa2_bwd_sm90"), (40, "float16", "sm_90", False, "fa2_bwd_sm90"),
     (128, "bfloat16", "sm_90", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa2_bwd_sm90"),
     (96, "bfloat16", "sm_90", False, "fa2_bwd"), (32, "float16", "sm_90", False, "fa2_bwd"),
+    (192, "bfloat16", "sm_90", False, "fa2_bwd"),
     (128, "float32", "sm_90", False, "fa2_bwd"), (128, "bfloat16", "sm_80", False, "fa2_bwd")])
 def test_backward_kernel_choice(d, dtype, arch, deterministic, expected, monkeypatch):
     monkeypatch.delenv("RAWFLASH_WGMMA", raising=False)
@@ -106,7 +107,7 @@ def test_demanding_wgmma_backward_where_it_cannot_run_is_refused():
         launch.fa2_bwd(_problem(), atomic_dq=False, wgmma=True)
 
 
-@pytest.mark.parametrize("d,split", [(64, False), (128, False), (192, True), (256, True)])
+@pytest.mark.parametrize("d,split", [(64, False), (128, False), (200, True), (256, True)])
 def test_backward_split_d_form_for_large_head_dims(d, split):
     lau = launch.fa2_bwd(_problem(d=d))
     assert lau.kernel == "fa2_bwd_sm90" and launch.bwd_sm90_split_d(lau.config) is split
