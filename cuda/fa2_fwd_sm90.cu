@@ -1,6 +1,7 @@
 // fa2_fwd_sm90: the fa2_fwd algorithm (FA2 Alg.1: sequence parallelism, split-Q, deferred normalisation) with
 // Hopper's warpgroup products, for float16 / bfloat16 and head_dim a multiple of 64 on sm_90a. Its Numba twin is
-// fa2_fwd's: the algorithm and the section names are the same, only the product instructions differ.
+// fa2_fwd's: the same algorithm and results; the sections differ where the wgmma pipeline orders the steps
+// differently (S_{j+1} is computed before P_j V_j, see OVERLAP).
 //
 // A CTA of BR/64 warpgroups takes query block Q_i; warpgroup w owns rows 64w..64w+63 (split-Q at warpgroup
 // grain). S = Q_i K_j^T reads both operands from shared memory; O += P V_j takes P from registers and V_j from
