@@ -101,12 +101,14 @@ def _step(message: str) -> None:
     click.echo(message, err=True)
 
 
-def _problem(spec: introspect.ShapeSpec, **call) -> launch.Problem:
-    """The validated problem, or the API's own error message as a usage error."""
+def _problem(spec: introspect.ShapeSpec, arch: str | None = None, **call) -> launch.Problem:
+    """The validated problem (for ``arch``'s tile rows and kernels when given), or the API's own error message as a
+    usage error."""
     try:
-        return introspect.validate(spec, **call).problem
+        p = introspect.validate(spec, **call).problem
     except (TypeError, ValueError) as err:
         raise click.UsageError(f"rawflash would refuse this call: {err}")
+    return dataclasses.replace(p, arch=arch) if arch else p
 
 
 def _require_gpu(command: str, instead: str) -> None:
@@ -187,8 +189,7 @@ def _tile_rows() -> list[dict]:
 def launch_config(spec, kernel, direction, deterministic, arch, sms, as_json):
     """Every launch of a call: instantiation, tiles, grid, block, shared memory, CTAs, skipped tiles and waves."""
     tgt = introspect.target(arch, sms)
-    p = dataclasses.replace(_problem(spec, kernel=kernel, direction=direction, deterministic=deterministic),
-                            arch=tgt.arch)                                   # the target's tile rows and kernels
+    p = _problem(spec, tgt.arch, kernel=kernel, direction=direction, deterministic=deterministic)
     rows = introspect.launch_config_rows(p, kernel, direction, deterministic, tgt)
     _emit({"shape": _shape_text(p), "target": tgt.description, "launches": rows,
            "notes": ["tiles, skipped: (Q block, K block) tiles over all (batch, head), causal skipping from iomodel",
@@ -213,8 +214,7 @@ def occupancy_cmd(ctx, spec, kernel, direction, deterministic, every, arch, sms,
         launches = introspect.instantiations(spec.dtype, spec.causal, tgt.arch)
         what = f"every {spec.dtype} {'causal' if spec.causal else 'non-causal'} instantiation"
     else:
-        p = dataclasses.replace(_problem(spec, kernel=kernel, direction=direction, deterministic=deterministic),
-                                arch=tgt.arch)
+        p = _problem(spec, tgt.arch, kernel=kernel, direction=direction, deterministic=deterministic)
         launches = [lau for _, lau in introspect.launches(p, kernel, direction, deterministic)]
         what = _shape_text(p)
     rows = _rows_with_progress(launches, lambda lau: introspect.occupancy_row(lau, tgt), "compiling",

@@ -139,10 +139,28 @@ def smem_fa2_fwd_sm90(cfg: TileConfig, d: int) -> int:
     return 1024 + (cfg.br + 4 * cfg.bc) * d * 2
 
 
+def _has_sm90_row(kernel: str, p: Problem) -> bool:
+    """Whether the wgmma kernel ``kernel`` can run ``p``: an sm_90 GPU (wgmma is sm_90a code) and a tile row for
+    its dtype and specialised head_dim."""
+    return p.arch == "sm_90" and (kernel, p.padded_head_dim, p.dtype) in configs.TABLE
+
+
+def _use_wgmma(wgmma: bool | None, eligible: bool, kernel: str, also: str, got: str) -> bool:
+    """The kernel choice of a ``wgmma`` switch: None picks ``kernel`` wherever it is ``eligible`` unless the
+    environment sets ``RAWFLASH_WGMMA=0``; True demands it (ValueError where it cannot run); False refuses it."""
+    if wgmma is None:
+        return eligible and os.environ.get("RAWFLASH_WGMMA", "1") != "0"
+    if wgmma and not eligible:
+        dims = sorted(d for (k, d, dt) in configs.TABLE if k == kernel and dt == "bfloat16")
+        what = " (backward)" if kernel.startswith("fa2_bwd") else ""
+        raise ValueError(f"wgmma=True{what} needs an sm_90 GPU, float16 or bfloat16, a head_dim that pads to one of "
+                         f"{dims}{also}; got {got}")
+    return wgmma
+
+
 def wgmma_supported(p: Problem) -> bool:
-    """Whether ``fa2_fwd_sm90`` can run ``p``: an sm_90 GPU (wgmma is sm_90a code) and a tile row for its
-    dtype (float16 / bfloat16) and specialised head_dim (64, 128, 192, 256)."""
-    return p.arch == "sm_90" and ("fa2_fwd_sm90", p.padded_head_dim, p.dtype) in configs.TABLE
+    """Whether ``fa2_fwd_sm90`` can run ``p`` (float16 / bfloat16, head_dim padded to 64, 128, 192 or 256)."""
+    return _has_sm90_row("fa2_fwd_sm90", p)
 
 
 def fa2_fwd_sm90(p: Problem, *, overlap: bool = True) -> Launch:
@@ -164,13 +182,9 @@ def fa2_fwd(p: Problem, *, defer_norm: bool = True, seq_parallel: bool = True, s
     ``overlap`` (wgmma only): FA3's overlap of the softmax with P V inside a warpgroup.
     """
     ideas_on = defer_norm and seq_parallel and split_q
-    if wgmma is None:
-        wgmma = ideas_on and wgmma_supported(p) and os.environ.get("RAWFLASH_WGMMA", "1") != "0"
-    elif wgmma and not (ideas_on and wgmma_supported(p)):
-        raise ValueError(f"wgmma=True needs an sm_90 GPU, float16 or bfloat16, a head_dim that pads to 64, 128, 192 "
-                         f"or 256 and every FA2 switch on; got arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, "
-                         f"defer_norm={defer_norm}, seq_parallel={seq_parallel}, split_q={split_q}")
-    if wgmma:
+    if _use_wgmma(wgmma, ideas_on and wgmma_supported(p), "fa2_fwd_sm90", " and every FA2 switch on",
+                  f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={defer_norm}, "
+                  f"seq_parallel={seq_parallel}, split_q={split_q}"):
         return fa2_fwd_sm90(p, overlap=overlap)
     d = p.padded_head_dim
     cfg = configs.tile_config("fa2_fwd" if split_q else "fa2_fwd_splitk", d, p.dtype, p.arch)
@@ -223,8 +237,8 @@ def smem_fa2_bwd_sm90(cfg: TileConfig, d: int) -> int:
 
 
 def wgmma_bwd_supported(p: Problem) -> bool:
-    """Whether ``fa2_bwd_sm90`` can run ``p``: an sm_90 GPU and an ``fa2_bwd_sm90`` row (16-bit, d 64 - 256)."""
-    return p.arch == "sm_90" and ("fa2_bwd_sm90", p.padded_head_dim, p.dtype) in configs.TABLE
+    """Whether ``fa2_bwd_sm90`` can run ``p`` (float16 / bfloat16, head_dim padded to 64, 128 or 256)."""
+    return _has_sm90_row("fa2_bwd_sm90", p)
 
 
 def fa2_bwd_sm90(p: Problem) -> Launch:
@@ -240,13 +254,8 @@ def fa2_bwd_sm90(p: Problem) -> Launch:
 def fa2_bwd(p: Problem, *, atomic_dq: bool = True, wgmma: bool | None = None) -> Launch:
     """FA2 backward main pass: one CTA per (key block, kv head, batch). ``wgmma`` None picks ``fa2_bwd_sm90`` for
     the atomic-dQ pass where ``wgmma_bwd_supported`` (unless ``RAWFLASH_WGMMA=0``); False forces mma.sync."""
-    if wgmma is None:
-        wgmma = atomic_dq and wgmma_bwd_supported(p) and os.environ.get("RAWFLASH_WGMMA", "1") != "0"
-    elif wgmma and not (atomic_dq and wgmma_bwd_supported(p)):
-        raise ValueError(f"wgmma=True (backward) needs an sm_90 GPU, float16 or bfloat16, a head_dim that pads to 64, "
-                         f"128, 192 or 256 and the atomic dQ pass; got arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, "
-                         f"atomic_dq={atomic_dq}")
-    if wgmma:
+    if _use_wgmma(wgmma, atomic_dq and wgmma_bwd_supported(p), "fa2_bwd_sm90", " and the atomic dQ pass",
+                  f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, atomic_dq={atomic_dq}"):
         return fa2_bwd_sm90(p)
     d = p.padded_head_dim
     cfg = configs.tile_config("fa2_bwd", d, p.dtype, p.arch)

@@ -45,7 +45,6 @@ def main() -> None:
     ap.add_argument("--which", default="fwd,bwd")
     args = ap.parse_args()
     dims = [int(x) for x in args.head_dims.split(",")]
-    rows = []
     for which in args.which.split(","):
         kernel, direction = f"fa2_{which}", which.split("_")[0]
         os.environ["RAWFLASH_WGMMA"] = "1" if which.endswith("sm90") else "0"  # which kernel "rawflash-fa2" runs
@@ -64,7 +63,6 @@ def main() -> None:
                         tf, status = rec.tflops, rec.status
                     except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
                         tf, status = None, f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
-                    rows.append((direction, d, causal, cand, tf, status, cand == default))
                     print(f"{direction} d={d} N={n} causal={causal!s:5} Br={cand.br} Bc={cand.bc} warps={cand.warps} "
                           f"minB={cand.min_blocks} ku={cand.kunroll}: "
                           f"{'%.0f TFLOP/s' % tf if tf else status}{'  (current)' if cand == default else ''}",
