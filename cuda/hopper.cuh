@@ -2,20 +2,19 @@
 // 64-bit matrix descriptors (PTX ISA, "Asynchronous Warpgroup Level Matrix Shared Memory Layout").
 //
 // A warpgroup is 4 consecutive warps (128 threads) starting at a warp index divisible by 4. One wgmma computes a
-// 64 x N tile: warp w of the group owns rows 16w..16w+15 in mma.sync's C layout (wgmma_ops.cuh), so the row
-// verbs of common.cuh (row_max, row_sum, scale_rows, apply_mask, store_rows) work on it with MT = 1.
+// 64 x N tile: warp w of the group owns rows 16w..16w+15 in mma.sync's C layout (wgmma_ops.cuh), so its
+// accumulator is an Acc<1, N/8> and every verb of acc.cuh (row_max, row_sum, scale_rows, store_rows) works on it.
 //
 // Shared-memory layout of a 16-bit tile (Sw128): the columns are cut into panels of 64 (128 bytes); a panel is
 // ROWS rows of 128 bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8). This is the "128-byte swizzle"
 // canonical layout of wgmma, both K-major (rows are M or N, columns are K) and MN-major (rows are K, columns
 // are N): the same bytes can be read either way, which is how V feeds O += P V without a transpose.
 #pragma once
-#include "common.cuh"
+#include "sm80.cuh"
 #include "wgmma_ops.cuh"
 
 namespace rf {
 
-using u64 = unsigned long long;
 
 __device__ __forceinline__ int warpgroup_id() { return threadIdx.x >> 7; }
 __device__ __forceinline__ int warp_in_group() { return (threadIdx.x >> 5) & 3; }
@@ -82,14 +81,14 @@ __device__ __forceinline__ void load_tile(const Sw128<T, ROWS, COLS>& s, const T
 // Write a C-layout accumulator (64 rows of a warpgroup, MT = 1) into an Sw128 tile at rows r0.., cols c0..
 // (r0: this warp's first row). Each quad writes 16 contiguous bytes of a row: no bank conflicts.
 template <typename T, int NT, int R, int C>
-__device__ __forceinline__ void store_acc(const Sw128<T, R, C>& s, const float (&acc)[NT][4], int r0, int c0) {
+__device__ __forceinline__ void store_acc(const Sw128<T, R, C>& s, const Acc<1, NT>& acc, int r0, int c0) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = r0 + g + 8 * h, col = c0 + 8 * j + 2 * t;
-      const u32 v = pack2<T>(acc[j][2 * h], acc[j][2 * h + 1]);
+      const u32 v = pack2<T>(acc.v[0][j][2 * h], acc.v[0][j][2 * h + 1]);
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s.addr(row, col & ~7) + (col & 7) * 2), "r"(v) : "memory");
     }
 }
@@ -106,60 +105,60 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 // once every writer has executed this and the CTA has passed a barrier.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keep the compiler from moving reads or writes of an accumulator across a wgmma that is still running.
-template <int NT> __device__ __forceinline__ void fence_operand(float (&d)[NT][4]) {
+template <int NT> __device__ __forceinline__ void fence_operand(Acc<1, NT>& d) {
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d.v[0][j][e])::"memory");
 }
 
 // ---------------------------------------------------------------- warpgroup products (issue only: commit, wait)
 // acc (+)= A B^T, A = rows a0..a0+63 of sa ([m][k]), B = rows b0.. of sb ([n][k]), k over all K columns.
 // accumulate = false overwrites acc (no need to zero it first).
 template <typename T, int NT, int RA, int RB, int K>
-__device__ __forceinline__ void wg_gemm_abt(float (&acc)[NT][4], const Sw128<T, RA, K>& sa, int a0,
+__device__ __forceinline__ void wg_gemm_abt(Acc<1, NT>& acc, const Sw128<T, RA, K>& sa, int a0,
                                             const Sw128<T, RB, K>& sb, int b0, bool accumulate) {
 #pragma unroll
   for (int k = 0; k < K; k += 16)
-    Wgmma<T, 8 * NT, 0, 0>::ss(acc, sa.desc_k(a0, k), sb.desc_k(b0, k), (k > 0 || accumulate) ? 1 : 0);
+    Wgmma<T, 8 * NT, 0, 0>::ss(acc.v[0], sa.desc_k(a0, k), sb.desc_k(b0, k), (k > 0 || accumulate) ? 1 : 0);
 }
 // P (64 x 16*KT) in registers as A fragments, from an accumulator in C layout: k-chunk kk = columns 16kk.. .
 template <typename T, int NT>
-__device__ __forceinline__ void to_a_operand(u32 (&p)[NT / 2][4], const float (&s)[NT][4]) {
+__device__ __forceinline__ void to_a_operand(u32 (&p)[NT / 2][4], const Acc<1, NT>& s) {
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
-    p[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-    p[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-    p[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    p[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    p[kk][0] = pack2<T>(s.v[0][2 * kk][0], s.v[0][2 * kk][1]);
+    p[kk][1] = pack2<T>(s.v[0][2 * kk][2], s.v[0][2 * kk][3]);
+    p[kk][2] = pack2<T>(s.v[0][2 * kk + 1][0], s.v[0][2 * kk + 1][1]);
+    p[kk][3] = pack2<T>(s.v[0][2 * kk + 1][2], s.v[0][2 * kk + 1][3]);
   }
 }
 // acc += P B, P from registers (to_a_operand), B = rows k0.. (K) x columns n0.. (N = 8*NT) of sb stored [k][n].
 template <typename T, int NT, int KT, int R, int C>
-__device__ __forceinline__ void wg_gemm_rb(float (&acc)[NT][4], const u32 (&p)[KT][4], const Sw128<T, R, C>& sb,
+__device__ __forceinline__ void wg_gemm_rb(Acc<1, NT>& acc, const u32 (&p)[KT][4], const Sw128<T, R, C>& sb,
                                            int k0, int n0) {
 #pragma unroll
-  for (int kk = 0; kk < KT; ++kk) Wgmma<T, 8 * NT, 0, 1>::rs(acc, p[kk], sb.desc_mn(k0 + 16 * kk, n0), 1);
+  for (int kk = 0; kk < KT; ++kk) Wgmma<T, 8 * NT, 0, 1>::rs(acc.v[0], p[kk], sb.desc_mn(k0 + 16 * kk, n0), 1);
 }
 
 // acc (+)= A B with A[m][k] read from sa stored [k][m] (columns m0..m0+63) and B from sb stored [k][n]
 // (columns n0..): both operands MN-major, k over rows [0, K). Used for dQ = dS K with dS kept as dS^T.
 template <int K, typename T, int NT, int RA, int CA, int RB, int CB>
-__device__ __forceinline__ void wg_gemm_atb(float (&acc)[NT][4], const Sw128<T, RA, CA>& sa, int m0,
+__device__ __forceinline__ void wg_gemm_atb(Acc<1, NT>& acc, const Sw128<T, RA, CA>& sa, int m0,
                                             const Sw128<T, RB, CB>& sb, int n0, bool accumulate) {
 #pragma unroll
   for (int k = 0; k < K; k += 16)
-    Wgmma<T, 8 * NT, 1, 1>::ss(acc, sa.desc_mn(k, m0), sb.desc_mn(k, n0), (k > 0 || accumulate) ? 1 : 0);
+    Wgmma<T, 8 * NT, 1, 1>::ss(acc.v[0], sa.desc_mn(k, m0), sb.desc_mn(k, n0), (k > 0 || accumulate) ? 1 : 0);
 }
 
 // acc (+)= A B with A = rows a0..a0+63 of sa ([m][k], K-major) and B from sb stored [k][n] (columns n0..,
 // MN-major), k over rows [0, K) of sb. Used for dK, dV += (dS^T, P^T) (Q_i, dO_i) with dS^T, P^T in shared memory.
 template <int K, typename T, int NT, int RA, int CA, int RB, int CB>
-__device__ __forceinline__ void wg_gemm_ab(float (&acc)[NT][4], const Sw128<T, RA, CA>& sa, int a0,
+__device__ __forceinline__ void wg_gemm_ab(Acc<1, NT>& acc, const Sw128<T, RA, CA>& sa, int a0,
                                            const Sw128<T, RB, CB>& sb, int n0, bool accumulate) {
 #pragma unroll
   for (int k = 0; k < K; k += 16)
-    Wgmma<T, 8 * NT, 0, 1>::ss(acc, sa.desc_k(a0, k), sb.desc_mn(k, n0), (k > 0 || accumulate) ? 1 : 0);
+    Wgmma<T, 8 * NT, 0, 1>::ss(acc.v[0], sa.desc_k(a0, k), sb.desc_mn(k, n0), (k > 0 || accumulate) ? 1 : 0);
 }
 
 // dst[0..1] += (a, b) in global memory, one vector reduction (sm_90).

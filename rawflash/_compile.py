@@ -24,14 +24,14 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$", re.M)
 
 
-def cuda_dir() -> Path:
-    """The folder holding the ``.cu``/``.cuh`` sources: ``$RAWFLASH_CUDA_DIR`` when set (to try a kernel change
-    without reinstalling), else inside an installed wheel, else ``cuda/`` of a checkout."""
+def cuda_dir(override: str | None = None) -> Path:
+    """The folder holding the ``.cu``/``.cuh`` sources: ``override`` when given (``settings.cuda_dir``, from
+    ``RAWFLASH_CUDA_DIR``: to try a kernel change without reinstalling), else inside an installed wheel, else
+    ``cuda/`` of a checkout."""
     here = Path(__file__).resolve().parent
-    override = os.environ.get("RAWFLASH_CUDA_DIR")
     candidates = [Path(override)] if override else [here / "cuda", here.parent / "cuda"]
     for candidate in candidates:
-        if (candidate / "common.cuh").is_file():
+        if (candidate / "core.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"rawflash CUDA sources not found next to {here} (looked in cuda/ and ../cuda/)")
 
@@ -85,20 +85,21 @@ def base_options() -> tuple[str, ...]:
 
 # ---------------------------------------------------------------- GPU path (CuPy RawModule)
 @functools.lru_cache(maxsize=None)
-def _module(source: str, name_expression: str, target: str | None, device: int):
+def _module(source: str, name_expression: str, target: str | None, device: int, root: str | None):
     import cupy
 
     options = base_options() + ((f"-arch={target}",) if target else ())
-    return cupy.RawModule(code=assemble(source), options=options, name_expressions=[name_expression])
+    return cupy.RawModule(code=assemble(source, cuda_dir(root)), options=options, name_expressions=[name_expression])
 
 
-def get_kernel(source: str, name_expression: str, target: str | None = None):
+def get_kernel(source: str, name_expression: str, target: str | None = None, root: str | None = None):
     """The ``cupy.RawKernel`` for one template instantiation, compiled at first use and cached. ``target``
-    (e.g. ``sm_90a`` for wgmma) replaces the GPU's own architecture, which CuPy passes otherwise."""
+    (e.g. ``sm_90a`` for wgmma) replaces the GPU's own architecture, which CuPy passes otherwise; ``root`` is
+    another source folder (``settings.cuda_dir``)."""
     import cupy
 
     device = cupy.cuda.Device().id
-    return _module(source, name_expression, target, device).get_function(name_expression)
+    return _module(source, name_expression, target, device, root).get_function(name_expression)
 
 
 def cache_dir() -> Path:
@@ -143,12 +144,12 @@ def parse_ptxas(log: str) -> dict:
                 spill_stores=stores, spill_loads=loads)
 
 
-def compile_offline(source: str, name_expression: str, arch: str = "sm_90") -> CompileReport:
+def compile_offline(source: str, name_expression: str, arch: str = "sm_90", root: str | None = None) -> CompileReport:
     """Compile one instantiation with NVRTC for ``arch`` without a GPU and return ptxas's resource report."""
     from cupy.cuda import nvrtc
 
     options = base_options() + (f"--gpu-architecture={arch}", "--ptxas-options=-v")
-    prog = nvrtc.createProgram(assemble(source), source, [], [])
+    prog = nvrtc.createProgram(assemble(source, cuda_dir(root)), source, [], [])
     try:
         nvrtc.addNameExpression(prog, name_expression)
         try:

@@ -1,6 +1,6 @@
 """FA2's three ideas switched off one at a time (and all together), validated, then timed (needs a GPU).
 
-The variants are ``launch.ABLATIONS``: full FA2 (the mma.sync kernel), no deferred normalisation, no sequence
+The variants are ``forms.ABLATIONS``: full FA2 (the mma.sync kernel), no deferred normalisation, no sequence
 parallelism, no split-Q warp partition, none of the three, and on sm_90 the wgmma kernel with and without FA3's
 softmax / P V overlap. Each variant is first graded against the float64 reference on a small
 problem of the same instantiation (same dtype, head_dim and causal flag); a variant that fails is reported, not timed.
@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from . import accuracy, bench, iomodel, launch
+from . import accuracy, bench, forms, iomodel
 from .launch import Problem
 
 VALIDATION_SEQLEN = 203  # ragged: not a multiple of any tile
@@ -34,9 +34,9 @@ class Case:
 
 
 def cases(dtype: str, head_dims, seqlens, causal: bool, tokens: int = 16384, hidden: int = 2048) -> list[Case]:
-    """The FA2 paper's shapes (B = tokens / N, H = hidden / d) for every variant of ``launch.ABLATIONS``."""
+    """The FA2 paper's shapes (B = tokens / N, H = hidden / d) for every variant of ``forms.ABLATIONS``."""
     return [Case(name, dtype, max(1, tokens // n), max(1, hidden // d), n, d, causal)
-            for d in head_dims for n in seqlens for name in launch.ABLATIONS]
+            for d in head_dims for n in seqlens for name in forms.ABLATIONS]
 
 
 def validate(case: Case) -> tuple[bool, str]:
@@ -46,7 +46,7 @@ def validate(case: Case) -> tuple[bool, str]:
     small = dataclasses.replace(case, batch=1, heads=2, seqlen=VALIDATION_SEQLEN).problem
     x = accuracy.random_inputs(small, seed=5)
     try:
-        out, lse = rawflash.forward(x["q"], x["k"], x["v"], causal=small.causal, **launch.ABLATIONS[case.variant])
+        out, lse = rawflash.forward(x["q"], x["k"], x["v"], causal=small.causal, **forms.ABLATIONS[case.variant].given)
     except ValueError as err:  # e.g. the wgmma rows on a GPU that is not sm_90
         return False, f"not run: {err}"
     rows = accuracy.grade_forward(x, out, lse, small.causal, None)
@@ -63,7 +63,7 @@ def time_case(case: Case, repeats: int) -> float:
 
     q, k, v, _ = bench.make_inputs(bench.Case("rawflash-fa2", "fwd", case.dtype, case.batch, case.heads, case.heads,
                                               case.seqlen, case.head_dim, case.causal))
-    switches = launch.ABLATIONS[case.variant]
+    switches = forms.ABLATIONS[case.variant].given
     try:
         return bench.time_ms(lambda: rawflash.forward(q, k, v, causal=case.causal, **switches), repeats=repeats)
     finally:
@@ -107,7 +107,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     except ImportError:
         return None
     shapes = sorted({(r["head_dim"], r["seqlen"]) for r in rows})
-    names = list(launch.ABLATIONS)
+    names = list(forms.ABLATIONS)
     width = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(2.2 * len(shapes) + 2, 4))
     for i, name in enumerate(names):

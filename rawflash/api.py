@@ -1,30 +1,41 @@
 """The public API: validation, then dispatch to a kernel and a backend.
 
-Layout is flash-attn's: q (batch, seqlen_q, heads, head_dim); k, v (batch, seqlen_k, kv_heads, head_dim).
+Layout is flash-attn's: q (batch, seqlen_q, heads, head_dim); k, v (batch, seqlen_k, kv_heads, head_dim); with
+``cu_seqlens_q`` / ``cu_seqlens_k``, packed sequences q (total_q, heads, head_dim), k, v (total_k, kv_heads,
+head_dim). Every public function takes the same options; the environment's settings are read once per call here
+(``settings.load()``) and handed down.
 """
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from . import arrays, reference, validation
-from .validation import Checked
+from . import arrays, forms, reference, settings, validation
+from .validation import Checked, Features
+
+Array = Any  # a CuPy array, a NumPy array, or any object with __dlpack__ / __cuda_array_interface__
+SWITCHES = ("defer_norm", "seq_parallel", "split_q", "wgmma", "overlap")
 
 
 def _import(named):
-    return [arrays.import_array(x, name) for name, x in named]
+    return [None if x is None else arrays.import_array(x, name) for name, x in named]
 
 
-def _empty_forward(c: Checked, xp, dtype):
-    p = c.problem
-    out = xp.zeros((p.batch, p.seqlen_q, p.heads, p.head_dim), dtype=dtype)
-    lse = xp.full((p.batch, p.heads, p.seqlen_q), -np.inf, dtype=np.float32)
-    return out, lse
+def _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              seqused_k) -> Features:
+    alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k = _import(
+        (("alibi_slopes", alibi_slopes), ("sinks", sinks), ("cu_seqlens_q", cu_seqlens_q),
+         ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)))
+    return Features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    seqused_k)
 
 
 def _is_empty(c: Checked) -> bool:
     p = c.problem
+    if p.varlen:
+        return p.total_q == 0 or p.heads == 0 or p.total_k == 0
     return p.batch == 0 or p.seqlen_q == 0 or p.heads == 0 or p.seqlen_k == 0
 
 
@@ -36,64 +47,122 @@ def _xp(kind: str, backend: str):
     return np if kind == "numpy" else cupy
 
 
-def forward(q, k, v, *, causal=False, scale=None, kernel="fa2", backend="cupy", **switches):
+def _lse_shape(c: Checked) -> tuple[int, ...]:
+    p = c.problem
+    return (p.heads, p.total_q) if p.varlen else (p.batch, p.heads, p.seqlen_q)
+
+
+def _reference_features(c: Checked, f: Features) -> dict:
+    p = c.problem
+    return dict(causal=p.causal, scale=c.scale, window=p.window, softcap=p.softcap, alibi_slopes=f.alibi_slopes,
+                sinks=f.sinks, cu_seqlens_q=f.cu_seqlens_q, cu_seqlens_k=f.cu_seqlens_k, seqused_k=f.seqused_k)
+
+
+def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
+            window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Array | None = None,
+            sinks: Array | None = None, cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
+            max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, seqused_k: Array | None = None,
+            kernel: str = "fa2", backend: str = "cupy", **switches: bool) -> tuple[Array, Array]:
     """Exact attention, forward.
 
     Parameters
     ----------
     q : array (batch, seqlen_q, heads, head_dim), float16, bfloat16 or float32
+        Packed sequences (with ``cu_seqlens_q``): (total_q, heads, head_dim).
     k, v : arrays (batch, seqlen_k, kv_heads, head_dim), q's dtype; heads % kv_heads == 0 (GQA / MQA)
+        Packed: (total_k, kv_heads, head_dim).
     causal : bool
         Query i sees key j iff j <= i + seqlen_k - seqlen_q (bottom-right aligned, as flash-attn >= 2.1).
     scale : float, optional
         Softmax scale, default 1/sqrt(head_dim).
+    window : (int, int)
+        Sliding window (left, right), flash-attn's ``window_size``: query i sees keys j with
+        i + sk - sq - left <= j <= i + sk - sq + right; -1 = unbounded; ``causal`` makes right 0.
+        Key blocks wholly outside the window are never loaded.
+    softcap : float
+        0 (off) or c > 0: scores s become c * tanh(s / c) before the softmax (Gemma 2).
+    alibi_slopes : array (heads,) or (batch, heads), float32, optional
+        ALiBi: scores get -slope * |i + sk - sq - j| (flash-attn's convention).
+    sinks : array (heads,), float32, optional
+        One learnable logit per head that joins every row's softmax denominator and has no value (gpt-oss).
+    cu_seqlens_q, cu_seqlens_k : arrays (batch + 1,), int32, optional
+        Offsets of packed variable-length sequences (flash-attn's ``flash_attn_varlen_func``); both or neither.
+        Their values are checked on the host (a device array is copied: one synchronisation).
+    max_seqlen_q, max_seqlen_k : int, optional
+        The longest sequences (computed from the offsets when not given; must not be below any length).
+    seqused_k : array (batch,), int32, optional
+        Keys actually used per sequence (the first seqused_k[b] of its keys); causal alignment uses it.
     kernel : {'fa2', 'fa1', 'naive'}
+        fa1 and naive run plain attention (naive also windows); every feature needs fa2.
     backend : {'cupy', 'numba', 'reference'}
     **switches
-        fa2 only, for the ablation: ``defer_norm``, ``seq_parallel``, ``split_q`` (all True by default);
-        ``wgmma`` (default: Hopper's warpgroup kernel where it applies, False forces mma.sync, True demands
-        wgmma) and ``overlap`` (wgmma kernel: FA3's softmax / P V overlap, default True).
+        fa2 only, for the ablation (plain attention only): ``defer_norm``, ``seq_parallel``, ``split_q`` (all True
+        by default); ``wgmma`` (default: Hopper's warpgroup form where it applies, False forces mma.sync, True
+        demands wgmma) and ``overlap`` (wgmma form: FA3's softmax / P V overlap, default True).
 
     Returns
     -------
     out : array like q
-    lse : array (batch, heads, seqlen_q) float32, natural log of the softmax denominator; -inf for rows that
-        see no key (their out is 0).
+    lse : array (batch, heads, seqlen_q), or (heads, total_q) when packed, float32
+        Natural log of the softmax denominator (the sink included); -inf for rows that see no key and have no
+        sink (their out is 0).
 
     CuPy and foreign device arrays give CuPy results; NumPy arrays are copied to the device and the results come
-    back as NumPy. Work is queued on CuPy's current stream; nothing synchronises the host.
+    back as NumPy. Work is queued on CuPy's current stream; nothing synchronises the host (except checking
+    cu_seqlens / seqused_k values).
     """
+    env = settings.load()
     q, k, v = _import((("q", q), ("k", k), ("v", v)))
-    c = validation.check_forward(q, k, v, causal, scale, kernel, backend)
-    _check_switches(kernel, switches)
+    feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      seqused_k)
+    c = validation.check_forward(q, k, v, causal, scale, kernel, backend, feats)
+    sw = _check_switches(kernel, switches, c)
     to_numpy = c.kind == "numpy"
     if backend == "reference":
-        out, lse = reference.forward(q, k, v, causal=c.problem.causal, scale=c.scale)
+        out, lse = reference.forward(q, k, v, **_reference_features(c, feats))
         return _host_result(out.astype(q.dtype), to_numpy), _host_result(lse.astype(np.float32), to_numpy)
     if _is_empty(c):
-        out, lse = _empty_forward(c, _xp(c.kind, backend), q.dtype)
-        return arrays.export(out, to_numpy), arrays.export(lse, to_numpy)
+        xp = _xp(c.kind, backend)
+        return (arrays.export(xp.zeros(q.shape, dtype=q.dtype), to_numpy),
+                arrays.export(_empty_lse(xp, c), to_numpy))
     _require_gpu(backend)
     with _device(c):
         if backend == "numba":
             from . import numba_backend
 
-            out, lse = numba_backend.forward(c.problem, q, k, v, c.scale, kernel, **switches)
+            out, lse = numba_backend.forward(c.problem, q, k, v, c.scale, kernel, sw, c.extras)
         else:
             from . import cupy_backend
 
-            out, lse = cupy_backend.forward(c.problem, q, k, v, c.scale, kernel, **switches)
+            out, lse = cupy_backend.forward(c.problem, q, k, v, c.scale, kernel, sw, c.extras, env)
     return arrays.export(out, to_numpy), arrays.export(lse, to_numpy)
 
 
-def backward(dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic=False, backend="cupy"):
-    """Gradients of ``sum(out * dout)`` with respect to q, k, v (FlashAttention-2 Algorithm 2).
+def _empty_lse(xp, c: Checked):
+    """lse of an empty call: -inf, or the sink's logit for every row when sinks are given (no key is seen)."""
+    shape = _lse_shape(c)
+    if "sinks" not in c.extras:
+        return xp.full(shape, -np.inf, dtype=np.float32)
+    sinks = xp.asarray(c.extras["sinks"], dtype=np.float32)
+    return xp.broadcast_to(sinks[:, None] if c.problem.varlen else sinks[None, :, None], shape).copy()
+
+
+def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *, causal: bool = False,
+             scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+             alibi_slopes: Array | None = None, sinks: Array | None = None, cu_seqlens_q: Array | None = None,
+             cu_seqlens_k: Array | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+             seqused_k: Array | None = None, deterministic: bool = False, backend: str = "cupy") -> tuple[Array, ...]:
+    """Gradients of ``sum(out * dout)`` with respect to q, k, v (FlashAttention-2 Algorithm 2), and the sinks.
 
     Parameters
     ----------
     dout : array like q
-    q, k, v, causal, scale : as given to ``forward``
+    q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, seqused_k
+        As given to ``forward``.
     out, lse : what ``forward`` returned
+        The backward recomputes P = exp(scores - lse) and D = rowsum(dout * out) from them (so a block of keys with
+        a whole row's out and lse gives that block's share of the gradients).
     deterministic : bool
         False (default): dQ is accumulated with float32 atomicAdd (fastest; equal only up to rounding from run
         to run). True: a separate dQ pass without atomics, bitwise repeatable.
@@ -103,61 +172,94 @@ def backward(dout, q, k, v, out, lse, *, causal=False, scale=None, deterministic
     -------
     dq : array like q
     dk, dv : arrays like k (summed over the query heads of each GQA group)
+    dsinks : array (heads,) float32, only when ``sinks`` is given
     """
+    env = settings.load()
     named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
     dout, q, k, v, out, lse = _import(named)
-    c = validation.check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backend)
+    feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      seqused_k)
+    c = validation.check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backend, feats)
     to_numpy = c.kind == "numpy"
     p = c.problem
     if backend == "reference":
-        grads = reference.backward(dout, q, k, v, causal=p.causal, scale=c.scale)
-        return tuple(_host_result(g.astype(q.dtype), to_numpy) for g in grads)
+        grads = reference.backward(dout, q, k, v, out=out, lse=lse, **_reference_features(c, feats))
+        cast = [g.astype(q.dtype) for g in grads[:3]] + [g.astype(np.float32) for g in grads[3:]]
+        return tuple(_host_result(g, to_numpy) for g in cast)
     if _is_empty(c):
         xp = _xp(c.kind, backend)
-        return (xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype))
+        grads = [xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)]
+        if "sinks" in c.extras:
+            grads.append(xp.zeros((p.heads,), np.float32))
+        return tuple(arrays.export(g, to_numpy) for g in grads)
     _require_gpu(backend)
     with _device(c):
         if backend == "numba":
             from . import numba_backend
 
-            grads = numba_backend.backward(p, dout, q, k, v, out, lse, c.scale, deterministic)
+            grads = numba_backend.backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras)
         else:
             from . import cupy_backend
 
-            grads = cupy_backend.backward(p, dout, q, k, v, out, lse, c.scale, deterministic)
+            grads = cupy_backend.backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras, env)
     return tuple(arrays.export(g, to_numpy) for g in grads)
 
 
-def attention(q, k, v, *, causal=False, scale=None):
-    """Forward only: ``out`` of :func:`forward` with the default kernel and backend."""
-    return forward(q, k, v, causal=causal, scale=scale)[0]
+def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
+              kernel: str = "fa2", backend: str = "cupy", **options: Any) -> Array:
+    """Forward only: ``out`` of :func:`forward` (same arguments, same options and switches)."""
+    return forward(q, k, v, causal=causal, scale=scale, kernel=kernel, backend=backend, **options)[0]
 
 
-def vjp(q, k, v, *, causal=False, scale=None, deterministic=False):
-    """``out`` and a pullback ``dout -> (dq, dk, dv)`` that reuses the forward's out and lse."""
-    out, lse = forward(q, k, v, causal=causal, scale=scale)
+def vjp(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None, deterministic: bool = False,
+        kernel: str = "fa2", backend: str = "cupy", **options: Any) -> tuple[Array, Callable[[Array], tuple]]:
+    """``out`` and a pullback ``dout -> gradients`` (those of :func:`backward`) that reuses the forward's out, lse.
 
-    def pullback(dout):
-        return backward(dout, q, k, v, out, lse, causal=causal, scale=scale, deterministic=deterministic)
+    Takes :func:`forward`'s arguments (``kernel`` only for the forward pass; the backward is fa2's) plus
+    ``deterministic`` for the pullback. Ablation switches are not accepted (they are forward-only).
+    """
+    unknown = set(options) - set(validation.FEATURE_ARGS) - {"cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}
+    if unknown:
+        raise TypeError(f"vjp got unexpected keyword argument(s) {sorted(unknown)}")
+    out, lse = forward(q, k, v, causal=causal, scale=scale, kernel=kernel, backend=backend, **options)
+
+    def pullback(dout: Array) -> tuple:
+        return backward(dout, q, k, v, out, lse, causal=causal, scale=scale, deterministic=deterministic,
+                        backend=backend, **options)
 
     return out, pullback
 
 
-def _check_switches(kernel: str, switches: dict) -> None:
-    allowed = {"defer_norm", "seq_parallel", "split_q", "wgmma", "overlap"}
-    unknown = set(switches) - allowed
+def _check_switches(kernel: str, switches: dict, c: Checked) -> forms.Switches:
+    unknown = set(switches) - set(SWITCHES)
     if unknown:
         raise TypeError(f"forward got unexpected keyword argument(s) {sorted(unknown)}; the fa2 ablation switches "
-                        f"are {sorted(allowed)}")
+                        f"are {sorted(SWITCHES)}")
     if switches and kernel != "fa2":
         raise ValueError(f"the ablation switches {sorted(switches)} apply to kernel='fa2' only, got kernel={kernel!r}")
     for name, value in switches.items():
         if not (name == "wgmma" and value is None):
             validation.check_flag(value, name)
+    sw = forms.Switches(**switches)
+    if not sw.ideas_on and c.problem.general:
+        feature = next(n for n in ("window", "softcap", "alibi_slopes", "cu_seqlens_q", "seqused_k")
+                       if _feature_on(c, n))
+        off = next(n for n in ("defer_norm", "seq_parallel", "split_q") if switches.get(n) is False)
+        raise ValueError(f"the ablation switch {off}=False runs plain attention only; it cannot be combined with "
+                         f"{feature}")
+    return sw
+
+
+def _feature_on(c: Checked, name: str) -> bool:
+    p = c.problem
+    return {"window": p.window_bounds != (-1, -1) and not (p.causal and p.window[0] < 0), "softcap": p.softcap > 0,
+            "alibi_slopes": p.alibi, "cu_seqlens_q": p.varlen, "seqused_k": p.seqused_k}[name]
 
 
 def _require_gpu(backend: str) -> None:
     """A clear error instead of a CUDA runtime failure when no GPU is visible (the simulator serves 'numba')."""
+    import os
+
     if backend == "numba" and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         return
     try:

@@ -62,11 +62,18 @@ class Record:
     ms: float | None
     tflops: float | None
     status: str = "ok"
+    kernel_ms: float | None = None  # rawflash: the launches alone (no validation, allocation or copy)
 
     @classmethod
-    def of(cls, case: Case, ms: float | None, status: str = "ok") -> "Record":
+    def of(cls, case: Case, ms: float | None, status: str = "ok", kernel_ms: float | None = None) -> "Record":
         tf = case.flops / (ms * 1e-3) / 1e12 if ms else None
-        return cls(**dataclasses.asdict(case), ms=ms, tflops=tf, status=status)
+        return cls(**dataclasses.asdict(case), ms=ms, tflops=tf, status=status, kernel_ms=kernel_ms)
+
+    @property
+    def kernel_tflops(self) -> float | None:
+        shape = iomodel.Shape(self.batch, self.seqlen, self.seqlen, self.heads, self.kv_heads, self.head_dim, 2,
+                              self.causal)
+        return float(iomodel.flops(shape, self.direction)) / (self.kernel_ms * 1e-3) / 1e12 if self.kernel_ms else None
 
 
 def sweep_cases(impls, directions, dtypes, head_dims, seqlens, causals, tokens=16384, hidden=2048, kv_ratio=1):
@@ -144,6 +151,28 @@ def make_inputs(case: Case, seed: int = 0):
     q, k, v = (rng.standard_normal(s, dtype=cupy.float32).astype(dt) for s in (shape_q, shape_k, shape_k))
     dout = rng.standard_normal(shape_q, dtype=cupy.float32).astype(dt)
     return q, k, v, dout
+
+
+def bound_call(case: Case, q, k, v, dout, override=None):
+    """rawflash only: the call bound to its buffers once (``cupy_backend.Bound``): ``.launch()`` queues its kernels
+    alone, the kernels' own time without the public call's validation, allocation and copies; ``.result()`` is what
+    the call returns. ``override`` replaces tile rows (tools/tune.py)."""
+    import rawflash
+
+    from . import cupy_backend, forms, settings, validation
+
+    kernel, switches = RAWFLASH_IMPLS[case.impl]
+    env = settings.load()
+    if case.direction == "fwd":
+        c = validation.check_forward(q, k, v, case.causal, None, kernel)
+        bound = cupy_backend.bind_forward(c.problem, q, k, v, c.scale, kernel, forms.Switches(**switches), c.extras,
+                                          env, override)
+    else:
+        out, lse = rawflash.forward(q, k, v, causal=case.causal)
+        c = validation.check_backward(dout, q, k, v, out, lse, case.causal, None, False)
+        bound = cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, False, c.extras, env,
+                                           override)
+    return bound
 
 
 def runner(case: Case, q, k, v, dout):
@@ -238,7 +267,8 @@ def fits(case: Case, free_bytes: int) -> bool:
     return need < 0.8 * free_bytes
 
 
-def run_case(case: Case, repeats: int, validated: dict) -> Record:
+def run_case(case: Case, repeats: int, validated: dict, override=None) -> Record:
+    """Validate (once per kind of case), then time the public call and, for rawflash, its kernels alone."""
     import cupy
 
     key = (case.impl, case.direction, case.dtype, case.head_dim, case.causal)
@@ -255,12 +285,15 @@ def run_case(case: Case, repeats: int, validated: dict) -> Record:
         return Record.of(case, None, "skipped: does not fit in memory")
     try:
         q, k, v, dout = make_inputs(case)
-        ms = time_ms(runner(case, q, k, v, dout), repeats=repeats)
+        ms = None if override else time_ms(runner(case, q, k, v, dout), repeats=repeats)
+        kernel_ms = None
+        if case.impl in RAWFLASH_IMPLS:
+            kernel_ms = time_ms(bound_call(case, q, k, v, dout, override).launch, repeats=repeats)
     except Exception as err:
         return Record.of(case, None, f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
     finally:
         cupy.get_default_memory_pool().free_all_blocks()
-    return Record.of(case, ms)
+    return Record.of(case, ms if ms is not None else kernel_ms, kernel_ms=kernel_ms)
 
 
 def ratios(records: list[Record], impl: str = "rawflash-fa2") -> list[dict]:
@@ -271,7 +304,7 @@ def ratios(records: list[Record], impl: str = "rawflash-fa2") -> list[dict]:
         if r.impl != impl or r.tflops is None:
             continue
         row = {"direction": r.direction, "dtype": r.dtype, "seqlen": r.seqlen, "head_dim": r.head_dim,
-               "causal": r.causal, "kv_heads": r.kv_heads, "tflops": r.tflops}
+               "causal": r.causal, "kv_heads": r.kv_heads, "tflops": r.tflops, "kernel_tflops": r.kernel_tflops}
         for peer in IMPLS:
             other = index.get((peer, r.direction, r.dtype, r.seqlen, r.head_dim, r.causal, r.kv_heads))
             if peer != impl and other is not None and other.tflops:

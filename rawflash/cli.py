@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from . import accuracy, configs, introspect, iomodel, launch, occupancy, sysinfo, validation, variants
+from . import accuracy, configs, introspect, iomodel, launch, occupancy, registry, settings, sysinfo, validation
 from . import bench as bench_mod
 from . import report as report_mod
 
@@ -34,7 +34,7 @@ class _Group(click.Group):
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except Exception as err:
-            if os.environ.get("RAWFLASH_DEBUG"):
+            if settings.load().debug:
                 raise
             raise click.ClickException(f"{type(err).__name__}: {err}\n(set RAWFLASH_DEBUG=1 for the traceback)")
 
@@ -152,13 +152,15 @@ def info(as_json):
 @json_option
 def list_(as_json):
     """The variant registry and the tile table (configs.TABLE)."""
-    _emit({"variants": {v.name: _variant_entry(v) for v in variants.REGISTRY.values()},
+    _emit({"variants": {v.name: _variant_entry(v) for v in registry.REGISTRY.values()},
            "tiles": _tile_rows()}, as_json)
 
 
-def _variant_entry(v: variants.Variant) -> dict:
+def _variant_entry(v: registry.Variant) -> dict:
     return {"source": f"cuda/{v.source}", "direction": v.direction, "api": f"kernel={v.api_kernel!r}",
-            "paper algorithm": v.paper_algorithm, "warp partition": v.warp_partition, "kernels": list(v.kernels),
+            "paper algorithm": v.paper_algorithm, "warp partition": v.warp_partition,
+            "forms": {f.kernel: f"{f.arch}+, cuda/{f.source} with cuda/{f.mainloop}" for f in v.forms},
+            "helpers": [h.kernel for h in v.helpers],
             "supports": list(v.supports),
             "numba twin": f"{v.numba_factory} in {v.numba_module}" + ("" if v.has_numba_twin() else " (absent)")}
 

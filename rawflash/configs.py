@@ -56,7 +56,11 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     # fa2_fwd, 16-bit: 4 warps own 32 rows each (MT = 2 m-tiles, so every K/V fragment read from shared memory
     # feeds two mma); 128 x 64 is flash-attn 2's sm80 choice. 255 registers at d = 128, 1 CTA of 4 warps...
     put("fa2_fwd", (32, 64), _16BIT, TileConfig(128, 64, 4, kunroll=4, why="H200 d=64 N=4096: 232/215 TF; 128x128 spills"))
-    put("fa2_fwd", (96, 128), _16BIT, TileConfig(128, 64, 4, why="H200 N=4096 d=128: 280/240 TF vs 247/216 at 128x32"))
+    put("fa2_fwd", (96,), _16BIT, TileConfig(128, 64, 4, why="H200 N=4096 d=128: 280/240 TF vs 247/216 at 128x32"))
+    # d = 128: 128 x 64 sat at 254 registers; with the parameter struct and the general policy's skeleton ptxas
+    # spills 16-32 B there (offline, session 3), so the sm_80 row that fits (measured 247/216 TF at N = 4096 on
+    # the H200 in session 1). On an H200 this kernel runs at d = 128 only with wgmma=False.
+    put("fa2_fwd", (128,), _16BIT, TileConfig(128, 32, 4, why="no spill at 128 x 32; 128 x 64 spills 16-32 B"))
     put("fa2_fwd", (192, 256), _16BIT, TileConfig(64, 64, 4, why="O accumulator of 16 x d per warp fits registers"))
     # fa2_fwd_sm90 (wgmma, sm_90a): warps = 4 per warpgroup of 64 query rows; registers hold O (d/2), S (bc/2) and
     # P (bc/4) per thread; shared memory Q_i and two stages of K_j, V_j. Several independent CTAs per SM overlap
@@ -76,7 +80,9 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa1_fwd", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(32, 32, 2, why="fits 227 KB at d = 256"))
     # fa2_bwd: 8 warps own 16 keys each; K_j, V_j of 128 keys stay in shared memory for the whole query loop.
     put("fa2_bwd", (32, 64), _16BIT, TileConfig(64, 128, 8, why="FA2 sm80 d<=64 shape"))
-    put("fa2_bwd", (96, 128), _16BIT, TileConfig(64, 128, 8, why="H200 N=4096 d=128: 162/145 TF vs 146/132 at Br=32"))
+    put("fa2_bwd", (96,), _16BIT, TileConfig(64, 128, 8, why="H200 N=4096 d=128: 162/145 TF vs 146/132 at Br=32"))
+    # d = 128 (on an H200: the deterministic backward only): Br = 64 spills 52-112 B since session 3 (see fa2_fwd).
+    put("fa2_bwd", (128,), _16BIT, TileConfig(32, 128, 8, why="no spill at Br = 32; Br = 64 spills 52-112 B"))
     put("fa2_bwd", (192,), _16BIT, TileConfig(32, 64, 8, wc=2, why="warps also split d: 16 x d/2 per warp"))
     put("fa2_bwd", (256,), _16BIT, TileConfig(32, 64, 8, wc=2, why="16 x 128 dK, dV per warp"))
     # fa2_bwd_sm90 (wgmma, sm_90a): a warpgroup per 64 keys, 64 query rows per step (one wgmma of dQ_i).
@@ -131,9 +137,20 @@ def arch_family(arch: str) -> str:
     return "sm_90" if arch.startswith("sm_9") or arch.startswith("sm_1") else "sm_80"
 
 
-def tile_config(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90") -> TileConfig:
-    """The row for ``kernel`` at the specialised head_dim covering ``head_dim``, for ``dtype`` (a name) on ``arch``."""
+def tile_config(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90",
+                override: dict[tuple[str, int, str], TileConfig] | None = None) -> TileConfig:
+    """The row for ``kernel`` at the specialised head_dim covering ``head_dim``, for ``dtype`` (a name) on ``arch``.
+
+    ``override`` (tools/tune.py's candidates) takes precedence over the table, keyed like it.
+    """
     key = (kernel, padded_head_dim(head_dim), dtype)
+    if override and key in override:
+        return override[key]
     if key not in TABLE:
         raise KeyError(f"no tile configuration for kernel={kernel!r}, head_dim={head_dim}, dtype={dtype!r}")
     return ARCH_ROWS.get(arch_family(arch), {}).get(key, TABLE[key])
+
+
+def has_row(kernel: str, head_dim: int, dtype: str) -> bool:
+    """Whether the table has a row for ``kernel`` at the specialised head_dim covering ``head_dim``."""
+    return head_dim <= MAX_HEAD_DIM and (kernel, padded_head_dim(head_dim), dtype) in TABLE

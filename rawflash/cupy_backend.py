@@ -1,20 +1,20 @@
-"""The CUDA C backend: prepares CuPy arrays, allocates outputs and work buffers, and launches the kernels.
+"""The CUDA C backend: prepares CuPy arrays, allocates outputs and work buffers, binds them into the parameter
+struct and runs the plan ``forms.py`` chose.
 
-Every grid, block and shared-memory size comes from ``launch.py``; this module only binds arrays to arguments.
+Every grid, block and shared-memory size comes from ``launch.py`` (through the plan); every field of the
+parameter structs from ``params.py``; this module only binds arrays to them.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 
 import numpy as np
 
-from . import _compile, launch
-from .arrays import element_strides, kernel_ready, pad_head_dim
+from . import _compile, forms, params
+from .arrays import kernel_ready, pad_head_dim
 from .launch import Launch, Problem
+from .settings import Settings
 
-LOG2E = 1.0 / math.log(2.0)
 HEAD_DIM_MULTIPLE = 8  # the kernels move head_dim in 16-byte chunks and store pairs: other sizes are zero-padded
 
 
@@ -23,18 +23,16 @@ def run_head_dim(head_dim: int) -> int:
     return -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
 
 
-def device_arch() -> str:
-    """'sm_90' for an H100 / H200, 'sm_80' for an A100, ... (the current CuPy device), which picks the tile rows.
-
-    ``RAWFLASH_TILE_ARCH=sm_80`` makes a GPU use another architecture's rows (the code is still compiled for the
-    GPU at hand): how the sm_80 rows are tested on an H200.
-    """
+def device_arch(env: Settings = Settings()) -> str:
+    """'sm_90' for an H100 / H200, 'sm_80' for an A100, ... (the current CuPy device), which picks the forms and
+    tile rows. ``RAWFLASH_TILE_ARCH=sm_80`` (``env.tile_arch``) makes a GPU use another architecture's forms and
+    rows (the code is still compiled for the GPU at hand): how the sm_80 rows are tested on an H200."""
     import cupy
 
-    return os.environ.get("RAWFLASH_TILE_ARCH") or f"sm_{cupy.cuda.Device().compute_capability}"
+    return env.tile_arch or f"sm_{cupy.cuda.Device().compute_capability}"
 
 
-def run(lau: Launch, args: tuple) -> None:
+def run(lau: Launch, args: tuple, env: Settings = Settings()) -> None:
     """Launch one kernel on CuPy's current stream, raising its dynamic shared-memory limit when needed."""
     import cupy
 
@@ -42,38 +40,32 @@ def run(lau: Launch, args: tuple) -> None:
     if lau.smem > limit:
         raise ValueError(f"{lau.name_expression} needs {lau.smem} B of shared memory per block and this GPU allows "
                          f"{limit} B: its tile row in rawflash/configs.py does not fit this GPU")
-    fn = _compile.get_kernel(lau.source, lau.name_expression, lau.target)
+    fn = _compile.get_kernel(lau.source, lau.name_expression, lau.target, env.cuda_dir)
     if lau.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < lau.smem:
         fn.max_dynamic_shared_size_bytes = lau.smem
     fn(lau.grid, lau.block, args, shared_mem=lau.smem)
 
 
-def _i32(*xs):
-    return tuple(np.int32(x) for x in xs)
-
-
-def _bsh(x):
-    """(batch, seq, head) strides in elements: the order every kernel takes them in."""
-    s = element_strides(x)
-    return tuple(np.int64(v) for v in s[:3])
-
-
 @dataclasses.dataclass
 class Prepared:
-    """Inputs ready for the kernels and the problem they run as (head_dim possibly padded)."""
+    """Inputs ready for the kernels and the problem they run as (head_dim possibly padded, the GPU's arch)."""
 
     problem: Problem
     arrays: tuple
     head_dim: int
+    extras: dict
 
 
-def prepare(p: Problem, *arrays) -> Prepared:
+def prepare(p: Problem, extras: dict, env: Settings, *arrays) -> Prepared:
     import cupy
 
     hd = run_head_dim(p.head_dim)
     chunk = 16 // np.dtype(arrays[0].dtype).itemsize
     ready = tuple(kernel_ready(pad_head_dim(cupy.asarray(x), hd), chunk) for x in arrays)
-    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch()), ready, p.head_dim)
+    dtypes = {"alibi_slopes": np.float32, "sinks": np.float32}
+    feats = {name: cupy.ascontiguousarray(cupy.asarray(x), dtype=dtypes.get(name, np.int32))
+             for name, x in extras.items()}
+    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch(env)), ready, p.head_dim, feats)
 
 
 def _trim(x, head_dim: int):
@@ -82,81 +74,147 @@ def _trim(x, head_dim: int):
     return x if x.shape[-1] == head_dim else cupy.ascontiguousarray(x[..., :head_dim])
 
 
-def forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", **switches):
-    """out (batch, seqlen_q, heads, head_dim) in q's dtype and lse (batch, heads, seqlen_q) float32."""
+def _rows(pr: Problem, *tail):
+    """The shape of a per-row float32 buffer (lse, L, D; with tail, e.g. dQ's float32 accumulator)."""
+    b, s = pr.rows
+    return (pr.heads, s, *tail) if pr.varlen else (b, pr.heads, s, *tail)
+
+
+@dataclasses.dataclass
+class Bound:
+    """A call bound to its buffers: ``launch()`` queues the plan's kernels (nothing else: no allocation, no copy),
+    ``result()`` returns what the call returns. The public functions are bind, launch, result; the benchmark
+    times ``launch`` alone as the kernels' own time."""
+
+    plan: list
+    launches: list  # (Launch, args) in order
+    outputs: tuple
+    env: Settings
+    reset: list = dataclasses.field(default_factory=list)  # buffers a launch expects zeroed
+
+    def launch(self) -> None:
+        for x in self.reset:
+            x.fill(0)
+        for lau, args in self.launches:
+            run(lau, args, self.env)
+
+    def result(self):
+        return _results(self.outputs)
+
+
+def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switches: forms.Switches = forms.Switches(),
+                 extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None) -> Bound:
+    """Allocate the forward's outputs and bind them; ``override`` (tools/tune.py) replaces tile rows."""
     import cupy
 
-    prep = prepare(p, q, k, v)
+    prep = prepare(p, extras or {}, env, q, k, v)
     pr, (q, k, v) = prep.problem, prep.arrays
-    out = cupy.empty((pr.batch, pr.seqlen_q, pr.heads, pr.head_dim), dtype=q.dtype)
-    lse = cupy.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=cupy.float32)
-    dims = _i32(pr.seqlen_q, pr.seqlen_k, pr.heads, pr.kv_heads, pr.head_dim)
-    if kernel == "fa2":
-        run(launch.fa2_fwd(pr, **switches),
-            (q, k, v, out, lse, *_bsh(q), *_bsh(k), *_bsh(v), *_bsh(out), *dims, np.float32(scale * LOG2E)))
-    elif kernel == "fa1":
-        o_ws = cupy.zeros((pr.batch, pr.heads, pr.seqlen_q, pr.head_dim), dtype=cupy.float32)
-        m_ws = cupy.full((pr.batch, pr.heads, pr.seqlen_q), -np.inf, dtype=cupy.float32)
-        l_ws = cupy.zeros((pr.batch, pr.heads, pr.seqlen_q), dtype=cupy.float32)
-        run(launch.fa1_fwd(pr), (q, k, v, o_ws, m_ws, l_ws, *_bsh(q), *_bsh(k), *_bsh(v), *dims,
-                                 np.float32(scale * LOG2E)))
-        run(launch.fa1_finalize(pr), (o_ws, m_ws, l_ws, out, lse, *_bsh(out),
-                                      *_i32(pr.batch, pr.seqlen_q, pr.heads, pr.head_dim)))
-    else:
-        out = _naive_forward(pr, q, k, v, scale, lse)
-    return _trim(out, prep.head_dim), lse
+    plan = forms.forward_plan(pr, kernel, switches, env, override)
+    lse = cupy.empty(_rows(pr), dtype=cupy.float32)
+    if plan[0].kernel == "naive_softmax":
+        return _bind_naive(pr, q, k, v, scale, lse, plan, prep, env)
+    out = cupy.empty(q.shape, dtype=q.dtype)
+    ws = {}
+    if plan[0].kernel == "fa1_fwd":
+        ws = dict(o_ws=cupy.zeros(_rows(pr, pr.head_dim), dtype=cupy.float32),
+                  m_ws=cupy.full(_rows(pr), -np.inf, dtype=cupy.float32), l_ws=cupy.zeros(_rows(pr), dtype=cupy.float32))
+    rec = params.fwd_params(pr, q, k, v, out, lse, scale, **prep.extras, **ws)
+    bound = Bound(plan, [(lau, (rec,)) for lau in plan], (_Trimmed(out, prep.head_dim), lse), env)
+    bound.keep = (q, k, v, prep.extras, ws)  # the parameter struct holds their addresses
+    return bound
 
 
-def _naive_forward(p: Problem, q, k, v, scale: float, lse):
+class _Trimmed:
+    """An output to be cut back to the caller's head_dim when the call returns."""
+
+    def __init__(self, x, head_dim: int):
+        self.x, self.head_dim = x, head_dim
+
+
+def _results(outputs: tuple) -> tuple:
+    return tuple(_trim(o.x, o.head_dim) if isinstance(o, _Trimmed) else o for o in outputs)
+
+
+def forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switches: forms.Switches = forms.Switches(),
+            extras: dict | None = None, env: Settings = Settings()):
+    """out like q in q's dtype and lse (batch, heads, seqlen_q) float32, or (heads, total_q) when packed."""
+    bound = bind_forward(p, q, k, v, scale, kernel, switches, extras, env)
+    bound.launch()
+    return bound.result()
+
+
+def _bind_naive(p: Problem, q, k, v, scale: float, lse, plan: list, prep: Prepared, env: Settings) -> Bound:
     """Standard attention: S = Q K^T and O = P V by cuBLAS, S and P in HBM, the softmax kernel between."""
     import cupy
 
     g = p.heads // p.kv_heads
     qh = q.transpose(0, 2, 1, 3).reshape(p.batch, p.kv_heads, g, p.seqlen_q, p.head_dim)
     kt = k.transpose(0, 2, 3, 1)[:, :, None]                               # (b, kv_heads, 1, d, seqlen_k)
-    s = _matmul(qh, kt)                                                     # (b, kv_heads, group, seqlen_q, seqlen_k)
+    vt = v.transpose(0, 2, 1, 3)[:, :, None]
+    s = cupy.empty((p.batch, p.kv_heads, g, p.seqlen_q, p.seqlen_k), dtype=q.dtype)
     prob = cupy.empty_like(s)
-    run(launch.naive_softmax(p), (s, prob, lse, np.int64(p.batch * p.heads * p.seqlen_q),
-                                  *_i32(p.seqlen_q, p.seqlen_k), np.float32(scale * LOG2E), np.bool_(p.causal)))
-    o = _matmul(prob, v.transpose(0, 2, 1, 3)[:, :, None])                 # (b, kv_heads, group, seqlen_q, d)
-    return cupy.ascontiguousarray(o.reshape(p.batch, p.heads, p.seqlen_q, p.head_dim).transpose(0, 2, 1, 3))
+    out = cupy.empty((p.batch, p.kv_heads, g, p.seqlen_q, p.head_dim), dtype=q.dtype)
+    rec = params.fwd_params(p, q, k, v, q, lse, scale, **prep.extras)
+
+    class NaiveBound(Bound):
+        def launch(self):
+            _matmul(qh, kt, s)
+            run(plan[0], (rec, s, prob), env)
+            _matmul(prob, vt, out)
+
+        def result(self):
+            o = out.reshape(p.batch, p.heads, p.seqlen_q, p.head_dim).transpose(0, 2, 1, 3)
+            return (_trim(cupy.ascontiguousarray(o), prep.head_dim), lse)
+
+    return NaiveBound(plan, [], (), env)
 
 
-def _matmul(a, b):
-    """cuBLAS product in the input dtype; CuPy has no bfloat16 matmul, so bfloat16 goes through float32."""
+def _matmul(a, b, out):
+    """cuBLAS product into ``out`` in the input dtype; CuPy has no bfloat16 matmul, so bfloat16 goes through
+    float32 (and a copy)."""
     import cupy
 
     if a.dtype.itemsize == 2 and a.dtype != np.float16:
-        return cupy.matmul(a.astype(cupy.float32), b.astype(cupy.float32)).astype(a.dtype)
-    return cupy.matmul(a, b)
+        out[...] = cupy.matmul(a.astype(cupy.float32), b.astype(cupy.float32)).astype(a.dtype)
+    else:
+        cupy.matmul(a, b, out=out)
 
 
-def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False):
-    """dq, dk, dv with the shapes and dtype of q, k, v."""
+def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False,
+                  extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None) -> Bound:
+    """Allocate the backward's outputs and work buffers and bind them."""
     import cupy
 
-    prep = prepare(p, q, k, v, dout)
+    prep = prepare(p, extras or {}, env, q, k, v, dout)
     pr, (q, k, v, do) = prep.problem, prep.arrays
+    plan = forms.backward_plan(pr, deterministic, env, override)
     f32 = cupy.float32
-    lse2 = cupy.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=f32)
-    delta = cupy.empty_like(lse2)
-    out, dout = cupy.asarray(out), cupy.asarray(dout)
-    run(launch.fa2_bwd_preprocess(pr), (out, dout, cupy.ascontiguousarray(cupy.asarray(lse), dtype=f32), lse2, delta,
-                                        *_bsh(out), *_bsh(dout), *_i32(pr.batch, pr.seqlen_q, pr.heads, p.head_dim)))
-    dq = cupy.empty((pr.batch, pr.seqlen_q, pr.heads, pr.head_dim), dtype=q.dtype)
-    dk = cupy.empty((pr.batch, pr.seqlen_k, pr.kv_heads, pr.head_dim), dtype=q.dtype)
-    dv = cupy.empty_like(dk)
-    dims = _i32(pr.seqlen_q, pr.seqlen_k, pr.heads, pr.kv_heads, pr.head_dim)
-    scales = (np.float32(scale), np.float32(scale * LOG2E))
-    common = (*_bsh(q), *_bsh(k), *_bsh(v), *_bsh(do))
-    if deterministic:
-        run(launch.fa2_bwd(pr, atomic_dq=False), (q, k, v, do, lse2, delta, dk, dv, lse2, *common, *_bsh(dk),
-                                                  *_bsh(dv), *dims, *scales))
-        run(launch.fa2_bwd_dq(pr), (q, k, v, do, lse2, delta, dq, *common, *_bsh(dq), *dims, *scales))
-    else:
-        dq_ws = cupy.zeros((pr.batch, pr.heads, pr.seqlen_q, pr.head_dim), dtype=f32)
-        run(launch.fa2_bwd(pr, atomic_dq=True), (q, k, v, do, lse2, delta, dk, dv, dq_ws, *common, *_bsh(dk),
-                                                 *_bsh(dv), *dims, *scales))
-        run(launch.fa2_bwd_convert_dq(pr), (dq_ws, dq, *_bsh(dq), *_i32(pr.batch, pr.seqlen_q, pr.heads, pr.head_dim)))
+    out = cupy.asarray(out)
+    lse = cupy.ascontiguousarray(cupy.asarray(lse), dtype=f32)
+    lse2, delta = cupy.empty(_rows(pr), dtype=f32), cupy.empty(_rows(pr), dtype=f32)
+    dq = cupy.empty(q.shape, dtype=q.dtype)
+    # keys past seqused_k are never written by a kernel: their gradients start (and stay) zero
+    alloc = cupy.zeros if pr.seqused_k else cupy.empty
+    dk, dv = alloc(k.shape, dtype=q.dtype), alloc(v.shape, dtype=q.dtype)
+    sinks = "sinks" in prep.extras
+    dsink_ws = cupy.empty(_rows(pr), dtype=f32) if sinks else None
+    dq_ws = None if deterministic else cupy.empty(_rows(pr, pr.head_dim), dtype=f32)
+    rec = params.bwd_params(pr, q, k, v, out, do, lse, scale, dq=dq, dk=dk, dv=dv, lse2=lse2, delta=delta,
+                            dq_ws=dq_ws, dsink_ws=dsink_ws, **prep.extras)
     hd = prep.head_dim
-    return _trim(dq, hd), _trim(dk, hd), _trim(dv, hd)
+    outputs = (_Trimmed(dq, hd), _Trimmed(dk, hd), _Trimmed(dv, hd))
+    bound = Bound(plan, [(lau, (rec,)) for lau in plan], outputs, env, reset=[] if dq_ws is None else [dq_ws])
+    bound.keep = (q, k, v, do, out, lse, lse2, delta, prep.extras)
+    if sinks:
+        axes = (1,) if pr.varlen else (0, 2)
+        bound.sinks = lambda: -dsink_ws.sum(axis=axes, dtype=f32)
+    return bound
+
+
+def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False,
+             extras: dict | None = None, env: Settings = Settings()):
+    """dq, dk, dv with the shapes and dtype of q, k, v (and dsinks (heads,) float32 when sinks are given)."""
+    bound = bind_backward(p, dout, q, k, v, out, lse, scale, deterministic, extras, env)
+    bound.launch()
+    grads = bound.result()
+    return (*grads, bound.sinks()) if hasattr(bound, "sinks") else grads

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from . import _compile, accuracy, iomodel, launch, occupancy, sysinfo, validation, variants
+from . import _compile, accuracy, forms, iomodel, launch, occupancy, registry, sysinfo, validation
 from .cupy_backend import run_head_dim
 from .launch import Launch, Problem
 
@@ -96,9 +96,9 @@ def launches(p: Problem, kernel: str, direction: str, deterministic: bool = Fals
     kp = kernel_problem(p)
     out = []
     if direction in ("fwd", "both"):
-        out += [("fwd", lau) for lau in launch.forward_launches(kp, kernel)]
+        out += [("fwd", lau) for lau in forms.forward_plan(kp, kernel)]
     if direction in ("bwd", "both"):
-        out += [("bwd", lau) for lau in launch.backward_launches(kp, deterministic)]
+        out += [("bwd", lau) for lau in forms.backward_plan(kp, deterministic)]
     return out
 
 
@@ -236,17 +236,34 @@ def launch_config_rows(p: Problem, kernel: str, direction: str, deterministic: b
 
 
 def instantiations(dtype: str, causal: bool, arch: str = "sm_90") -> list[Launch]:
-    """The rows of ``launch.all_instantiations(arch)`` for one dtype and causal flag (elementwise kernels included).
-
-    The causal flag of a tiled kernel is its first bool template argument (pinned by tests/test_cli.py).
-    """
+    """The rows of ``forms.all_instantiations(arch)`` for one dtype and causal flag, plain policy (elementwise
+    kernels included). The mask mode of a tiled kernel is its first int template argument after the tile sizes
+    (pinned by tests/test_cli.py)."""
     ctype = launch.CUDA_TYPES[dtype]
-    return [lau for lau in launch.all_instantiations(arch)
-            if lau.template_args[0] == ctype and causal_flag(lau) in (None, causal)]
+    return [lau for lau in forms.all_instantiations(arch)
+            if lau.template_args[0] == ctype and causal_flag(lau) in (None, causal) and not general_flag(lau)]
 
 
 def causal_flag(lau: Launch) -> bool | None:
-    return next((a for a in lau.template_args if isinstance(a, bool)), None)
+    """Whether a tiled launch masks (causal or a window), None for launches without a mask mode."""
+    mode = _mask_arg(lau)
+    return None if mode is None else mode != launch.NO_MASK
+
+
+def general_flag(lau: Launch) -> bool:
+    """Whether a tiled launch runs the general policy (the bool after its mask mode)."""
+    i = _mask_index(lau)
+    return i is not None and i + 1 < len(lau.template_args) and lau.template_args[i + 1] is True and \
+        lau.kernel != "fa1_fwd"
+
+
+def _mask_index(lau: Launch) -> int | None:
+    return launch.MASK_ARG.get(lau.kernel)
+
+
+def _mask_arg(lau: Launch) -> int | None:
+    i = _mask_index(lau)
+    return None if i is None else lau.template_args[i]
 
 
 # ---------------------------------------------------------------- HBM bytes and the roofline
@@ -272,12 +289,12 @@ def io_tiles(p: Problem, kernel: str, direction: str) -> tuple[int | None, int |
         runs = "rawflash (cuBLAS + softmax)" if direction == "fwd" else "model only (FA1 Alg. 0 backward)"
         return None, None, runs
     if direction == "fwd":
-        lau = launch.fa2_fwd(p) if kernel == "fa2" else launch.fa1_fwd(p)
+        lau = forms.forward_plan(p, kernel)[0]
         return lau.config.br, lau.config.bc, f"rawflash {lau.kernel}"
     if kernel == "fa2":
-        lau = launch.fa2_bwd(p)
+        lau = forms.backward_plan(p)[1]
         return lau.config.br, lau.config.bc, f"rawflash {lau.kernel}"
-    cfg = launch.fa1_fwd(p).config
+    cfg = forms.forward_plan(p, "fa1")[0].config
     return cfg.br, cfg.bc, "model only (FA1 Alg. 4), fa1_fwd's tiles"
 
 
@@ -315,7 +332,7 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
     if is_empty(p):
         return {**report, "launched": "nothing: an empty problem returns zeros (and lse = -inf) without a launch"}
     dirs = ("fwd", "bwd") if direction == "both" else (direction,)
-    report["variants"] = [_variant_summary(variants.for_call(kernel, d)) for d in dirs]
+    report["variants"] = [_variant_summary(registry.for_call(kernel, d)) for d in dirs]
     report["launches"] = [launch_row(p, d, lau) for d, lau in launches(p, kernel, direction, deterministic)]
     key, why = roofline_gpu(gpu)
     report["predicted"] = [_brief_io(io_row(p, kernel if d == "fwd" else "fa2", d, key)) for d in dirs]
@@ -329,7 +346,7 @@ def _problem_summary(p: Problem, scale: float) -> dict:
             "dtype": p.dtype, "causal": p.causal, "scale": scale}
 
 
-def _variant_summary(v: variants.Variant) -> dict:
+def _variant_summary(v: registry.Variant) -> dict:
     return {"variant": v.name, "source": f"cuda/{v.source}", "algorithm": v.paper_algorithm,
             "warp partition": v.warp_partition}
 

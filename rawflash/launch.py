@@ -1,14 +1,14 @@
 """Launch formulas: the only place grids, blocks, shared-memory sizes and template arguments are computed.
 
-Both backends use these: the CUDA C kernels take ``Launch.template_args`` as template arguments and the Numba
-factories take the same tile sizes as arguments. Every shared-memory formula here is checked against the
-kernel's own layout at compile time (a ``static_assert`` on the ``SMEM_BYTES`` template argument), so the two
-cannot drift apart silently.
+Which form runs (mma.sync or wgmma, which tile row) is chosen in ``forms.py``; this module turns a chosen form,
+its tile row and a :class:`Problem` into a :class:`Launch`. Both backends use these: the CUDA C kernels take
+``Launch.template_args`` as template arguments and the Numba factories take the same tile sizes. Every
+shared-memory formula here is checked against the kernel's own layout at compile time (a ``static_assert`` on the
+``SMEM_BYTES`` template argument), so the two cannot drift apart silently.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from . import configs
 from .configs import TileConfig
@@ -18,11 +18,25 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 132 * 16  # grid-stride loops: enough CTAs to fill an H200 several times over
 MAX_GRID_YZ = 65535
+NO_MASK, CAUSAL, WINDOW = 0, 1, 2  # policy.cuh's Mask: the compile-time mask mode of a kernel
+# Where each tiled kernel's template arguments hold its mask mode (the general-policy bool follows it, except in
+# fa1_fwd, which has only the plain policy): the formulas below build them in this order.
+MASK_ARG = {"fa2_fwd": 7, "fa2_fwd_sm90": 5, "fa2_bwd": 8, "fa2_bwd_sm90": 5, "fa2_bwd_dq": 7, "fa1_fwd": 6}
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, the one used everywhere in rawflash."""
+    return -(-a // b)
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """The shape of one attention call after validation (head_dim is the caller's, not the padded one)."""
+    """The shape and variant of one attention call after validation (head_dim is the caller's, not the padded one).
+
+    Fixed lengths: every sequence has seqlen_q queries and seqlen_k keys. Packed variable lengths (``varlen``):
+    batch sequences of at most seqlen_q / seqlen_k rows (the max lengths), total_q / total_k rows in all.
+    ``window`` is flash-attn's ``window_size`` as given; :attr:`window_bounds` folds the causal mask into it.
+    """
 
     batch: int
     seqlen_q: int
@@ -33,6 +47,14 @@ class Problem:
     dtype: str
     causal: bool
     arch: str = "sm_90"
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+    varlen: bool = False
+    total_q: int = 0
+    total_k: int = 0
+    seqused_k: bool = False
 
     @property
     def padded_head_dim(self) -> int:
@@ -41,6 +63,40 @@ class Problem:
     @property
     def itemsize(self) -> int:
         return ITEMSIZE[self.dtype]
+
+    @property
+    def window_bounds(self) -> tuple[int, int]:
+        """(left, right) keys a query sees around its diagonal, -1 = unbounded; causal makes right 0."""
+        left, right = self.window
+        return (left, 0) if self.causal else (left, right)
+
+    @property
+    def general(self) -> bool:
+        """Whether the call needs the general variant policy (policy.cuh): packed lengths, seqused_k, soft-capping,
+        ALiBi, or a window other than plain causal. Sinks run in both policies."""
+        left, right = self.window_bounds
+        windowed = left >= 0 or (right >= 0 and not self.causal)
+        return self.varlen or self.seqused_k or self.softcap > 0 or self.alibi or windowed
+
+    @property
+    def mask(self) -> int:
+        """The kernels' compile-time mask mode: plain calls NO_MASK or CAUSAL, general ones NO_MASK or WINDOW."""
+        if self.general:
+            return WINDOW if self.window_bounds != (-1, -1) else NO_MASK
+        return CAUSAL if self.causal else NO_MASK
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """(batch, seqlen) of the per-row float32 buffers (lse, L, D, dQ rows): (1, total_q) when packed."""
+        return (1, self.total_q) if self.varlen else (self.batch, self.seqlen_q)
+
+    def q_tiles(self, br: int) -> int:
+        """Query tiles of height br the grid's x covers (packed sequences: an upper bound, spare CTAs exit)."""
+        return cdiv(self.total_q, br) + self.batch if self.varlen else cdiv(self.seqlen_q, br)
+
+    def k_tiles(self, bc: int) -> int:
+        """Key tiles of width bc the backward grid's x covers (packed sequences: an upper bound)."""
+        return cdiv(self.total_k, bc) + self.batch if self.varlen else cdiv(self.seqlen_k, bc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,25 +136,55 @@ def _cxx(value) -> str:
     return str(value)
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def register_cap(cfg: TileConfig) -> int:
     """Registers per thread the compiler may use under ``__launch_bounds__(threads, min_blocks)``."""
     per_thread = 65536 // (cfg.threads * cfg.min_blocks)
     return min(255, per_thread // 8 * 8)
 
 
-# ---------------------------------------------------------------- shared memory (mirrors the *Smem structs)
+def waves(launch: Launch, ctas_per_sm: int, sms: int = 132) -> float:
+    """How many full waves of CTAs the grid makes on ``sms`` multiprocessors."""
+    return launch.ctas / max(1, ctas_per_sm * sms)
+
+
+# ---------------------------------------------------------------- grids
+def _check_grid(grid: tuple[int, int, int], what: str) -> tuple[int, int, int]:
+    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
+        raise ValueError(f"{what}: grid {grid} exceeds CUDA's limit of {MAX_GRID_YZ} on y and z "
+                         "(heads and batch must each be at most 65535)")
+    return grid
+
+
+def query_tile_grid(p: Problem, br: int, what: str) -> tuple[int, int, int]:
+    """scheduler.cuh's QTileScheduler: (query tiles, heads, batch), or (tiles of all sequences, heads, 1)."""
+    return _check_grid((p.q_tiles(br), p.heads, 1 if p.varlen else p.batch), what)
+
+
+def key_tile_grid(p: Problem, bc: int, what: str) -> tuple[int, int, int]:
+    """scheduler.cuh's KTileScheduler: (key tiles, kv heads, batch), or (tiles of all sequences, kv heads, 1)."""
+    return _check_grid((p.k_tiles(bc), p.kv_heads, 1 if p.varlen else p.batch), what)
+
+
+def _elementwise(kernel: str, source: str, dtype: str, n: int) -> Launch:
+    blocks = max(1, min(cdiv(n, ELEMENTWISE_THREADS), ELEMENTWISE_MAX_BLOCKS))
+    return Launch(kernel, source, (CUDA_TYPES[dtype],), (blocks, 1, 1), (ELEMENTWISE_THREADS, 1, 1), 0)
+
+
+# ---------------------------------------------------------------- shared memory (mirrors the mainloops' SMEM_BYTES)
 def splitk_bytes(br: int, d: int, warps: int) -> int:
     """splitk.cuh SplitK::BYTES: red_max, red_sum (warps x BR), acc (BR x D), alpha, beta (BR), float32."""
     return (2 * warps * br + br * d + 2 * br) * 4
 
 
 def smem_fa2_fwd(cfg: TileConfig, d: int, itemsize: int, split_q: bool = True) -> int:
+    """Q_i, K_j, V_j; with split-K also its buffers and the running O, m, l (float32)."""
     tiles = (cfg.br + 2 * cfg.bc) * d * itemsize
     return tiles if split_q else tiles + splitk_bytes(cfg.br, d, cfg.warps) + (cfg.br * d + 2 * cfg.br) * 4
+
+
+def smem_fa2_fwd_sm90(cfg: TileConfig, d: int) -> int:
+    """1024 B of alignment slack, Q_i, and two stages each of K_j and V_j (16-bit)."""
+    return 1024 + (cfg.br + 4 * cfg.bc) * d * 2
 
 
 def smem_fa1_fwd(cfg: TileConfig, d: int, itemsize: int) -> int:
@@ -115,113 +201,6 @@ def smem_fa2_bwd_dq(cfg: TileConfig, d: int, itemsize: int) -> int:
     return (2 * cfg.bc + 2 * cfg.br) * d * itemsize + 2 * cfg.br * 4
 
 
-# ---------------------------------------------------------------- launches
-def _check_grid(grid: tuple[int, int, int], what: str) -> tuple[int, int, int]:
-    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
-        raise ValueError(f"{what}: grid {grid} exceeds CUDA's limit of {MAX_GRID_YZ} on y and z "
-                         "(heads and batch must each be at most 65535)")
-    return grid
-
-
-def _elementwise(kernel: str, source: str, dtype: str, n: int) -> Launch:
-    blocks = max(1, min(cdiv(n, ELEMENTWISE_THREADS), ELEMENTWISE_MAX_BLOCKS))
-    return Launch(kernel, source, (CUDA_TYPES[dtype],), (blocks, 1, 1), (ELEMENTWISE_THREADS, 1, 1), 0)
-
-
-def _rows_of_warps(kernel: str, source: str, dtype: str, rows: int) -> Launch:
-    """One warp per row, 8 warps per CTA."""
-    blocks = max(1, cdiv(rows, 8))
-    return Launch(kernel, source, (CUDA_TYPES[dtype],), (blocks, 1, 1), (256, 1, 1), 0)
-
-
-def smem_fa2_fwd_sm90(cfg: TileConfig, d: int) -> int:
-    """1024 B of alignment slack, Q_i, and two stages each of K_j and V_j (16-bit)."""
-    return 1024 + (cfg.br + 4 * cfg.bc) * d * 2
-
-
-def _has_sm90_row(kernel: str, p: Problem) -> bool:
-    """Whether the wgmma kernel ``kernel`` can run ``p``: an sm_90 GPU (wgmma is sm_90a code) and a tile row for
-    its dtype and specialised head_dim."""
-    return p.arch == "sm_90" and (kernel, p.padded_head_dim, p.dtype) in configs.TABLE
-
-
-def _use_wgmma(wgmma: bool | None, eligible: bool, kernel: str, also: str, got: str) -> bool:
-    """The kernel choice of a ``wgmma`` switch: None picks ``kernel`` wherever it is ``eligible`` unless the
-    environment sets ``RAWFLASH_WGMMA=0``; True demands it (ValueError where it cannot run); False refuses it."""
-    if wgmma is None:
-        return eligible and os.environ.get("RAWFLASH_WGMMA", "1") != "0"
-    if wgmma and not eligible:
-        dims = sorted(d for (k, d, dt) in configs.TABLE if k == kernel and dt == "bfloat16")
-        what = " (backward)" if kernel.startswith("fa2_bwd") else ""
-        raise ValueError(f"wgmma=True{what} needs an sm_90 GPU, float16 or bfloat16, a head_dim that pads to one of "
-                         f"{dims}{also}; got {got}")
-    return wgmma
-
-
-def wgmma_supported(p: Problem) -> bool:
-    """Whether ``fa2_fwd_sm90`` can run ``p`` (float16 / bfloat16, head_dim padded to 64, 128, 192 or 256)."""
-    return _has_sm90_row("fa2_fwd_sm90", p)
-
-
-def fa2_fwd_sm90(p: Problem, *, overlap: bool = True) -> Launch:
-    """FA2 forward with wgmma (sm_90a); ``overlap`` is FA3's softmax / P V overlap inside a warpgroup."""
-    d = p.padded_head_dim
-    cfg = configs.tile_config("fa2_fwd_sm90", d, p.dtype, p.arch)
-    smem = smem_fa2_fwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.causal, overlap, smem)
-    grid = _check_grid((cdiv(p.seqlen_q, cfg.br), p.heads, p.batch), "fa2_fwd_sm90")
-    return Launch("fa2_fwd_sm90", "fa2_fwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
-
-
-def fa2_fwd(p: Problem, *, defer_norm: bool = True, seq_parallel: bool = True, split_q: bool = True,
-            wgmma: bool | None = None, overlap: bool = True) -> Launch:
-    """FA2 forward. The first three switches are the FA2 ideas the ablation turns off one by one.
-
-    ``wgmma``: None (default) runs ``fa2_fwd_sm90`` wherever ``wgmma_supported`` and every FA2 idea is on,
-    unless the environment sets ``RAWFLASH_WGMMA=0``; False forces the mma.sync kernel; True demands wgmma.
-    ``overlap`` (wgmma only): FA3's overlap of the softmax with P V inside a warpgroup.
-    """
-    ideas_on = defer_norm and seq_parallel and split_q
-    if _use_wgmma(wgmma, ideas_on and wgmma_supported(p), "fa2_fwd_sm90", " and every FA2 switch on",
-                  f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={defer_norm}, "
-                  f"seq_parallel={seq_parallel}, split_q={split_q}"):
-        return fa2_fwd_sm90(p, overlap=overlap)
-    d = p.padded_head_dim
-    cfg = configs.tile_config("fa2_fwd" if split_q else "fa2_fwd_splitk", d, p.dtype, p.arch)
-    smem = smem_fa2_fwd(cfg, d, p.itemsize, split_q)
-    tr = cdiv(p.seqlen_q, cfg.br) if seq_parallel else 1
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.causal, defer_norm,
-            seq_parallel, split_q, smem)
-    grid = _check_grid((tr, p.heads, p.batch), "fa2_fwd")
-    return Launch("fa2_fwd", "fa2_fwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
-
-
-def fa1_fwd(p: Problem) -> Launch:
-    d = p.padded_head_dim
-    cfg = configs.tile_config("fa1_fwd", d, p.dtype, p.arch)
-    smem = smem_fa1_fwd(cfg, d, p.itemsize)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, p.causal, smem)
-    grid = (p.heads, p.batch, 1)
-    if p.batch > MAX_GRID_YZ:
-        raise ValueError(f"fa1_fwd: batch must be at most {MAX_GRID_YZ}, got {p.batch}")
-    return Launch("fa1_fwd", "fa1_fwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
-
-
-def fa1_finalize(p: Problem) -> Launch:
-    return _elementwise("fa1_finalize", "fa1_fwd.cu", p.dtype, p.batch * p.heads * p.seqlen_q * p.head_dim)
-
-
-def naive_softmax(p: Problem) -> Launch:
-    return _rows_of_warps("naive_softmax", "naive.cu", p.dtype, p.batch * p.heads * p.seqlen_q)
-
-
-def fa2_bwd_preprocess(p: Problem) -> Launch:
-    """One thread per query row."""
-    rows = p.batch * p.heads * p.seqlen_q
-    return Launch("fa2_bwd_preprocess", "fa2_bwd.cu", (CUDA_TYPES[p.dtype],), (max(1, cdiv(rows, 128)), 1, 1),
-                  (128, 1, 1), 0)
-
-
 def bwd_sm90_split_d(cfg: TileConfig) -> bool:
     """fa2_bwd_sm90's SPLIT_D form: more warpgroups than 64-key slices, so the warpgroups split dK, dV's columns."""
     return cfg.threads // 128 > cfg.bc // 64
@@ -236,104 +215,82 @@ def smem_fa2_bwd_sm90(cfg: TileConfig, d: int) -> int:
         4 * cfg.br * 4
 
 
-def wgmma_bwd_supported(p: Problem) -> bool:
-    """Whether ``fa2_bwd_sm90`` can run ``p`` (float16 / bfloat16, head_dim padded to 64, 128 or 256)."""
-    return _has_sm90_row("fa2_bwd_sm90", p)
-
-
-def fa2_bwd_sm90(p: Problem) -> Launch:
-    """FA2 backward main pass with wgmma (sm_90a, atomic dQ): one CTA per (key block, kv head, batch)."""
+# ---------------------------------------------------------------- launches
+def fa2_fwd(p: Problem, cfg: TileConfig, *, defer_norm: bool = True, seq_parallel: bool = True,
+            split_q: bool = True) -> Launch:
+    """FA2 forward on mma.sync; the three switches are the FA2 ideas the ablation turns off one by one."""
     d = p.padded_head_dim
-    cfg = configs.tile_config("fa2_bwd_sm90", d, p.dtype, p.arch)
-    smem = smem_fa2_bwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.causal, bwd_sm90_split_d(cfg), smem)
-    grid = _check_grid((cdiv(p.seqlen_k, cfg.bc), p.kv_heads, p.batch), "fa2_bwd_sm90")
-    return Launch("fa2_bwd_sm90", "fa2_bwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+    smem = smem_fa2_fwd(cfg, d, p.itemsize, split_q)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.mask, p.general,
+            defer_norm, seq_parallel, split_q, smem)
+    grid = query_tile_grid(p, cfg.br, "fa2_fwd") if seq_parallel else _check_grid((1, p.heads, p.batch), "fa2_fwd")
+    return Launch("fa2_fwd", "fa2_fwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
 
 
-def fa2_bwd(p: Problem, *, atomic_dq: bool = True, wgmma: bool | None = None) -> Launch:
-    """FA2 backward main pass: one CTA per (key block, kv head, batch). ``wgmma`` None picks ``fa2_bwd_sm90`` for
-    the atomic-dQ pass where ``wgmma_bwd_supported`` (unless ``RAWFLASH_WGMMA=0``); False forces mma.sync."""
-    if _use_wgmma(wgmma, atomic_dq and wgmma_bwd_supported(p), "fa2_bwd_sm90", " and the atomic dQ pass",
-                  f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, atomic_dq={atomic_dq}"):
-        return fa2_bwd_sm90(p)
+def fa2_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True) -> Launch:
+    """FA2 forward on wgmma (sm_90a); ``overlap`` is FA3's softmax / P V overlap inside a warpgroup."""
     d = p.padded_head_dim
-    cfg = configs.tile_config("fa2_bwd", d, p.dtype, p.arch)
+    smem = smem_fa2_fwd_sm90(cfg, d)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.mask, p.general, overlap, smem)
+    return Launch("fa2_fwd_sm90", "fa2_fwd_sm90.cu", args, query_tile_grid(p, cfg.br, "fa2_fwd_sm90"),
+                  (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+
+
+def fa1_fwd(p: Problem, cfg: TileConfig) -> Launch:
+    """FA1 forward: one CTA per (head, batch)."""
+    d = p.padded_head_dim
+    smem = smem_fa1_fwd(cfg, d, p.itemsize)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, p.mask, smem)
+    if p.batch > MAX_GRID_YZ:
+        raise ValueError(f"fa1_fwd: batch must be at most {MAX_GRID_YZ}, got {p.batch}")
+    return Launch("fa1_fwd", "fa1_fwd.cu", args, (p.heads, p.batch, 1), (cfg.threads, 1, 1), smem, cfg)
+
+
+def fa1_finalize(p: Problem) -> Launch:
+    return _elementwise("fa1_finalize", "fa1_fwd.cu", p.dtype, p.batch * p.heads * p.seqlen_q * p.head_dim)
+
+
+def naive_softmax(p: Problem) -> Launch:
+    """One warp per row of S, 8 warps per CTA."""
+    blocks = max(1, cdiv(p.batch * p.heads * p.seqlen_q, 8))
+    return Launch("naive_softmax", "naive.cu", (CUDA_TYPES[p.dtype],), (blocks, 1, 1), (256, 1, 1), 0)
+
+
+def fa2_bwd_preprocess(p: Problem) -> Launch:
+    """One thread per query row (of every head)."""
+    b, s = p.rows
+    return Launch("fa2_bwd_preprocess", "fa2_bwd.cu", (CUDA_TYPES[p.dtype],),
+                  (max(1, cdiv(b * p.heads * s, 128)), 1, 1), (128, 1, 1), 0)
+
+
+def fa2_bwd(p: Problem, cfg: TileConfig, *, atomic_dq: bool = True) -> Launch:
+    """FA2 backward main pass on mma.sync: one CTA per (key block, kv head, batch)."""
+    d = p.padded_head_dim
     smem = smem_fa2_bwd(cfg, d, p.itemsize, atomic_dq)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.wc, cfg.min_blocks, cfg.kunroll, p.causal, atomic_dq,
-            smem)
-    grid = _check_grid((cdiv(p.seqlen_k, cfg.bc), p.kv_heads, p.batch), "fa2_bwd")
-    return Launch("fa2_bwd", "fa2_bwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.wc, cfg.min_blocks, cfg.kunroll, p.mask, p.general,
+            atomic_dq, smem)
+    return Launch("fa2_bwd", "fa2_bwd.cu", args, key_tile_grid(p, cfg.bc, "fa2_bwd"), (cfg.threads, 1, 1), smem, cfg)
 
 
-def fa2_bwd_dq(p: Problem) -> Launch:
+def fa2_bwd_sm90(p: Problem, cfg: TileConfig) -> Launch:
+    """FA2 backward main pass on wgmma (sm_90a, atomic dQ): one CTA per (key block, kv head, batch)."""
+    d = p.padded_head_dim
+    smem = smem_fa2_bwd_sm90(cfg, d)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.mask, p.general, bwd_sm90_split_d(cfg), smem)
+    return Launch("fa2_bwd_sm90", "fa2_bwd_sm90.cu", args, key_tile_grid(p, cfg.bc, "fa2_bwd_sm90"),
+                  (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+
+
+def fa2_bwd_dq(p: Problem, cfg: TileConfig) -> Launch:
     """Deterministic dQ pass: one CTA per (query block, head, batch)."""
     d = p.padded_head_dim
-    cfg = configs.tile_config("fa2_bwd_dq", d, p.dtype, p.arch)
     smem = smem_fa2_bwd_dq(cfg, d, p.itemsize)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.causal, smem)
-    grid = _check_grid((cdiv(p.seqlen_q, cfg.br), p.heads, p.batch), "fa2_bwd_dq")
-    return Launch("fa2_bwd_dq", "fa2_bwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.mask, p.general, smem)
+    return Launch("fa2_bwd_dq", "fa2_bwd.cu", args, query_tile_grid(p, cfg.br, "fa2_bwd_dq"), (cfg.threads, 1, 1),
+                  smem, cfg)
 
 
 def fa2_bwd_convert_dq(p: Problem) -> Launch:
     """8 columns per thread (head_dim is a multiple of 8 in the kernels)."""
-    return _elementwise("fa2_bwd_convert_dq", "fa2_bwd.cu", p.dtype,
-                        p.batch * p.heads * p.seqlen_q * cdiv(p.head_dim, 8))
-
-
-def forward_launches(p: Problem, kernel: str = "fa2", **switches) -> list[Launch]:
-    """Every launch a forward call makes, in order (the naive matrix products are cuBLAS calls, not listed)."""
-    if kernel == "fa2":
-        return [fa2_fwd(p, **switches)]
-    if kernel == "fa1":
-        return [fa1_fwd(p), fa1_finalize(p)]
-    if kernel == "naive":
-        return [naive_softmax(p)]
-    raise ValueError(f"kernel must be one of 'fa2', 'fa1', 'naive', got {kernel!r}")
-
-
-def backward_launches(p: Problem, deterministic: bool = False) -> list[Launch]:
-    """Every launch a backward call makes, in order."""
-    if deterministic:
-        return [fa2_bwd_preprocess(p), fa2_bwd(p, atomic_dq=False), fa2_bwd_dq(p)]
-    return [fa2_bwd_preprocess(p), fa2_bwd(p, atomic_dq=True), fa2_bwd_convert_dq(p)]
-
-
-def waves(launch: Launch, ctas_per_sm: int, sms: int = 132) -> float:
-    """How many full waves of CTAs the grid makes on ``sms`` multiprocessors."""
-    return launch.ctas / max(1, ctas_per_sm * sms)
-
-
-def all_instantiations(arch: str = "sm_90") -> list[Launch]:
-    """Every template instantiation the library can launch on ``arch`` (for the compile tests and pre-compiling)."""
-    out: dict[str, Launch] = {}
-    for dtype in configs.DTYPES:
-        for d in configs.SPECIALISED_HEAD_DIMS:
-            for causal in (False, True):
-                p = Problem(1, 1, 1, 1, 1, d, dtype, causal, arch)
-                launches = [fa2_fwd(p, wgmma=False), fa1_fwd(p), fa2_bwd(p, atomic_dq=True, wgmma=False),
-                             fa2_bwd(p, atomic_dq=False),
-                            fa2_bwd_dq(p), naive_softmax(p), fa1_finalize(p), fa2_bwd_preprocess(p),
-                            fa2_bwd_convert_dq(p)]
-                if wgmma_supported(p):
-                    launches += [fa2_fwd_sm90(p, overlap=True), fa2_fwd_sm90(p, overlap=False)]
-                if wgmma_bwd_supported(p):
-                    launches.append(fa2_bwd_sm90(p))
-                if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures
-                    launches += [fa2_fwd(p, **sw) for sw in ABLATIONS.values() if not sw.get("wgmma")]
-                for launch in launches:
-                    out.setdefault(launch.name_expression, launch)
-    return list(out.values())
-
-
-ABLATIONS: dict[str, dict[str, bool]] = {  # FA2's ideas, measured on the mma.sync kernel that has switches for them
-    "fa2": {"wgmma": False},
-    "no-deferred-norm": {"defer_norm": False},
-    "no-seq-parallel": {"seq_parallel": False},
-    "no-split-q": {"split_q": False},
-    "none (all three off)": {"defer_norm": False, "seq_parallel": False, "split_q": False},
-    # and what Hopper's warpgroup products add on top of full FA2 (sm_90 only), with and without FA3's overlap
-    "wgmma": {"wgmma": True},
-    "wgmma, no overlap": {"wgmma": True, "overlap": False},
-}
+    b, s = p.rows
+    return _elementwise("fa2_bwd_convert_dq", "fa2_bwd.cu", p.dtype, b * p.heads * s * cdiv(p.head_dim, 8))

@@ -45,69 +45,199 @@ class _Attention(NamedTuple):
     scale: np.floating
     visible: np.ndarray | None  # (seqlen_q, seqlen_k) bool; None when no key is masked
     dout: np.ndarray | None  # (batch, kv_heads, group, seqlen_q, head_dim); None in forward
+    softcap: float  # 0: off
+    bias: np.ndarray | None  # ALiBi, broadcastable to the scores; None: off
+    sinks: np.ndarray | None  # (1, kv_heads, group, 1, 1) sink logits; None: off
 
 
-def forward(q, k, v, *, causal=False, scale=None, upcast=True):
-    """Exact attention forward: ``out = softmax(scale * q k^T) v`` and its log-sum-exp.
+def forward(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+            cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, upcast=True):
+    """Exact attention forward: ``out = softmax(scores) v`` and its log-sum-exp.
 
     Parameters
     ----------
-    q : array_like, shape (batch, seqlen_q, heads, head_dim)
+    q : array_like, shape (batch, seqlen_q, heads, head_dim), or (total_q, heads, head_dim) with cu_seqlens_q
         Queries. Anything ``np.asarray`` accepts; objects with ``.get()`` (CuPy arrays) are copied to the host.
-    k, v : array_like, shape (batch, seqlen_k, kv_heads, head_dim)
+    k, v : array_like, shape (batch, seqlen_k, kv_heads, head_dim), or (total_k, kv_heads, head_dim)
         Keys and values; ``heads % kv_heads == 0`` and query head ``h`` uses kv head ``h // (heads // kv_heads)``.
     causal : bool
         Bottom-right aligned causal mask: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
     scale : float, optional
         Score scale; defaults to ``1 / sqrt(head_dim)``.
+    window : (int, int)
+        Sliding window ``(left, right)``, -1 = unbounded: query ``i`` sees keys ``j`` with
+        ``i + sk - sq - left <= j <= i + sk - sq + right`` (causal sets right to 0).
+    softcap : float
+        > 0: scores ``s`` become ``softcap * tanh(s / softcap)`` (after the scale, before ALiBi).
+    alibi_slopes : array_like (heads,) or (batch, heads), optional
+        ALiBi: scores get ``- slope * |i + sk - sq - j|``.
+    sinks : array_like (heads,), optional
+        One logit per head that joins every row's softmax denominator and has no value.
+    cu_seqlens_q, cu_seqlens_k : array_like (batch + 1,) int, optional
+        Packed variable lengths (both or neither): sequence b is rows ``cu[b]:cu[b+1]``.
+    seqused_k : array_like (batch,) int, optional
+        Keys actually used per sequence (the first ``seqused_k[b]``); the rest are ignored.
     upcast : bool
         True: compute in float64 (any real dtype accepted). False: compute as a plain GPU implementation does in
         the input precision (float16, bfloat16, float32 or float64; q, k, v of one dtype), see the module docstring.
 
     Returns
     -------
-    out : ndarray, shape (batch, seqlen_q, heads, head_dim)
+    out : ndarray like q
         float64 when ``upcast``, else the input dtype. Rows that see no key are exactly 0.
-    lse : ndarray, shape (batch, heads, seqlen_q)
-        ``log(sum_j exp(scale * q_i . k_j))`` over the keys row ``i`` sees; ``-inf`` for rows that see none.
-        float64 when ``upcast``, else float32 (float64 for float64 inputs), computed from the rounded scores.
+    lse : ndarray, shape (batch, heads, seqlen_q), or (heads, total_q) when packed
+        ``log`` of the softmax denominator (natural log, the sink included); ``-inf`` for rows that see no key and
+        have no sink. float64 when ``upcast``, else float32 (float64 for float64 inputs).
     """
-    att = _prepare({"q": q, "k": k, "v": v}, causal, scale, upcast)
+    opts = _Options(causal, scale, window, softcap, alibi_slopes, sinks)
+    if cu_seqlens_q is not None or seqused_k is not None:
+        return _per_sequence(_forward_dense, {"q": q, "k": k, "v": v}, opts, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                             upcast)
+    return _forward_dense({"q": q, "k": k, "v": v}, opts, upcast)
+
+
+def _forward_dense(named, opts, upcast):
+    att = _prepare(named, opts, upcast)
     probs, lse = _probabilities(att)
     out = _matmul_rounded(probs, att.v, att.dtype)
     return _merge_heads(out).astype(att.dtype), _merge_heads_lse(lse)
 
 
-def backward(dout, q, k, v, *, causal=False, scale=None, upcast=True):
-    """Gradients of ``sum(out * dout)`` with respect to q, k, v, where ``out = forward(q, k, v, ...)[0]``.
+def backward(dout, q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+             sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, upcast=True, out=None, lse=None):
+    """Gradients of ``sum(out * dout)`` with respect to q, k, v (and the sinks), where ``out = forward(...)[0]``.
 
     Parameters
     ----------
-    dout : array_like, shape (batch, seqlen_q, heads, head_dim)
+    dout : array_like like q
         Gradient of the loss with respect to ``out``; with ``upcast=False`` it must have q's dtype.
-    q, k, v, causal, scale, upcast
+    q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, upcast
         As in :func:`forward`. With ``upcast=False`` the steps are rounded as PyTorch autograd rounds the naive
         attention: ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dP * P))`` (float32, rounded), then
-        ``dS * scale`` (rounded), ``dQ = dS K``, ``dK = dS^T Q``; each matmul rounded per query head, and
-        dK / dV summed over the query heads of a GQA group in float32, then rounded.
+        through the soft-cap's derivative and ``dS * scale`` (rounded), ``dQ = dS K``, ``dK = dS^T Q``; each matmul
+        rounded per query head, and dK / dV summed over the query heads of a GQA group in float32, then rounded.
+    out, lse : array_like, optional
+        Given together: the forward's result to differentiate through, as FlashAttention's backward uses them:
+        ``P = exp(scores - lse)`` and ``D = rowsum(dout * out)`` (so a block of keys with the whole row's lse and out
+        gives that block's share of the gradients, as ring attention needs). Default: computed here.
 
     Returns
     -------
-    dq : ndarray, shape (batch, seqlen_q, heads, head_dim)
-    dk, dv : ndarray, shape (batch, seqlen_k, kv_heads, head_dim)
+    dq : ndarray like q
+    dk, dv : ndarray like k
         Summed over the query heads that share each kv head. float64 when ``upcast``, else the input dtype.
         Rows of dq that see no key are exactly 0.
+    dsinks : ndarray (heads,), only when ``sinks`` is given
+        ``-sum_i exp(sink - lse_i) D_i`` over every row of every sequence (float64, or float32 when not upcast).
     """
-    att = _prepare({"q": q, "k": k, "v": v, "dout": dout}, causal, scale, upcast)
+    opts = _Options(causal, scale, window, softcap, alibi_slopes, sinks)
+    named = {"q": q, "k": k, "v": v, "dout": dout}
+    if (out is None) != (lse is None):
+        raise ValueError("out and lse must be given together (or neither)")
+    if out is not None:
+        named.update(out=out, lse=lse)
+    if cu_seqlens_q is not None or seqused_k is not None:
+        grads = _per_sequence(_backward_dense, named, opts, cu_seqlens_q, cu_seqlens_k, seqused_k, upcast)
+    else:
+        grads = _backward_dense(named, opts, upcast)
+    return grads if sinks is not None else grads[:3]
+
+
+def _backward_dense(named, opts, upcast):
+    given = {name: named.pop(name) for name in ("out", "lse") if name in named}
+    att = _prepare(named, opts, upcast)
     dtype, dout = att.dtype, att.dout
-    probs, _ = _probabilities(att)
+    if given:
+        lse = _split_lse(_host(given["lse"]).astype(_accumulator(dtype)), att.q.shape[1])
+        probs = _round(_exp_shifted(_scores(att), lse), dtype)
+        out_s = _split_heads(_host(given["out"]).astype(_accumulator(dtype)), att.k.shape[1])
+        delta = np.sum(dout * out_s, axis=-1, keepdims=True)
+    else:
+        probs, lse = _probabilities(att)
+        delta = None
     dv = _group_sum(_matmul_rounded(_t(probs), dout, dtype), dtype)
     dprobs = _matmul_rounded(dout, _t(att.v), dtype)
-    dscores = _round(probs * (dprobs - np.sum(dprobs * probs, axis=-1, keepdims=True)), dtype)
+    if delta is None:
+        delta = np.sum(dprobs * probs, axis=-1, keepdims=True)
+    dscores = _round(probs * (dprobs - delta), dtype)
+    if att.softcap > 0:  # d(c tanh(s / c)) / ds = 1 - tanh(s / c)^2
+        raw = _round(_matmul_rounded(att.q, _t(att.k), dtype) * att.scale, dtype)
+        dscores = _round(dscores * (1 - np.tanh(raw / att.softcap) ** 2), dtype)
     dscores = _round(dscores * att.scale, dtype)
     dq = _matmul_rounded(dscores, att.k, dtype)
     dk = _group_sum(_matmul_rounded(_t(dscores), att.q, dtype), dtype)
-    return tuple(_merge_heads(grad).astype(dtype) for grad in (dq, dk, dv))
+    grads = tuple(_merge_heads(grad).astype(dtype) for grad in (dq, dk, dv))
+    if att.sinks is None:
+        return grads
+    with np.errstate(invalid="ignore"):  # rows with lse = +-inf contribute 0
+        share = np.where(np.isfinite(lse[..., None]), np.exp(att.sinks - lse[..., None]), 0.0) * delta
+    dsinks = -np.sum(share, axis=(0, 3, 4)).reshape(-1)
+    return (*grads, dsinks.astype(np.float64 if upcast else _accumulator(dtype)))
+
+
+class _Options(NamedTuple):
+    """The variant of a call (everything but the arrays it attends over)."""
+
+    causal: bool
+    scale: float | None
+    window: tuple
+    softcap: float
+    alibi_slopes: object
+    sinks: object
+
+
+def _per_sequence(fn, named, opts, cu_q, cu_k, seqused_k, upcast):
+    """Run ``fn`` on every sequence of a packed (or seqused_k-trimmed) batch and put the results back together.
+
+    Packed inputs are (total, heads, d) with cu_seqlens offsets; without them the batch axis gives the sequences.
+    Keys past ``seqused_k[b]`` take no part; their gradients are 0.
+    """
+    arrays = {name: _host(x) for name, x in named.items()}
+    packed = cu_q is not None
+    if packed and cu_k is None:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    if packed:
+        cq, ck = (np.asarray(_host(c)).astype(np.int64) for c in (cu_q, cu_k))
+    else:
+        nq, nk = arrays["q"].shape[1], arrays["k"].shape[1]
+        cq, ck = np.arange(arrays["q"].shape[0] + 1) * nq, np.arange(arrays["q"].shape[0] + 1) * nk
+    used = None if seqused_k is None else np.asarray(_host(seqused_k)).astype(np.int64)
+    slopes = None if opts.alibi_slopes is None else np.asarray(_host(opts.alibi_slopes), dtype=np.float64)
+
+    def rows_of(name, x, b):  # sequence b of one input, as a batch of one
+        if name == "lse":
+            return x[:, cq[b]:cq[b + 1]][None] if packed else x[b:b + 1]
+        lo, hi = (ck[b], ck[b + 1]) if name in ("k", "v") else (cq[b], cq[b + 1])
+        part = x[lo:hi][None] if packed else x[b:b + 1]
+        return part[:, : used[b]] if used is not None and name in ("k", "v") else part
+
+    results = []
+    for b in range(len(cq) - 1):
+        part = {name: rows_of(name, x, b) for name, x in arrays.items()}
+        sl = slopes if slopes is None or slopes.ndim == 1 else slopes[b: b + 1]
+        results.append(fn(part, opts._replace(alibi_slopes=sl), upcast))
+    roles = ("q", "lse") if len(results[0]) == 2 else ("q", "k", "k", "sum")[: len(results[0])]
+    out = []
+    for index, role in enumerate(roles):
+        parts = [r[index] for r in results]
+        if role == "sum":
+            out.append(np.sum(parts, axis=0))
+            continue
+        if role == "k":  # keys past seqused_k (or past the used part of a packed sequence) get zero gradients
+            parts = [_pad_rows(x, int(ck[b + 1] - ck[b])) for b, x in enumerate(parts)]
+        if packed:
+            out.append(np.concatenate([x[0] for x in parts], axis=1 if role == "lse" else 0))
+        else:
+            out.append(np.concatenate(parts, axis=0))
+    return tuple(out)
+
+
+def _pad_rows(x, n):
+    """``x`` (1, rows, heads, d) zero-padded to ``n`` rows."""
+    if x.shape[1] >= n:
+        return x
+    pad = np.zeros((x.shape[0], n - x.shape[1]) + x.shape[2:], dtype=x.dtype)
+    return np.concatenate([x, pad], axis=1)
 
 
 def rounding_floor(dtype):
@@ -190,42 +320,85 @@ def error_ratio_ok(ours, ref, base, dtype, factor):
     return ok, max_err_ours, max_err_base, bound
 
 
-def _prepare(named, causal, scale, upcast):
+def _prepare(named, opts, upcast):
     """Validate q, k, v (and dout when given) and split them by kv head into an ``_Attention``."""
     arrays = {name: _host(x) for name, x in named.items()}
     dtype = _compute_dtype(arrays, upcast)
     q, k, v, dout = arrays["q"], arrays["k"], arrays["v"], arrays.get("dout")
     _check_shapes(q, k, v, dout)
-    kv_heads, head_dim = k.shape[2], k.shape[3]
+    batch, seqlen_q, heads = q.shape[:3]
+    seqlen_k, kv_heads, head_dim = k.shape[1], k.shape[2], k.shape[3]
     acc = _accumulator(dtype)
-    scale = 1.0 / np.sqrt(head_dim) if scale is None else float(scale)
+    scale = 1.0 / np.sqrt(head_dim) if opts.scale is None else float(opts.scale)
     return _Attention(
         dtype=dtype,
         q=_split_heads(q.astype(acc), kv_heads),
         k=_split_heads(k.astype(acc), kv_heads),
         v=_split_heads(v.astype(acc), kv_heads),
         scale=acc.type(scale),
-        visible=_causal_visibility(q.shape[1], k.shape[1]) if causal else None,
+        visible=_visibility(seqlen_q, seqlen_k, opts.causal, opts.window),
         dout=None if dout is None else _split_heads(dout.astype(acc), kv_heads),
+        softcap=float(opts.softcap or 0.0),
+        bias=_alibi(opts.alibi_slopes, batch, heads, kv_heads, seqlen_q, seqlen_k, acc),
+        sinks=None if opts.sinks is None else
+        np.asarray(_host(opts.sinks), dtype=acc).reshape(1, kv_heads, heads // kv_heads, 1, 1),
     )
+
+
+def _alibi(slopes, batch, heads, kv_heads, seqlen_q, seqlen_k, acc):
+    """ALiBi's bias ``-slope * |i + sk - sq - j|`` shaped like the split scores, or None."""
+    if slopes is None:
+        return None
+    s = np.asarray(_host(slopes), dtype=np.float64)
+    s = np.broadcast_to(s.reshape(-1 if s.ndim == 1 else s.shape[0], heads) if s.ndim == 2 else s[None], (batch, heads))
+    dist = np.abs(np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q) - np.arange(seqlen_k)[None, :])
+    bias = -s.reshape(batch, kv_heads, heads // kv_heads, 1, 1) * dist
+    return bias.astype(acc)
+
+
+def _scores(att):
+    """Rounded scores: scale, soft-cap, ALiBi, mask (-inf where hidden), as the kernels apply them."""
+    scores = _matmul_rounded(att.q, _t(att.k), att.dtype)
+    scores = _round(scores * att.scale, att.dtype)
+    if att.softcap > 0:
+        scores = _round(att.softcap * np.tanh(scores / att.softcap), att.dtype)
+    if att.bias is not None:
+        scores = _round(scores + att.bias, att.dtype)
+    if att.visible is not None:
+        scores = np.where(att.visible, scores, -np.inf)
+    return scores
 
 
 def _probabilities(att):
     """Rounded softmax probabilities ``(batch, kv_heads, group, seqlen_q, seqlen_k)`` and lse ``(..., seqlen_q)``."""
-    scores = _matmul_rounded(att.q, _t(att.k), att.dtype)
-    scores = _round(scores * att.scale, att.dtype)
-    if att.visible is not None:
-        scores = np.where(att.visible, scores, -np.inf)
-    probs, lse = _softmax(scores)
+    probs, lse = _softmax(_scores(att), att.sinks)
     return _round(probs, att.dtype), lse
 
 
-def _softmax(scores):
-    """Row softmax and log-sum-exp of ``scores`` (-inf = masked); a row with no finite score gives 0 and -inf."""
+def _exp_shifted(scores, lse):
+    """``exp(scores - lse)`` with rows of lse = -inf (nothing visible) giving 0."""
+    shift = np.where(np.isfinite(lse), lse, 0.0)[..., None]
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(lse)[..., None], np.exp(scores - shift), 0.0)
+
+
+def _split_lse(lse, kv_heads):
+    """lse (batch, heads, seqlen_q) -> (batch, kv_heads, group, seqlen_q)."""
+    batch, heads, seqlen = lse.shape
+    return lse.reshape(batch, kv_heads, heads // kv_heads, seqlen)
+
+
+def _softmax(scores, sinks=None):
+    """Row softmax and log-sum-exp of ``scores`` (-inf = masked), with an optional sink logit per row that joins the
+    denominator; a row with no finite score gives 0 and -inf (or the sink's logit as its lse)."""
     row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)
+    if sinks is not None:
+        row_max = np.maximum(row_max, sinks)
     shift = np.where(np.isfinite(row_max), row_max, 0)
     expo = np.exp(scores - shift)
     denom = np.sum(expo, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + np.exp(sinks - shift)
     probs = expo / np.where(denom > 0, denom, 1)
     log_denom = np.log(denom, out=np.full_like(denom, -np.inf), where=denom > 0)
     return probs, (shift + log_denom)[..., 0]
@@ -278,11 +451,22 @@ def _merge_heads_lse(lse):
     return lse.reshape(batch, kv_heads * group, seqlen)
 
 
-def _causal_visibility(seqlen_q, seqlen_k):
-    """``(seqlen_q, seqlen_k)`` bool: query i sees key j iff ``j <= i + seqlen_k - seqlen_q`` (bottom-right)."""
-    rows = np.arange(seqlen_q)[:, None]
+def _visibility(seqlen_q, seqlen_k, causal, window=(-1, -1)):
+    """``(seqlen_q, seqlen_k)`` bool, or None when every key is visible: query i sees key j iff
+    ``i + sk - sq - left <= j <= i + sk - sq + right`` (bottom-right aligned; -1 = unbounded; causal: right = 0)."""
+    left, right = (int(window[0]), int(window[1])) if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    diag = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
     cols = np.arange(seqlen_k)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+    visible = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if right >= 0:
+        visible &= cols <= diag + right
+    if left >= 0:
+        visible &= cols >= diag - left
+    return visible
 
 
 def _host(x):

@@ -1,7 +1,8 @@
 """Input checking shared by every backend: bad input is refused here, before anything is launched.
 
 Each error is a ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong value) whose message
-names the argument, what was expected and what was given.
+names the argument, what was expected and what was given; a combination that is not supported names both
+arguments.
 """
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import numbers
 
 import numpy as np
 
-from . import configs
+from . import configs, registry
 from .launch import MAX_GRID_YZ, Problem
 
-KERNELS = ("fa2", "fa1", "naive")
 BACKENDS = ("cupy", "numba", "reference")
+KERNELS = registry.api_kernels()  # the forward's kernel= values
+FEATURE_ARGS = ("window", "softcap", "alibi_slopes", "sinks", "cu_seqlens_q", "seqused_k")
 
 
 def dtype_name(dtype) -> str:
@@ -75,10 +77,33 @@ def check_choice(value, name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _shape(x, name: str) -> tuple[int, ...]:
+def check_window(window, name: str = "window") -> tuple[int, int]:
+    """A pair of ints >= -1 (-1: unbounded on that side)."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"{name} must be a pair (left, right) of ints >= -1, got {window!r}")
+    for side in window:
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral):
+            raise TypeError(f"{name} must be a pair (left, right) of ints >= -1, got {window!r}")
+        if side < -1:
+            raise ValueError(f"{name} values must be >= -1 (-1 = unbounded), got {tuple(window)!r}")
+    return int(window[0]), int(window[1])
+
+
+def check_softcap(softcap) -> float:
+    """0 (off) or a positive finite real number."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number >= 0 (0 = off), got {type(softcap).__name__} {softcap!r}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap must be 0 (off) or a positive finite real number, got {softcap!r}")
+    return value
+
+
+def _shape(x, name: str, ndim: int = 4) -> tuple[int, ...]:
     shape = tuple(int(s) for s in x.shape)
-    if len(shape) != 4:
-        raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {shape}")
+    if len(shape) != ndim:
+        axes = "(batch, seqlen, heads, head_dim)" if ndim == 4 else "(total, heads, head_dim) (packed sequences)"
+        raise ValueError(f"{name} must have {ndim} dimensions {axes}, got shape {shape}")
     return shape
 
 
@@ -92,23 +117,131 @@ def _dtype(x, name: str) -> str:
     return dt
 
 
+def _host_ints(x) -> np.ndarray:
+    """A small integer array's values on the host (a device array is copied: one synchronisation)."""
+    return np.asarray(x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else x)
+
+
 @dataclasses.dataclass(frozen=True)
 class Checked:
-    """The outcome of validation: the problem, the scale, and where the arrays live."""
+    """The outcome of validation: the problem, the scale, where the arrays live, and the feature arrays."""
 
     problem: Problem
     scale: float
     kind: str              # 'numpy', 'cupy' or 'foreign' (of q; all inputs share a device)
     device: object
+    extras: dict = dataclasses.field(default_factory=dict)  # cu_seqlens_q/_k, seqused_k, alibi_slopes, sinks
 
 
-def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "cupy") -> Checked:
-    """Validate a forward call (DESIGN.md section 1) and describe it; raises before anything is launched."""
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """The feature arguments of a call, as given (validated by :func:`check_forward`)."""
+
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: object = None
+    sinks: object = None
+    cu_seqlens_q: object = None
+    cu_seqlens_k: object = None
+    max_seqlen_q: object = None
+    max_seqlen_k: object = None
+    seqused_k: object = None
+
+    def given(self) -> list[str]:
+        """Names of the features that are on."""
+        names = []
+        if tuple(self.window) != (-1, -1):
+            names.append("window")
+        if self.softcap:
+            names.append("softcap")
+        names += [n for n in ("alibi_slopes", "sinks", "cu_seqlens_q", "seqused_k") if getattr(self, n) is not None]
+        return names
+
+
+def _feature_array(x, name: str, shapes: list[tuple], dtype: str, device) -> object:
+    """A float32 / int32 feature array: its dtype, one of the allowed shapes, and q's device."""
+    kind = array_kind(x, name)
+    got = dtype_name(x.dtype)
+    if got != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {got}")
+    shape = tuple(int(s) for s in x.shape)
+    if shape not in shapes:
+        allowed = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name} must have shape {allowed}, got {shape}")
+    if device_of(x, kind) != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {device_of(x, kind)}")
+    return x
+
+
+def _check_varlen(f: Features, q_total: int, k_total: int, device) -> tuple[int, int, int]:
+    """(batch, max_seqlen_q, max_seqlen_k) of packed sequences; every rule of flash-attn's varlen arguments."""
+    if f.cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together, got cu_seqlens_q without cu_seqlens_k")
+    counts = {}
+    for name, cu, total in (("cu_seqlens_q", f.cu_seqlens_q, q_total), ("cu_seqlens_k", f.cu_seqlens_k, k_total)):
+        kind = array_kind(cu, name)
+        if dtype_name(cu.dtype) != "int32":
+            raise TypeError(f"{name} must have dtype int32, got {dtype_name(cu.dtype)}")
+        if len(cu.shape) != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+        if device_of(cu, kind) != device:
+            raise ValueError(f"{name} must be on q's device ({device}), got {device_of(cu, kind)}")
+        values = _host_ints(cu).astype(np.int64)
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {int(values[0])}")
+        if np.any(np.diff(values) < 0):
+            raise ValueError(f"{name} must be non-decreasing, got {values.tolist()}")
+        if values[-1] != total:
+            what = "q" if name.endswith("_q") else "k"
+            raise ValueError(f"{name}[-1] must equal the packed length of {what} ({total}), got {int(values[-1])}")
+        counts[name] = np.diff(values)
+    if len(counts["cu_seqlens_q"]) != len(counts["cu_seqlens_k"]):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{len(counts['cu_seqlens_q']) + 1} and {len(counts['cu_seqlens_k']) + 1}")
+    maxes = []
+    for name, lengths, given in (("max_seqlen_q", counts["cu_seqlens_q"], f.max_seqlen_q),
+                                 ("max_seqlen_k", counts["cu_seqlens_k"], f.max_seqlen_k)):
+        longest = int(lengths.max(initial=0))
+        if given is None:
+            maxes.append(longest)
+            continue
+        if isinstance(given, (bool, np.bool_)) or not isinstance(given, numbers.Integral):
+            raise TypeError(f"{name} must be an int or None, got {type(given).__name__} {given!r}")
+        if given < longest:
+            raise ValueError(f"{name} must be at least the longest sequence ({longest}), got {given}")
+        maxes.append(int(given))
+    return len(counts["cu_seqlens_q"]), maxes[0], maxes[1]
+
+
+def _check_seqused(seqused, batch: int, key_lengths: np.ndarray, device) -> object:
+    kind = array_kind(seqused, "seqused_k")
+    if dtype_name(seqused.dtype) != "int32":
+        raise TypeError(f"seqused_k must have dtype int32, got {dtype_name(seqused.dtype)}")
+    if tuple(int(s) for s in seqused.shape) != (batch,):
+        raise ValueError(f"seqused_k must have shape (batch,) = ({batch},), got {tuple(seqused.shape)}")
+    if device_of(seqused, kind) != device:
+        raise ValueError(f"seqused_k must be on q's device ({device}), got {device_of(seqused, kind)}")
+    used = _host_ints(seqused).astype(np.int64)
+    if np.any(used < 0) or np.any(used > key_lengths):
+        raise ValueError(f"seqused_k must be between 0 and each sequence's key count {key_lengths.tolist()}, got "
+                         f"{used.tolist()}")
+    return seqused
+
+
+def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "cupy",
+                  features: Features = Features()) -> Checked:
+    """Validate a forward call and describe it; raises before anything is launched."""
     check_choice(kernel, "kernel", KERNELS)
     check_choice(backend, "backend", BACKENDS)
     causal = check_flag(causal, "causal")
+    window = check_window(features.window)
+    softcap = check_softcap(features.softcap)
+    varlen = features.cu_seqlens_q is not None
+    if not varlen and features.cu_seqlens_k is not None:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together, got cu_seqlens_k without cu_seqlens_q")
+    ndim = 3 if varlen else 4
     kinds = {name: array_kind(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
-    shapes = {"q": _shape(q, "q"), "k": _shape(k, "k"), "v": _shape(v, "v")}
+    shapes = {"q": _shape(q, "q", ndim), "k": _shape(k, "k", ndim), "v": _shape(v, "v", ndim)}
     dtypes = {"q": _dtype(q, "q"), "k": _dtype(k, "k"), "v": _dtype(v, "v")}
     if len(set(dtypes.values())) > 1:
         given = ", ".join(f"{n} {d}" for n, d in dtypes.items())
@@ -117,44 +250,81 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     if len(set(devices.values())) > 1:
         given = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"q, k and v must be on the same device, got {given}")
-    (b, nq, h, d), (bk, nk, hk, dk), vshape = shapes["q"], shapes["k"], shapes["v"]
-    if bk != b or vshape[0] != b:
-        raise ValueError(f"q, k and v must have the same batch size, got q {b}, k {bk}, v {vshape[0]}")
-    if dk != d or vshape[3] != d:
-        raise ValueError(f"q, k and v must have the same head_dim, got q {d}, k {dk}, v {vshape[3]}")
-    if vshape[1] != nk:
-        raise ValueError(f"k and v must have the same seqlen_k, got k {nk}, v {vshape[1]}")
-    if vshape[2] != hk:
-        raise ValueError(f"k and v must have the same number of kv heads, got k {hk}, v {vshape[2]}")
+    qs, ks, vs = (shapes[n] if varlen else shapes[n][1:] for n in ("q", "k", "v"))
+    if not varlen:
+        b, bk, bv = shapes["q"][0], shapes["k"][0], shapes["v"][0]
+        if bk != b or bv != b:
+            raise ValueError(f"q, k and v must have the same batch size, got q {b}, k {bk}, v {bv}")
+    (nq, h, d), (nk, hk, dk), vshape = qs, ks, vs
+    if dk != d or vshape[2] != d:
+        raise ValueError(f"q, k and v must have the same head_dim, got q {d}, k {dk}, v {vshape[2]}")
+    if vshape[0] != nk:
+        what = "packed length" if varlen else "seqlen_k"
+        raise ValueError(f"k and v must have the same {what}, got k {nk}, v {vshape[0]}")
+    if vshape[1] != hk:
+        raise ValueError(f"k and v must have the same number of kv heads, got k {hk}, v {vshape[1]}")
     if hk < 1 or h % hk != 0:
         raise ValueError(f"heads of q must be a multiple of kv_heads of k and v (kv_heads >= 1), got heads {h}, "
                          f"kv_heads {hk}")
     if not 1 <= d <= configs.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be between 1 and {configs.MAX_HEAD_DIM}, got {d}")
-    if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
-        raise ValueError(f"heads and batch must each be at most {MAX_GRID_YZ}, got heads {h}, batch {b}")
-    problem = Problem(b, nq, nk, h, hk, d, dtypes["q"], causal)
-    return Checked(problem, check_scale(scale, d), kinds["q"], devices["q"])
+    device = devices["q"]
+    if varlen:
+        batch, max_q, max_k = _check_varlen(features, nq, nk, device)
+        key_lengths = np.diff(_host_ints(features.cu_seqlens_k).astype(np.int64))
+    else:
+        batch, max_q, max_k = shapes["q"][0], nq, nk
+        key_lengths = np.full(batch, nk)
+        for name in ("max_seqlen_q", "max_seqlen_k"):
+            if getattr(features, name) is not None:
+                raise ValueError(f"{name} goes with cu_seqlens_q / cu_seqlens_k (packed sequences); got {name} "
+                                 "without them")
+    if h > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        raise ValueError(f"heads and batch must each be at most {MAX_GRID_YZ}, got heads {h}, batch {batch}")
+    extras = {}
+    if features.alibi_slopes is not None:
+        extras["alibi_slopes"] = _feature_array(features.alibi_slopes, "alibi_slopes", [(h,), (batch, h)], "float32",
+                                                device)
+    if features.sinks is not None:
+        extras["sinks"] = _feature_array(features.sinks, "sinks", [(h,)], "float32", device)
+    if features.seqused_k is not None:
+        extras["seqused_k"] = _check_seqused(features.seqused_k, batch, key_lengths, device)
+    if varlen:
+        extras["cu_seqlens_q"], extras["cu_seqlens_k"] = features.cu_seqlens_q, features.cu_seqlens_k
+    variant = registry.for_call(kernel, "fwd")
+    given = Features(window=window, softcap=softcap, **{n: getattr(features, n) for n in
+                                                       ("alibi_slopes", "sinks", "cu_seqlens_q", "seqused_k")}).given()
+    if given and kernel != "fa2":
+        supported = [g for g in given if g in variant.supports]
+        unsupported = [g for g in given if g not in supported]
+        if unsupported:
+            raise ValueError(f"kernel={kernel!r} does not support {unsupported[0]}: only kernel='fa2' runs every "
+                             f"feature (got {unsupported[0]} with kernel={kernel!r})")
+    problem = Problem(batch, max_q, max_k, h, hk, d, dtypes["q"], causal, window=window, softcap=softcap,
+                      alibi="alibi_slopes" in extras, sinks="sinks" in extras, varlen=varlen,
+                      total_q=nq if varlen else 0, total_k=nk if varlen else 0, seqused_k="seqused_k" in extras)
+    return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)
 
 
-def check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backend: str = "cupy") -> Checked:
+def check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backend: str = "cupy",
+                   features: Features = Features()) -> Checked:
     """Validate a backward call: the forward checks plus dout, out and lse against q."""
-    checked = check_forward(q, k, v, causal, scale, "fa2", backend)
+    checked = check_forward(q, k, v, causal, scale, "fa2", backend, features)
     check_flag(deterministic, "deterministic")
     p = checked.problem
     for name, x in (("dout", dout), ("out", out)):
         kind = array_kind(x, name)
-        if tuple(int(s) for s in x.shape) != (p.batch, p.seqlen_q, p.heads, p.head_dim):
-            raise ValueError(f"{name} must have q's shape {(p.batch, p.seqlen_q, p.heads, p.head_dim)}, "
-                             f"got {tuple(x.shape)}")
+        if tuple(int(s) for s in x.shape) != tuple(int(s) for s in q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
         if _dtype(x, name) != p.dtype:
             raise TypeError(f"{name} must have q's dtype {p.dtype}, got {dtype_name(x.dtype)}")
         if device_of(x, kind) != checked.device:
             raise ValueError(f"{name} must be on q's device ({checked.device}), got {device_of(x, kind)}")
     kind = array_kind(lse, "lse")
-    if tuple(int(s) for s in lse.shape) != (p.batch, p.heads, p.seqlen_q):
-        raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {(p.batch, p.heads, p.seqlen_q)}, "
-                         f"got {tuple(lse.shape)}")
+    want = (p.heads, p.total_q) if p.varlen else (p.batch, p.heads, p.seqlen_q)
+    if tuple(int(s) for s in lse.shape) != want:
+        axes = "(heads, total_q)" if p.varlen else "(batch, heads, seqlen_q)"
+        raise ValueError(f"lse must have shape {axes} = {want}, got {tuple(lse.shape)}")
     if dtype_name(lse.dtype) not in ("float32", "float64"):
         raise TypeError(f"lse must be float32 (as forward returns it), got {dtype_name(lse.dtype)}")
     if device_of(lse, kind) != checked.device:

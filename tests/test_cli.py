@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import rawflash
 from conftest import gpu_available, random_qkv
-from rawflash import _compile, accuracy, cli, configs, introspect, iomodel, launch, ncu, occupancy, sysinfo, variants
+from rawflash import _compile, accuracy, cli, configs, forms, introspect, iomodel, launch, ncu, occupancy, registry, sysinfo
 from rawflash.launch import Problem
 
 SMALL = ["--batch", "2", "--seqlen-q", "300", "--seqlen-k", "200", "--heads", "8", "--kv-heads", "2",
@@ -57,7 +57,7 @@ def test_list_shows_every_variant_and_every_tile_row():
     for name in ("naive", "fa1_fwd", "fa2_fwd", "fa2_bwd", "split-Q", "split-K", "make_fa2_fwd", "Algorithm 2"):
         assert name in out
     report = invoke_json("list")
-    assert set(report["variants"]) == set(variants.REGISTRY)
+    assert set(report["variants"]) == set(registry.REGISTRY)
     covered = {(r["kernel"], int(d), dt) for r in report["tiles"] for d in r["head_dims"].split(",")
                for dt in r["dtypes"].split(",")}
     assert covered == set(configs.TABLE)
@@ -67,25 +67,25 @@ def test_list_shows_every_variant_and_every_tile_row():
 
 
 def test_registry_names_sources_and_tile_rows():
-    for name, v in variants.REGISTRY.items():
+    for name, v in registry.REGISTRY.items():
         assert v.name == name and v.numba_factory == f"make_{name}"
         assert all((_compile.cuda_dir() / src).is_file() for src in v.sources)
         text = "".join((_compile.cuda_dir() / src).read_text() for src in v.sources)
-        for kernel in v.kernels:
-            assert f"{kernel.split(':')[0]}(" in text
-        assert set(v.tile_rows) <= set(configs.KERNELS)
-    assert {k for v in variants.REGISTRY.values() for k in v.tile_rows} == set(configs.KERNELS)
-    assert variants.for_call("fa1", "fwd").name == "fa1_fwd"
-    assert variants.for_call("naive", "bwd").name == "fa2_bwd"
+        for kernel in (*v.forms, *v.helpers):
+            assert f"{kernel.kernel}(" in text
+    rows = {r for v in registry.REGISTRY.values() for f in v.forms for r in f.tile_rows}
+    assert rows | {"fa2_bwd_dq"} >= set(configs.KERNELS) - {"naive_softmax"}
+    assert registry.for_call("fa1", "fwd").name == "fa1_fwd"
+    assert registry.for_call("naive", "bwd").name == "fa2_bwd"
     with pytest.raises(ValueError, match="kernel must be one of"):
-        variants.for_call("fa3", "fwd")
+        registry.for_call("fa3", "fwd")
 
 
 # ---------------------------------------------------------------- launch-config
 def test_launch_config_matches_launch_and_iomodel():
     rows = invoke_json("launch-config", *SMALL, "--direction", "both", "--arch", "sm_90")["launches"]
     kp = introspect.kernel_problem(SMALL_PROBLEM)
-    expected = launch.forward_launches(kp, "fa2") + launch.backward_launches(kp, False)
+    expected = forms.forward_plan(kp, "fa2") + forms.backward_plan(kp, False)
     assert [r["instantiation"] for r in rows] == [lau.name_expression for lau in expected]
     for row, lau in zip(rows, expected):
         assert row["grid"] == "x".join(map(str, lau.grid)) and row["smem"] == lau.smem and row["ctas"] == lau.ctas
@@ -112,7 +112,7 @@ def test_occupancy_offline_agrees_with_ptxas_calculator_and_register_cap(arch):
     report = invoke_json("occupancy", *SMALL, "--direction", "both", "--arch", arch)
     assert arch in report["target"]
     rows = {r["kernel"]: r for r in report["occupancy"]}
-    lau = launch.fa2_fwd(dataclasses.replace(introspect.kernel_problem(SMALL_PROBLEM), arch=arch))
+    lau = forms.fa2_forward(dataclasses.replace(introspect.kernel_problem(SMALL_PROBLEM), arch=arch))
     assert lau.kernel == ("fa2_fwd_sm90" if arch == "sm_90" else "fa2_fwd"), "the target's own forward kernel"
     row = rows[lau.kernel]
     ptxas = _compile.compile_offline(lau.source, lau.name_expression, lau.compile_arch(arch))
@@ -126,21 +126,22 @@ def test_occupancy_offline_agrees_with_ptxas_calculator_and_register_cap(arch):
     assert report["checks"]["above the register cap of launch.register_cap"] == "none"
 
 
-def test_causal_flag_is_the_first_bool_template_argument():
-    for make in (launch.fa2_fwd, launch.fa1_fwd, launch.fa2_bwd, launch.fa2_bwd_dq, launch.fa2_fwd_sm90,
-                 launch.fa2_bwd_sm90):
-        for causal in (False, True):
-            for d in (64, 256):
-                lau = make(Problem(1, 1, 1, 1, 1, d, "bfloat16", causal))
-                assert introspect.causal_flag(lau) is causal, lau.name_expression
+def test_causal_flag_is_the_mask_mode_template_argument():
+    for causal in (False, True):
+        for d in (64, 256):
+            p = Problem(1, 1, 1, 1, 1, d, "bfloat16", causal)
+            for lau in (*forms.forward_plan(p), *forms.forward_plan(p, "fa1"), *forms.backward_plan(p),
+                        *forms.backward_plan(p, True), forms.fa2_forward(p, forms.Switches(wgmma=False))):
+                if lau.config is not None:
+                    assert introspect.causal_flag(lau) is causal, lau.name_expression
     assert introspect.causal_flag(launch.naive_softmax(Problem(1, 1, 1, 1, 1, 64, "bfloat16", True))) is None
 
 
 def test_instantiations_are_one_dtype_and_causal_slice_of_all():
-    every = launch.all_instantiations()
+    every = forms.all_instantiations()
     slices = [introspect.instantiations(dt, c) for dt in configs.DTYPES for c in (False, True)]
     union = {lau.name_expression for s in slices for lau in s}
-    assert union == {lau.name_expression for lau in every}
+    assert union == {lau.name_expression for lau in every if not introspect.general_flag(lau)}
     ctype = launch.CUDA_TYPES["float16"]
     assert all(lau.template_args[0] == ctype for lau in introspect.instantiations("float16", True))
 
@@ -159,7 +160,7 @@ def test_io_bytes_come_from_iomodel_with_the_launch_tiles():
     report = invoke_json("io", *SMALL, "--gpu", "A100-80GB-SXM")
     rows = {(r["kernel"], r["dir"]): r for r in report["io"]}
     assert set(rows) == {(k, d) for k in iomodel.KERNELS for d in iomodel.DIRECTIONS}
-    cfg = launch.fa2_fwd(SMALL_PROBLEM).config
+    cfg = forms.fa2_forward(SMALL_PROBLEM).config
     shape = iomodel.Shape(2, 300, 200, 8, 2, 64, 2, True)
     expected = iomodel.io_bytes("fa2", "fwd", shape, Br=cfg.br, Bc=cfg.bc)
     row = rows[("fa2", "fwd")]
@@ -167,7 +168,7 @@ def test_io_bytes_come_from_iomodel_with_the_launch_tiles():
     assert row["read_MB"] * 1e6 == pytest.approx(expected.read_bytes)
     assert row["write_MB"] * 1e6 == pytest.approx(expected.write_bytes)
     assert row["bound_ms"] == pytest.approx(iomodel.roofline(expected, "A100-80GB-SXM", "float16")["bound_ms"])
-    assert rows[("fa2", "bwd")]["Br"] == launch.fa2_bwd(SMALL_PROBLEM).config.br
+    assert rows[("fa2", "bwd")]["Br"] == forms.backward_plan(SMALL_PROBLEM)[1].config.br
     assert rows[("naive", "fwd")]["Br"] is None
     assert rows[("fa2", "fwd")]["read_MB"] < rows[("naive", "fwd")]["read_MB"]
     out = invoke("io", *SMALL, "--breakdown").output
@@ -200,7 +201,7 @@ def test_explain_valid_call():
     report = invoke_json("explain", *SMALL, "--kernel", "fa1")
     assert report["valid"] is True
     assert [v["variant"] for v in report["variants"]] == ["fa1_fwd", "fa2_bwd"]
-    assert report["launches"][0]["instantiation"] == launch.fa1_fwd(SMALL_PROBLEM).name_expression
+    assert report["launches"][0]["instantiation"] == forms.forward_plan(SMALL_PROBLEM, "fa1")[0].name_expression
     assert report["problem"]["scale"] == pytest.approx(1 / 8)
     assert [r["kernel"] for r in report["predicted"]] == ["fa1", "fa2"]
     assert all(r["bound_ms"] > 0 for r in report["predicted"])
@@ -378,7 +379,7 @@ def test_gpu_io_measure_or_clear_ncu_message():
 @pytest.mark.slow
 def test_gpu_ablate_small(tmp_path):
     report = invoke_json("ablate", "--head-dims", "64", "--seqlens", "1024", "--repeats", "3", "--out", tmp_path)
-    assert {r["variant"] for r in report["ablation"]} == set(launch.ABLATIONS)
+    assert {r["variant"] for r in report["ablation"]} == set(forms.ABLATIONS)
     assert all(r["status"] == "ok" and r["tflops"] > 0 for r in report["ablation"])
     assert (tmp_path / "ablation.json").is_file()
 

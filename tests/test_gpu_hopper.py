@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 import rawflash
-from rawflash import launch
+from rawflash import forms, launch
 from test_gpu_kernels import check_backward, check_forward
 
 pytestmark = pytest.mark.gpu
@@ -52,7 +52,7 @@ def test_default_path_on_h200_is_wgmma():
     from rawflash import cupy_backend
 
     p = launch.Problem(1, 1, 1, 1, 1, 128, "bfloat16", False, cupy_backend.device_arch())
-    assert launch.fa2_fwd(p).kernel == "fa2_fwd_sm90"
+    assert forms.fa2_forward(p).kernel == "fa2_fwd_sm90"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -91,7 +91,7 @@ def test_wgmma_backward(sq, sk, h, hk, d, dtype, causal):
     from rawflash import cupy_backend
 
     p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
-    assert launch.backward_launches(p)[1].kernel == "fa2_bwd_sm90"
+    assert forms.backward_plan(p)[1].kernel == "fa2_bwd_sm90"
     check_backward(2, sq, sk, h, hk, d, dtype, causal, False)
 
 

@@ -53,7 +53,7 @@ def render() -> str:
 // Accumulator layout: d[j][e] is row 16w + lane/4 + 8(e/2), column 8j + 2(lane%4) + e%2 (mma.sync's C layout,
 // repeated over the N/8 column tiles).
 #pragma once
-#include "common.cuh"
+#include "core.cuh"
 
 namespace rf {{
 

@@ -5,7 +5,9 @@
 #     tests-mma  the kernel tests again with RAWFLASH_WGMMA=0 (the mma.sync forward on the same GPU)
 #     hopper     only tests/test_gpu_hopper.py (the wgmma kernel)
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
-# TAR_TO=path packs every log into one archive at the end (for machines that return only a few files).
+# TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
+# (float16 bfloat16 float32) the sanitizer step; TAR_TO=path packs every log into one archive at the end (for
+# machines that return only a few files).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}
 mkdir -p "$OUT"
@@ -20,7 +22,7 @@ while [ $i -lt ${#steps[@]} ]; do
   step=${steps[$i]}; i=$((i + 1))
   case $step in
     tests)
-      python3 -m pytest -q -m "gpu" -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
     tests-mma)
       RAWFLASH_WGMMA=0 python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 \
         | tee "$OUT/gpu_tests_mma.log" | tail -15 || status=1 ;;
@@ -28,8 +30,8 @@ while [ $i -lt ${#steps[@]} ]; do
       python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_hopper.py 2>&1 | tee "$OUT/gpu_hopper.log" \
         | tail -25 || status=1 ;;
     sanitize)
-      for tool in memcheck racecheck synccheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize.py float16 float32 \
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+        compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize.py ${SANITIZE_DTYPES:-float16 bfloat16 float32} \
           > "$OUT/sanitize_$tool.log" 2>&1; rc=$?
         echo "compute-sanitizer $tool: exit $rc; $(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitize_$tool.log") clean summaries"
         tail -3 "$OUT/sanitize_$tool.log"

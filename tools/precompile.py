@@ -30,10 +30,10 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=max(1, mp.cpu_count() - 1))
     ap.add_argument("--filter", default="")
     args = ap.parse_args()
-    from rawflash import cupy_backend, launch
+    from rawflash import cupy_backend, forms
 
     arch = cupy_backend.device_arch()
-    items = [(lau.source, lau.name_expression, lau.target) for lau in launch.all_instantiations(arch)
+    items = [(lau.source, lau.name_expression, lau.target) for lau in forms.all_instantiations(arch)
              if args.filter in lau.name_expression]
     t0 = time.time()
     failed = 0

@@ -1,9 +1,12 @@
 """Run every kernel once on small ragged shapes; meant to run under compute-sanitizer (see tools/gpu_run.sh).
 
-CuPy's memory pool is switched off so that out-of-bounds accesses inside a pooled chunk are seen.
+CuPy's memory pool is switched off so that out-of-bounds accesses inside a pooled chunk are seen. Every form runs
+(the Hopper forms where the GPU has them, the mma.sync forms through wgmma=False and RAWFLASH_WGMMA=0's backward),
+with and without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k).
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +24,31 @@ import rawflash  # noqa: E402
 from conftest import random_qkv  # noqa: E402
 
 CASES = [(2, 37, 53, 4, 2, 64), (1, 70, 33, 2, 1, 128), (1, 17, 17, 2, 2, 40), (1, 33, 65, 2, 1, 256)]
+FEATURES = [dict(window=(9, 0)), dict(window=(5, 7)), dict(softcap=5.0), dict(alibi=True), dict(sinks=True),
+            dict(varlen=True), dict(seqused=True, window=(3, 3), sinks=True, softcap=2.0)]
+
+
+def _features(opts: dict, b: int, sk: int, h: int):
+    out = {n: opts[n] for n in ("window", "softcap") if n in opts}
+    if opts.get("alibi"):
+        out["alibi_slopes"] = cupy.linspace(0.05, 0.5, h, dtype=cupy.float32)
+    if opts.get("sinks"):
+        out["sinks"] = cupy.linspace(-1, 1, h, dtype=cupy.float32)
+    if opts.get("seqused"):
+        out["seqused_k"] = cupy.asarray(np.maximum(0, sk - np.arange(b) * 5).astype(np.int32))
+    return out
+
+
+def _varlen(q, k, v):
+    """The batch packed as variable-length sequences (each sequence's first rows, different lengths)."""
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    lq = [max(1, sq - 7 * i) for i in range(b)]
+    lk = [max(1, sk - 5 * i) for i in range(b)]
+    pq = cupy.concatenate([q[i, : lq[i]] for i in range(b)])
+    pk = cupy.concatenate([k[i, : lk[i]] for i in range(b)])
+    pv = cupy.concatenate([v[i, : lk[i]] for i in range(b)])
+    cu = lambda n: cupy.asarray(np.cumsum([0] + n).astype(np.int32))  # noqa: E731
+    return pq, pk, pv, dict(cu_seqlens_q=cu(lq), cu_seqlens_k=cu(lk))
 
 
 def main() -> None:
@@ -40,8 +68,25 @@ def main() -> None:
                 dout = cupy.asarray(np.random.default_rng(0).standard_normal(q.shape).astype(q.dtype))
                 for det in (False, True):
                     rawflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+                for opts in FEATURES:
+                    feats = _features(opts, b, sk, h)
+                    qq, kk, vv = (q, k, v)
+                    if opts.get("varlen"):
+                        qq, kk, vv, packed = _varlen(q, k, v)
+                        feats.update(packed)
+                    for wgmma in (None, False):
+                        o, l = rawflash.forward(qq, kk, vv, causal=causal, wgmma=wgmma, **feats)
+                    do = cupy.ones_like(qq)
+                    for det in (False, True):
+                        rawflash.backward(do, qq, kk, vv, o, l, causal=causal, deterministic=det, **feats)
                 cupy.cuda.Device().synchronize()
         print(f"sanitize workload done: {dtype}", flush=True)
+    os.environ["RAWFLASH_WGMMA"] = "0"  # this script's own process: the mma.sync atomic-dQ backward too
+    q, k, v = (cupy.asarray(x) for x in random_qkv(1, 70, 33, 2, 1, 128, "bfloat16"))
+    o, l = rawflash.forward(q, k, v, causal=True, window=(8, 0), sinks=cupy.zeros(2, cupy.float32))
+    rawflash.backward(cupy.ones_like(q), q, k, v, o, l, causal=True, window=(8, 0), sinks=cupy.zeros(2, cupy.float32))
+    cupy.cuda.Device().synchronize()
+    print("sanitize workload done: mma.sync backward with features", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,23 @@
-"""Time candidate tile configurations of fa2_fwd / fa2_bwd on a GPU (the numbers behind rawflash/configs.py).
+"""Time candidate tile configurations on a GPU (the numbers behind rawflash/configs.py).
 
     python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] [--which fwd,bwd,fwd_sm90,bwd_sm90]
 
-Each candidate replaces its row of configs.TABLE for the run, is validated on a small problem by flash-attn's
-rule, then timed on the FA2 paper's shape (B = 16384 / N, H = 2048 / d), causal off and on.
+Each candidate is passed as a tile-row override (nothing in configs.TABLE changes), validated on a small problem
+by flash-attn's rule, then its kernels alone are timed (bench.bound_call) on the FA2 paper's shape (B = 16384 / N,
+H = 2048 / d), causal off and on.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rawflash import bench, configs  # noqa: E402
+import numpy as np  # noqa: E402
+
+from rawflash import bench, configs, reference  # noqa: E402
 from rawflash.configs import TileConfig  # noqa: E402
 
 CANDIDATES = {
@@ -35,6 +37,30 @@ CANDIDATES = {
     ("fa2_bwd_sm90", 64): [TileConfig(64, 128, 8)],
     ("fa2_bwd_sm90", 128): [TileConfig(64, 128, 8)],
 }
+IMPL = {"fwd": "rawflash-fa2-mma", "bwd": "rawflash-fa2", "fwd_sm90": "rawflash-fa2", "bwd_sm90": "rawflash-fa2"}
+
+
+def valid(case: bench.Case, override: dict) -> str:
+    """flash-attn's rule on a small problem run with the candidate."""
+    small = bench.Case(case.impl, case.direction, case.dtype, 1, 2, 2, 381, case.head_dim, case.causal)
+    q, k, v, dout = bench.make_inputs(small, seed=3)
+    bound = bench.bound_call(small, q, k, v, dout, override)
+    bound.launch()
+    got = bound.result()
+    hq, hk, hv, hdo = (x.get() for x in (q, k, v, dout))
+    if case.direction == "fwd":
+        pairs = [(got[0], reference.forward(hq, hk, hv, causal=case.causal)[0],
+                  reference.forward(hq, hk, hv, causal=case.causal, upcast=False)[0], 2)]
+    else:
+        refs = reference.backward(hdo, hq, hk, hv, causal=case.causal)
+        bases = reference.backward(hdo, hq, hk, hv, causal=case.causal, upcast=False)
+        pairs = [(g, r, b, 3) for g, r, b in zip(got, refs, bases)]
+    for g, ref, base, factor in pairs:
+        g = g.get()
+        ok, err, _, bound_ = reference.error_ratio_ok(np.asarray(g, np.float64), ref, base, hq.dtype, factor)
+        if not ok:
+            return f"invalid: error {err:.3g} > {bound_:.3g}"
+    return "ok"
 
 
 def main() -> None:
@@ -47,27 +73,28 @@ def main() -> None:
     dims = [int(x) for x in args.head_dims.split(",")]
     for which in args.which.split(","):
         kernel, direction = f"fa2_{which}", which.split("_")[0]
-        os.environ["RAWFLASH_WGMMA"] = "1" if which.endswith("sm90") else "0"  # which kernel "rawflash-fa2" runs
         for d in dims:
             key = (kernel, d, args.dtype)
             default = configs.TABLE.get(key)
             if default is None:
                 continue
             for cand in CANDIDATES.get((kernel, d), []):
-                configs.TABLE[key] = cand
+                override = {key: cand}
                 for n, causal in itertools.product((int(x) for x in args.seqlen.split(",")), (False, True)):
-                    case = bench.Case("rawflash-fa2", direction, args.dtype, 16384 // n, 2048 // d, 2048 // d, n, d,
+                    case = bench.Case(IMPL[which], direction, args.dtype, 16384 // n, 2048 // d, 2048 // d, n, d,
                                       causal)
                     try:
-                        rec = bench.run_case(case, repeats=10, validated={})
-                        tf, status = rec.tflops, rec.status
+                        status = valid(case, override)
+                        rec = bench.run_case(case, 10, {(case.impl, direction, args.dtype, d, causal): (True, "ok")},
+                                             override) if status == "ok" else None
+                        tf = rec.kernel_tflops if rec else None
+                        status = rec.status if rec else status
                     except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
                         tf, status = None, f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
                     print(f"{direction} d={d} N={n} causal={causal!s:5} Br={cand.br} Bc={cand.bc} warps={cand.warps} "
                           f"minB={cand.min_blocks} ku={cand.kunroll}: "
                           f"{'%.0f TFLOP/s' % tf if tf else status}{'  (current)' if cand == default else ''}",
                           flush=True)
-            configs.TABLE[key] = default
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-// rawflash tile verbs: everything the kernels share.
+// rawflash tile verbs for mma.sync (sm_80 and later): swizzled shared-memory tiles, cp.async copies, ldmatrix
+// fragment loads, the m16n8k16 product and warp-level products on register tiles (acc.cuh).
 //
 // Fragment conventions are those of mma.sync.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16").
 // A lane is 4*g + t (g = lane / 4 in 0..7, t = lane % 4 in 0..3).
@@ -9,51 +10,14 @@
 // of the three warp-level products with scalar FMAs that produce the same C layout, so every kernel body is
 // written once for all three dtypes.
 #pragma once
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-
-#ifndef INFINITY  // NVRTC has no <cmath>
-#define INFINITY __int_as_float(0x7f800000)
-#endif
+#include "acc.cuh"
 
 namespace rf {
 
-using u32 = unsigned int;  // NVRTC has no <cstdint>
-
-[[maybe_unused]] constexpr float LOG2E = 1.4426950408889634f;
-[[maybe_unused]] constexpr float LN2 = 0.6931471805599453f;
-
-__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
-__device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
-
-// ---------------------------------------------------------------- element types
 template <typename T> struct Frag {                  // float16 / bfloat16: two values per 32-bit register
   struct A { u32 r[4]; };
   struct B { u32 r[2]; };
 };
-
-template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
-template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<u32*>(&h);
-}
-template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<u32*>(&h);
-}
-
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(float x) { return x; }
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-
-// exp2 for the softmax: the hardware approximation (2 ulp) for 16-bit inputs, where it is far below the input
-// rounding; through double for float32, where a naive float32 computation has correctly rounded exponentials.
-template <typename T> __device__ __forceinline__ float exp2_(float x) { return exp2f(x); }
-template <> __device__ __forceinline__ float exp2_<float>(float x) { return (float)exp2((double)x); }
 
 // ---------------------------------------------------------------- shared-memory tiles
 // A ROWS x COLS row-major tile stored in 16-byte chunks whose index is XOR-swizzled by row, so that the
@@ -79,28 +43,6 @@ template <typename T, int ROWS, int COLS> struct Tile {
     return (u32)__cvta_generic_to_shared(at(row, col));
   }
 };
-
-// 8 consecutive values (16 bytes of 16-bit, 32 of float32; the address aligned to 16 bytes) to / from float.
-template <typename T> __device__ __forceinline__ void load8(float (&v)[8], const T* p) {
-  if constexpr (sizeof(T) == 2) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const u32 w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = to_float(reinterpret_cast<const T*>(w)[e]);
-  } else {
-    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-  }
-}
-template <typename T> __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
-  if constexpr (sizeof(T) == 2) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]),
-                                              pack2<T>(v[6], v[7]));
-  } else {
-    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-    *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
-  }
-}
 
 // ---------------------------------------------------------------- global -> shared copies (cp.async)
 __device__ __forceinline__ void cp_async16(u32 saddr, const void* gptr, bool valid) {
@@ -184,20 +126,10 @@ __device__ __forceinline__ void mma(float (&c)[4], const Frag<__nv_bfloat16>::A&
                : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
 }
 // ---------------------------------------------------------------- warp-level products
-// Accumulators: float acc[MT][NT][4] is a (16*MT) x (8*NT) tile in C layout.
-template <int MT, int NT> __device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-}
-
 // acc += A B^T with A = rows a0.. of sa ([m][k]) and B^T = rows b0.. of sb ([n][k]), over k in [0, K).
 // KU k-steps of 16 are unrolled together (the tile table's kunroll): more loads in flight, more registers.
 template <int MT, int NT, int K, int KU, typename T, int RA, int CA, int RB, int CB>
-__device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const Tile<T, RA, CA>& sa, int a0,
+__device__ __forceinline__ void gemm_abt(Acc<MT, NT>& acc, const Tile<T, RA, CA>& sa, int a0,
                                          const Tile<T, RB, CB>& sb, int b0) {
   static_assert(NT % 2 == 0 && K % 16 == 0, "B tiles are loaded in pairs; k in steps of 16");
 #pragma unroll KU
@@ -210,24 +142,24 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const Tile<T, 
       typename Frag<T>::B b[2];
       load_b2_nk(b[0], b[1], sb, b0 + 8 * j, kk);
 #pragma unroll
-      for (int i = 0; i < MT; ++i) { mma(acc[i][j], a[i], b[0]); mma(acc[i][j + 1], a[i], b[1]); }
+      for (int i = 0; i < MT; ++i) { mma(acc.v[i][j], a[i], b[0]); mma(acc.v[i][j + 1], a[i], b[1]); }
     }
   }
 }
 
 // Convert k-chunk kk (columns 16kk..16kk+15) of a C-layout accumulator into an A fragment (P stays in registers).
 template <typename T, int MT, int NT>
-__device__ __forceinline__ void acc_to_a(typename Frag<T>::A& a, const float (&acc)[MT][NT][4], int i, int kk) {
-  a.r[0] = pack2<T>(acc[i][2 * kk][0], acc[i][2 * kk][1]);
-  a.r[1] = pack2<T>(acc[i][2 * kk][2], acc[i][2 * kk][3]);
-  a.r[2] = pack2<T>(acc[i][2 * kk + 1][0], acc[i][2 * kk + 1][1]);
-  a.r[3] = pack2<T>(acc[i][2 * kk + 1][2], acc[i][2 * kk + 1][3]);
+__device__ __forceinline__ void acc_to_a(typename Frag<T>::A& a, const Acc<MT, NT>& acc, int i, int kk) {
+  a.r[0] = pack2<T>(acc.v[i][2 * kk][0], acc.v[i][2 * kk][1]);
+  a.r[1] = pack2<T>(acc.v[i][2 * kk][2], acc.v[i][2 * kk][3]);
+  a.r[2] = pack2<T>(acc.v[i][2 * kk + 1][0], acc.v[i][2 * kk + 1][1]);
+  a.r[3] = pack2<T>(acc.v[i][2 * kk + 1][2], acc.v[i][2 * kk + 1][3]);
 }
 
 // acc += P B where P (16*MT x 16*KT) is a register accumulator and B = rows b_k0.. of sb stored [k][n],
 // columns n0.. (NT n8 tiles).
 template <int MT, int NT, int KT, typename T, int R, int C>
-__device__ __forceinline__ void gemm_rb(float (&acc)[MT][NT][4], const float (&p)[MT][2 * KT][4],
+__device__ __forceinline__ void gemm_rb(Acc<MT, NT>& acc, const Acc<MT, 2 * KT>& p,
                                         const Tile<T, R, C>& sb, int b_k0, int n0) {
   static_assert(NT % 2 == 0, "B tiles are loaded in pairs");
 #pragma unroll
@@ -240,7 +172,7 @@ __device__ __forceinline__ void gemm_rb(float (&acc)[MT][NT][4], const float (&p
       typename Frag<T>::B b[2];
       load_b2_kn(b[0], b[1], sb, b_k0 + 16 * kk, n0 + 8 * j);
 #pragma unroll
-      for (int i = 0; i < MT; ++i) { mma(acc[i][j], a[i], b[0]); mma(acc[i][j + 1], a[i], b[1]); }
+      for (int i = 0; i < MT; ++i) { mma(acc.v[i][j], a[i], b[0]); mma(acc.v[i][j + 1], a[i], b[1]); }
     }
   }
 }
@@ -248,7 +180,7 @@ __device__ __forceinline__ void gemm_rb(float (&acc)[MT][NT][4], const float (&p
 // acc += A B where A[m][k] is read from sa stored [k][m] (columns m0..) and B from sb stored [k][n]
 // (columns n0..), over k in [0, K). Used for dQ = dS K with dS kept as dS^T in shared memory.
 template <int MT, int NT, int K, typename T, int RA, int CA, int RB, int CB>
-__device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const Tile<T, RA, CA>& sa, int m0,
+__device__ __forceinline__ void gemm_atb(Acc<MT, NT>& acc, const Tile<T, RA, CA>& sa, int m0,
                                          const Tile<T, RB, CB>& sb, int n0) {
   static_assert(NT % 2 == 0 && K % 16 == 0, "B tiles are loaded in pairs; k in steps of 16");
 #pragma unroll
@@ -261,7 +193,7 @@ __device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const Tile<T, 
       typename Frag<T>::B b[2];
       load_b2_kn(b[0], b[1], sb, kk, n0 + 8 * j);
 #pragma unroll
-      for (int i = 0; i < MT; ++i) { mma(acc[i][j], a[i], b[0]); mma(acc[i][j + 1], a[i], b[1]); }
+      for (int i = 0; i < MT; ++i) { mma(acc.v[i][j], a[i], b[0]); mma(acc.v[i][j + 1], a[i], b[1]); }
     }
   }
 }
@@ -271,32 +203,32 @@ __device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const Tile<T, 
 // terms that are then added to the accumulator (two-level summation): the rounding error grows like
 // 16 + K/16 terms instead of K, comparable to the blocked sums of a float32 BLAS.
 template <int MT, int NT>
-__device__ __forceinline__ void fma_tile(float (&acc)[MT][NT][4], const float (&a)[2 * MT], const float (&b)[2 * NT]) {
+__device__ __forceinline__ void fma_tile(Acc<MT, NT>& acc, const float (&a)[2 * MT], const float (&b)[2 * NT]) {
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = fmaf(a[2 * i + (e >> 1)], b[2 * j + (e & 1)], acc[i][j][e]);
+      for (int e = 0; e < 4; ++e) acc.v[i][j][e] = fmaf(a[2 * i + (e >> 1)], b[2 * j + (e & 1)], acc.v[i][j][e]);
 }
-// acc[.][j0 + j] += part[.][j]
+// acc columns j0 + j += part columns j
 template <int MT, int NT, int NP>
-__device__ __forceinline__ void add_block(float (&acc)[MT][NT][4], const float (&part)[MT][NP][4], int j0) {
+__device__ __forceinline__ void add_block(Acc<MT, NT>& acc, const Acc<MT, NP>& part, int j0) {
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int j = 0; j < NP; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j0 + j][e] += part[i][j][e];
+      for (int e = 0; e < 4; ++e) acc.v[i][j0 + j][e] += part.v[i][j][e];
 }
 // A from sa at [row][k] (TRANS_A: at [k][row]), B from sb at [col][k] (TRANS_B: at [k][col]).
 template <int MT, int NT, int K, bool TRANS_A, bool TRANS_B, int RA, int CA, int RB, int CB>
-__device__ __forceinline__ void fma_gemm(float (&acc)[MT][NT][4], const Tile<float, RA, CA>& sa, int a0,
+__device__ __forceinline__ void fma_gemm(Acc<MT, NT>& acc, const Tile<float, RA, CA>& sa, int a0,
                                          const Tile<float, RB, CB>& sb, int b0) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll 1
   for (int kb = 0; kb < K; kb += 16) {
-    float part[MT][NT][4];
+    Acc<MT, NT> part;
     zero(part);
 #pragma unroll 4
     for (int k = kb; k < kb + 16; ++k) {
@@ -317,26 +249,26 @@ __device__ __forceinline__ void fma_gemm(float (&acc)[MT][NT][4], const Tile<flo
   }
 }
 template <int MT, int NT, int K, int KU, int RA, int CA, int RB, int CB>
-__device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const Tile<float, RA, CA>& sa, int a0,
+__device__ __forceinline__ void gemm_abt(Acc<MT, NT>& acc, const Tile<float, RA, CA>& sa, int a0,
                                          const Tile<float, RB, CB>& sb, int b0) {
   fma_gemm<MT, NT, K, false, false>(acc, sa, a0, sb, b0);
 }
 template <int MT, int NT, int K, int RA, int CA, int RB, int CB>
-__device__ __forceinline__ void gemm_atb(float (&acc)[MT][NT][4], const Tile<float, RA, CA>& sa, int m0,
+__device__ __forceinline__ void gemm_atb(Acc<MT, NT>& acc, const Tile<float, RA, CA>& sa, int m0,
                                          const Tile<float, RB, CB>& sb, int n0) {
   fma_gemm<MT, NT, K, true, true>(acc, sa, m0, sb, n0);
 }
 // P from registers: column k of P lives in lane (g, k%8/2) of the quad, so each step shuffles it across the quad.
 // Columns of B go in groups of 4 n-tiles, each summed over all of P's columns before it is added to acc.
 template <int MT, int NT, int KT, int R, int C>
-__device__ __forceinline__ void gemm_rb(float (&acc)[MT][NT][4], const float (&p)[MT][2 * KT][4],
+__device__ __forceinline__ void gemm_rb(Acc<MT, NT>& acc, const Acc<MT, 2 * KT>& p,
                                         const Tile<float, R, C>& sb, int b_k0, int n0) {
   constexpr int CG = NT % 4 == 0 ? 4 : 2;  // n-tiles summed together
   static_assert(NT % CG == 0, "whole groups of n-tiles");
   const int l = lane_id(), t = l & 3;
 #pragma unroll
   for (int j0 = 0; j0 < NT; j0 += CG) {
-    float part[MT][CG][4];
+    Acc<MT, CG> part;
     zero(part);
 #pragma unroll
     for (int kk = 0; kk < 2 * KT; ++kk)              // n-tile kk of P holds columns 8kk..8kk+7
@@ -347,7 +279,7 @@ __device__ __forceinline__ void gemm_rb(float (&acc)[MT][NT][4], const float (&p
         float a[2 * MT], b[2 * CG];
 #pragma unroll
         for (int r = 0; r < 2 * MT; ++r) {
-          const float (&pe)[4] = p[r >> 1][kk];
+          const float (&pe)[4] = p.v[r >> 1][kk];
           a[r] = __shfl_sync(0xffffffffu, odd ? pe[2 * (r & 1) + 1] : pe[2 * (r & 1)], src);
         }
 #pragma unroll
@@ -358,131 +290,10 @@ __device__ __forceinline__ void gemm_rb(float (&acc)[MT][NT][4], const float (&p
   }
 }
 
-// ---------------------------------------------------------------- row statistics (rows live in one quad)
-// Row r = 2*i + h (h = 0: row g, h = 1: row g+8 of m-tile i).
-template <int MT, int NT> __device__ __forceinline__ void row_max(float (&mx)[2 * MT], const float (&acc)[MT][NT][4]) {
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float m = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) m = fmaxf(m, fmaxf(acc[i][j][2 * h], acc[i][j][2 * h + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      mx[2 * i + h] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    }
-}
-template <int MT, int NT> __device__ __forceinline__ void row_sum(float (&sm)[2 * MT], const float (&acc)[MT][NT][4]) {
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float s = 0.f;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) s += acc[i][j][2 * h] + acc[i][j][2 * h + 1];
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      sm[2 * i + h] = s + __shfl_xor_sync(0xffffffffu, s, 2);
-    }
-}
-// Multiply row r of acc by f[r].
-template <int MT, int NT> __device__ __forceinline__ void scale_rows(float (&acc)[MT][NT][4], const float (&f)[2 * MT]) {
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] *= f[2 * i + (e >> 1)];
-}
-
-// ---------------------------------------------------------------- masking (one owner for every mask rule)
-// Query row i sees key j iff j < seqlen_k and (not causal or j <= i + seqlen_k - seqlen_q): causal masks
-// are aligned to the bottom-right corner. Sliding windows, soft-capping or ALiBi would join here.
-struct Mask {
-  int seqlen_q, seqlen_k;
-  bool causal;
-  // Keys j < row_end(i) are visible to query i.
-  __device__ __forceinline__ int row_end(int i) const {
-    return causal ? min(seqlen_k, max(0, i + 1 + seqlen_k - seqlen_q)) : seqlen_k;
-  }
-  __device__ __forceinline__ bool visible(int i, int j) const { return j < row_end(i); }
-  // True when some (i, j) of the rows [r0, r0+nr) x cols [c0, c0+nc) block is hidden: only those blocks mask.
-  __device__ __forceinline__ bool block_needs_mask(int r0, int nr, int c0, int nc) const {
-    return c0 + nc > seqlen_k || (causal && c0 + nc - 1 > r0 + seqlen_k - seqlen_q);
-  }
-  // Number of key blocks of width bc that the query rows [r0, r0+nr) see at all (blocks past it are skipped).
-  __device__ __forceinline__ int key_blocks(int r0, int nr, int bc) const {
-    int last = seqlen_k - 1;
-    if (causal) last = min(last, r0 + nr - 1 + seqlen_k - seqlen_q);
-    return last < 0 ? 0 : last / bc + 1;
-  }
-  // First query block of height br that sees any key of the block starting at key c0.
-  __device__ __forceinline__ int first_query_block(int c0, int br) const {
-    if (!causal) return 0;
-    const int first_row = c0 - (seqlen_k - seqlen_q);
-    return first_row <= 0 ? 0 : first_row / br;
-  }
-};
-
-// Set hidden scores to -inf. acc is (16*MT) x (8*NT) with its first row at r0, first column at c0.
-template <int MT, int NT>
-__device__ __forceinline__ void apply_mask(float (&acc)[MT][NT][4], const Mask& mask, int r0, int c0) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int end = mask.row_end(r0 + 16 * i + g + 8 * h) - c0 - 2 * t;  // visible iff 8j + e%2 < end
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (8 * j + e >= end) acc[i][j][2 * h + e] = -INFINITY;
-    }
-}
-// The same rule for a transposed accumulator: rows are keys (first at k0), columns are queries (first at q0).
-template <int MT, int NT>
-__device__ __forceinline__ void apply_mask_t(float (&acc)[MT][NT][4], const Mask& mask, int k0, int q0) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (!mask.visible(q0 + 8 * j + 2 * t + (e & 1), k0 + 16 * i + g + 8 * (e >> 1))) acc[i][j][e] = -INFINITY;
-}
-
-// ---------------------------------------------------------------- stores from C layout to global memory
-// Write rows [r0, r0+16*MT) x cols [c0, c0+8*NT) of acc * f[row] to g (row stride ld), clipped to
-// rows < nrows and cols < ncols.
-template <typename T, int MT, int NT>
-__device__ __forceinline__ void store_rows(T* g, long long ld, const float (&acc)[MT][NT][4], const float (&f)[2 * MT],
-                                           int r0, int c0, int nrows, int ncols) {
-  const int gg = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = r0 + 16 * i + gg + 8 * h;
-      if (row >= nrows) continue;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const int col = c0 + 8 * j + 2 * t;          // head_dim is a multiple of 8: both or neither column fit
-        if (col >= ncols) continue;
-        T* dst = g + row * ld + col;
-        const float x0 = acc[i][j][2 * h] * f[2 * i + h], x1 = acc[i][j][2 * h + 1] * f[2 * i + h];
-        if constexpr (sizeof(T) == 2) {
-          *reinterpret_cast<u32*>(dst) = pack2<T>(x0, x1);
-        } else {
-          *reinterpret_cast<float2*>(dst) = make_float2(x0, x1);
-        }
-      }
-    }
-}
-
+// ---------------------------------------------------------------- register tile -> shared memory
 // Write a C-layout accumulator into a shared tile at rows r0.., cols c0.. (dS^T for the dQ product).
 template <typename T, int MT, int NT, int R, int C>
-__device__ __forceinline__ void store_acc(const Tile<T, R, C>& s, const float (&acc)[MT][NT][4], int r0, int c0) {
+__device__ __forceinline__ void store_acc(const Tile<T, R, C>& s, const Acc<MT, NT>& acc, int r0, int c0) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
   for (int i = 0; i < MT; ++i)
@@ -492,9 +303,9 @@ __device__ __forceinline__ void store_acc(const Tile<T, R, C>& s, const float (&
       for (int h = 0; h < 2; ++h) {
         T* dst = s.at(r0 + 16 * i + g + 8 * h, c0 + 8 * j + 2 * t);
         if constexpr (sizeof(T) == 2) {
-          *reinterpret_cast<u32*>(dst) = pack2<T>(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+          *reinterpret_cast<u32*>(dst) = pack2<T>(acc.v[i][j][2 * h], acc.v[i][j][2 * h + 1]);
         } else {
-          *reinterpret_cast<float2*>(dst) = make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+          *reinterpret_cast<float2*>(dst) = make_float2(acc.v[i][j][2 * h], acc.v[i][j][2 * h + 1]);
         }
       }
 }

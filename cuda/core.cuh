@@ -1,0 +1,83 @@
+// rawflash core: element types and their conversions, the softmax exponential, thread coordinates.
+// Every other header includes this one; it knows nothing of tiles, kernels or Python.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef INFINITY  // NVRTC has no <cmath>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace rf {
+
+using u32 = unsigned int;        // NVRTC has no <cstdint>
+using u64 = unsigned long long;
+
+[[maybe_unused]] constexpr float LOG2E = 1.4426950408889634f;
+[[maybe_unused]] constexpr float LN2 = 0.6931471805599453f;
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
+__host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// A compile-time bool as a type, so one generic lambda body can be instantiated masked and unmasked.
+template <bool B> struct Bool { static constexpr bool value = B; };
+// The type A when C holds, else B (NVRTC has no <type_traits>).
+template <bool C, class A, class B> struct Select { using type = A; };
+template <class A, class B> struct Select<false, A, B> { using type = B; };
+
+// ---------------------------------------------------------------- element types
+template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<u32*>(&h);
+}
+template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<u32*>(&h);
+}
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+
+// exp2 for the softmax: the hardware approximation (2 ulp) for 16-bit inputs, where it is far below the input
+// rounding; through double for float32, where a naive float32 computation has correctly rounded exponentials.
+template <typename T> __device__ __forceinline__ float exp2_(float x) { return exp2f(x); }
+template <> __device__ __forceinline__ float exp2_<float>(float x) { return (float)exp2((double)x); }
+
+// tanh for soft-capping: the hardware approximation for 16-bit inputs, the accurate one for float32.
+template <typename T> __device__ __forceinline__ float tanh_(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+template <> __device__ __forceinline__ float tanh_<float>(float x) { return tanhf(x); }
+
+// 8 consecutive values (16 bytes of 16-bit, 32 of float32; the address aligned to 16 bytes) to / from float.
+template <typename T> __device__ __forceinline__ void load8(float (&v)[8], const T* p) {
+  if constexpr (sizeof(T) == 2) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = to_float(reinterpret_cast<const T*>(w)[e]);
+  } else {
+    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  }
+}
+template <typename T> __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]),
+                                              pack2<T>(v[6], v[7]));
+  } else {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+}  // namespace rf

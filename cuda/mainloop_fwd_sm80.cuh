@@ -1,0 +1,82 @@
+// mainloop_fwd_sm80: FA2's forward mainloop on mma.sync (Dao 2023, Alg.1 l.4-11) for one query tile Q_i.
+// Q_i stays in shared memory; each warp owns 16 MT whole rows ("split-Q"), so the softmax needs no exchange
+// between warps; K_j streams in (cp.async) while P_{j-1} V_{j-1} runs and V_j while S_ij = Q_i K_j^T runs.
+// The key blocks come from the policy's BlockRange: interior blocks skip the mask, edge blocks apply it.
+// DEFER_NORM = false keeps O divided by l after every block (FA1's normalisation; the ablation of FA2's idea).
+// Works for float16 / bfloat16 (tensor cores) and float32 (the FMA products of sm80.cuh) alike.
+#pragma once
+#include "epilogue.cuh"
+#include "policy.cuh"
+#include "sm80.cuh"
+#include "softmax.cuh"
+
+namespace rf {
+
+template <typename T_, int D, int BR_, int BC, int NWARPS, int KUNROLL, bool DEFER_NORM, class Pol_>
+struct MainloopFwdSm80 {
+  using T = T_;
+  using Pol = Pol_;
+  static constexpr int BR = BR_, NTHREADS = NWARPS * 32, MT = BR_ / (16 * NWARPS), NT = BC / 8, NO = D / 8;
+  static constexpr int SMEM_BYTES = (BR_ + 2 * BC) * D * (int)sizeof(T_);  // Q_i, K_j, V_j
+  static_assert(BR_ % (16 * NWARPS) == 0, "split-Q: every warp owns whole 16-row tiles");
+  struct State {
+    Acc<MT, NO> o;
+    OnlineSoftmax<2 * MT> sm;
+  };
+  __device__ __forceinline__ static int warp_row() { return 16 * MT * warp_id(); }
+
+  __device__ __forceinline__ static void run(const FwdParams& p, const typename Pol::Info& bi, const Pol& pol, int q0,
+                                             char* smem, State& st) {
+    const Tile<T, BR, D> sQ{(T*)smem};
+    const Tile<T, BC, D> sK{(T*)(smem + BR * D * sizeof(T))}, sV{(T*)(smem + (BR + BC) * D * sizeof(T))};
+    const T *q = bi.template q<T>(p), *k = bi.template k<T>(p), *v = bi.template v<T>(p);
+    const int wq = warp_row(), nrows = min(BR, bi.seqlen_q - q0);
+    const BlockRange kv = pol.kv_blocks(q0, nrows, BC);                     // blocks no row sees: never loaded
+    auto load = [&](const Tile<T, BC, D>& s, const T* g, long long ss, int step) {
+      const int k0 = kv.block(step) * BC;
+      load_tile<NTHREADS>(s, g + k0 * ss, ss, min(BC, bi.seqlen_k - k0), p.head_dim);
+    };
+    // ---- [mainloop_fwd_sm80:load_q] Alg.1 l.4: Q_i to shared memory, where it stays; the first K_j behind it ----
+    load_tile<NTHREADS>(sQ, q + q0 * p.q_ss, p.q_ss, nrows, p.head_dim);
+    if (kv.n() > 0) load(sK, k, p.k_ss, 0);
+    cp_async_commit();
+    // ---- [mainloop_fwd_sm80:init] Alg.1 l.5: O = 0, l = 0, m = -inf ----
+    zero(st.o);
+    st.sm.init();
+    for (int s = 0; s < kv.n(); ++s) {
+      const int k0 = kv.block(s) * BC;
+      // ---- [mainloop_fwd_sm80:load_kv] Alg.1 l.7: V_j streams in while S = Q_i K_j^T is computed ----
+      cp_async_wait<0>();
+      __syncthreads();  // K_j (and Q_i) have landed; every warp is done reading V_{j-1}
+      load(sV, v, p.v_ss, s);
+      cp_async_commit();
+      // ---- [mainloop_fwd_sm80:scores] Alg.1 l.8: S_ij = Q_i K_j^T, through the policy's score transform ----
+      Acc<MT, NT> sc;
+      zero(sc);
+      gemm_abt<MT, NT, D, KUNROLL>(sc, sQ, wq, sK, 0);
+      pol.template transform<T>(sc, q0 + wq, k0);
+      // ---- [mainloop_fwd_sm80:mask] edge blocks only: hidden scores to -inf ----
+      if (kv.is_edge(s)) pol.mask(sc, q0 + wq, k0);
+      // ---- [mainloop_fwd_sm80:softmax] Alg.1 l.9-10: P = exp2(S - m_new), l and O rescaled by e^(m_old - m_new) ----
+      float fo[2 * MT];
+      st.sm.template update<T, !DEFER_NORM>(sc, pol.softmax_scale(), fo);
+      scale_rows(st.o, fo);
+      // ---- [mainloop_fwd_sm80:wait_v] K_{j+1} streams in while O += P V_j is computed ----
+      cp_async_wait<0>();
+      __syncthreads();  // V_j has landed; every warp is done reading K_j
+      if (s + 1 < kv.n()) load(sK, k, p.k_ss, s + 1);
+      cp_async_commit();
+      // ---- [mainloop_fwd_sm80:pv] Alg.1 l.10: O += P V_j with P as the A operand straight from registers ----
+      gemm_rb<MT, NO, NT / 2>(st.o, sc, sV, 0, 0);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the tiles (with SEQ_PARALLEL off the next query block reuses them)
+  }
+
+  __device__ __forceinline__ static void store(const FwdParams& p, const typename Pol::Info& bi, const Pol& pol, int q0,
+                                               char*, const State& st) {
+    epilogue_fwd<T, !DEFER_NORM>(p, bi, pol, st.o, st.sm, q0 + warp_row());
+  }
+};
+
+}  // namespace rf

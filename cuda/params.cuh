@@ -1,0 +1,71 @@
+// The parameter structs: everything a kernel reads besides its template arguments, one struct per direction,
+// passed by value as `const __grid_constant__` (it lives in the constant bank, like plain kernel arguments).
+//
+// rawflash/params.py builds the same layout as a one-element NumPy structured array, field for field
+// in this order (tests/test_params.py compares the two); 8-byte fields come first so neither side pads.
+// Strides are in elements: batch (sb), sequence (ss), head (sh); head_dim is contiguous.
+// Per-row float32 buffers (lse, L, D, dQ's accumulator rows, split-KV partial lse) share one layout:
+// row i of query head h of sequence b is at [b * lse_sb + h * lse_sh + q_row0 + i] (BlockInfo::row0), which is
+// (batch, heads, seqlen_q) for fixed lengths and (heads, total_q) for packed variable lengths.
+#pragma once
+
+namespace rf {
+
+struct FwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;
+  long long q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh;
+  long long lse_sb, lse_sh;
+  const int* cu_seqlens_q;   // (batch + 1) offsets of packed sequences; nullptr: fixed lengths
+  const int* cu_seqlens_k;
+  const int* seqused_k;      // (batch,) keys actually used per sequence; nullptr: all of them
+  const int* block_table;    // paged K / V: (batch, max_pages) page indices; nullptr: contiguous
+  long long block_table_sb;
+  const float* alibi_slopes; // slope of (b, h) at alibi_slopes[b * alibi_sb + h]; nullptr: no ALiBi
+  long long alibi_sb;
+  const float* sinks;        // (heads,) sink logits (natural units); nullptr: no sinks
+  float* o_ws;               // fa1: running O (float32); split-KV: partial O per split
+  float* m_ws;               // fa1: running row max (log2 units); split-KV: partial lse per split
+  float* l_ws;               // fa1: running row sum
+  int batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim;
+  int window_left, window_right;  // -1: unbounded on that side; causal is (-1, 0)
+  int page_size, num_splits;
+  float scale, scale_log2;   // softmax scale, and the same times log2(e)
+  float softcap;             // 0: off; else scores become softcap * tanh(score / softcap)
+  int pad_;
+};
+
+struct BwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* out;
+  const void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+  const float* lse;          // the forward's lse (natural log)
+  float* lse2;               // L = lse * log2(e) (+inf where lse = -inf, so P = 0)
+  float* delta;              // D = rowsum(dO * O)
+  float* dq_ws;              // float32 dQ accumulator rows (atomic dQ), already scaled
+  float* dsink_ws;           // per-row terms of the sink gradient: exp(sink - lse) * D
+  long long q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh, do_sb, do_ss, do_sh;
+  long long dq_sb, dq_ss, dq_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
+  long long lse_sb, lse_sh;
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  const int* seqused_k;
+  const float* alibi_slopes;
+  long long alibi_sb;
+  const float* sinks;
+  int batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim;
+  int rows_batch, rows_seqlen;    // the per-row buffers' (batch, seqlen): (batch, seqlen_q) or (1, total_q)
+  int window_left, window_right;
+  float scale, scale_log2, softcap;
+  int pad_;
+};
+
+}  // namespace rf

@@ -1,0 +1,171 @@
+// The variant policy: which keys a query sees (visibility), what a score becomes before the softmax (the score
+// transform) and the sink logit that joins every row's denominator. Kernels take it as a template argument,
+// Policy<MASK, GENERAL>; its runtime part comes from the parameter struct and the BlockInfo. GENERAL = false is
+// the fast path of plain attention (fixed lengths, scores only scaled); GENERAL = true adds packed variable
+// lengths (BlockInfo<true>), soft-capping and ALiBi, all chosen at run time by the parameters.
+//
+// Visibility, bottom-right aligned (flash-attn >= 2.1): with diag = seqlen_k - seqlen_q, query i sees key j iff
+//     0 <= j < seqlen_k   and   i + diag - left <= j <= i + diag + right        (left, right = -1: unbounded)
+// so causal is (left, right) = (-1, 0) and a sliding window is (left, right). MASK is the compile-time mode:
+// NO_MASK (only the seqlen_k edge is ever masked), CAUSAL ((-1, 0) as constants) or WINDOW (left and right from
+// the parameters; causal windows included). The plain policy has the first two, the general one the first and
+// the last.
+// Score transform, GENERAL = true (natural units, then times log2(e) for the exp2-based softmax):
+//     s = softcap > 0 ? softcap * tanh(scale * q.k / softcap) : scale * q.k;   s -= slope * |i + diag - j| (ALiBi)
+// GENERAL = false: s = scale * q.k, and the scale is folded into the softmax's exponent (softmax_scale()).
+// Sinks: sink_log2() is the sink logit of a head in log2 units (-inf without sinks); it only changes the
+// softmax's denominator (OnlineSoftmax::finalize), so the backward needs nothing beyond an lse that includes it.
+#pragma once
+#include "acc.cuh"
+#include "block_info.cuh"
+
+namespace rf {
+
+// Blocks [lo, hi) of one axis (key blocks of a query tile, or query blocks of a key tile) are visible at all; of
+// them [lo_full, hi_full) are visible in every element: interior blocks, which skip the mask. A kernel visits them
+// as a sequence of n() steps, the interior first and the edges after it, so "is this block an edge" is one
+// comparison of the step with interior_steps(), a branch that is uniform over the CTA. (A loop per stage, as the
+// Triton tutorial writes it, costs ptxas a second set of accumulator registers here: 187 -> 250 registers for
+// the d = 128 wgmma forward, measured offline; bench/results/NOTES.md, session 3.)
+struct BlockRange {
+  int lo, lo_full, hi_full, hi;
+  __device__ __forceinline__ int n() const { return hi - lo; }
+  __device__ __forceinline__ int interior_steps() const { return hi_full - lo_full; }
+  __device__ __forceinline__ bool is_edge(int s) const { return s >= hi_full - lo_full; }
+  // The block of step s: [lo_full, hi_full), then [lo, lo_full), then [hi_full, hi).
+  __device__ __forceinline__ int block(int s) const {
+    const int ni = hi_full - lo_full, nl = lo_full - lo;
+    return s < ni ? lo_full + s : s < ni + nl ? lo + (s - ni) : hi_full + (s - ni - nl);
+  }
+  // Clamp to lo <= lo_full <= hi_full <= hi (an empty interior where the edges meet).
+  __device__ __forceinline__ static BlockRange make(int lo, int lo_full, int hi_full, int hi) {
+    hi = max(hi, lo);
+    lo_full = min(max(lo_full, lo), hi);
+    hi_full = min(max(hi_full, lo_full), hi);
+    return BlockRange{lo, lo_full, hi_full, hi};
+  }
+};
+
+enum Mask { NO_MASK = 0, CAUSAL = 1, WINDOW = 2 };
+
+template <int MASK_, bool GENERAL_> struct Policy {
+  static constexpr int MASK = MASK_;
+  static constexpr bool GENERAL = GENERAL_;
+  using Info = BlockInfo<GENERAL_>;  // the general policy also reads packed variable lengths
+  int seqlen_q, seqlen_k, diag, left, right;
+  float scale_log2;
+  float cap_in, cap_out;  // softcap: tanh's argument is q.k * cap_in, its value times cap_out is the log2 score
+  float slope;            // ALiBi slope of this head, in log2 units (0: off)
+
+  template <class P> __device__ __forceinline__ Policy(const P& p, const Info& bi)
+      : seqlen_q(bi.seqlen_q), seqlen_k(bi.seqlen_k), diag(bi.seqlen_k - bi.seqlen_q),
+        left(MASK_ == WINDOW ? p.window_left : -1), right(MASK_ == WINDOW ? p.window_right : MASK_ == CAUSAL ? 0 : -1),
+        scale_log2(p.scale_log2) {
+    cap_in = p.softcap > 0.f ? p.scale / p.softcap : 0.f;
+    cap_out = p.softcap * LOG2E;
+    set_head(p, bi);
+  }
+  template <class P> __device__ __forceinline__ void set_head(const P& p, const Info& bi) {
+    slope = (GENERAL_ && p.alibi_slopes) ? p.alibi_slopes[bi.b * p.alibi_sb + bi.h] * LOG2E : 0.f;
+  }
+  // The sink logit of the tile's head in log2 units, -inf without sinks (read at the end of a row, not kept).
+  template <class P> __device__ __forceinline__ static float sink_log2(const P& p, const Info& bi) {
+    return p.sinks ? p.sinks[bi.h] * LOG2E : -INFINITY;
+  }
+
+  // ---------------------------------------------------------------- visibility
+  // Keys j in [row_start(i), row_end(i)) are visible to query i.
+  __device__ __forceinline__ bool bounded_left() const { return MASK_ == WINDOW && left >= 0; }
+  __device__ __forceinline__ bool bounded_right() const { return MASK_ == CAUSAL || (MASK_ == WINDOW && right >= 0); }
+  __device__ __forceinline__ int row_start(int i) const { return bounded_left() ? max(0, i + diag - left) : 0; }
+  __device__ __forceinline__ int row_end(int i) const {
+    return bounded_right() ? min(seqlen_k, max(0, i + diag + (MASK_ == CAUSAL ? 0 : right) + 1)) : seqlen_k;
+  }
+  __device__ __forceinline__ bool visible(int i, int j) const { return j >= row_start(i) && j < row_end(i); }
+
+  // Key blocks of width bc seen by the query rows [r0, r0 + nr) (nr >= 1 valid rows).
+  __device__ __forceinline__ BlockRange kv_blocks(int r0, int nr, int bc) const {
+    const int last = r0 + nr - 1;
+    return BlockRange::make(row_start(r0) / bc, cdiv(row_start(last), bc), row_end(r0) / bc, cdiv(row_end(last), bc));
+  }
+  // Query blocks of height br (tr of them) that see the key block [c0, c0 + bc): at all, and in every element.
+  __device__ __forceinline__ BlockRange q_blocks(int c0, int bc, int br, int tr) const {
+    const int nc = min(bc, seqlen_k - c0);
+    int first = 0, last = seqlen_q - 1, full_first = 0, full_last = seqlen_q - 1;
+    if (bounded_right()) {
+      const int r = MASK_ == CAUSAL ? 0 : right;
+      first = max(0, c0 - diag - r);
+      full_first = c0 + bc - 1 - diag - r;       // every key of the block is at or before row i's diagonal edge
+    }
+    if (bounded_left()) {
+      last = min(last, c0 + nc - 1 - diag + left);
+      full_last = c0 + left - diag;               // every key of the block is within row i's left edge
+    }
+    const int lo = first / br, hi = last >= first ? last / br + 1 : lo;
+    const bool full_keys = c0 + bc <= seqlen_k;     // keys past seqlen_k are masked
+    const int lo_full = full_keys ? cdiv(max(full_first, 0), br) : hi;
+    const int hi_full = full_keys && full_last >= 0 ? min((full_last + 1) / br, tr) : lo_full;
+    return BlockRange::make(lo, lo_full, hi_full, hi);
+  }
+
+  // Hidden scores to -inf; rows of s are queries r0.., columns keys c0.. .
+  template <int MT, int NT> __device__ __forceinline__ void mask(Acc<MT, NT>& s, int r0, int c0) const {
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r0 + 16 * i + g + 8 * h;
+        const int lo = row_start(row) - c0 - 2 * t, hi = row_end(row) - c0 - 2 * t;  // visible: lo <= 8j + e < hi
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (8 * j + e >= hi || (MASK_ == WINDOW && 8 * j + e < lo)) s.v[i][j][2 * h + e] = -INFINITY;
+      }
+  }
+  // The same for a transposed tile (S^T): rows are keys k0.., columns queries q0.. .
+  template <int MT, int NT> __device__ __forceinline__ void mask_t(Acc<MT, NT>& s, int k0, int q0) const {
+    for_each(s, [&](float& x, int row, int col) {
+      if (!visible(q0 + col, k0 + row)) x = -INFINITY;
+    });
+  }
+
+  // ---------------------------------------------------------------- score transform
+  // The factor the softmax multiplies raw scores by: the scale (in log2 units) when nothing else touches the
+  // scores, else 1 (transform() has already produced log2 units).
+  __device__ __forceinline__ float softmax_scale() const { return GENERAL_ ? 1.f : scale_log2; }
+
+  // x = q.k of query i, key j -> the score in log2 units; *dz = d(score in natural units) / d(scale * q.k).
+  template <typename T> __device__ __forceinline__ float score(float x, int i, int j, float* dz = nullptr) const {
+    float s;
+    if (GENERAL_ && cap_in > 0.f) {
+      const float th = tanh_<T>(x * cap_in);
+      s = th * cap_out;
+      if (dz) *dz = 1.f - th * th;
+    } else {
+      s = x * scale_log2;
+      if (dz) *dz = 1.f;
+    }
+    if (!GENERAL_) return s;
+    const int dist = i + diag - j;
+    return s - slope * (float)(dist < 0 ? -dist : dist);
+  }
+  // One element of the backward (FA2 Alg.2 l.10-13) for the general policy: x = q.k of query i and key j, dp =
+  // dO_i . V_j, the row's L (log2 units) and D -> P_ij (in x) and dS_ij (in dp), with the transform's derivative
+  // folded into dS (the caller multiplies by the softmax scale at the end, as for plain scores). Hidden elements
+  // of edge blocks get P = dS = 0.
+  template <typename T> __device__ __forceinline__ void backward(float& x, float& dp, int i, int j, float L, float D,
+                                                                 bool edge) const {
+    float dz;
+    const float s = score<T>(x, i, j, &dz);
+    x = (edge && !visible(i, j)) ? 0.f : exp2_<T>(s - L);
+    dp = x * (dp - D) * dz;
+  }
+  // Scores of a tile (rows queries r0.., columns keys c0..) into log2 units (GENERAL only).
+  template <typename T, int MT, int NT> __device__ __forceinline__ void transform(Acc<MT, NT>& s, int r0, int c0) const {
+    if constexpr (GENERAL_) for_each(s, [&](float& x, int row, int col) { x = score<T>(x, r0 + row, c0 + col); });
+  }
+};
+
+}  // namespace rf

@@ -1,0 +1,75 @@
+// Tile schedulers: which tile a CTA works on. One owner for the grid <-> tile mapping of every launch, so a
+// kernel body never reads blockIdx itself. launch.py's grid formulas are the other half of each mapping.
+#pragma once
+#include "core.cuh"
+#include "params.cuh"
+
+namespace rf {
+
+// Tile t of packed sequences (cu: batch + 1 offsets) cut into tiles of `rows`: tile i of sequence b, counting
+// the tiles of each sequence in turn. Each warp finds (b, i) by itself with a prefix sum over the batch, 32
+// sequences at a time (no shared memory, no barrier). False when t is past the last tile (the grid is an upper
+// bound: cdiv(total, rows) + batch). Within a sequence the tiles come last-first when `reverse`.
+__device__ __forceinline__ bool varlen_tile(const int* cu, int batch, int rows, int t, bool reverse, int& b, int& i) {
+  const int lane = lane_id();
+  int before = 0;  // tiles of the sequences before this chunk of 32
+  for (int b0 = 0; b0 < batch; b0 += 32) {
+    const int bb = b0 + lane;
+    const int n = bb < batch ? cdiv(cu[bb + 1] - cu[bb], rows) : 0;
+    int incl = n;  // inclusive prefix sum over the lanes
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    const int total = __shfl_sync(0xffffffffu, incl, 31);
+    if (t < before + total) {
+      const int owner = __ffs(__ballot_sync(0xffffffffu, before + incl > t)) - 1;  // first lane ending past t
+      const int first = before + __shfl_sync(0xffffffffu, incl - n, owner), count = __shfl_sync(0xffffffffu, n, owner);
+      b = b0 + owner;
+      i = reverse ? first + count - 1 - t : t - first;
+      return true;
+    }
+    before += total;
+  }
+  return false;
+}
+
+// Query tiles of a forward launch. Fixed lengths: grid (Tr, heads, batch). Packed sequences: grid (an upper bound
+// on the tiles of all sequences, heads, 1). Within one (b, h) the tiles run last-first: under a causal mask the
+// longest rows start first (longest-processing-time first). SERIAL (FA2's sequence parallelism off, the ablation):
+// grid (1, heads, batch), one CTA walks every query block of its (b, h) in turn. VARLEN: the packed mapping is
+// compiled in (the general policy's kernels).
+template <int BR, bool SERIAL, bool VARLEN> struct QTileScheduler {
+  int b, h, i, stop;
+  template <class P> __device__ __forceinline__ bool start(const P& p) {
+    h = blockIdx.y;
+    if (VARLEN && p.cu_seqlens_q) {
+      stop = 0;
+      if (!varlen_tile(p.cu_seqlens_q, p.batch, BR, blockIdx.x, true, b, i)) return false;
+      stop = i + 1;
+      return true;
+    }
+    b = blockIdx.z;
+    const int tr = cdiv(p.seqlen_q, BR);
+    i = SERIAL ? 0 : tr - 1 - (int)blockIdx.x;
+    stop = SERIAL ? tr : i + 1;
+    return i < stop;
+  }
+  __device__ __forceinline__ bool advance() { return ++i < stop; }
+};
+
+// Key tiles of a backward launch: grid (Tc, kv_heads, batch), or for packed sequences (an upper bound on the key
+// tiles of all sequences, kv_heads, 1). hk is the kv head; the CTA walks the query heads of its group itself.
+template <int BC, bool VARLEN> struct KTileScheduler {
+  int b, hk, j;
+  template <class P> __device__ __forceinline__ bool start(const P& p) {
+    hk = blockIdx.y;
+    if (VARLEN && p.cu_seqlens_k) return varlen_tile(p.cu_seqlens_k, p.batch, BC, blockIdx.x, false, b, j);
+    b = blockIdx.z;
+    j = blockIdx.x;
+    return true;
+  }
+};
+
+}  // namespace rf

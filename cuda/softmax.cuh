@@ -1,0 +1,74 @@
+// OnlineSoftmax: FlashAttention's running softmax over key blocks (FA2 Alg.1 l.9-13) for the rows a thread
+// holds: the row max m (log2 units) and sum l, their update by one block of scores, and the end of the row (the
+// factor O is divided by, the lse, the sink's share of the denominator, and the -inf guards of rows that see
+// nothing). Every forward kernel uses it; the split-K partition of FA1 merges the same state through shared
+// memory (splitk.cuh).
+#pragma once
+#include "acc.cuh"
+
+namespace rf {
+
+// The end of a row, Alg.1 l.12-13, from its max m (log2 units) and sum l: f multiplies the running O and lse is
+// the natural-log denominator. A sink logit (log2 units, -inf for none) joins the denominator with no value:
+// relative to M = max(m, sink), L = l 2^(m - M) + 2^(sink - M). A row that saw no key gets f = 0 and lse = -inf,
+// or lse = sink with a sink. NORMALIZED: O is already divided by l (per-step normalisation).
+template <typename T, bool NORMALIZED>
+__device__ __forceinline__ void finalize_row(float m, float l, float sink_log2, float& f, float& lse) {
+  if (sink_log2 == -INFINITY) {
+    f = l > 0.f ? (NORMALIZED ? 1.f : 1.f / l) : 0.f;
+    lse = l > 0.f ? m * LN2 + logf(l) : -INFINITY;
+  } else {
+    const float mm = fmaxf(m, sink_log2), a = exp2_<T>(m - mm), denom = l * a + exp2_<T>(sink_log2 - mm);
+    f = (NORMALIZED ? l : 1.f) * a / denom;
+    lse = (mm + log2f(denom)) * LN2;
+  }
+}
+
+template <int ROWS> struct OnlineSoftmax {
+  float m[ROWS], l[ROWS];
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
+  }
+
+  // One key block, Alg.1 l.9-10: S (times scale: raw q.k with the softmax scale in log2 units, or 1 when the
+  // policy has already produced log2 units) -> P = exp2(S scale - m_new) in place, l = e^(m_old - m_new) l +
+  // rowsum(P); fo[r] receives e^(m_old - m_new), the factor the running O must be multiplied by.
+  // NORMALIZE (FA1's per-step normalisation, the defer_norm=false ablation) also divides P by the new l and turns
+  // fo into l_old e^(m_old - m_new) / l_new, so the running O stays normalised.
+  template <typename T, bool NORMALIZE = false, int MT, int NT>
+  __device__ __forceinline__ void update(Acc<MT, NT>& s, float scale, float (&fo)[ROWS]) {
+    static_assert(2 * MT == ROWS, "one softmax row per accumulator row");
+    float mx[ROWS], rs[ROWS];
+    row_max(mx, s);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const float m_new = fmaxf(m[r], mx[r] * scale);
+      mx[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet keeps P = 0
+      fo[r] = exp2_<T>(m[r] - mx[r]);
+      m[r] = m_new;
+    }
+    for_each_row(s, [&](float& x, int r) { x = exp2_<T>(fmaf(x, scale, -mx[r])); });
+    row_sum(rs, s);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const float l_old = l[r];
+      l[r] = fo[r] * l_old + rs[r];
+      if (NORMALIZE) {
+        mx[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        fo[r] *= l_old * mx[r];
+      }
+    }
+    if (NORMALIZE) scale_rows(s, mx);
+  }
+
+  // The end of the rows (finalize_row for each).
+  template <typename T, bool NORMALIZED = false>
+  __device__ __forceinline__ void finalize(float sink_log2, float (&f)[ROWS], float (&lse)[ROWS]) const {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) finalize_row<T, NORMALIZED>(m[r], l[r], sink_log2, f[r], lse[r]);
+  }
+};
+
+}  // namespace rf

@@ -1,0 +1,153 @@
+"""Which form of a variant runs a call: the one place the choice (arch, dtype, head_dim, switches) is made.
+
+A call's plan is the list of launches it makes, in order, each from ``launch.py``'s formulas with the tile row
+``configs.py`` gives for the chosen form. The backends run plans; ``rawflash explain``, the IO model, the
+occupancy report and the compile tests read the same plans, so what they show is what runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from . import configs, launch, registry
+from .configs import TileConfig
+from .launch import Launch, Problem
+from .settings import Settings
+
+Override = dict[tuple[str, int, str], TileConfig]
+
+
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    """The forward's ablation switches: FA2's three ideas, and on Hopper the wgmma form and FA3's overlap.
+
+    ``wgmma``: None (default) runs the wgmma form wherever it can (unless the settings say ``RAWFLASH_WGMMA=0``),
+    True demands it (ValueError where it cannot run), False forces the mma.sync form.
+    """
+
+    defer_norm: bool = True
+    seq_parallel: bool = True
+    split_q: bool = True
+    wgmma: bool | None = None
+    overlap: bool = True
+
+    @property
+    def ideas_on(self) -> bool:
+        return self.defer_norm and self.seq_parallel and self.split_q
+
+    @property
+    def given(self) -> dict:
+        """The switches that differ from the defaults."""
+        default = Switches()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+ABLATIONS: dict[str, Switches] = {  # FA2's ideas, measured on the mma.sync form that has switches for them
+    "fa2": Switches(wgmma=False),
+    "no-deferred-norm": Switches(defer_norm=False),
+    "no-seq-parallel": Switches(seq_parallel=False),
+    "no-split-q": Switches(split_q=False),
+    "none (all three off)": Switches(defer_norm=False, seq_parallel=False, split_q=False),
+    # and what Hopper's warpgroup products add on top of full FA2 (sm_90 only), with and without FA3's overlap
+    "wgmma": Switches(wgmma=True),
+    "wgmma, no overlap": Switches(wgmma=True, overlap=False),
+}
+
+
+def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
+    return configs.tile_config(kernel, p.padded_head_dim, p.dtype, p.arch, override)
+
+
+def hopper_form_fits(kernel: str, p: Problem) -> bool:
+    """Whether the sm_90 form ``kernel`` can run ``p``: an sm_90 GPU (wgmma is sm_90a code), one of the form's
+    dtypes, and a tile row at the specialised head_dim."""
+    form = registry.form(kernel)
+    return p.arch == "sm_90" and p.dtype in form.dtypes and configs.has_row(kernel, p.head_dim, p.dtype)
+
+
+def _use_wgmma(wgmma: bool | None, eligible: bool, kernel: str, also: str, got: str, settings: Settings) -> bool:
+    """The choice of a ``wgmma`` switch: None picks the wgmma form wherever it is ``eligible`` unless the settings
+    turn it off; True demands it (ValueError where it cannot run); False refuses it."""
+    if wgmma is None:
+        return eligible and settings.wgmma
+    if wgmma and not eligible:
+        dims = sorted(d for (k, d, dt) in configs.TABLE if k == kernel and dt == "bfloat16")
+        what = " (backward)" if kernel.startswith("fa2_bwd") else ""
+        raise ValueError(f"wgmma=True{what} needs an sm_90 GPU, float16 or bfloat16, a head_dim that pads to one of "
+                         f"{dims}{also}; got {got}")
+    return wgmma
+
+
+def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Settings(),
+                override: Override | None = None) -> Launch:
+    """The fa2 forward launch: its wgmma form where the switches and the GPU allow it, else the mma.sync form."""
+    got = (f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={sw.defer_norm}, "
+           f"seq_parallel={sw.seq_parallel}, split_q={sw.split_q}")
+    if _use_wgmma(sw.wgmma, sw.ideas_on and hopper_form_fits("fa2_fwd_sm90", p), "fa2_fwd_sm90",
+                  " and every FA2 switch on", got, settings):
+        return launch.fa2_fwd_sm90(p, _config("fa2_fwd_sm90", p, override), overlap=sw.overlap)
+    row = "fa2_fwd" if sw.split_q else "fa2_fwd_splitk"
+    return launch.fa2_fwd(p, _config(row, p, override), defer_norm=sw.defer_norm, seq_parallel=sw.seq_parallel,
+                          split_q=sw.split_q)
+
+
+def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, settings: Settings = Settings(),
+                      override: Override | None = None) -> Launch:
+    """The backward's main pass: the wgmma form for the atomic-dQ pass where it fits, else mma.sync."""
+    if _use_wgmma(wgmma, atomic_dq and hopper_form_fits("fa2_bwd_sm90", p), "fa2_bwd_sm90", " and the atomic dQ pass",
+                  f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, atomic_dq={atomic_dq}", settings):
+        return launch.fa2_bwd_sm90(p, _config("fa2_bwd_sm90", p, override))
+    return launch.fa2_bwd(p, _config("fa2_bwd", p, override), atomic_dq=atomic_dq)
+
+
+def forward_plan(p: Problem, kernel: str = "fa2", switches: Switches = Switches(), settings: Settings = Settings(),
+                 override: Override | None = None) -> list[Launch]:
+    """Every launch a forward call makes, in order (the naive kernel's matrix products are cuBLAS calls, not listed)."""
+    if kernel == "fa2":
+        return [fa2_forward(p, switches, settings, override)]
+    if kernel == "fa1":
+        return [launch.fa1_fwd(p, _config("fa1_fwd", p, override)), launch.fa1_finalize(p)]
+    if kernel == "naive":
+        return [launch.naive_softmax(p)]
+    raise ValueError(f"kernel must be one of {', '.join(map(repr, registry.api_kernels()))}, got {kernel!r}")
+
+
+def backward_plan(p: Problem, deterministic: bool = False, settings: Settings = Settings(),
+                  override: Override | None = None, wgmma: bool | None = None) -> list[Launch]:
+    """Every launch a backward call makes, in order."""
+    pre = launch.fa2_bwd_preprocess(p)
+    if deterministic:
+        return [pre, fa2_backward_main(p, False, wgmma, settings, override),
+                launch.fa2_bwd_dq(p, _config("fa2_bwd_dq", p, override))]
+    return [pre, fa2_backward_main(p, True, wgmma, settings, override), launch.fa2_bwd_convert_dq(p)]
+
+
+def _variants_of(p: Problem) -> list[Problem]:
+    """The compile-time variants a (dtype, head_dim) instantiates: plain without and with the causal mask, and the
+    general policy without a mask and with a window (which is how every feature reaches the kernels)."""
+    return [dataclasses.replace(p, causal=False), dataclasses.replace(p, causal=True),
+            dataclasses.replace(p, softcap=1.0), dataclasses.replace(p, softcap=1.0, causal=True)]
+
+
+def all_instantiations(arch: str = "sm_90") -> list[Launch]:
+    """Every template instantiation the library can launch on ``arch`` (for the compile tests and pre-compiling)."""
+    out: dict[str, Launch] = {}
+    for dtype in configs.DTYPES:
+        for d in configs.SPECIALISED_HEAD_DIMS:
+            base = Problem(1, 1, 1, 1, 1, d, dtype, False, arch)
+            for p in _variants_of(base):
+                launches = [fa2_forward(p, Switches(wgmma=False)), fa2_backward_main(p, True, wgmma=False),
+                            fa2_backward_main(p, False), launch.fa2_bwd_dq(p, _config("fa2_bwd_dq", p, None))]
+                if hopper_form_fits("fa2_fwd_sm90", p):
+                    launches += [fa2_forward(p, Switches(wgmma=True)),
+                                 fa2_forward(p, Switches(wgmma=True, overlap=False))]
+                if hopper_form_fits("fa2_bwd_sm90", p):
+                    launches.append(fa2_backward_main(p, True, wgmma=True))
+                if not p.general:  # the teaching kernels and the ablation run the plain policy only
+                    launches += [*forward_plan(p, "fa1"), *forward_plan(p, "naive")]
+                    if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures
+                        launches += [fa2_forward(p, sw) for sw in ABLATIONS.values() if not sw.wgmma]
+                launches += [launch.fa2_bwd_preprocess(p), launch.fa2_bwd_convert_dq(p)]
+                for lau in launches:
+                    out.setdefault(lau.name_expression, lau)
+    return list(out.values())

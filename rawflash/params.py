@@ -1,0 +1,118 @@
+"""The kernels' parameter structs (cuda/params.cuh) as NumPy structured scalars, built in one function per direction.
+
+A CuPy kernel argument that is a one-element NumPy array is passed by value, its bytes as they are: that is how
+``FwdParams`` / ``BwdParams`` reach a ``const __grid_constant__`` parameter. The field lists below are the
+structs' fields in order; tests/test_params.py checks them against cuda/params.cuh, and 8-byte fields come first
+in both so neither side pads. Pointers are CuPy arrays' device addresses (0 for absent inputs).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .launch import Problem
+
+LOG2E = 1.0 / math.log(2.0)
+_CTYPES = {"ptr": np.uint64, "i64": np.int64, "i32": np.int32, "f32": np.float32}
+
+
+def _strides(prefix: str) -> tuple[tuple[str, str], ...]:
+    return tuple((f"{prefix}_{s}", "i64") for s in ("sb", "ss", "sh"))
+
+
+FWD_FIELDS: tuple[tuple[str, str], ...] = (
+    ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "ptr"), ("lse", "ptr"),
+    *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"), ("lse_sb", "i64"), ("lse_sh", "i64"),
+    ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"), ("seqused_k", "ptr"), ("block_table", "ptr"),
+    ("block_table_sb", "i64"), ("alibi_slopes", "ptr"), ("alibi_sb", "i64"), ("sinks", "ptr"),
+    ("o_ws", "ptr"), ("m_ws", "ptr"), ("l_ws", "ptr"),
+    ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
+    ("head_dim", "i32"), ("window_left", "i32"), ("window_right", "i32"), ("page_size", "i32"),
+    ("num_splits", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("pad_", "i32"),
+)
+BWD_FIELDS: tuple[tuple[str, str], ...] = (
+    ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("dout", "ptr"), ("dq", "ptr"), ("dk", "ptr"),
+    ("dv", "ptr"), ("lse", "ptr"), ("lse2", "ptr"), ("delta", "ptr"), ("dq_ws", "ptr"), ("dsink_ws", "ptr"),
+    *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"), *_strides("do"), *_strides("dq"),
+    *_strides("dk"), *_strides("dv"), ("lse_sb", "i64"), ("lse_sh", "i64"),
+    ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"), ("seqused_k", "ptr"), ("alibi_slopes", "ptr"),
+    ("alibi_sb", "i64"), ("sinks", "ptr"),
+    ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
+    ("head_dim", "i32"), ("rows_batch", "i32"), ("rows_seqlen", "i32"), ("window_left", "i32"),
+    ("window_right", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("pad_", "i32"),
+)
+
+
+def _dtype(fields) -> np.dtype:
+    return np.dtype([(name, _CTYPES[kind]) for name, kind in fields], align=True)
+
+
+FWD_DTYPE = _dtype(FWD_FIELDS)
+BWD_DTYPE = _dtype(BWD_FIELDS)
+
+
+def ptr(x) -> int:
+    """The device address of a CuPy array (or 0 for None)."""
+    return 0 if x is None else int(x.data.ptr)
+
+
+def strides_bsh(x, packed: bool) -> tuple[int, int, int]:
+    """(batch, sequence, head) strides in elements of a (batch, seq, heads, d) array, or of a packed (total, heads,
+    d) one (batch stride 0)."""
+    s = tuple(v // x.dtype.itemsize for v in x.strides)
+    return (0, s[0], s[1]) if packed else (s[0], s[1], s[2])
+
+
+def _set_strides(rec, prefix: str, x, packed: bool) -> None:
+    rec[f"{prefix}_sb"], rec[f"{prefix}_ss"], rec[f"{prefix}_sh"] = strides_bsh(x, packed)
+
+
+def _common(rec, p: Problem, scale: float, extras: dict) -> None:
+    """The fields both directions share: lengths, heads, the variant and the packed / per-row layout."""
+    rec["batch"], rec["seqlen_q"], rec["seqlen_k"] = p.batch, p.seqlen_q, p.seqlen_k
+    rec["heads"], rec["kv_heads"], rec["head_dim"] = p.heads, p.kv_heads, p.head_dim
+    rec["window_left"], rec["window_right"] = p.window_bounds
+    rec["scale"], rec["scale_log2"], rec["softcap"] = scale, scale * LOG2E, p.softcap
+    rows_b, rows_s = p.rows
+    rec["lse_sb"], rec["lse_sh"] = p.heads * rows_s, rows_s
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks"):
+        rec[name] = ptr(extras.get(name))
+    slopes = extras.get("alibi_slopes")
+    rec["alibi_slopes"] = ptr(slopes)
+    rec["alibi_sb"] = p.heads if slopes is not None and slopes.ndim == 2 else 0
+
+
+def fwd_params(p: Problem, q, k, v, o, lse, scale: float, **extras) -> np.ndarray:
+    """FwdParams for one forward call. ``extras``: cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks (CuPy arrays
+    or None), block_table (+ page_size), o_ws / m_ws / l_ws (float32 work buffers), num_splits."""
+    rec = np.zeros(1, FWD_DTYPE)
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
+        rec[name] = ptr(x)
+        _set_strides(rec, name, x, p.varlen)
+    rec["lse"] = ptr(lse)
+    _common(rec, p, scale, extras)
+    rec["block_table"] = ptr(extras.get("block_table"))
+    if extras.get("block_table") is not None:
+        rec["block_table_sb"] = extras["block_table"].shape[1]
+        rec["page_size"] = extras["page_size"]
+    for name in ("o_ws", "m_ws", "l_ws"):
+        rec[name] = ptr(extras.get(name))
+    rec["num_splits"] = extras.get("num_splits", 1)
+    return rec
+
+
+def bwd_params(p: Problem, q, k, v, out, dout, lse, scale: float, *, dq, dk, dv, lse2, delta, dq_ws=None,
+               dsink_ws=None, **extras) -> np.ndarray:
+    """BwdParams for one backward call (every pass of it). ``extras`` as for :func:`fwd_params`."""
+    rec = np.zeros(1, BWD_DTYPE)
+    named = (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("out", out, "o"), ("dout", dout, "do"), ("dq", dq, "dq"),
+             ("dk", dk, "dk"), ("dv", dv, "dv"))
+    for name, x, prefix in named:
+        rec[name] = ptr(x)
+        _set_strides(rec, prefix, x, p.varlen)
+    for name, x in (("lse", lse), ("lse2", lse2), ("delta", delta), ("dq_ws", dq_ws), ("dsink_ws", dsink_ws)):
+        rec[name] = ptr(x)
+    _common(rec, p, scale, extras)
+    rec["rows_batch"], rec["rows_seqlen"] = p.rows
+    return rec

@@ -1,0 +1,34 @@
+"""The environment settings of rawflash, read in one place.
+
+Every ``RAWFLASH_*`` variable is read here, into a frozen :class:`Settings`, at the API boundary (each public call
+reads them once and hands the object down); no other module reads or writes them.
+
+========================  ===========================================================================
+``RAWFLASH_WGMMA=0``      never run Hopper's warpgroup (wgmma) forms: the mma.sync kernels everywhere
+``RAWFLASH_TILE_ARCH``    take another architecture's tile rows (``sm_80``) on the GPU at hand
+``RAWFLASH_CUDA_DIR``     read the CUDA sources from this folder instead of the installed ones
+``RAWFLASH_DEBUG=1``      the command line shows tracebacks instead of one-line errors
+========================  ===========================================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the environment asks of rawflash (defaults: everything on, nothing overridden)."""
+
+    wgmma: bool = True
+    tile_arch: str | None = None
+    cuda_dir: str | None = None
+    debug: bool = False
+
+
+def load(environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings the environment (``os.environ`` by default) asks for."""
+    env = os.environ if environ is None else environ
+    return Settings(wgmma=env.get("RAWFLASH_WGMMA", "1") != "0", tile_arch=env.get("RAWFLASH_TILE_ARCH") or None,
+                    cuda_dir=env.get("RAWFLASH_CUDA_DIR") or None, debug=bool(env.get("RAWFLASH_DEBUG")))

@@ -1,0 +1,160 @@
+"""Which form runs where (no GPU needed): forms.py chooses the wgmma form on sm_90 for 16-bit inputs whose head_dim
+pads to one of its rows, the mma.sync form everywhere else, refuses clearly where wgmma is demanded but cannot run,
+and picks the variant policy (plain or general, the mask mode) from the call's features. Also: the generated wgmma
+wrappers are up to date with their generator, and the registry agrees with the tile table and the sources."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rawflash import _compile, configs, forms, launch, registry
+from rawflash.forms import Switches
+from rawflash.launch import Problem
+from rawflash.settings import Settings, load
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_WGMMA = Settings(wgmma=False)
+
+
+def _problem(d=128, dtype="bfloat16", arch="sm_90", causal=False, **features):
+    return Problem(2, 300, 300, 8, 2, d, dtype, causal, arch, **features)
+
+
+@pytest.mark.parametrize("d", [40, 59, 64, 100, 128, 192, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sm90_16bit_runs_wgmma(d, dtype):
+    lau = forms.fa2_forward(_problem(d, dtype))
+    assert lau.kernel == "fa2_fwd_sm90" and lau.target == "sm_90a"
+    assert lau.compile_arch("sm_90") == "sm_90a"
+    assert lau.threads == 128 * (lau.config.br // 64), "one warpgroup per 64 query rows"
+
+
+@pytest.mark.parametrize("d,dtype,arch", [(32, "bfloat16", "sm_90"), (96, "float16", "sm_90"),
+                                          (128, "float32", "sm_90"), (128, "bfloat16", "sm_80"),
+                                          (128, "bfloat16", "sm_89"), (128, "bfloat16", "sm_100")])
+def test_elsewhere_runs_mma_sync(d, dtype, arch):
+    lau = forms.fa2_forward(_problem(d, dtype, arch))
+    assert lau.kernel == "fa2_fwd" and lau.target is None
+    assert lau.compile_arch(arch) == arch
+
+
+def test_settings_and_switches_force_mma_sync():
+    assert forms.fa2_forward(_problem(), Switches(wgmma=False)).kernel == "fa2_fwd"
+    assert forms.fa2_forward(_problem(), Switches(defer_norm=False)).kernel == "fa2_fwd", "the switches live there"
+    assert forms.fa2_forward(_problem(), settings=NO_WGMMA).kernel == "fa2_fwd"
+    assert forms.fa2_forward(_problem(), Switches(wgmma=True), NO_WGMMA).kernel == "fa2_fwd_sm90", "explicit wins"
+
+
+def test_settings_are_read_from_the_environment_only_in_settings():
+    assert load({"RAWFLASH_WGMMA": "0"}).wgmma is False and load({}).wgmma is True
+    assert load({"RAWFLASH_TILE_ARCH": "sm_80"}).tile_arch == "sm_80"
+    for path in (ROOT / "rawflash").rglob("*.py"):
+        if path.name == "settings.py":
+            continue
+        text = path.read_text()
+        assert "environ[\"RAWFLASH" not in text and "environ.get(\"RAWFLASH" not in text, f"{path} reads a setting"
+
+
+@pytest.mark.parametrize("sw,problem", [(Switches(wgmma=True), _problem(arch="sm_80")),
+                                        (Switches(wgmma=True), _problem(dtype="float32")),
+                                        (Switches(wgmma=True), _problem(d=96)),
+                                        (Switches(wgmma=True, split_q=False), _problem())])
+def test_demanding_wgmma_where_it_cannot_run_is_refused(sw, problem):
+    with pytest.raises(ValueError, match="wgmma=True needs an sm_90 GPU"):
+        forms.fa2_forward(problem, sw)
+
+
+def test_overlap_switch_reaches_the_template():
+    on, off = forms.fa2_forward(_problem(), Switches(overlap=True)), forms.fa2_forward(_problem(), Switches(overlap=False))
+    assert on.name_expression != off.name_expression
+    assert on.template_args[7] is True and off.template_args[7] is False
+
+
+@pytest.mark.parametrize("features,mask,general", [
+    ({}, launch.NO_MASK, False), ({"causal": True}, launch.CAUSAL, False), ({"sinks": True}, launch.NO_MASK, False),
+    ({"causal": True, "window": (-1, 5)}, launch.CAUSAL, False), ({"window": (8, 0)}, launch.WINDOW, True),
+    ({"window": (-1, 0)}, launch.WINDOW, True), ({"softcap": 30.0}, launch.NO_MASK, True),
+    ({"causal": True, "alibi": True}, launch.WINDOW, True), ({"varlen": True, "total_q": 9, "total_k": 9},
+                                                             launch.NO_MASK, True)])
+def test_features_choose_the_policy(features, mask, general):
+    causal = features.pop("causal", False)
+    p = _problem(causal=causal, **features)
+    assert (p.mask, p.general) == (mask, general)
+    for lau in (forms.fa2_forward(p), forms.fa2_forward(p, Switches(wgmma=False)), forms.backward_plan(p)[1],
+                forms.backward_plan(p, deterministic=True)[2]):
+        i = launch.MASK_ARG[lau.kernel]
+        assert lau.template_args[i] == mask and lau.template_args[i + 1] is general, lau.name_expression
+
+
+def test_sm90_smem_fits_one_block():
+    for d in (64, 128, 192, 256):
+        for dtype in ("float16", "bfloat16"):
+            lau = forms.fa2_forward(_problem(d, dtype))
+            assert lau.smem <= 232448, f"d={d}: {lau.smem} B > 227 KB"
+
+
+def test_wgmma_ops_header_is_generated_and_current():
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_wgmma.py"), "--check"], capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr or res.stdout
+
+
+def test_api_refuses_bad_wgmma_switch_before_launch():
+    import numpy as np
+
+    import rawflash
+
+    q = np.ones((1, 4, 2, 64), np.float16)
+    with pytest.raises(TypeError, match="wgmma"):
+        rawflash.forward(q, q, q, wgmma="yes")
+    with pytest.raises(TypeError, match="overlap"):
+        rawflash.forward(q, q, q, overlap=1)
+
+
+@pytest.mark.parametrize("d,dtype,arch,deterministic,expected", [
+    (128, "bfloat16", "sm_90", False, "fa2_bwd_sm90"), (40, "float16", "sm_90", False, "fa2_bwd_sm90"),
+    (128, "bfloat16", "sm_90", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa2_bwd_sm90"),
+    (96, "bfloat16", "sm_90", False, "fa2_bwd"), (32, "float16", "sm_90", False, "fa2_bwd"),
+    (192, "bfloat16", "sm_90", False, "fa2_bwd"),
+    (128, "float32", "sm_90", False, "fa2_bwd"), (128, "bfloat16", "sm_80", False, "fa2_bwd")])
+def test_backward_form_choice(d, dtype, arch, deterministic, expected):
+    assert forms.backward_plan(_problem(d, dtype, arch), deterministic)[1].kernel == expected
+    assert forms.backward_plan(_problem(d, dtype, arch), deterministic, NO_WGMMA)[1].kernel == "fa2_bwd"
+
+
+def test_demanding_wgmma_backward_where_it_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="wgmma=True \\(backward\\) needs"):
+        forms.fa2_backward_main(_problem(dtype="float32"), True, wgmma=True)
+    with pytest.raises(ValueError, match="atomic dQ"):
+        forms.fa2_backward_main(_problem(), False, wgmma=True)
+
+
+@pytest.mark.parametrize("d,split", [(64, False), (128, False), (200, True), (256, True)])
+def test_backward_split_d_form_for_large_head_dims(d, split):
+    lau = forms.fa2_backward_main(_problem(d=d), True)
+    assert lau.kernel == "fa2_bwd_sm90" and launch.bwd_sm90_split_d(lau.config) is split
+    assert lau.template_args[7] is split and lau.smem <= 232448
+
+
+def test_override_replaces_a_tile_row_without_touching_the_table():
+    before = dict(configs.TABLE)
+    cand = configs.TileConfig(128, 128, 8)
+    lau = forms.fa2_forward(_problem(), override={("fa2_fwd_sm90", 128, "bfloat16"): cand})
+    assert lau.config == cand and configs.TABLE == before
+
+
+def test_registry_names_every_form_row_and_source():
+    rows = {k for (k, _, _) in configs.TABLE}
+    named = {r for v in registry.REGISTRY.values() for f in v.forms for r in f.tile_rows}
+    assert rows <= named | {h.kernel for v in registry.REGISTRY.values() for h in v.helpers}
+    kernels = {lau.kernel for arch in ("sm_80", "sm_90") for lau in forms.all_instantiations(arch)}
+    assert kernels == set(registry.kernels()), "every instantiated template is in the registry and vice versa"
+    for v in registry.REGISTRY.values():
+        for f in v.forms:
+            assert (ROOT / "cuda" / f.source).is_file()
+            assert f.mainloop == "-" or (ROOT / "cuda" / f.mainloop).is_file(), f.mainloop
+            assert (f.twin is None) == bool(f.no_twin), f"{f.kernel}: a twin, or the reason there is none"
+            assert f"__global__" in (ROOT / "cuda" / f.source).read_text() and f.kernel in _compile.assemble(f.source)
