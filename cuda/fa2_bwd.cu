@@ -52,7 +52,10 @@ template <typename T> __global__ void fa2_bwd_preprocess(const __grid_constant__
   p.delta[row] = acc;
   p.lse2[row] = lse == -INFINITY ? INFINITY : lse * LOG2E;
   // ---- [fa2_bwd:sink_terms] d(loss)/d(sink_h) = -sum_i exp(sink_h - lse_i) D_i: this row's term ----
-  if (p.sinks) p.dsink_ws[row] = expf(p.sinks[(row / p.rows_seqlen) % p.heads] - lse) * acc;
+  if (p.sinks) {
+    const float sink = p.sinks[(row / p.rows_seqlen) % p.heads];
+    p.dsink_ws[row] = (sizeof(T) == 4 ? (float)exp((double)sink - (double)lse) : expf(sink - lse)) * acc;
+  }
 }
 
 template <typename T, int D, int BR, int BC, int NWARPS, int WC, int MIN_BLOCKS, int KUNROLL, int MASK, bool GENERAL,

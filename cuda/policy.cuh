@@ -56,17 +56,19 @@ template <int MASK_, bool GENERAL_> struct Policy {
   float scale_log2;
   float cap_in, cap_out;  // softcap: tanh's argument is q.k * cap_in, its value times cap_out is the log2 score
   float slope;            // ALiBi slope of this head, in log2 units (0: off)
+  float slope_nat, scale; // the same slope and the softmax scale in natural units (the float32 score)
 
   template <class P> __device__ __forceinline__ Policy(const P& p, const Info& bi)
       : seqlen_q(bi.seqlen_q), seqlen_k(bi.seqlen_k), diag(bi.seqlen_k - bi.seqlen_q),
         left(MASK_ == WINDOW ? p.window_left : -1), right(MASK_ == WINDOW ? p.window_right : MASK_ == CAUSAL ? 0 : -1),
-        scale_log2(p.scale_log2) {
+        scale_log2(p.scale_log2), scale(p.scale) {
     cap_in = p.softcap > 0.f ? p.scale / p.softcap : 0.f;
     cap_out = p.softcap * LOG2E;
     set_head(p, bi);
   }
   template <class P> __device__ __forceinline__ void set_head(const P& p, const Info& bi) {
-    slope = (GENERAL_ && p.alibi_slopes) ? p.alibi_slopes[bi.b * p.alibi_sb + bi.h] * LOG2E : 0.f;
+    slope_nat = (GENERAL_ && p.alibi_slopes) ? p.alibi_slopes[bi.b * p.alibi_sb + bi.h] : 0.f;
+    slope = slope_nat * LOG2E;
   }
   // The sink logit of the tile's head in log2 units, -inf without sinks (read at the end of a row, not kept).
   template <class P> __device__ __forceinline__ static float sink_log2(const P& p, const Info& bi) {
@@ -135,21 +137,26 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // The factor the softmax multiplies raw scores by: the scale (in log2 units) when nothing else touches the
   // scores, else 1 (transform() has already produced log2 units).
   __device__ __forceinline__ float softmax_scale() const { return GENERAL_ ? 1.f : scale_log2; }
+  // The same folded into the scores themselves, each product rounded once (no contraction with what follows):
+  // the mma.sync forms do this, so their float32 results round like a naive float32 softmax.
+  template <int MT, int NT> __device__ __forceinline__ void prescale(Acc<MT, NT>& s) const {
+    if constexpr (!GENERAL_) for_each_row(s, [&](float& x, int) { x = __fmul_rn(x, scale_log2); });
+  }
 
   // x = q.k of query i, key j -> the score in log2 units; *dz = d(score in natural units) / d(scale * q.k).
   template <typename T> __device__ __forceinline__ float score(float x, int i, int j, float* dz = nullptr) const {
-    float s;
+    const int dist = i + diag - j;
+    const float adist = (float)(dist < 0 ? -dist : dist);
     if (GENERAL_ && cap_in > 0.f) {
       const float th = tanh_<T>(x * cap_in);
-      s = th * cap_out;
       if (dz) *dz = 1.f - th * th;
-    } else {
-      s = x * scale_log2;
-      if (dz) *dz = 1.f;
+      return th * cap_out - slope * adist;
     }
-    if (!GENERAL_) return s;
-    const int dist = i + diag - j;
-    return s - slope * (float)(dist < 0 ? -dist : dist);
+    if (dz) *dz = 1.f;
+    if (!GENERAL_) return __fmul_rn(x, scale_log2);
+    if constexpr (sizeof(T) == 4)  // float32: the score and its ALiBi bias summed in natural units, rounded once
+      return (float)(((double)x * scale - (double)slope_nat * adist) * (double)LOG2E_D);
+    return x * scale_log2 - slope * adist;
   }
   // One element of the backward (FA2 Alg.2 l.10-13) for the general policy: x = q.k of query i and key j, dp =
   // dO_i . V_j, the row's L (log2 units) and D -> P_ij (in x) and dS_ij (in dp), with the transform's derivative

@@ -185,11 +185,10 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
     """Allocate the backward's outputs and work buffers and bind them."""
     import cupy
 
-    prep = prepare(p, extras or {}, env, q, k, v, dout)
-    pr, (q, k, v, do) = prep.problem, prep.arrays
+    prep = prepare(p, extras or {}, env, q, k, v, dout, out)  # out too: D reads it at the kernels' head_dim
+    pr, (q, k, v, do, out) = prep.problem, prep.arrays
     plan = forms.backward_plan(pr, deterministic, env, override)
     f32 = cupy.float32
-    out = cupy.asarray(out)
     lse = cupy.ascontiguousarray(cupy.asarray(lse), dtype=f32)
     lse2, delta = cupy.empty(_rows(pr), dtype=f32), cupy.empty(_rows(pr), dtype=f32)
     dq = cupy.empty(q.shape, dtype=q.dtype)
@@ -207,7 +206,7 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
     bound.keep = (q, k, v, do, out, lse, lse2, delta, prep.extras)
     if sinks:
         axes = (1,) if pr.varlen else (0, 2)
-        bound.sinks = lambda: -dsink_ws.sum(axis=axes, dtype=f32)
+        bound.sinks = lambda: (-dsink_ws.sum(axis=axes, dtype=cupy.float64)).astype(f32)
     return bound
 
 

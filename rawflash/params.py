@@ -74,8 +74,8 @@ def _common(rec, p: Problem, scale: float, extras: dict) -> None:
     rec["heads"], rec["kv_heads"], rec["head_dim"] = p.heads, p.kv_heads, p.head_dim
     rec["window_left"], rec["window_right"] = p.window_bounds
     rec["scale"], rec["scale_log2"], rec["softcap"] = scale, scale * LOG2E, p.softcap
-    rows_b, rows_s = p.rows
-    rec["lse_sb"], rec["lse_sh"] = p.heads * rows_s, rows_s
+    rows_b, rows_s = p.rows  # packed sequences: rows are addressed by the sequence's first row, not its index
+    rec["lse_sb"], rec["lse_sh"] = 0 if p.varlen else p.heads * rows_s, rows_s
     for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks"):
         rec[name] = ptr(extras.get(name))
     slopes = extras.get("alibi_slopes")

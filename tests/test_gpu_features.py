@@ -85,7 +85,13 @@ def _device(x):
 
 
 def _check(ours, ref, base, dtype, factor, what):
+    """flash-attn's rule; for float32 also 4 ulps of the largest value. FlashAttention recomputes P from a float32
+    lse, so a row with one visible key gets P = 1 - O(ulp) where a naive float32 softmax gets exactly 1 (and a
+    naive error of 0): a few ulps are the method's own, not a bug (flash-attn tests no float32)."""
     ok, err, base_err, bound = reference.error_ratio_ok(ours, ref, base, dtype, factor)
+    if not ok and np.dtype(dtype) == np.float32 and np.isfinite(ours).all():
+        ulps = 4 * np.finfo(np.float32).eps * float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0))
+        ok, bound = err <= max(bound, ulps), max(bound, ulps)
     assert ok, f"{what}: max error {err:.3g} > bound {bound:.3g} (naive error {base_err:.3g})"
 
 
