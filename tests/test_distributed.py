@@ -3,11 +3,12 @@
 The ring's forward and backward must equal attention over the gathered sequence within rounding, for 1 to 4
 ranks, causal or not, both layouts, MHA / GQA / MQA. Then the schedule (exact cover of the causal mask), the
 sharding helpers, the overlap structure (each transfer starts before the block it overlaps), validation before
-anything runs, the NCCL id exchange (no NCCL needed), the real Numba kernels on the simulator (slow) and the CuPy
-backend on one GPU (gpu).
+anything runs, the launcher and the NCCL id exchange (no NCCL needed), the real Numba kernels on the simulator
+(slow), the CuPy backend on one GPU (gpu) and the NCCL path with 2, 4, 8 ranks (multigpu).
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,7 +24,8 @@ import pytest
 from rawflash import reference
 from rawflash.distributed import (LAYOUTS, ComputeOnly, LocalRing, NcclComm, gather, ring_attention,
                                   ring_attention_backward, schedule, shard, shard_positions)
-from rawflash.distributed import blocks, comm as comm_mod
+from rawflash.distributed import bench as bench_mod, blocks, comm as comm_mod, run as run_mod
+from rawflash.distributed.bench import Config, summarize
 from conftest import random_qkv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -341,7 +343,46 @@ def test_ring_pass_sends_to_the_next_rank_as_copies_and_all_max():
     assert [r[1:] for r in res] == [(3.0, 0.0)] * 3
 
 
-# ---------------------------------------------------------------- the NCCL id (no NCCL needed)
+# ---------------------------------------------------------------- launcher and NCCL id (no NCCL needed)
+def test_launcher_sets_each_ranks_environment(tmp_path):
+    script = tmp_path / "dump.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, sys
+        keys = ["RAWFLASH_RANK", "RAWFLASH_WORLD_SIZE", "RAWFLASH_DEVICE", "RAWFLASH_NCCL_ID_FILE",
+                "NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES"]
+        out = os.path.join(sys.argv[1], os.environ["RAWFLASH_RANK"] + ".json")
+        json.dump({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[2:]}, open(out, "w"))
+    """))
+    env = dict(os.environ, NCCL_NVLS_ENABLE="1", CUDA_VISIBLE_DEVICES="4,5,6")
+    rc = subprocess.run([sys.executable, "-m", "rawflash.distributed.run", "--gpus", "3", str(script), str(tmp_path),
+                         "--gpus", "9"], env=env, cwd=ROOT, timeout=60).returncode
+    assert rc == 0
+    seen = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    for r, s in enumerate(seen):
+        assert s["argv"] == ["--gpus", "9"]
+        e = s["env"]
+        assert (e["RAWFLASH_RANK"], e["RAWFLASH_WORLD_SIZE"], e["RAWFLASH_DEVICE"]) == (str(r), "3", str(r))
+        assert e["NCCL_NVLS_ENABLE"] == "0" and e["CUDA_VISIBLE_DEVICES"] == "4,5,6"
+    assert len({s["env"]["RAWFLASH_NCCL_ID_FILE"] for s in seen}) == 1
+    assert not Path(seen[0]["env"]["RAWFLASH_NCCL_ID_FILE"]).parent.exists()    # the launch's own, removed
+
+
+def test_launcher_stops_the_other_ranks_when_one_fails(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\nif os.environ['RAWFLASH_RANK'] == '1': sys.exit(3)\ntime.sleep(60)\n")
+    start = time.monotonic()
+    rc = run_mod.launch([sys.executable, str(script)], 3, grace=5)
+    assert rc == 3 and time.monotonic() - start < 30
+
+
+def test_launcher_runs_a_module(tmp_path):
+    (tmp_path / "ringmod.py").write_text("import os\nassert os.environ['RAWFLASH_WORLD_SIZE'] == '2'\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [sys.executable, "-m", "rawflash.distributed.run", "--gpus", "2", "-m", "ringmod"]
+    assert subprocess.run(cmd, env=env, cwd=ROOT, timeout=60).returncode == 0
+    assert subprocess.run(cmd[:-1] + ["--gpus", "3", "ringmod"], env=env, cwd=ROOT, timeout=60).returncode != 0
+
+
 @pytest.mark.parametrize("unique_id", [bytes(range(128)), tuple(range(-64, 64))], ids=["bytes", "ints"])
 def test_unique_id_reaches_every_rank_in_its_own_form(tmp_path, unique_id):
     path = tmp_path / "id.json"
@@ -376,6 +417,42 @@ def test_from_env_names_the_missing_variable():
         NcclComm.from_env({"RAWFLASH_RANK": "0", "RAWFLASH_WORLD_SIZE": "2"})
 
 
+# ---------------------------------------------------------------- the benchmark's arithmetic
+def test_summary_efficiency_and_hidden_fraction():
+    cfg = Config(seqlen=1024, heads=2, kv_heads=2, head_dim=64)
+    ring = {"ring_fwd_ms": 3.0, "compute_fwd_ms": 2.5, "comm_fwd_ms": 2.0,
+            "ring_fwdbwd_ms": 10.0, "compute_fwdbwd_ms": 10.0, "comm_fwdbwd_ms": 4.0}
+    row = summarize(cfg, 4, {"fwd_ms": 9.0, "fwdbwd_ms": 36.0}, ring)
+    assert row["efficiency_fwd"] == pytest.approx(0.75) and row["efficiency_fwdbwd"] == pytest.approx(0.9)
+    assert row["hidden_fwd"] == pytest.approx(0.75) and row["hidden_fwdbwd"] == 1.0
+    flops = 2 * 2 * 1024 * 1024 * 64 * 3.5                         # causal: half of 4 B H N^2 d, fwd + bwd 3.5x
+    assert row["ring_fwdbwd_tflops_per_gpu"] == pytest.approx(flops / 10e-3 / 4 / 1e12)
+    missing = summarize(cfg, 8, None, None, "skipped: needs 8 GPUs, 0 visible")
+    assert missing["efficiency_fwd"] is None and missing["status"].startswith("skipped")
+
+
+def test_measurement_subprocesses_report_json_failures_and_timeouts():
+    ok = [sys.executable, "-c", "import json, sys; json.dump({'fwd_ms': 1.5}, open(sys.argv[-1], 'w'))"]
+    assert bench_mod._measure(ok, timeout=60) == ({"fwd_ms": 1.5}, None)
+    result, why = bench_mod._measure([sys.executable, "-c", "import sys; print('no GPU'); sys.exit(2)"], 60)
+    assert result is None and why == "exit 2: no GPU"
+    result, why = bench_mod._measure([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)
+    assert result is None and why == "timed out after 0.5 s"
+
+
+def test_bench_ring_rows_say_why_nothing_was_timed(monkeypatch):
+    monkeypatch.setattr(bench_mod, "_visible_gpus", lambda: 0)
+    rows = bench_mod.bench_ring(gpus=(2, 3), seqlens=(1024,), heads=2)
+    assert [r["status"] for r in rows] == ["single: skipped: no GPU visible; ring: skipped: needs 2 GPUs, 0 visible",
+                                           "single: skipped: no GPU visible; ring: skipped: needs 3 GPUs, 0 visible"]
+    monkeypatch.setattr(bench_mod, "_visible_gpus", lambda: 4)
+    monkeypatch.setattr(bench_mod, "_measure", lambda cmd, timeout: ({"fwd_ms": 4.0, "fwdbwd_ms": 8.0}, None)
+                        if "--single" in cmd else ({"ring_fwd_ms": 1.0, "ring_fwdbwd_ms": 2.5}, None))
+    rows = bench_mod.bench_ring(gpus=(2, 3), seqlens=(1024,), heads=2)
+    assert rows[0]["status"] == "ok" and rows[0]["efficiency_fwd"] == 2.0 and rows[0]["efficiency_fwdbwd"] == 1.6
+    assert rows[1]["status"] == "ring: skipped: seqlen 1024 does not cut into 6 equal chunks"
+
+
 # ---------------------------------------------------------------- the real kernels, on Numba's CPU simulator
 @pytest.mark.slow
 def test_ring_with_the_numba_kernels_on_the_simulator():
@@ -405,3 +482,19 @@ def test_ring_on_one_gpu_with_the_cupy_kernels(world):
 
     failures = LocalRing(world).run(lambda comm: [f for case in CASES for f in check_rank(comm, *case)])
     assert not [f for per_rank in failures for f in per_rank]
+
+
+# ---------------------------------------------------------------- several GPUs: NCCL through the launcher
+@pytest.mark.multigpu
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ring_over_nccl(world):
+    if bench_mod._visible_gpus() < world:
+        pytest.skip(f"needs {world} CUDA GPUs, {bench_mod._visible_gpus()} visible")
+    from cupy.cuda import nccl
+
+    if not nccl.available:
+        pytest.skip("NCCL cannot be loaded by CuPy (pip install 'rawflash[nccl13]')")
+    proc = subprocess.run([sys.executable, "-m", "rawflash.distributed.run", "--gpus", str(world),
+                           str(ROOT / "tests" / "ring_cases.py")], cwd=ROOT / "tests", capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
