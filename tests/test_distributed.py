@@ -8,6 +8,7 @@ anything runs, the launcher and the NCCL id exchange (no NCCL needed), the real 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -308,6 +309,106 @@ def test_nccl_comm_refuses_host_arrays_before_sending():
     comm.device = 0
     with pytest.raises(TypeError, match="q must be a CuPy array on device 0 to travel over NCCL, got ndarray"):
         comm.check({"q": np.zeros(2)})
+
+
+# ---------------------------------------------------------------- NcclComm against a recording stand-in for CuPy
+class FakeCupy:
+    """Just enough of cupy / cupy.cuda / cupy.cuda.nccl to log what NcclComm asks of them, in order."""
+
+    def __init__(self):
+        import types
+
+        self.log = []
+        log = self.log
+        self.compute = self.Stream("compute", log)
+
+        class Arr:
+            def __init__(self, name, shape, dtype):
+                self.name, self.shape, self.dtype = name, shape, np.dtype(dtype)
+                self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
+                self.data = types.SimpleNamespace(ptr=name)
+
+        class Communicator:
+            def __init__(self, ndev, unique_id, rank):
+                log.append(("init", ndev, unique_id, rank))
+
+            def send(self, ptr, count, datatype, peer, stream):
+                log.append(("send", ptr, count, datatype, peer, stream))
+
+            def recv(self, ptr, count, datatype, peer, stream):
+                log.append(("recv", ptr, count, datatype, peer, stream))
+
+        fake_stream = self.Stream
+        self.Arr = Arr
+        self.nccl = types.SimpleNamespace(
+            available=True, NCCL_UINT8=1, NcclCommunicator=Communicator, get_unique_id=lambda: b"\x07" * 128,
+            groupStart=lambda: log.append(("groupStart",)), groupEnd=lambda: log.append(("groupEnd",)))
+        self.cuda = types.ModuleType("cupy.cuda")
+        self.cuda.nccl = self.nccl
+        self.cuda.get_current_stream = lambda: self.compute
+        self.cuda.Stream = lambda non_blocking: fake_stream("comm" if non_blocking else "blocking", log)
+        self.current_device = 0
+
+        def device(index=None):
+            def use():
+                log.append(("use", index))
+                self.current_device = index
+            return types.SimpleNamespace(id=self.current_device if index is None else index, use=use)
+
+        buffers = itertools.count()
+        self.cuda.Device = device
+        self.module = types.ModuleType("cupy")
+        self.module.cuda = self.cuda
+        self.module.ascontiguousarray = lambda a: a
+        self.module.empty = lambda shape, dtype: Arr(f"recv{next(buffers)}", shape, dtype)
+
+    class Stream:
+        def __init__(self, name, log):
+            self.name, self.log, self.ptr = name, log, f"{name}-stream"
+
+        def record(self):
+            self.log.append(("record", self.name))
+            return f"event-{self.name}-{sum(e[0] == 'record' for e in self.log)}"
+
+        def wait_event(self, event):
+            self.log.append(("wait_event", self.name, event))
+
+    def install(self, monkeypatch):
+        monkeypatch.setitem(sys.modules, "cupy", self.module)
+        monkeypatch.setitem(sys.modules, "cupy.cuda", self.cuda)
+        monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", self.nccl)
+
+
+def test_nccl_ring_pass_orders_streams_and_peers(monkeypatch):
+    fake = FakeCupy()
+    fake.install(monkeypatch)
+    comm = NcclComm(fake.nccl.NcclCommunicator(3, b"", 1), rank=1, world_size=3)
+    k, v = fake.Arr("k", (2, 8, 2, 4), ml_dtypes.bfloat16), fake.Arr("v", (2, 8, 2, 4), ml_dtypes.bfloat16)
+    fake.log.clear()
+    pending = comm.ring_pass([k, v])
+    assert fake.log == [
+        ("record", "compute"), ("wait_event", "comm", "event-compute-1"),    # NCCL starts after queued work
+        ("groupStart",),
+        ("send", "k", 256, 1, 2, "comm-stream"), ("recv", "recv0", 256, 1, 0, "comm-stream"),   # bf16 as bytes
+        ("send", "v", 256, 1, 2, "comm-stream"), ("recv", "recv1", 256, 1, 0, "comm-stream"),
+        ("groupEnd",), ("record", "comm")]
+    fake.log.clear()
+    received = pending.wait()
+    assert fake.log == [("wait_event", "compute", "event-comm-2")]           # work after wait() sees the data
+    assert [r.shape for r in received] == [k.shape, v.shape] and received[0].dtype == k.dtype
+
+
+def test_nccl_from_env_selects_the_device_and_joins_with_the_shared_id(monkeypatch, tmp_path):
+    fake = FakeCupy()
+    fake.install(monkeypatch)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    env = {"RAWFLASH_RANK": "0", "RAWFLASH_WORLD_SIZE": "4", "RAWFLASH_DEVICE": "2",
+           "RAWFLASH_NCCL_ID_FILE": str(tmp_path / "id.json")}
+    comm = NcclComm.from_env(env)
+    assert (comm.rank, comm.world_size, comm.device) == (0, 4, 2)
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert fake.log[0] == ("use", 2) and ("init", 4, b"\x07" * 128, 0) in fake.log
+    assert comm_mod.exchange_unique_id(1, tmp_path / "id.json", lambda: None, timeout=1) == b"\x07" * 128
 
 
 # ---------------------------------------------------------------- LocalRing
