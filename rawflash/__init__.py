@@ -3,8 +3,8 @@
 Exact attention, forward and backward, as raw CUDA C kernels compiled by CuPy at first use, with Numba twins,
 a float64 NumPy reference and a command line that shows what every launch does.
 """
-from . import reference
+from . import combine, distributed, reference
 from .api import attention, backward, forward, vjp
 
 __version__ = "0.1.0"
-__all__ = ["forward", "backward", "attention", "vjp", "reference", "__version__"]
+__all__ = ["forward", "backward", "attention", "vjp", "reference", "combine", "distributed", "__version__"]
