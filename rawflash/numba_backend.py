@@ -347,3 +347,69 @@ def _simulated_launch(kernel, grid, threads: int):
         if report:
             report("done", {"kernel": name, "elapsed_s": time.perf_counter() - state["t0"]})
 
+
+# ---------------------------------------------------------------- what the twins launch, without launching
+@dataclasses.dataclass(frozen=True)
+class TwinLaunch:
+    """One launch of a Numba twin: grid and tiles from ``launch.py``, CTA size and (float32) shared memory from the
+    twin module, exactly as ``forward`` and ``backward`` pass them to ``run``."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+    config: launch.TileConfig | None = None
+
+    @property
+    def ctas(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+def twin_launches(p: Problem, kernel: str = "fa2", direction: str = "fwd", deterministic: bool = False,
+                  **switches) -> list[TwinLaunch]:
+    """Every launch ``forward`` (direction 'fwd'), ``backward`` ('bwd') or both ('both') make for the caller's
+    problem ``p``, in order; nothing is allocated or run, and no GPU is needed.
+
+    Follows ``prepare`` (head_dim rounded up as for the CUDA C, the problem's arch unchanged) and the launch code
+    above; tests/test_simulator.py checks it against the launches the simulator records.
+    """
+    pr = dataclasses.replace(p, head_dim=run_head_dim(p.head_dim))
+    d = pr.padded_head_dim
+    out: list[TwinLaunch] = []
+
+    def add(name, lau, threads, smem):
+        out.append(TwinLaunch(name, tuple(lau.grid), int(threads), int(smem), lau.config))
+
+    if direction in ("fwd", "both"):
+        if kernel == "fa2":
+            if switches.get("wgmma"):
+                raise ValueError("wgmma=True: the warpgroup kernel has no Numba twin; use backend='cupy'")
+            ideas = {k: v for k, v in switches.items() if k in SWITCHES}
+            sw = {**SWITCHES, **ideas}
+            lau = launch.fa2_fwd(pr, **ideas, wgmma=False)
+            c = lau.config
+            add("fa2_fwd", lau, fa2_fwd.threads(c.br, c.warps, sw["split_q"]),
+                fa2_fwd.smem_bytes(c.br, c.bc, c.warps, d, sw["split_q"]))
+        elif kernel == "fa1":
+            lau = launch.fa1_fwd(pr)
+            c = lau.config
+            add("fa1_fwd", lau, fa1_fwd.threads(c.br, c.warps), fa1_fwd.smem_bytes(c.br, c.bc, c.warps, d))
+            fin = launch.fa1_finalize(pr)
+            add("fa1_finalize", fin, fin.block[0], 0)
+        else:
+            raise NotImplementedError(f"kernel={kernel!r} has no Numba twin (only 'fa2' and 'fa1' do)")
+    if direction in ("bwd", "both"):
+        pre = launch.fa2_bwd_preprocess(pr)
+        add("fa2_bwd_preprocess", pre, pre.block[0], 0)
+        atomic = not deterministic
+        lau = launch.fa2_bwd(pr, atomic_dq=atomic, wgmma=False)
+        c = lau.config
+        add("fa2_bwd", lau, fa2_bwd.threads(c.bc), fa2_bwd.smem_bytes(c.br, c.bc, d, atomic))
+        if deterministic:
+            dq = launch.fa2_bwd_dq(pr)
+            c = dq.config
+            add("fa2_bwd_dq", dq, fa2_bwd.threads_dq(c.br), fa2_bwd.smem_bytes_dq(c.br, c.bc, d))
+        else:
+            conv = launch.fa2_bwd_convert_dq(pr)
+            add("fa2_bwd_convert_dq", conv, conv.block[0], 0)
+    return out

@@ -1,6 +1,6 @@
 """The Numba backend on Numba's CUDA simulator, each check in a child process of its own (the simulator is chosen
 when numba is first imported): the tiny backward's time is bounded, device calls skip the simulator's module lock,
-and progress is reported per CTA.
+``numba_backend.twin_launches`` lists exactly what the backend launches, and progress is reported per CTA.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_tiny_bfloat16_backward_time_is_bounded():
     assert all(t < TINY_BACKWARD_BOUND_S for t in got["times"]), got
 
 
-def test_launches_skip_the_module_lock_and_report_progress():
+def test_launches_skip_the_module_lock_and_match_twin_launches():
     got = _child(PRELUDE + """
     from numba.cuda.simulator import kernel as sim
     from rawflash.numba_kernels import common
@@ -91,7 +91,10 @@ def test_launches_skip_the_module_lock_and_report_progress():
         out, lse = numba_backend.forward(c.problem, q, k, v, c.scale, kernel, **sw)
         if not sw:
             numba_backend.backward(c.problem, dout, q, k, v, out, lse, c.scale, det)
-        cases.append({"recorded": recorded[:], "ctas": [g[0] * g[1] * g[2] for _, g, _, _ in recorded]})
+        want = numba_backend.twin_launches(c.problem, kernel, "fwd" if sw else "both", det, **sw)
+        cases.append({"recorded": recorded[:],
+                      "listed": [[t.kernel, list(t.grid), t.threads, t.smem] for t in want],
+                      "ctas": [t.ctas for t in want]})
     restored = sim.swapped_cuda_module is counting_swap and common.cuda is __import__("numba").cuda
     try:  # a kernel that fails inside a simulated thread still restores everything
         numba_backend.run(numba_backend.fa2_bwd.fa2_bwd_convert_dq, (1, 1, 1), 32, 0,
@@ -105,6 +108,8 @@ def test_launches_skip_the_module_lock_and_report_progress():
     """)
     assert got["calls"]["numba swap"] == 0, "device calls of the twins went through the simulator's locked swap"
     assert got["restored"] and got["raised"] and got["restored_after_error"]
+    for case in got["cases"]:
+        assert case["recorded"] == case["listed"]
     events = got["events"]
     starts = [e for e in events if e[0] == "start"]
     assert len(starts) == sum(len(c["recorded"]) for c in got["cases"]) + 1  # + the failing launch
