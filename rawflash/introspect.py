@@ -278,7 +278,7 @@ def fit_problem(smem: int, arch: str) -> str | None:
         return f"no occupancy rules for {arch} (rawflash.occupancy knows {', '.join(sorted(occupancy.ARCHS))})"
     if smem > limits.smem_per_block_optin:
         return (f"does not fit: {smem / 1024:.1f} KB of shared memory per CTA, {arch} allows "
-                f"{limits.smem_per_block_optin / 1024:.0f} KB: the call is refused before launch")
+                f"{limits.smem_per_block_optin / 1024:.0f} KB: not launched, the call raises ValueError")
     return None
 
 
