@@ -493,8 +493,11 @@ def _duration(seconds: float) -> str:
 
 
 def _simulator_progress(callback) -> None:
-    from . import numba_backend
-
+    """Set (or clear) the Numba backend's progress callback; nothing to do when it could not be imported."""
+    try:
+        from . import numba_backend
+    except ImportError:
+        return
     numba_backend.simulator_progress = callback
 
 

@@ -315,3 +315,19 @@ def test_python_m_rawflash_runs_the_command_line():
     assert done.returncode == 0 and "Usage: rawflash" in done.stdout and "launch-config" in done.stdout
     done = _child_cli("explain", "--heads", "6", "--kv-heads", "4", sim=False)
     assert done.returncode == 2
+
+
+def test_check_numba_without_numba_says_how_to_install_it():
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'numba' or name.startswith('numba.'):\n"
+            "            raise ModuleNotFoundError(\"No module named 'numba'\")\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "from rawflash import cli\n"
+            "cli.main(['check', '--backend', 'numba', '--json'])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=sysinfo.child_env(),
+                          timeout=120)
+    report = json.loads(done.stdout)
+    assert done.returncode == 1 and report["exit_code"] == 1, done.stdout + done.stderr
+    assert "No module named 'numba'" in report["error"] and "pip install 'rawflash[numba]'" in report["error"]
