@@ -1,10 +1,17 @@
 """The ``rawflash`` command line: what every launch does, and how fast it is.
 
-Commands stay short: the numbers come from ``introspect`` (launches, occupancy, bytes, dry runs), ``sysinfo``,
-``variants``, ``accuracy``, ``ablation``, ``demo`` and ``bench``; every report is a dict that prints either as text
-(``report.render``) or, with ``--json``, as JSON. Bad options exit with status 2 and a message naming the option;
-a refused call, a failed check or a missing GPU exit with status 1 and a message, never a traceback
-(``RAWFLASH_DEBUG=1`` shows the traceback of an unexpected error).
+Commands stay short: the numbers come from ``introspect`` (targets, launches, occupancy, bytes, dry runs),
+``sysinfo``, ``variants``, ``accuracy``, ``ablation``, ``demo`` and ``bench``; every report is a dict that prints
+either as text (``report.render``) or, with ``--json``, as JSON.
+
+One vocabulary: ``--gpu`` names the target everywhere a target matters (an arch, or a GPU model that implies its
+arch, SM count, shared memory and peaks), the shape options are the same on every command that takes a shape,
+``--causal/--no-causal`` is the mask everywhere, and every command takes ``--json``.
+
+Exit status: 0 done; 1 it ran but failed (a grade failed, the driver disagreed) or cannot run here (no GPU, a
+backend or tool missing); 2 invalid input (a bad option, or a call the API would refuse). Messages name the
+option, never show a traceback (``RAWFLASH_DEBUG=1`` shows the traceback of an unexpected error), and with
+``--json`` errors are JSON too: ``{"error": ..., "exit_code": ...}`` on stdout.
 """
 from __future__ import annotations
 
@@ -14,19 +21,27 @@ import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
 
-from . import accuracy, configs, introspect, iomodel, launch, occupancy, registry, settings, sysinfo, validation
+from . import _compile, accuracy, configs, forms, introspect, launch, registry, settings, sysinfo, validation
 from . import bench as bench_mod
 from . import report as report_mod
 
 DIRECTIONS = click.Choice(["fwd", "bwd", "both"])
+EXIT_FAILED = 1
+EXIT_INVALID = 2  # what click gives a bad option (click.UsageError.exit_code)
+SIMULATOR_SHAPE = dict(batch=1, seqlen_q=32, heads=2, head_dim=32)
+"""``check --backend numba`` without a GPU: a shape Numba's CPU simulator finishes in seconds."""
+SIMULATOR_WARN_S = 30.0
+"""Warn (with the estimate) before a simulator run estimated to take longer than this."""
 
 
 class _Group(click.Group):
-    """Turns an unexpected exception into a one-line error (exit 1) unless RAWFLASH_DEBUG is set."""
+    """Turns an unexpected exception into a one-line error (exit 1) unless RAWFLASH_DEBUG is set, and prints
+    every error as JSON when the command line has ``--json``."""
 
     def invoke(self, ctx):
         try:
@@ -38,25 +53,61 @@ class _Group(click.Group):
                 raise
             raise click.ClickException(f"{type(err).__name__}: {err}\n(set RAWFLASH_DEBUG=1 for the traceback)")
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        if not standalone_mode or "--json" not in argv:
+            return super().main(args=argv, prog_name=prog_name, complete_var=complete_var,
+                                standalone_mode=standalone_mode, **extra)
+        try:
+            code = super().main(args=argv, prog_name=prog_name, complete_var=complete_var, standalone_mode=False,
+                                **extra)
+        except click.ClickException as err:
+            command = next((a for a in argv if not a.startswith("-")), "")
+            click.echo(json.dumps({"error": err.format_message(), "exit_code": err.exit_code, "command": command},
+                                  indent=1))
+            sys.exit(err.exit_code)
+        except click.Abort:
+            click.echo(json.dumps({"error": "aborted", "exit_code": EXIT_FAILED}))
+            sys.exit(EXIT_FAILED)
+        sys.exit(code if isinstance(code, int) else 0)
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="Exit status: 0 done, 1 failed or cannot run here, 2 invalid input. Every command takes --json "
+                    "(errors too); --gpu names the target (an arch or a GPU model) wherever one matters.")
 @click.version_option(package_name="rawflash")
 def main():
     """rawflash: FlashAttention as raw CUDA C kernels, with the numbers that explain them."""
+    _compile.progress = _step  # slow compiles say so on stderr
 
 
 # ---------------------------------------------------------------- shared options and helpers
+SHAPE_NAMES = ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "head_dim", "dtype", "causal")
+
+
 def shape_options(batch=4, seqlen=2048, heads=16, head_dim=128, dtype="bfloat16", causal=False, kernel=False,
-                  backend=False, min_size=1):
-    """The shape of a call as options; the command receives them as one ``spec`` (an ``introspect.ShapeSpec``)."""
+                  backend=False, min_size=1, simulator=None):
+    """The shape of a call as options; the command receives them as one ``spec`` (an ``introspect.ShapeSpec``).
+
+    ``simulator``: other defaults for batch, seqlen_q, heads and head_dim when the command runs ``--backend numba``
+    on Numba's CPU simulator (no GPU); options the user gives always win.
+    """
     size = click.IntRange(min=min_size)
+    defaults = dict(batch=batch, seqlen_q=seqlen, heads=heads, head_dim=head_dim)
+
+    def shown(name):
+        if simulator:
+            return dict(default=None, help=f"[default: {defaults[name]}; {simulator[name]} with --backend numba and "
+                                           "no GPU]")
+        return dict(default=defaults[name], show_default=True)
+
     options = [
-        click.option("--batch", type=size, default=batch, show_default=True, help="Batch size."),
-        click.option("--seqlen-q", type=size, default=seqlen, show_default=True, help="Query length."),
+        click.option("--batch", type=size, **shown("batch")),
+        click.option("--seqlen-q", type=size, **shown("seqlen_q")),
         click.option("--seqlen-k", type=size, default=None, help="Key length  [default: --seqlen-q]"),
-        click.option("--heads", type=size, default=heads, show_default=True, help="Query heads."),
+        click.option("--heads", type=size, **shown("heads")),
         click.option("--kv-heads", type=size, default=None, help="Key/value heads (GQA/MQA)  [default: --heads]"),
-        click.option("--head-dim", type=click.IntRange(min=1), default=head_dim, show_default=True),
+        click.option("--head-dim", type=click.IntRange(min=1), **shown("head_dim")),
         click.option("--dtype", type=click.Choice(configs.DTYPES), default=dtype, show_default=True),
         click.option("--causal/--no-causal", default=causal, show_default=True,
                      help="Bottom-right aligned causal mask."),
@@ -67,13 +118,17 @@ def shape_options(batch=4, seqlen=2048, heads=16, head_dim=128, dtype="bfloat16"
     if backend:
         options.append(click.option("--backend", type=click.Choice(validation.BACKENDS), default="cupy",
                                     show_default=True))
-    names = ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "head_dim", "dtype", "causal")
 
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(**kw):
-            spec = introspect.ShapeSpec(**{n: kw.pop(n) for n in names})
-            return fn(spec=spec, **kw)
+            values = {n: kw.pop(n) for n in SHAPE_NAMES}
+            if simulator:
+                on_simulator = kw.get("backend") == "numba" and not sysinfo.gpu_available()
+                for name, value in (simulator if on_simulator else defaults).items():
+                    if values[name] is None:
+                        values[name] = value
+            return fn(spec=introspect.ShapeSpec(**values), **kw)
 
         for option in reversed(options):
             wrapper = option(wrapper)
@@ -82,19 +137,61 @@ def shape_options(batch=4, seqlen=2048, heads=16, head_dim=128, dtype="bfloat16"
     return decorate
 
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the report (or the error) as JSON.")
 
 
-def target_options(fn):
-    """--arch (compile offline for it) and --sms (SMs for wave counts)."""
-    fn = click.option("--sms", type=click.IntRange(min=1), default=None,
-                      help="SMs for wave counts  [default: the GPU's, else 132 (H200)]")(fn)
-    return click.option("--arch", type=click.Choice(sorted(occupancy.ARCHS)), default=None,
-                        help="Compile offline with NVRTC for this target  [default: the GPU, else sm_90]")(fn)
+def target_options(sms: bool = False):
+    """--gpu (the target: an arch or a GPU model), the hidden deprecated --arch, and --sms where waves are counted."""
+
+    def decorate(fn):
+        if sms:
+            fn = click.option("--sms", type=click.IntRange(min=1), default=None,
+                              help="SMs for wave counts  [default: the target's]")(fn)
+        else:
+            fn = _no_sms(fn)
+        fn = click.option("--arch", type=click.Choice(sorted(introspect.occupancy.ARCHS)), default=None, hidden=True,
+                          help="Deprecated: use --gpu.")(fn)
+        return click.option("--gpu", type=click.Choice(introspect.target_names(), case_sensitive=False),
+                            default=None, metavar="GPU",
+                            help="Target: an arch (" + ", ".join(sorted(introspect.occupancy.ARCHS)) + ") or a model ("
+                                 + ", ".join(introspect.MODELS) + "), which sets its arch, SMs, shared memory and "
+                                 "peaks  [default: the GPU here, else H200]")(fn)
+
+    return decorate
+
+
+def _no_sms(fn):
+    @functools.wraps(fn)
+    def wrapper(**kw):
+        return fn(sms=None, **kw)
+
+    return wrapper
+
+
+def _target(gpu: str | None, arch: str | None, sms: int | None) -> introspect.Target:
+    if arch is not None:
+        _step("warning: --arch is deprecated; use --gpu (it takes an arch or a GPU model)")
+        if gpu is not None and gpu != arch:
+            raise click.UsageError(f"--arch {arch} and --gpu {gpu} disagree: give --gpu only")
+        gpu = arch
+    return introspect.target(gpu, sms)
 
 
 def _emit(report: dict, as_json: bool, hide: tuple[str, ...] = ()) -> None:
-    click.echo(json.dumps(report, indent=1, default=str) if as_json else report_mod.render(report, hide))
+    if as_json:
+        click.echo(json.dumps(report, indent=1, default=str))
+    else:
+        click.echo(report_mod.render(_blank_notes(report), hide))
+
+
+def _blank_notes(value):
+    """For text: a table row without a note prints an empty note cell, not '-' (which means 'no value, see note')."""
+    if isinstance(value, dict):
+        return {k: _blank_notes(v) for k, v in value.items()}
+    if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
+        if any("note" in r for r in value):
+            return [{**r, "note": r.get("note", "")} for r in value]
+    return value
 
 
 def _step(message: str) -> None:
@@ -103,7 +200,7 @@ def _step(message: str) -> None:
 
 def _problem(spec: introspect.ShapeSpec, arch: str | None = None, **call) -> launch.Problem:
     """The validated problem (for ``arch``'s tile rows and kernels when given), or the API's own error message as a
-    usage error."""
+    usage error (exit 2)."""
     try:
         p = introspect.validate(spec, **call).problem
     except (TypeError, ValueError) as err:
@@ -140,20 +237,36 @@ def _csv_ints(ctx, param, text: str) -> list[int]:
     return values
 
 
+def _causal_modes(causal: bool | None) -> list[bool]:
+    return [False, True] if causal is None else [causal]
+
+
+def _grade_notes(rows: list[dict]) -> list[dict]:
+    for r in rows:
+        if r.get("ratio") is None:
+            introspect.add_note(r, "ratio: the same-precision baseline's error is 0")
+    return rows
+
+
 # ---------------------------------------------------------------- info, list
 @main.command()
 @json_option
 def info(as_json):
-    """GPUs, CUDA driver / runtime / NVRTC, library versions and the kernel cache."""
+    """GPUs, CUDA driver / runtime / NVRTC, library versions, the kernel cache and the compile-report cache."""
     _emit(sysinfo.summary(), as_json)
 
 
 @main.command("list")
+@target_options()
 @json_option
-def list_(as_json):
-    """The variant registry and the tile table (configs.TABLE)."""
-    _emit({"variants": {v.name: _variant_entry(v) for v in registry.REGISTRY.values()},
-           "tiles": _tile_rows()}, as_json)
+def list_(gpu, arch, sms, as_json):
+    """The variant registry, the tile rows the target uses, and which calls have no tile that fits it."""
+    tgt = _target(gpu, arch, sms)
+    _emit({"target": tgt.description,
+           "variants": {v.name: _variant_entry(v) for v in registry.REGISTRY.values()},
+           "tiles": _tile_rows(tgt.arch),
+           f"no tile fits {tgt.arch}'s shared memory for": introspect.unfit_summary(tgt.arch)
+           if tgt.arch in introspect.occupancy.ARCHS else "unknown (no occupancy rules for this arch)"}, as_json)
 
 
 def _variant_entry(v: registry.Variant) -> dict:
@@ -165,10 +278,14 @@ def _variant_entry(v: registry.Variant) -> dict:
             "numba twin": f"{v.numba_factory} in {v.numba_module}" + ("" if v.has_numba_twin() else " (absent)")}
 
 
-def _tile_rows() -> list[dict]:
-    """configs.TABLE with rows that differ only in head_dim or dtype merged."""
+def _tile_rows(arch: str) -> list[dict]:
+    """The rows of configs.TABLE as ``arch`` reads them (configs.tile_config; the wgmma rows on sm_90 only), with
+    rows that differ only in head_dim or dtype merged."""
     merged: dict = {}
-    for (kernel, d, dtype), cfg in configs.TABLE.items():
+    for (kernel, d, dtype) in configs.TABLE:
+        if kernel.endswith("_sm90") and arch != "sm_90":
+            continue
+        cfg = configs.tile_config(kernel, d, dtype, arch)
         merged.setdefault((kernel, cfg, dtype), []).append(d)
     rows: dict = {}
     for (kernel, cfg, dtype), dims in merged.items():
@@ -186,13 +303,16 @@ def _tile_rows() -> list[dict]:
 @shape_options(kernel=True)
 @click.option("--direction", type=DIRECTIONS, default="fwd", show_default=True)
 @click.option("--deterministic", is_flag=True, help="Backward without atomics (adds the fa2_bwd_dq pass).")
-@target_options
+@target_options(sms=True)
 @json_option
-def launch_config(spec, kernel, direction, deterministic, arch, sms, as_json):
-    """Every launch of a call: instantiation, tiles, grid, block, shared memory, CTAs, skipped tiles and waves."""
-    tgt = introspect.target(arch, sms)
+def launch_config(spec, kernel, direction, deterministic, gpu, arch, sms, as_json):
+    """Every launch of a call on the target: instantiation, tiles, grid, block, shared memory, CTAs, skipped tiles
+    and waves."""
+    tgt = _target(gpu, arch, sms)
     p = _problem(spec, tgt.arch, kernel=kernel, direction=direction, deterministic=deterministic)
-    rows = introspect.launch_config_rows(p, kernel, direction, deterministic, tgt)
+    launches = introspect.launches(p, kernel, direction, deterministic)
+    rows = _rows_with_progress(launches, lambda dl: introspect.launch_config_row(p, *dl, tgt), "compiling",
+                               lambda dl: dl and dl[1].kernel)
     _emit({"shape": _shape_text(p), "target": tgt.description, "launches": rows,
            "notes": ["tiles, skipped: (Q block, K block) tiles over all (batch, head), causal skipping from iomodel",
                      "ctas_per_sm: rawflash.occupancy with the compiled register count; waves = CTAs / (ctas_per_sm "
@@ -205,13 +325,15 @@ def launch_config(spec, kernel, direction, deterministic, arch, sms, as_json):
 @click.option("--direction", type=DIRECTIONS, default="fwd", show_default=True)
 @click.option("--deterministic", is_flag=True, help="Backward without atomics (adds the fa2_bwd_dq pass).")
 @click.option("--all", "every", is_flag=True,
-              help="Every instantiation of the tile table for --dtype and --causal/--no-causal (shape ignored).")
-@target_options
+              help="Every instantiation of the target's tile rows for --dtype and --causal/--no-causal (shape "
+                   "ignored).")
+@target_options()
 @json_option
 @click.pass_context
-def occupancy_cmd(ctx, spec, kernel, direction, deterministic, every, arch, sms, as_json):
-    """Registers, shared memory, spills and resident CTAs per SM; on a GPU, the driver's count beside ours."""
-    tgt = introspect.target(arch, sms)
+def occupancy_cmd(ctx, spec, kernel, direction, deterministic, every, gpu, arch, sms, as_json):
+    """Registers, shared memory, spills and resident CTAs per SM on the target; on a GPU, the driver's count beside
+    ours."""
+    tgt = _target(gpu, arch, sms)
     if every:
         launches = introspect.instantiations(spec.dtype, spec.causal, tgt.arch)
         what = f"every {spec.dtype} {'causal' if spec.causal else 'non-causal'} instantiation"
@@ -224,38 +346,35 @@ def occupancy_cmd(ctx, spec, kernel, direction, deterministic, every, arch, sms,
     checks = introspect.occupancy_checks(rows, tgt)
     _emit({"for": what, "target": tgt.description, "occupancy": rows, "checks": checks}, as_json)
     if checks.get("calculator != driver", "none") != "none":
-        ctx.exit(1)
+        ctx.exit(EXIT_FAILED)
 
 
 # ---------------------------------------------------------------- io, explain
 @main.command("io")
 @shape_options()
-@click.option("--gpu", type=click.Choice(list(iomodel.GPUS)), default=None,
-              help="Peaks for the roofline  [default: the current GPU, else H200]")
+@target_options()
 @click.option("--measure", is_flag=True, help="Also measure DRAM bytes with ncu (GPU and ncu needed).")
 @click.option("--breakdown", is_flag=True, help="Print each term of the byte counts.")
 @json_option
 @click.pass_context
-def io_cmd(ctx, spec, gpu, measure, breakdown, as_json):
-    """Predicted HBM bytes, FLOPs, intensity and roofline bound of naive, fa1 and fa2, forward and backward."""
-    p = _problem(spec)
-    try:
-        key, why = introspect.roofline_gpu(gpu)
-    except ValueError as err:
-        raise click.UsageError(str(err))
-    rows = introspect.io_rows(p, key)
+def io_cmd(ctx, spec, gpu, arch, sms, measure, breakdown, as_json):
+    """Predicted HBM bytes, FLOPs, intensity and roofline bound of naive, fa1 and fa2, forward and backward, with
+    the tiles they run with on the target."""
+    tgt = _target(gpu, arch, sms)
+    p = _problem(spec, tgt.arch)
+    rows = introspect.io_rows(p, tgt)
     problem = _measure(p, rows) if measure else None
-    peak = iomodel.GPUS[key]
-    report = {"shape": _shape_text(p), "io": rows,
-              "roofline": f"{key} ({why}): {peak.tensor_tflops:g} TFLOP/s tensor, {peak.fp32_tflops:g} float32, "
-                          f"{peak.hbm_tbps:g} TB/s; caches are not modelled, so a kernel may beat the bound"}
+    report = {"shape": _shape_text(p), "target": tgt.description, "io": rows, "roofline": introspect.roofline_note(tgt)}
+    if tgt.peaks is not None:
+        report["peaks"] = (f"{tgt.peaks.tensor_tflops:g} TFLOP/s tensor, {tgt.peaks.fp32_tflops:g} float32, "
+                           f"{tgt.peaks.hbm_tbps:g} TB/s")
     if breakdown:
         report["breakdown (bytes)"] = {f"{r['kernel']} {r['dir']}": r["breakdown_bytes"] for r in rows}
     if problem:
         report["measure"] = f"not measured: {problem}"
     _emit(report, as_json, hide=("breakdown_bytes",))
     if problem:
-        ctx.exit(1)
+        ctx.exit(EXIT_FAILED)
 
 
 def _measure(p: launch.Problem, rows: list[dict]) -> str | None:
@@ -274,6 +393,9 @@ def _measure(p: launch.Problem, rows: list[dict]) -> str | None:
         row.update(measured_read_MB=got["read_bytes"] / 1e6, measured_write_MB=got["write_bytes"] / 1e6,
                    measured_over_predicted=(got["read_bytes"] + got["write_bytes"]) /
                    ((row["read_MB"] + row["write_MB"]) * 1e6))
+    for row in rows:
+        if "measured_read_MB" not in row:
+            introspect.add_note(row, "not measured: rawflash does not run it")
     return None
 
 
@@ -282,35 +404,37 @@ def _measure(p: launch.Problem, rows: list[dict]) -> str | None:
 @click.option("--scale", type=float, default=None, help="Softmax scale  [default: 1/sqrt(head_dim)]")
 @click.option("--direction", type=DIRECTIONS, default="both", show_default=True)
 @click.option("--deterministic", is_flag=True)
-@click.option("--gpu", type=click.Choice(list(iomodel.GPUS)), default=None,
-              help="Peaks for the time bound  [default: the current GPU, else H200]")
+@target_options()
 @json_option
 @click.pass_context
-def explain(ctx, spec, kernel, backend, scale, direction, deterministic, gpu, as_json):
-    """Dry run of a call: the API's verdict (or its exact error), variant, launches, bytes, time bound.
+def explain(ctx, spec, kernel, backend, scale, direction, deterministic, gpu, arch, sms, as_json):
+    """Dry run of a call on the target: the API's verdict (or its exact error), variant, launches (the CUDA C
+    kernels', the Numba twins' with --backend numba, none with --backend reference), bytes, time bound.
 
-    Nothing is launched and no GPU is needed. Exits 1 when the API would refuse the call.
+    Nothing is launched and no GPU is needed. Exits 2 when the API would refuse the call.
     """
-    try:
-        report = introspect.explain(spec, kernel=kernel, backend=backend, scale=scale, direction=direction,
-                                    deterministic=deterministic, gpu=gpu)
-    except ValueError as err:  # no roofline for the current GPU
-        raise click.UsageError(str(err))
+    tgt = _target(gpu, arch, sms)
+    report = introspect.explain(spec, kernel=kernel, backend=backend, scale=scale, direction=direction,
+                                deterministic=deterministic, tgt=tgt)
     _emit(report, as_json)
     if not report["valid"]:
-        ctx.exit(1)
+        ctx.exit(EXIT_INVALID)
 
 
 # ---------------------------------------------------------------- check, ablate, demo
 @main.command()
-@shape_options(batch=1, seqlen=256, heads=4, head_dim=64, kernel=True, backend=True)
+@shape_options(batch=1, seqlen=256, heads=4, head_dim=64, kernel=True, backend=True, simulator=SIMULATOR_SHAPE)
 @click.option("--scale", type=float, default=None, help="Softmax scale  [default: 1/sqrt(head_dim)]")
 @click.option("--deterministic", is_flag=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @json_option
 @click.pass_context
 def check(ctx, spec, kernel, backend, scale, deterministic, seed, as_json):
-    """Run forward and backward on this shape and grade out, lse, dq, dk, dv against the float64 reference."""
+    """Run forward and backward on this shape and grade out, lse, dq, dk, dv against the float64 reference.
+
+    Without a GPU, --backend reference runs NumPy and --backend numba the Numba twins on Numba's CPU simulator (a
+    smaller default shape; a larger one is estimated and warned about first).
+    """
     p = _problem(spec, kernel=kernel, backend=backend, scale=scale, direction="both", deterministic=deterministic)
     if accuracy.reference_bytes(p) > accuracy.REFERENCE_BUDGET:
         raise click.UsageError(f"the float64 reference of this shape needs about "
@@ -320,29 +444,95 @@ def check(ctx, spec, kernel, backend, scale, deterministic, seed, as_json):
     except accuracy.Unavailable as err:
         raise click.ClickException(str(err))
     _step(where)
+    simulated = backend == "numba" and not sysinfo.gpu_available()
+    estimate = _simulator_preflight(p, kernel, deterministic) if simulated else None
     try:
         rows = accuracy.check(p, kernel=kernel, backend=backend, scale=scale, deterministic=deterministic, seed=seed,
                               step=_step)
     except ImportError as err:
-        raise click.ClickException(f"backend {backend!r} could not be loaded: {err}")
+        raise click.ClickException(f"backend {backend!r} could not be loaded: {err}; install it with "
+                                   "pip install 'rawflash[numba]' (from a clone: pip install -e '.[numba]')")
+    finally:
+        if simulated:
+            _simulator_progress(None)
     ok = all(r["ok"] for r in rows)
-    _emit({"ran": where, "shape": _shape_text(p), "forward kernel": kernel, "backward": "fa2", "grades": rows,
-           "rule": "max|ours - ref| <= factor * max|base - ref| + floor (flash-attn's; base = naive attention in "
-                   "the input precision)", "verdict": "passed" if ok else "FAILED"}, as_json, hide=("ok",))
+    report = {"ran": where, "shape": _shape_text(p), "forward kernel": kernel, "backward": "fa2",
+              "grades": _grade_notes(rows),
+              "rule": "max|ours - ref| <= factor * max|base - ref| + floor (flash-attn's; base = naive attention in "
+                      "the input precision)", "verdict": "passed" if ok else "FAILED"}
+    if estimate is not None:
+        report["simulator estimate"] = f"{estimate:.0f} s"
+    _emit(report, as_json, hide=("ok",))
     if not ok:
-        ctx.exit(1)
+        ctx.exit(EXIT_FAILED)
+
+
+def _simulator_preflight(p: launch.Problem, kernel: str, deterministic: bool) -> float | None:
+    """Estimate the simulator's time (warn when long) and switch its per-launch progress lines on."""
+    try:
+        estimate = introspect.simulator_seconds(p, kernel, deterministic)
+    except ImportError:  # numba missing: accuracy.check says so
+        return None
+    if estimate > SIMULATOR_WARN_S:
+        default = introspect.ShapeSpec(**SIMULATOR_SHAPE, seqlen_k=None, kv_heads=None, dtype=p.dtype,
+                                       causal=p.causal)
+        base = introspect.simulator_seconds(_problem(default), kernel, deterministic)
+        _step(f"warning: Numba's CPU simulator needs about {_duration(estimate)} for this shape (estimated from its "
+              f"threads and products; the default --backend numba shape takes about {_duration(base)}); Ctrl-C "
+              "stops it")
+    else:
+        _step(f"simulator: about {_duration(estimate)} (estimate)")
+    _simulator_progress(_SimulatorProgress())
+    return estimate
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _simulator_progress(callback) -> None:
+    """Set (or clear) the Numba backend's progress callback; nothing to do when it could not be imported."""
+    try:
+        from . import numba_backend
+    except ImportError:
+        return
+    numba_backend.simulator_progress = callback
+
+
+class _SimulatorProgress:
+    """Lines on stderr while the simulator runs: each launch, its CTAs every few seconds, and its time."""
+
+    EVERY_S = 5.0
+
+    def __init__(self):
+        self.last = 0.0
+
+    def __call__(self, event: str, info: dict) -> None:
+        now = time.perf_counter()
+        if event == "start":
+            self.last = now
+            _step(f"  simulating {info['kernel']}: {info['ctas']} CTA(s) of {info['threads']} threads")
+        elif event == "cta" and now - self.last >= self.EVERY_S and info["done"] < info["ctas"]:
+            self.last = now
+            _step(f"    {info['kernel']}: {info['done']}/{info['ctas']} CTAs after {info['elapsed_s']:.0f} s")
+        elif event == "done":
+            _step(f"    {info['kernel']}: {info['elapsed_s']:.1f} s")
 
 
 @main.command()
 @click.option("--dtype", type=click.Choice(configs.DTYPES), default="bfloat16", show_default=True)
 @click.option("--head-dims", default="64,128", show_default=True, callback=_csv_ints)
 @click.option("--seqlens", default="1024,4096", show_default=True, callback=_csv_ints)
-@click.option("--causal/--no-causal", default=False, show_default=True)
+@click.option("--causal/--no-causal", default=False, show_default=True, help="Bottom-right aligned causal mask.")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench/results", show_default=True)
 @json_option
 def ablate(dtype, head_dims, seqlens, causal, repeats, out_dir, as_json):
-    """FA2 forward with each of its three ideas off alone, and all three off (B = 16384/N, H = 2048/d)."""
+    """FA2 forward with each of its three ideas off alone, and all three off (B = 16384/N, H = 2048/d). GPU only."""
     from . import ablation
 
     cases = ablation.cases(dtype, head_dims, seqlens, causal)
@@ -353,23 +543,36 @@ def ablate(dtype, head_dims, seqlens, causal, repeats, out_dir, as_json):
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablation.json").write_text(json.dumps(rows, indent=1))
     plot = ablation.plot(rows, out / "ablation.png")
+    for r in rows:
+        if r["ms"] is None:
+            introspect.add_note(r, f"not timed: {r['status']}")
+        elif r["x_fa2"] is None:
+            introspect.add_note(r, "x_fa2: full fa2 was not timed at this shape")
     _emit({"ablation": rows, "wrote": [str(out / "ablation.json"),
                                         str(plot) if plot else "no plot: matplotlib is not installed"]}, as_json)
 
 
 @main.command()
+@target_options()
 @json_option
 @click.pass_context
-def demo(ctx, as_json):
+def demo(ctx, gpu, arch, sms, as_json):
     """Forward and backward checked and timed on a GPU; without one, the Numba twins on the CPU simulator and the
-    sm_90 launch and occupancy report from an offline compile."""
+    launch and occupancy report from an offline compile for the target (--gpu, default H200)."""
     from . import demo as demo_mod
 
-    run = demo_mod.gpu_demo if sysinfo.gpu_available() else demo_mod.cpu_demo
-    report, ok = run(_step)
+    if sysinfo.gpu_available():
+        if gpu or arch:
+            _step("note: --gpu only chooses the offline report's target without a GPU; this runs on the GPU here")
+        report, ok = demo_mod.gpu_demo(_step)
+    else:
+        report, ok = demo_mod.cpu_demo(_step, _target(gpu, arch, sms))
+    for key in ("grades", "simulator grades"):
+        if key in report:
+            _grade_notes(report[key])
     _emit(report, as_json, hide=("ok",))
     if not ok:
-        ctx.exit(1)
+        ctx.exit(EXIT_FAILED)
 
 
 # ---------------------------------------------------------------- bench
@@ -381,23 +584,28 @@ def demo(ctx, as_json):
               default=("bfloat16",))
 @click.option("--head-dims", default="64,128,256", show_default=True, callback=_csv_ints)
 @click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True, callback=_csv_ints)
-@click.option("--causal", "causal_modes", multiple=True, type=click.Choice(["no", "yes"]), default=("no", "yes"))
-@click.option("--kv-ratio", default=1, show_default=True, help="Query heads per kv head (4 = GQA 32 on 8 at d=64).")
-@click.option("--tokens", default=16384, show_default=True, help="batch * seqlen of every case.")
-@click.option("--hidden", default=2048, show_default=True, help="heads * head_dim of every case.")
-@click.option("--repeats", default=20, show_default=True)
+@click.option("--causal/--no-causal", default=None, help="Bottom-right aligned causal mask  [default: both]")
+@click.option("--kv-ratio", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Query heads per kv head (4 = GQA 32 on 8 at d=64).")
+@click.option("--tokens", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="batch * seqlen of every case.")
+@click.option("--hidden", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="heads * head_dim of every case.")
+@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench/results", show_default=True)
 @click.option("--tag", default="", help="Suffix of the output file names.")
-def bench(impls, directions, dtypes, head_dims, seqlens, causal_modes, kv_ratio, tokens, hidden, repeats, out_dir,
-          tag):
-    """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot."""
+@json_option
+def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
+          as_json):
+    """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
+    only."""
     _require_gpu("bench", "'rawflash io' and 'rawflash explain' give the predicted numbers without one")
     impls = list(impls) or bench_mod.available_impls()
     missing = [i for i in impls if i not in bench_mod.available_impls()]
     if missing:
         raise click.ClickException(f"not available here: {', '.join(missing)} (PyTorch with CUDA is needed)")
-    cases = bench_mod.sweep_cases(impls, directions, dtypes, head_dims, seqlens,
-                                  [m == "yes" for m in causal_modes], tokens, hidden, kv_ratio)
+    cases = bench_mod.sweep_cases(impls, directions, dtypes, head_dims, seqlens, _causal_modes(causal), tokens,
+                                  hidden, kv_ratio)
     records, validated = [], {}
     with click.progressbar(cases, label=f"{len(cases)} cases", file=sys.stderr,
                            item_show_func=lambda c: c and f"{c.impl} {c.direction} d={c.head_dim} N={c.seqlen}") as bar:
@@ -413,12 +621,16 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal_modes, kv_ratio,
         writer.writeheader()
         writer.writerows(rows)
     plot_path = _plot(records, out / f"{stem}.png")
-    bad = [r for r in rows if r["status"] != "ok"]
-    click.echo(report_mod.table([{k: r[k] for k in ("impl", "direction", "status", "head_dim", "seqlen", "causal")}
-                                 for r in bad]) if bad else "every case validated and timed")
+    bad = [{k: r[k] for k in ("impl", "direction", "status", "head_dim", "seqlen", "causal")} for r in rows
+           if r["status"] != "ok"]
+    wrote = [str(out / f"{stem}.json"), str(out / f"{stem}.csv"),
+             str(plot_path) if plot_path else "no plot: matplotlib is not installed"]
+    if as_json:
+        _emit({"cases": rows, "not timed": bad, "ratios": bench_mod.ratios(records), "wrote": wrote}, True)
+        return
+    click.echo(report_mod.table(bad) if bad else "every case validated and timed")
     click.echo(report_mod.table(bench_mod.ratios(records)))
-    click.echo(f"wrote {out / (stem + '.json')}, {out / (stem + '.csv')}" + (f", {plot_path}" if plot_path else
-                                                                             " (no plot: matplotlib missing)"))
+    click.echo("wrote " + ", ".join(wrote))
 
 
 def _plot(records, path: Path):

@@ -4,10 +4,12 @@ With a GPU: forward and backward on a realistic shape through the CUDA C kernels
 reference on a slice of the heads (the full float64 reference of that shape would take minutes and gigabytes; every
 (batch, head) is computed independently, so a slice of the output is graded exactly), then timed beside plain
 CuPy attention. Without a GPU: the Numba twins on the CPU simulator (in a child process, see ``demo_sim``), then
-the launch and occupancy report of the realistic shape from an offline NVRTC compile for sm_90.
+the launch and occupancy report of the realistic shape from an offline NVRTC compile for the target (``--gpu``,
+default an H200, sm_90).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -90,28 +92,37 @@ def simulator_demo(step: Callable[[str], None]) -> dict:
     return result
 
 
-def offline_report(step: Callable[[str], None]) -> dict:
-    """Launches and occupancy of the realistic shape from an offline compile for sm_90 (nothing runs)."""
-    tgt = introspect.target("sm_90")
-    step(f"compiling the launches of {_shape_text(SHAPE)} for sm_90 with NVRTC (offline)")
-    launches = introspect.launches(SHAPE, "fa2", "both")
-    return {"launches": introspect.launch_config_rows(SHAPE, "fa2", "both", False, tgt),
+def offline_report(step: Callable[[str], None], tgt: introspect.Target | None = None) -> dict:
+    """Launches and occupancy of the realistic shape from an offline compile for the target (default: an H200,
+    sm_90); nothing runs."""
+    tgt = tgt or introspect.target(introspect.DEFAULT_GPU)
+    shape = dataclasses.replace(SHAPE, arch=tgt.arch)
+    step(f"compiling the launches of {_shape_text(shape)} for {tgt.arch} with NVRTC (offline)")
+    launches = introspect.launches(shape, "fa2", "both")
+    return {"target": tgt.description,
+            "launches": introspect.launch_config_rows(shape, "fa2", "both", False, tgt),
             "occupancy": [introspect.occupancy_row(lau, tgt) for _, lau in launches]}
 
 
-def cpu_demo(step: Callable[[str], None]) -> tuple[dict, bool]:
+INSTALL_NUMBA = ("pip install 'rawflash[numba]' (from a clone: pip install -e '.[numba]'), or pip install "
+                 "'numba>=0.61' 'numba-cuda>=0.20'")
+
+
+def cpu_demo(step: Callable[[str], None], tgt: introspect.Target | None = None) -> tuple[dict, bool]:
     """Without a GPU: the simulator run, then the offline report, and a plain statement of what ran where."""
+    tgt = tgt or introspect.target(introspect.DEFAULT_GPU)
     sim = simulator_demo(step)
     report = {"ran": "", "shape": _shape_text(SHAPE), "simulator": {k: v for k, v in sim.items() if k != "grades"}}
     if sim.get("grades"):
         report["simulator grades"] = sim["grades"]
-    report.update(offline_report(step))
+    report.update(offline_report(step, tgt))
+    compiled = f"no GPU: the CUDA C kernels were compiled for {tgt.arch} but not run (target: {tgt.name})"
     if sim["status"] == "missing":
-        ran = ("no GPU: the CUDA C kernels were compiled for sm_90 but not run; the Numba backend is not there yet, "
-               "so nothing ran on the CPU simulator")
+        report["simulator"]["install"] = INSTALL_NUMBA
+        ran = (f"{compiled}; nothing ran on the CPU simulator ({sim.get('why', 'the Numba backend is missing')}); "
+               f"to run the Numba twins there: {INSTALL_NUMBA}")
     else:
-        ran = ("no GPU: the CUDA C kernels were compiled for sm_90 but not run; the Numba twins ran on the CPU "
-               f"simulator ({sim['status']})")
+        ran = f"{compiled}; the Numba twins ran on the CPU simulator ({sim['status']})"
     report["ran"] = ran
     return report, sim["status"] != "failed"
 

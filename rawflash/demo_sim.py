@@ -32,6 +32,9 @@ def main() -> int:
         print(f"the Numba backend is not available: {err}", flush=True)
         _result({"status": "missing", "why": str(err)})
         return EXIT_MISSING
+    import rawflash.numba_backend as nb
+
+    nb.simulator_progress = _progress
     rows = []
     for kernel, backward in RUNS:
         try:
@@ -46,6 +49,11 @@ def main() -> int:
     ok = all(r["ok"] for r in rows)
     _result({"status": "passed" if ok else "failed", "shape": SHAPE, "grades": rows})
     return 0 if ok else 1
+
+
+def _progress(event: str, info: dict) -> None:
+    if event == "done":
+        print(f"    simulated {info['kernel']} in {info['elapsed_s']:.1f} s", flush=True)
 
 
 def _result(payload: dict) -> None:

@@ -12,14 +12,14 @@ import functools
 
 import numpy as np
 
-from . import _compile, accuracy, forms, iomodel, launch, occupancy, registry, sysinfo, validation
+from . import _compile, accuracy, configs, forms, iomodel, launch, occupancy, registry, sysinfo, validation
 from .cupy_backend import run_head_dim
 from .launch import Launch, Problem
 
+DEFAULT_GPU = "H200"
+"""The target where neither a GPU nor ``--gpu`` says otherwise: the H200 test machine (sm_90)."""
 DEFAULT_ARCH = "sm_90"
-"""The H200's target: what offline compiles are for when neither a GPU nor ``--arch`` says otherwise."""
-GPU_PEAKS = {"H200": "H200", "H100": "H100-SXM", "A100": "A100-80GB-SXM"}
-"""Device-name fragment -> ``iomodel.GPUS`` key, for the roofline of the current GPU."""
+ELEMENTWISE_NOTE = "elementwise: no tiles"
 
 
 # ---------------------------------------------------------------- the call, validated as the API validates it
@@ -114,40 +114,127 @@ def tiles(p: Problem, lau: Launch) -> tuple[int, int] | None:
 def launch_row(p: Problem, direction: str, lau: Launch) -> dict:
     """What ``launch.py`` says about one launch, plus its tile counts."""
     cfg, counted = lau.config, tiles(p, lau)
-    return {"dir": direction, "kernel": lau.kernel, "instantiation": lau.name_expression,
-            "Br": cfg.br if cfg else None, "Bc": cfg.bc if cfg else None, "warps": cfg.warps if cfg else None,
-            "grid": _dims(lau.grid), "block": _dims(lau.block), "smem": lau.smem, "ctas": lau.ctas,
-            "tiles": counted[0] if counted else None, "skipped": counted[1] if counted else None}
+    row = {"dir": direction, "kernel": lau.kernel, "instantiation": lau.name_expression,
+           "Br": cfg.br if cfg else None, "Bc": cfg.bc if cfg else None, "warps": cfg.warps if cfg else None,
+           "grid": _dims(lau.grid), "block": _dims(lau.block), "smem": lau.smem, "ctas": lau.ctas,
+           "tiles": counted[0] if counted else None, "skipped": counted[1] if counted else None}
+    return add_note(row, None if cfg else ELEMENTWISE_NOTE)
+
+
+def add_note(row: dict, *reasons: str | None) -> dict:
+    """Append ``reasons`` to the row's ``note`` column: the why of every '-' (None) in the row."""
+    said = [row["note"]] if row.get("note") else []
+    said += [r for r in reasons if r and r not in said]
+    if said:
+        row["note"] = "; ".join(said)
+    return row
 
 
 def _dims(xyz) -> str:
     return "x".join(str(v) for v in xyz)
 
 
-# ---------------------------------------------------------------- where register counts come from
+# ---------------------------------------------------------------- the target GPU: one option, one resolution
+@dataclasses.dataclass(frozen=True)
+class GpuModel:
+    """A GPU that ``--gpu`` can name: its arch, SM count and peak rates, and where the peaks come from."""
+
+    name: str
+    arch: str
+    sms: int
+    peaks: iomodel.GPU
+    source: str
+    examples: str = ""
+
+
+MODELS: dict[str, GpuModel] = {m.name: m for m in (
+    GpuModel("H200", "sm_90", 132, iomodel.GPUS["H200"], "measured on the H200 test machine (iomodel.GPUS)"),
+    GpuModel("H200-datasheet", "sm_90", 132, iomodel.GPUS["H200-datasheet"], "NVIDIA datasheet (iomodel.GPUS)"),
+    GpuModel("H100-SXM", "sm_90", 132, iomodel.GPUS["H100-SXM"], "NVIDIA datasheet (iomodel.GPUS)"),
+    GpuModel("A100-80GB-SXM", "sm_80", 108, iomodel.GPUS["A100-80GB-SXM"], "NVIDIA datasheet (iomodel.GPUS)"),
+    GpuModel("A100-40GB-SXM", "sm_80", 108, iomodel.GPU("A100-40GB-SXM", 312.0, 19.5, 1.555),
+             "NVIDIA datasheet: 312 dense fp16 tensor, 19.5 fp32, HBM2 1.555 TB/s"),
+    GpuModel("A10", "sm_86", 72, iomodel.GPU("A10", 125.0, 31.2, 0.600),
+             "NVIDIA datasheet: 250 fp16 tensor with sparsity = 125 dense, 31.2 fp32, GDDR6 600 GB/s"),
+    GpuModel("RTX-3090", "sm_86", 82, iomodel.GPU("RTX-3090", 71.0, 35.6, 0.936),
+             "GA102 whitepaper: 71 fp16 tensor with fp32 accumulate (dense), 35.6 fp32, 936 GB/s"),
+    GpuModel("L4", "sm_89", 58, iomodel.GPU("L4", 121.0, 30.3, 0.300),
+             "NVIDIA datasheet: 242 fp16 tensor with sparsity = 121 dense, 30.3 fp32, 300 GB/s"),
+    GpuModel("L40S", "sm_89", 142, iomodel.GPU("L40S", 362.0, 91.6, 0.864),
+             "NVIDIA datasheet: 733 fp16 tensor with sparsity = 362 dense, 91.6 fp32, 864 GB/s"),
+    GpuModel("RTX-4090", "sm_89", 128, iomodel.GPU("RTX-4090", 165.2, 82.6, 1.008),
+             "AD102 whitepaper: 165.2 fp16 tensor with fp32 accumulate (dense), 82.6 fp32, 1008 GB/s"),
+)}
+"""Every GPU ``--gpu`` can name. The SM counts are the products' (an A100 has 108 SMs, an H200 132)."""
+ARCH_MODELS = {"sm_80": "A100-80GB-SXM", "sm_86": "A10", "sm_89": "L4", "sm_90": "H200"}
+"""The model whose SM count and peaks an arch alone stands for (``--gpu sm_86`` is an A10 unless --sms says)."""
+GENERATIONS = {"sm_80": "Ampere (A100, A30)", "sm_86": "Ampere (A10, A40, RTX 30xx)",
+               "sm_89": "Ada (L4, L40S, RTX 40xx)", "sm_90": "Hopper (H100, H200)"}
+DEVICE_NAMES = (("H200", "H200"), ("H100", "H100-SXM"), ("A100-SXM4-40GB", "A100-40GB-SXM"), ("A100", "A100-80GB-SXM"),
+                ("A10", "A10"), ("RTX 3090", "RTX-3090"), ("L40S", "L40S"), ("L4", "L4"), ("RTX 4090", "RTX-4090"))
+"""(fragment of a CUDA device name, model): how the GPU at hand finds its peaks; the first match wins."""
+
+
+def target_names() -> list[str]:
+    """What ``--gpu`` accepts: every model, then every arch."""
+    return list(MODELS) + sorted(occupancy.ARCHS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """What the resource numbers are for: an arch, its SM count, and whether the kernels load on a real GPU."""
+    """What the numbers are for: an arch (tile rows, kernels, compile target, occupancy rules), its SM count (waves),
+    its peak rates (roofline; None where unknown), and whether the kernels load on a GPU here."""
 
     arch: str
     sms: int
     on_gpu: bool
     description: str
+    name: str = ""
+    peaks: iomodel.GPU | None = None
+    peaks_from: str = ""
+
+    @property
+    def limits(self) -> occupancy.ArchLimits | None:
+        """Per-SM and per-CTA resources of the arch (None for an arch the occupancy rules do not know)."""
+        return occupancy.ARCHS.get(self.arch)
 
 
-def target(arch: str | None = None, sms: int | None = None) -> Target:
-    """``--arch`` (offline NVRTC) if given; else the current GPU; else sm_90 offline with an H200's 132 SMs."""
-    gpu = sysinfo.current_gpu()
-    if arch is not None:
-        same = gpu is not None and gpu.arch == arch
-        count = sms or (gpu.sms if same else sysinfo.H200_SMS)
-        return Target(arch, count, False, f"compiled offline by NVRTC for {arch} (ptxas), not run; {count} SMs")
-    if gpu is not None:
-        return Target(gpu.arch, sms or gpu.sms, True, f"{gpu.name} ({gpu.arch}, {gpu.sms} SMs): kernels compiled "
-                                                       "and loaded by CuPy; blocks/SM also asked of the driver")
-    count = sms or sysinfo.H200_SMS
-    return Target(DEFAULT_ARCH, count, False, f"no GPU: compiled offline by NVRTC for {DEFAULT_ARCH} (ptxas), not "
-                                              f"run; {count} SMs (an H200)")
+def resolve_gpu(name: str) -> tuple[str, GpuModel, str]:
+    """(arch, the model giving SMs and peaks, label) for a ``--gpu`` value: a model or an arch, any case."""
+    by_lower = {n.lower(): n for n in target_names()}
+    key = by_lower.get(name.strip().lower())
+    if key is None:
+        raise ValueError(f"gpu must be one of {', '.join(target_names())}, got {name!r}")
+    if key in occupancy.ARCHS:
+        model = MODELS[ARCH_MODELS[key]]
+        return key, model, f"{key} (SMs and peaks of an {model.name}: name a model or pass --sms for another)"
+    model = MODELS[key]
+    return model.arch, model, f"{model.name} ({model.arch})"
+
+
+def model_of_device(device_name: str) -> GpuModel | None:
+    """The model whose peaks the GPU called ``device_name`` uses (matched by name fragment), or None."""
+    return next((MODELS[m] for fragment, m in DEVICE_NAMES if fragment in device_name), None)
+
+
+def target(gpu: str | None = None, sms: int | None = None) -> Target:
+    """Resolve ``--gpu`` (and ``--sms``): a named model or arch is compiled for offline (NVRTC, nothing runs); none
+    named is the GPU here (kernels loaded by CuPy, the driver asked too), else an H200 offline."""
+    current = sysinfo.current_gpu()
+    if gpu is None and current is not None:
+        model = model_of_device(current.name)
+        count = sms or current.sms
+        return Target(current.arch, count, True,
+                      f"{current.name} ({current.arch}, {count} SMs): kernels compiled and loaded by CuPy; blocks/SM "
+                      "also asked of the driver", current.name, model.peaks if model else None,
+                      f"peaks of the {model.name} ({model.source})" if model else "")
+    arch, model, label = resolve_gpu(DEFAULT_GPU if gpu is None else gpu)
+    count = sms or model.sms
+    if sms and sms != model.sms:
+        label = f"{label}, --sms {sms}"
+    why = "no GPU here and no --gpu: " if gpu is None else ""
+    return Target(arch, count, False, f"{why}{label}: compiled offline by NVRTC for {arch} (ptxas), not run; "
+                                      f"{count} SMs", model.name, model.peaks, f"{model.name}: {model.source}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,12 +271,29 @@ def resources(lau: Launch, tgt: Target) -> Resources:
     return Resources(fn.num_regs, fn.shared_size_bytes, fn.local_size_bytes, int(blocks))
 
 
+def fit_problem(smem: int, arch: str) -> str | None:
+    """Why a CTA with ``smem`` bytes of shared memory cannot run on ``arch``, or None if it fits."""
+    limits = occupancy.ARCHS.get(arch)
+    if limits is None:
+        return f"no occupancy rules for {arch} (rawflash.occupancy knows {', '.join(sorted(occupancy.ARCHS))})"
+    if smem > limits.smem_per_block_optin:
+        return (f"does not fit: {smem / 1024:.1f} KB of shared memory per CTA, {arch} allows "
+                f"{limits.smem_per_block_optin / 1024:.0f} KB: not launched, the call raises ValueError")
+    return None
+
+
 def occupancy_of(lau: Launch, res: Resources, arch: str) -> occupancy.Occupancy | str:
     """Our calculator's answer, or why it has none (an arch it does not know, shared memory over the limit)."""
+    problem = fit_problem(res.static_smem + lau.smem, arch)
+    if problem:
+        return problem
     try:
-        return occupancy.occupancy(arch, lau.threads, res.registers, res.static_smem + lau.smem)
+        occ = occupancy.occupancy(arch, lau.threads, res.registers, res.static_smem + lau.smem)
     except (TypeError, ValueError) as err:
         return str(err)
+    if occ.blocks_per_sm == 0:
+        return f"cannot run: no CTA fits an SM ({occ.limiter})"
+    return occ
 
 
 def occupancy_row(lau: Launch, tgt: Target) -> dict:
@@ -202,14 +306,15 @@ def occupancy_row(lau: Launch, tgt: Target) -> dict:
            "smem": res.static_smem + lau.smem, "spills": res.spill_bytes,
            "min_blocks": cfg.min_blocks if cfg else None}
     if isinstance(occ, str):
-        row.update(ctas_per_sm=None, warps_per_sm=None, occupancy=None, limiter=f"cannot run: {occ}")
+        row.update(ctas_per_sm=None, warps_per_sm=None, occupancy=None, limiter="cannot run")
     else:
         row.update(ctas_per_sm=occ.blocks_per_sm, warps_per_sm=occ.warps_per_sm, occupancy=round(occ.occupancy, 3),
                    limiter=occ.limiter)
     if tgt.on_gpu:
         ours = row["ctas_per_sm"]
         row.update(driver_ctas_per_sm=res.driver_blocks, match=None if ours is None else res.driver_blocks == ours)
-    return row
+    return add_note(row, None if cfg else "elementwise: no tile row, so no register cap or min_blocks",
+                    occ if isinstance(occ, str) else None)
 
 
 def occupancy_checks(rows: list[dict], tgt: Target) -> dict:
@@ -223,16 +328,18 @@ def occupancy_checks(rows: list[dict], tgt: Target) -> dict:
     return checks
 
 
+def launch_config_row(p: Problem, direction: str, lau: Launch, tgt: Target) -> dict:
+    """launch_row + blocks per SM from the calculator + waves on ``tgt.sms`` SMs (or why there are none)."""
+    row = launch_row(p, direction, lau)
+    occ = occupancy_of(lau, resources(lau, tgt), tgt.arch)
+    blocks = None if isinstance(occ, str) else occ.blocks_per_sm
+    row.update(ctas_per_sm=blocks, waves=round(launch.waves(lau, blocks, tgt.sms), 2) if blocks else None)
+    return add_note(row, occ if isinstance(occ, str) else None)
+
+
 def launch_config_rows(p: Problem, kernel: str, direction: str, deterministic: bool, tgt: Target) -> list[dict]:
-    """launch_row + blocks per SM from the calculator + waves on ``tgt.sms`` SMs, for every launch of the call."""
-    rows = []
-    for d, lau in launches(p, kernel, direction, deterministic):
-        row = launch_row(p, d, lau)
-        occ = occupancy_of(lau, resources(lau, tgt), tgt.arch)
-        blocks = None if isinstance(occ, str) else occ.blocks_per_sm
-        row.update(ctas_per_sm=blocks, waves=round(launch.waves(lau, blocks, tgt.sms), 2) if blocks else None)
-        rows.append(row)
-    return rows
+    """``launch_config_row`` for every launch of the call."""
+    return [launch_config_row(p, d, lau, tgt) for d, lau in launches(p, kernel, direction, deterministic)]
 
 
 def instantiations(dtype: str, causal: bool, arch: str = "sm_90") -> list[Launch]:
@@ -267,24 +374,16 @@ def _mask_arg(lau: Launch) -> int | None:
 
 
 # ---------------------------------------------------------------- HBM bytes and the roofline
-def roofline_gpu(name: str | None) -> tuple[str, str]:
-    """(``iomodel.GPUS`` key, why that one): the named GPU, else the current one, else the H200 test machine."""
-    if name is not None:
-        if name not in iomodel.GPUS:
-            raise ValueError(f"gpu must be one of {', '.join(iomodel.GPUS)}, got {name!r}")
-        return name, "named"
-    gpu = sysinfo.current_gpu()
-    if gpu is None:
-        return "H200", "no GPU here: the H200 test machine"
-    for fragment, key in GPU_PEAKS.items():
-        if fragment in gpu.name:
-            return key, f"the current GPU ({gpu.name})"
-    raise ValueError(f"no peak numbers for the current GPU {gpu.name!r}: name one with --gpu "
-                     f"({', '.join(iomodel.GPUS)})")
+def roofline_note(tgt: Target) -> str:
+    """Where the time bound's peaks come from, or why there is none."""
+    if tgt.peaks is None:
+        return (f"no peak numbers for {tgt.name or tgt.arch}, so no time bound: name a model with --gpu "
+                f"({', '.join(MODELS)})")
+    return f"time bound: roofline of {tgt.peaks_from}; caches are not modelled, so a kernel may beat it"
 
 
 def io_tiles(p: Problem, kernel: str, direction: str) -> tuple[int | None, int | None, str]:
-    """Br, Bc of the tile config that ``kernel`` runs with in ``direction``, and what runs it."""
+    """Br, Bc of the tile config that ``kernel`` runs with in ``direction`` on ``p.arch``, and what runs it."""
     if kernel == "naive":
         runs = "rawflash (cuBLAS + softmax)" if direction == "fwd" else "model only (FA1 Alg. 0 backward)"
         return None, None, runs
@@ -302,42 +401,115 @@ def io_shape(p: Problem) -> iomodel.Shape:
     return iomodel.Shape(p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads, p.head_dim, p.itemsize, p.causal)
 
 
-def io_row(p: Problem, kernel: str, direction: str, gpu: str) -> dict:
+def io_row(p: Problem, kernel: str, direction: str, tgt: Target) -> dict:
+    """Bytes, FLOPs and the roofline bound of one (kernel, direction) with the tiles it runs with on ``p.arch``."""
     br, bc, runs = io_tiles(p, kernel, direction)
     rep = iomodel.io_bytes(kernel, direction, io_shape(p), Br=br, Bc=bc)
-    roof = iomodel.roofline(rep, gpu, p.dtype)
-    return {"kernel": kernel, "dir": direction, "runs": runs, "Br": br, "Bc": bc, "read_MB": rep.read_bytes / 1e6,
-            "write_MB": rep.write_bytes / 1e6, "GFLOP": rep.flops / 1e9, "flop_per_byte": rep.intensity,
-            "bound_ms": roof["bound_ms"], "limiter": roof["limiter"], "bound_tflops": roof["tflops"],
-            "breakdown_bytes": rep.breakdown}
+    row = {"kernel": kernel, "dir": direction, "runs": runs, "Br": br, "Bc": bc, "read_MB": rep.read_bytes / 1e6,
+           "write_MB": rep.write_bytes / 1e6, "GFLOP": rep.flops / 1e9, "flop_per_byte": rep.intensity}
+    if tgt.peaks is not None:
+        roof = iomodel.roofline(rep, tgt.peaks, p.dtype)
+        row.update(bound_ms=roof["bound_ms"], limiter=roof["limiter"], bound_tflops=roof["tflops"])
+    else:
+        row.update(bound_ms=None, limiter=None, bound_tflops=None)
+    row["breakdown_bytes"] = rep.breakdown
+    return add_note(row, "naive: S and P go through HBM, no tiles" if kernel == "naive" else None,
+                    None if tgt.peaks is not None else f"no peak numbers for {tgt.name or tgt.arch}: no bound")
 
 
-def io_rows(p: Problem, gpu: str, kernels=iomodel.KERNELS, directions=iomodel.DIRECTIONS) -> list[dict]:
-    return [io_row(p, k, d, gpu) for k in kernels for d in directions]
+def io_rows(p: Problem, tgt: Target, kernels=iomodel.KERNELS, directions=iomodel.DIRECTIONS) -> list[dict]:
+    return [io_row(p, k, d, tgt) for k in kernels for d in directions]
+
+
+# ---------------------------------------------------------------- what fits where
+FIT_CALLS = (("forward fa2", "fwd", "fa2", False), ("forward fa1", "fwd", "fa1", False),
+             ("backward", "bwd", "fa2", False), ("deterministic backward", "bwd", "fa2", True))
+
+
+def fit_rows(arch: str) -> list[dict]:
+    """For every specialised head_dim and dtype, whether each call's launches fit ``arch``'s shared memory."""
+    limits = occupancy.ARCHS[arch]
+    rows = []
+    for d in configs.SPECIALISED_HEAD_DIMS:
+        for dtype in configs.DTYPES:
+            p = Problem(1, 1, 1, 1, 1, d, dtype, False, arch)
+            for call, direction, kernel, det in FIT_CALLS:
+                lau_list = [lau for _, lau in launches(p, kernel, direction, det)]
+                worst = max(lau_list, key=lambda lau: lau.smem)
+                rows.append({"call": call, "head_dim": d, "dtype": dtype, "kernel": worst.kernel, "smem": worst.smem,
+                             "limit": limits.smem_per_block_optin,
+                             "fits": all(lau.smem <= limits.smem_per_block_optin for lau in lau_list)})
+    return rows
+
+
+def unfit_summary(arch: str) -> str:
+    """Which calls have no tile that fits ``arch`` ('nothing' when all fit), by dtype and specialised head_dim."""
+    rows = fit_rows(arch)
+    parts = []
+    for call, *_ in FIT_CALLS:
+        bad = {dt: [r["head_dim"] for r in rows if r["call"] == call and r["dtype"] == dt and not r["fits"]]
+               for dt in configs.DTYPES}
+        groups = ([("every dtype", bad["float32"])] if bad["float16"] == bad["bfloat16"] == bad["float32"] else
+                  [("16-bit", bad["float16"]), ("float32", bad["float32"])] if bad["float16"] == bad["bfloat16"] else
+                  [(dt, bad[dt]) for dt in configs.DTYPES])
+        said = [f"{words} d = {', '.join(map(str, dims))}" for words, dims in groups if dims]
+        if said:
+            parts.append(f"{call}: {'; '.join(said)}")
+    return " / ".join(parts) if parts else "nothing"
 
 
 # ---------------------------------------------------------------- explain: a dry run of one call
 def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str, deterministic: bool,
-            gpu: str | None) -> dict:
-    """Everything a call would do, or the exact error the API would raise; nothing is launched."""
-    report = {"call": call_text(spec, kernel, backend, scale, direction, deterministic)}
+            tgt: Target) -> dict:
+    """Everything a call would do on ``tgt``, or the exact error the API would raise; nothing is launched."""
+    report = {"call": call_text(spec, kernel, backend, scale, direction, deterministic), "target": tgt.description}
     try:
         checked = validate(spec, kernel=kernel, backend=backend, scale=scale, direction=direction,
                            deterministic=deterministic)
     except (TypeError, ValueError) as err:
         return {**report, "valid": False, "error": f"{type(err).__name__}: {err}",
                 "launched": "nothing: the API refuses this call before any launch"}
-    p = checked.problem
+    p = dataclasses.replace(checked.problem, arch=tgt.arch)
     report.update(valid=True, problem=_problem_summary(p, checked.scale))
     if is_empty(p):
         return {**report, "launched": "nothing: an empty problem returns zeros (and lse = -inf) without a launch"}
+    if backend == "reference":
+        return {**report, "launched": "nothing: backend 'reference' computes in float64 NumPy on the host (no GPU, "
+                                      "no kernel)"}
     dirs = ("fwd", "bwd") if direction == "both" else (direction,)
     report["variants"] = [_variant_summary(registry.for_call(kernel, d)) for d in dirs]
-    report["launches"] = [launch_row(p, d, lau) for d, lau in launches(p, kernel, direction, deterministic)]
-    key, why = roofline_gpu(gpu)
-    report["predicted"] = [_brief_io(io_row(p, kernel if d == "fwd" else "fa2", d, key)) for d in dirs]
-    report["notes"] = _explain_notes(p, kernel, backend, key, why)
+    if backend == "numba":
+        report["launches"] = twin_rows(checked.problem, kernel, direction, deterministic, tgt)
+    else:
+        report["launches"] = [launch_row(p, d, lau) for d, lau in launches(p, kernel, direction, deterministic)]
+        for row in report["launches"]:
+            add_note(row, fit_problem(row["smem"], tgt.arch))
+    report["predicted"] = [_brief_io(io_row(p, kernel if d == "fwd" else "fa2", d, tgt)) for d in dirs]
+    report["notes"] = _explain_notes(p, kernel, backend, tgt)
     return report
+
+
+def twin_rows(p: Problem, kernel: str, direction: str, deterministic: bool, tgt: Target) -> list[dict]:
+    """The Numba twins' launches (``numba_backend.twin_launches``) of the validated problem ``p`` as the backend
+    receives it, with tile counts and whether their float32 shared memory fits ``tgt``."""
+    from . import numba_backend
+
+    rows = []
+    dirs = ("fwd", "bwd") if direction == "both" else (direction,)
+    for d in dirs:
+        if d == "fwd" and kernel == "naive":
+            rows.append(add_note({"dir": d, "kernel": "naive", "grid": None, "block": None, "smem": None,
+                                  "ctas": None}, "kernel 'naive' has no Numba twin: the API raises "
+                                                 "NotImplementedError with backend='numba'"))
+            continue
+        for t in numba_backend.twin_launches(p, kernel if d == "fwd" else "fa2", d, deterministic):
+            cfg = t.config
+            counted = tiles(p, t) if cfg else None
+            row = {"dir": d, "kernel": t.kernel, "Br": cfg.br if cfg else None, "Bc": cfg.bc if cfg else None,
+                   "grid": _dims(t.grid), "block": str(t.threads), "smem": t.smem, "ctas": t.ctas,
+                   "tiles": counted[0] if counted else None, "skipped": counted[1] if counted else None}
+            rows.append(add_note(row, None if cfg else ELEMENTWISE_NOTE, fit_problem(t.smem, tgt.arch)))
+    return rows
 
 
 def _problem_summary(p: Problem, scale: float) -> dict:
@@ -355,17 +527,45 @@ def _brief_io(row: dict) -> dict:
     return {k: v for k, v in row.items() if k != "breakdown_bytes"}
 
 
-def _explain_notes(p: Problem, kernel: str, backend: str, gpu: str, why: str) -> list[str]:
-    notes = [f"time bound: roofline of {gpu} ({why}); caches are not modelled, so a kernel may beat it"]
+def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[str]:
+    notes = [roofline_note(tgt)]
     if p.causal:
         notes.append("causal: tiles wholly above the diagonal are skipped (never loaded)")
     if p.padded_head_dim != p.head_dim:
         notes.append(f"head_dim {p.head_dim} runs on the {p.padded_head_dim} kernel, zero-padded")
     if kernel == "naive":
         notes.append("naive: S = QK^T and O = PV are cuBLAS products, not listed among the launches")
-    if backend == "reference":
-        notes.append("backend 'reference': float64 NumPy on the host; no kernel is launched (the launches are "
-                     "what backend='cupy' would make)")
-    elif backend == "numba":
-        notes.append("backend 'numba': the Numba twins take the same tiles, grids and shared memory")
+    if backend == "numba":
+        notes.append("backend 'numba': the Numba twins (one thread per row, float32 tiles in shared memory, no "
+                     "wgmma form); grids and tile rows from launch.py for the problem as the backend receives it, "
+                     "which keeps the sm_90 tile rows on every GPU; on a machine without a GPU they run on Numba's "
+                     "CPU simulator")
+        notes.append("predicted bytes and time bound are those of the CUDA C kernels' tiles on the target")
     return notes
+
+
+# ---------------------------------------------------------------- how long Numba's CPU simulator takes
+SIM_SECONDS_PER_THREAD = 4e-4
+"""Simulator cost of one CUDA thread of one CTA: an OS thread started, joined and woken at each barrier."""
+SIM_SECONDS_PER_MAC = 3e-7
+"""Simulator cost of one multiply-add of a twin's tile products (scalar Python in a simulated thread)."""
+SIM_PRODUCTS = {"fa2_fwd": 2, "fa1_fwd": 2, "fa2_bwd": 5, "fa2_bwd_dq": 3}
+"""Tile products per (query row, key, column) of each tiled twin: S and O forward; S, dP, dV, dK and dQ backward."""
+
+
+def simulator_seconds(p: Problem, kernel: str = "fa2", deterministic: bool = False, backward: bool = True) -> float:
+    """A rough estimate of the seconds Numba's CPU simulator takes for a forward (and backward) of ``p`` through the
+    Numba backend (``numba_backend.twin_launches``; imports numba). Calibrated on a 2-core machine; a busy machine
+    is slower."""
+    from . import numba_backend
+
+    total = 0.0
+    direction = "both" if backward else "fwd"
+    pr = dataclasses.replace(p, head_dim=run_head_dim(p.head_dim))
+    for t in numba_backend.twin_launches(p, kernel, direction, deterministic):
+        total += t.ctas * t.threads * SIM_SECONDS_PER_THREAD
+        if t.config is not None:
+            computed, _ = tiles(pr, t)
+            products = SIM_PRODUCTS[t.kernel] - (1 if t.kernel == "fa2_bwd" and deterministic else 0)
+            total += computed * t.config.br * t.config.bc * pr.padded_head_dim * products * SIM_SECONDS_PER_MAC
+    return total

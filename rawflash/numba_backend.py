@@ -12,9 +12,12 @@ CTA sizes and shared memory (float32 tiles) come from the twin modules. The same
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import time
 import warnings
+from typing import Callable
 
 import numpy as np
 from numba import config as numba_config
@@ -132,7 +135,8 @@ def run(kernel, grid, threads: int, smem: int, *args) -> None:
     """Launch one twin: ``grid`` from launch.py, ``threads`` per CTA, ``smem`` bytes of dynamic shared memory."""
     block = (threads, 1, 1)
     if SIMULATOR:
-        kernel[grid, block, 0, smem](*args)
+        with _simulated_launch(kernel, grid, threads):
+            kernel[grid, block, 0, smem](*args)
         return
     from numba import cuda
 
@@ -253,3 +257,159 @@ def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: b
         run(fa2_bwd.fa2_bwd_convert_dq, conv.grid, conv.block[0], 0, dq_ws, dq,
             *_i64(pr.batch, pr.seqlen_q, pr.heads, pr.head_dim))
     return tuple(_result(_trim(g, prep.head_dim), p.dtype) for g in (dq, dk, dv))
+
+
+# ---------------------------------------------------------------- the simulator: one launch at a time
+SimulatorProgress = Callable[[str, dict], None]
+simulator_progress: SimulatorProgress | None = None
+"""Called on the simulator as ``simulator_progress(event, info)`` with event 'start' (info: kernel, grid,
+threads, ctas), 'cta' (info: done, ctas, elapsed_s) after every CTA, and 'done' (info: elapsed_s); None: silent."""
+
+
+_NO_SWAP = contextlib.nullcontext()
+
+
+def _simulator_internals():
+    """numba-cuda's simulator kernel module, or None when it lacks what ``_simulated_launch`` replaces."""
+    try:
+        from numba.cuda.simulator import kernel as sim
+    except ImportError:
+        return None
+    needed = ("swapped_cuda_module", "BlockManager", "FakeCUDAKernel")
+    return sim if all(hasattr(sim, name) for name in needed) else None
+
+
+@contextlib.contextmanager
+def _simulated_launch(kernel, grid, threads: int):
+    """One simulated launch without the simulator's per-call module lock, with progress per CTA.
+
+    Numba's simulator runs every CUDA thread as a Python thread, and every call of a device function goes through
+    ``swapped_cuda_module``, which takes a lock of the function's module twice to swap that module's ``cuda``
+    global for the launch's fake module and back (tens of thousands of times for a tiny backward). With a CTA of
+    128 threads calling the verbs of ``numba_kernels.common`` at once, the lock convoys: its holder loses the GIL,
+    the others queue on it, and each hand-over waits for the OS to run the next waiter, which on a busy machine is
+    milliseconds. Here the twin modules' ``cuda`` global is set to the launch's fake module once, when the kernel
+    itself enters, and device calls of twin functions skip the swap (they need nothing swapped: their module
+    already sees the fake module); anything else keeps numba's own swap. Restored when the launch returns.
+    """
+    sim = _simulator_internals()
+    if sim is None:
+        yield
+        return
+    import numba.cuda as real_cuda
+
+    from .numba_kernels import common, splitk
+
+    twins = [m.__dict__ for m in (common, splitk, fa1_fwd, fa2_fwd, fa2_bwd)]
+    twin_ids = {id(g) for g in twins}
+    original_swap, original_manager = sim.swapped_cuda_module, sim.BlockManager
+    state = {"pinned": False, "done": 0, "t0": time.perf_counter()}
+    ctas = int(np.prod(grid)) if not isinstance(grid, int) else int(grid)
+    name = getattr(kernel, "__name__", "kernel")
+    report = simulator_progress
+
+    @contextlib.contextmanager
+    def pin(fake):  # entered once, by FakeCUDAKernel.__call__ for the kernel itself, before any thread starts
+        names = [(g, k) for g in twins for k, v in g.items() if v is real_cuda]
+        for g, k in names:
+            g[k] = fake
+        state["pinned"] = True
+        try:
+            yield
+        finally:
+            state["pinned"] = False
+            for g, k in names:
+                g[k] = real_cuda
+
+    def swap(fn, fake):
+        module = getattr(fn, "__globals__", None)
+        if module is None or id(module) not in twin_ids:
+            return original_swap(fn, fake)
+        return _NO_SWAP if state["pinned"] else pin(fake)
+
+    class CountingManager(original_manager):
+        def run(self, *args, **kwargs):
+            out = super().run(*args, **kwargs)
+            state["done"] += 1
+            if report:
+                report("cta", {"kernel": name, "done": state["done"], "ctas": ctas,
+                               "elapsed_s": time.perf_counter() - state["t0"]})
+            return out
+
+    if report:
+        report("start", {"kernel": name, "grid": tuple(grid) if not isinstance(grid, int) else (grid,),
+                         "threads": threads, "ctas": ctas})
+    sim.swapped_cuda_module, sim.BlockManager = swap, CountingManager
+    try:
+        yield
+    finally:
+        sim.swapped_cuda_module, sim.BlockManager = original_swap, original_manager
+        if report:
+            report("done", {"kernel": name, "elapsed_s": time.perf_counter() - state["t0"]})
+
+
+# ---------------------------------------------------------------- what the twins launch, without launching
+@dataclasses.dataclass(frozen=True)
+class TwinLaunch:
+    """One launch of a Numba twin: grid and tiles from ``launch.py``, CTA size and (float32) shared memory from the
+    twin module, exactly as ``forward`` and ``backward`` pass them to ``run``."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+    config: launch.TileConfig | None = None
+
+    @property
+    def ctas(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+def twin_launches(p: Problem, kernel: str = "fa2", direction: str = "fwd", deterministic: bool = False,
+                  **switches) -> list[TwinLaunch]:
+    """Every launch ``forward`` (direction 'fwd'), ``backward`` ('bwd') or both ('both') make for the caller's
+    problem ``p``, in order; nothing is allocated or run, and no GPU is needed.
+
+    Follows ``prepare`` (head_dim rounded up as for the CUDA C, the problem's arch unchanged) and the launch code
+    above; tests/test_simulator.py checks it against the launches the simulator records.
+    """
+    pr = dataclasses.replace(p, head_dim=run_head_dim(p.head_dim))
+    d = pr.padded_head_dim
+    out: list[TwinLaunch] = []
+
+    def add(name, lau, threads, smem):
+        out.append(TwinLaunch(name, tuple(lau.grid), int(threads), int(smem), lau.config))
+
+    if direction in ("fwd", "both"):
+        if kernel == "fa2":
+            if switches.get("wgmma"):
+                raise ValueError("wgmma=True: the warpgroup kernel has no Numba twin; use backend='cupy'")
+            ideas = {k: v for k, v in switches.items() if k in SWITCHES}
+            sw = {**SWITCHES, **ideas}
+            lau = launch.fa2_fwd(pr, **ideas, wgmma=False)
+            c = lau.config
+            add("fa2_fwd", lau, fa2_fwd.threads(c.br, c.warps, sw["split_q"]),
+                fa2_fwd.smem_bytes(c.br, c.bc, c.warps, d, sw["split_q"]))
+        elif kernel == "fa1":
+            lau = launch.fa1_fwd(pr)
+            c = lau.config
+            add("fa1_fwd", lau, fa1_fwd.threads(c.br, c.warps), fa1_fwd.smem_bytes(c.br, c.bc, c.warps, d))
+            fin = launch.fa1_finalize(pr)
+            add("fa1_finalize", fin, fin.block[0], 0)
+        else:
+            raise NotImplementedError(f"kernel={kernel!r} has no Numba twin (only 'fa2' and 'fa1' do)")
+    if direction in ("bwd", "both"):
+        pre = launch.fa2_bwd_preprocess(pr)
+        add("fa2_bwd_preprocess", pre, pre.block[0], 0)
+        atomic = not deterministic
+        lau = launch.fa2_bwd(pr, atomic_dq=atomic, wgmma=False)
+        c = lau.config
+        add("fa2_bwd", lau, fa2_bwd.threads(c.bc), fa2_bwd.smem_bytes(c.br, c.bc, d, atomic))
+        if deterministic:
+            dq = launch.fa2_bwd_dq(pr)
+            c = dq.config
+            add("fa2_bwd_dq", dq, fa2_bwd.threads_dq(c.br), fa2_bwd.smem_bytes_dq(c.br, c.bc, d))
+        else:
+            conv = launch.fa2_bwd_convert_dq(pr)
+            add("fa2_bwd_convert_dq", conv, conv.block[0], 0)
+    return out

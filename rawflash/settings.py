@@ -8,6 +8,9 @@ reads them once and hands the object down); no other module reads or writes them
 ``RAWFLASH_TILE_ARCH``    take another architecture's tile rows (``sm_80``) on the GPU at hand
 ``RAWFLASH_CUDA_DIR``     read the CUDA sources from this folder instead of the installed ones
 ``RAWFLASH_DEBUG=1``      the command line shows tracebacks instead of one-line errors
+``RAWFLASH_PROGRESS``     ``1``: always announce slow compiles on stderr, ``0``: never (default: on a tty)
+``RAWFLASH_CACHE_DIR``    where offline compile reports are cached (default ``~/.cache/rawflash``)
+``RAWFLASH_COMPILE_CACHE``  ``0``: compile offline every time instead of reading cached reports
 ========================  ===========================================================================
 """
 from __future__ import annotations
@@ -25,10 +28,15 @@ class Settings:
     tile_arch: str | None = None
     cuda_dir: str | None = None
     debug: bool = False
+    progress: str = ""
+    cache_dir: str | None = None
+    compile_cache: bool = True
 
 
 def load(environ: Mapping[str, str] | None = None) -> Settings:
     """The settings the environment (``os.environ`` by default) asks for."""
     env = os.environ if environ is None else environ
     return Settings(wgmma=env.get("RAWFLASH_WGMMA", "1") != "0", tile_arch=env.get("RAWFLASH_TILE_ARCH") or None,
-                    cuda_dir=env.get("RAWFLASH_CUDA_DIR") or None, debug=bool(env.get("RAWFLASH_DEBUG")))
+                    cuda_dir=env.get("RAWFLASH_CUDA_DIR") or None, debug=bool(env.get("RAWFLASH_DEBUG")),
+                    progress=env.get("RAWFLASH_PROGRESS", ""), cache_dir=env.get("RAWFLASH_CACHE_DIR") or None,
+                    compile_cache=env.get("RAWFLASH_COMPILE_CACHE", "1") != "0")

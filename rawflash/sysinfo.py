@@ -1,4 +1,4 @@
-"""What this machine offers rawflash: GPUs, CUDA versions, library versions, the kernel cache.
+"""What this machine offers rawflash: GPUs, CUDA versions, library versions, the kernel and compile-report caches.
 
 Nothing here needs a GPU: every probe that can fail without one reports ``None`` and why.
 """
@@ -115,7 +115,7 @@ def _version(dist: str) -> str:
 
 
 def cache_summary() -> dict:
-    """Where compiled kernels persist (CuPy's disk cache) and how much is there."""
+    """Where compiled kernels persist (CuPy's disk cache, used on a GPU) and how much is there."""
     path = _compile.cache_dir()
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
     return {"path": str(path), "exists": path.is_dir(), "files": len(files),
@@ -152,4 +152,4 @@ def summary() -> dict:
     return {"gpus": devices or "none visible (cupy.cuda.is_available() is False): GPU commands are unavailable; "
                                "offline compiles, models, the reference and the Numba simulator still work",
             "cuda": cuda_versions(), "packages": package_versions(), "kernel cache": cache_summary(),
-            "paths": sources(), "tools": tools()}
+            "compile report cache": _compile.report_cache_summary(), "paths": sources(), "tools": tools()}

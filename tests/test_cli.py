@@ -83,7 +83,7 @@ def test_registry_names_sources_and_tile_rows():
 
 # ---------------------------------------------------------------- launch-config
 def test_launch_config_matches_launch_and_iomodel():
-    rows = invoke_json("launch-config", *SMALL, "--direction", "both", "--arch", "sm_90")["launches"]
+    rows = invoke_json("launch-config", *SMALL, "--direction", "both", "--gpu", "sm_90")["launches"]
     kp = introspect.kernel_problem(SMALL_PROBLEM)
     expected = forms.forward_plan(kp, "fa2") + forms.backward_plan(kp, False)
     assert [r["instantiation"] for r in rows] == [lau.name_expression for lau in expected]
@@ -109,7 +109,7 @@ def test_launch_config_deterministic_backward_and_text():
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_occupancy_offline_agrees_with_ptxas_calculator_and_register_cap(arch):
-    report = invoke_json("occupancy", *SMALL, "--direction", "both", "--arch", arch)
+    report = invoke_json("occupancy", *SMALL, "--direction", "both", "--gpu", arch)
     assert arch in report["target"]
     rows = {r["kernel"]: r for r in report["occupancy"]}
     lau = forms.fa2_forward(dataclasses.replace(introspect.kernel_problem(SMALL_PROBLEM), arch=arch))
@@ -149,7 +149,7 @@ def test_instantiations_are_one_dtype_and_causal_slice_of_all():
 @pytest.mark.compile
 @pytest.mark.slow
 def test_occupancy_all_offline():
-    report = invoke_json("occupancy", "--all", "--dtype", "float16", "--no-causal", "--arch", "sm_90")
+    report = invoke_json("occupancy", "--all", "--dtype", "float16", "--no-causal", "--gpu", "sm_90")
     names = [r["instantiation"] for r in report["occupancy"]]
     assert names == [lau.name_expression for lau in introspect.instantiations("float16", False)]
     assert all(r["ctas_per_sm"] >= 1 and r["regs"] <= (r["reg_cap"] or 255) for r in report["occupancy"])
@@ -160,7 +160,8 @@ def test_io_bytes_come_from_iomodel_with_the_launch_tiles():
     report = invoke_json("io", *SMALL, "--gpu", "A100-80GB-SXM")
     rows = {(r["kernel"], r["dir"]): r for r in report["io"]}
     assert set(rows) == {(k, d) for k in iomodel.KERNELS for d in iomodel.DIRECTIONS}
-    cfg = forms.fa2_forward(SMALL_PROBLEM).config
+    a100 = dataclasses.replace(SMALL_PROBLEM, arch="sm_80")  # a named A100 reads the sm_80 tile rows
+    cfg = forms.fa2_forward(a100).config
     shape = iomodel.Shape(2, 300, 200, 8, 2, 64, 2, True)
     expected = iomodel.io_bytes("fa2", "fwd", shape, Br=cfg.br, Bc=cfg.bc)
     row = rows[("fa2", "fwd")]
@@ -168,7 +169,8 @@ def test_io_bytes_come_from_iomodel_with_the_launch_tiles():
     assert row["read_MB"] * 1e6 == pytest.approx(expected.read_bytes)
     assert row["write_MB"] * 1e6 == pytest.approx(expected.write_bytes)
     assert row["bound_ms"] == pytest.approx(iomodel.roofline(expected, "A100-80GB-SXM", "float16")["bound_ms"])
-    assert rows[("fa2", "bwd")]["Br"] == forms.backward_plan(SMALL_PROBLEM)[1].config.br
+    assert rows[("fa2", "bwd")]["Br"] == forms.backward_plan(a100)[1].config.br
+    assert rows[("fa2", "fwd")]["runs"] == "rawflash fa2_fwd"
     assert rows[("naive", "fwd")]["Br"] is None
     assert rows[("fa2", "fwd")]["read_MB"] < rows[("naive", "fwd")]["read_MB"]
     out = invoke("io", *SMALL, "--breakdown").output
@@ -223,14 +225,14 @@ def _api_error(**shape):
 def test_explain_invalid_call_shows_the_exact_api_error(options, shape):
     args = ["--batch", "1", "--seqlen-q", "3", "--dtype", "float16", "--backend", "reference", *options]
     expected = _api_error(batch=1, seqlen_q=3, seqlen_k=3, **shape)
-    result = invoke("explain", *args, code=1)
+    result = invoke("explain", *args, code=2)
     assert expected in result.output and "valid: no" in result.output
-    report = invoke_json("explain", *args, code=1)
+    report = invoke_json("explain", *args, code=2)
     assert report["valid"] is False and report["error"] == expected
 
 
 def test_explain_bad_scale_and_empty_problem():
-    report = invoke_json("explain", "--scale", "-1", code=1)
+    report = invoke_json("explain", "--scale", "-1", code=2)
     assert report["error"] == "ValueError: scale must be a positive finite real number or None, got -1.0"
     report = invoke_json("explain", "--batch", "0")
     assert report["valid"] is True and "nothing" in report["launched"]
@@ -301,6 +303,7 @@ def test_demo_without_gpu_runs_what_it_can():
     (["launch-config", "--batch", "0"], "Invalid value for '--batch'"),
     (["launch-config", "--heads", "6", "--kv-heads", "4"], "heads of q must be a multiple of kv_heads"),
     (["occupancy", "--head-dim", "512"], "head_dim must be between 1 and 256, got 512"),
+    (["occupancy", "--gpu", "sm_70"], "Invalid value for '--gpu'"),
     (["occupancy", "--arch", "sm_70"], "Invalid value for '--arch'"),
     (["io", "--gpu", "B200"], "Invalid value for '--gpu'"),
     (["explain", "--kernel", "fa3"], "Invalid value for '--kernel'"),
@@ -318,13 +321,13 @@ def test_unexpected_error_is_one_line_not_a_traceback(monkeypatch):
     def boom(*args, **kw):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(introspect, "launch_config_rows", boom)
+    monkeypatch.setattr(introspect, "launch_config_row", boom)
     result = invoke("launch-config", code=1)
     assert "RuntimeError: boom" in result.output and "RAWFLASH_DEBUG" in result.output
 
 
 @pytest.mark.parametrize("args", [["info"], ["list"], ["launch-config", *SMALL], ["io", *SMALL], ["explain", *SMALL],
-                                  ["occupancy", *SMALL, "--arch", "sm_90"],
+                                  ["occupancy", *SMALL, "--gpu", "sm_90"],
                                   ["check", "--backend", "reference", "--seqlen-q", "16", "--head-dim", "16"]])
 def test_every_json_report_parses(args):
     report = invoke_json(*args)

@@ -11,12 +11,12 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from rawflash import _compile, configs, launch
+from rawflash import _compile, configs, forms, launch
 from rawflash.occupancy import ARCHS as ARCHS_LIMITS
 
 pytestmark = pytest.mark.compile
 ARCHS = ("sm_80", "sm_90")
-INSTANTIATIONS = [(arch, lau) for arch in ARCHS for lau in launch.all_instantiations(arch)]
+INSTANTIATIONS = [(arch, lau) for arch in ARCHS for lau in forms.all_instantiations(arch)]
 
 
 def _nvrtc_available() -> bool:
@@ -74,7 +74,7 @@ def test_smem_mismatch_fails_to_compile():
     """The SMEM_BYTES static_assert is live: a wrong size is refused by the compiler."""
     if not _nvrtc_available():
         pytest.skip("NVRTC missing")
-    lau = launch.fa2_fwd(launch.Problem(1, 1, 1, 1, 1, 64, "float16", False))
+    lau = forms.fa2_forward(launch.Problem(1, 1, 1, 1, 1, 64, "float16", False), forms.Switches(wgmma=False))
     wrong = lau.name_expression.replace(f", {lau.smem}>", f", {lau.smem + 16}>")
     with pytest.raises(RuntimeError, match="disagree on shared memory"):
         _compile.compile_offline(lau.source, wrong, "sm_90")
