@@ -27,19 +27,19 @@ template <class Mainloop> __device__ __forceinline__ void bwd_kernel(const BwdPa
   using Pol = typename Mainloop::Pol;
   extern __shared__ __align__(16) char smem[];
   KTileScheduler<Mainloop::BC, Pol::GENERAL> tile;
-  // ---- [fa2_bwd:schedule] this CTA's key block K_j of kv head hk, batch b ----
+  // ---- [bwd:schedule] this CTA's key block K_j of kv head hk, batch b ----
   if (!tile.start(p)) return;
   const int group = p.heads / p.kv_heads;
   typename Pol::Info bi(p, tile.b, tile.hk * group);
   const int k0 = tile.j * Mainloop::BC;
   if (k0 >= bi.seqlen_k) return;
-  // ---- [fa2_bwd:setup] the policy, and the query blocks that see K_j (query blocks that do not are skipped) ----
+  // ---- [bwd:setup] the policy, and the query blocks that see K_j (query blocks that do not are skipped) ----
   Pol pol(p, bi);
   const QIter walk(pol.q_blocks(k0, Mainloop::BC, Mainloop::BR, cdiv(bi.seqlen_q, Mainloop::BR)), tile.hk, group);
   typename Mainloop::State st;
-  // ---- [fa2_bwd:mainloop] Alg.2 l.6-16: dK_j, dV_j over every (h, i), dQ_i += dS K_j on the way ----
+  // ---- [bwd:mainloop] Alg.2 l.6-16: dK_j, dV_j over every (h, i), dQ_i += dS K_j on the way ----
   Mainloop::run(p, bi, pol, k0, walk, smem, st);
-  // ---- [fa2_bwd:epilogue] Alg.2 l.17: write dK_j (times scale) and dV_j (zero when no query sees K_j) ----
+  // ---- [bwd:epilogue] Alg.2 l.17: write dK_j (times scale) and dV_j (zero when no query sees K_j) ----
   Mainloop::store(p, bi, k0, st);
 }
 

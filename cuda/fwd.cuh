@@ -11,18 +11,18 @@ namespace rf {
 template <class Mainloop, class Scheduler> __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
   extern __shared__ __align__(16) char smem[];
   Scheduler tiles;
-  // ---- [fa2_fwd:schedule] this CTA's query tiles: one (sequence parallelism), or all of a (b, h) in turn ----
+  // ---- [fwd:schedule] this CTA's query tiles: one (sequence parallelism), or all of a (b, h) in turn ----
   if (!tiles.start(p)) return;
   do {
-    // ---- [fa2_fwd:setup] the sequence, head and kv head of the tile; its variant policy ----
+    // ---- [fwd:setup] the sequence, head and kv head of the tile; its variant policy ----
     const typename Mainloop::Pol::Info bi(p, tiles.b, tiles.h);
     const int q0 = tiles.i * Mainloop::BR;
     if (q0 >= bi.seqlen_q) continue;
     const typename Mainloop::Pol pol(p, bi);
     typename Mainloop::State st;
-    // ---- [fa2_fwd:mainloop] Alg.1 l.4-11 over the key blocks the policy leaves visible ----
+    // ---- [fwd:mainloop] Alg.1 l.4-11 over the key blocks the policy leaves visible ----
     Mainloop::run(p, bi, pol, q0, smem, st);
-    // ---- [fa2_fwd:epilogue] Alg.1 l.12-13: O_i and L_i ----
+    // ---- [fwd:epilogue] Alg.1 l.12-13: O_i and L_i ----
     Mainloop::store(p, bi, pol, q0, smem, st);
   } while (tiles.advance());
 }

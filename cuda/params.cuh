@@ -30,11 +30,17 @@ struct FwdParams {
   float* o_ws;               // fa1: running O (float32); split-KV: partial O per split
   float* m_ws;               // fa1: running row max (log2 units); split-KV: partial lse per split
   float* l_ws;               // fa1: running row sum
+  const void* k_new;         // decode: keys and values appended to the cache before attending (nullptr: none)
+  const void* v_new;
+  long long kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh;
+  long long ws_split;        // split-KV: elements between two splits' partial O (their lse: ws_split / head_dim)
   int batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim;
   int window_left, window_right;  // -1: unbounded on that side; causal is (-1, 0)
   int page_size, num_splits;
   float scale, scale_log2;   // softmax scale, and the same times log2(e)
   float softcap;             // 0: off; else scores become softcap * tanh(score / softcap)
+  int new_keys;              // decode: rows of k_new / v_new per sequence
+  int split_keys;            // split-KV: keys per split (a multiple of the decode block)
   int pad_;
 };
 

@@ -55,8 +55,8 @@ template <int MASK_, bool GENERAL_> struct Policy {
   int seqlen_q, seqlen_k, diag, left, right;
   float scale_log2;
   float cap_in, cap_out;  // softcap: tanh's argument is q.k * cap_in, its value times cap_out is the log2 score
-  float slope;            // ALiBi slope of this head, in log2 units (0: off)
-  float slope_nat, scale; // the same slope and the softmax scale in natural units (the float32 score)
+  float slope_nat;        // ALiBi slope of this head (natural units; 0: off)
+  float scale;            // the softmax scale in natural units (the float32 score)
 
   template <class P> __device__ __forceinline__ Policy(const P& p, const Info& bi)
       : seqlen_q(bi.seqlen_q), seqlen_k(bi.seqlen_k), diag(bi.seqlen_k - bi.seqlen_q),
@@ -68,7 +68,6 @@ template <int MASK_, bool GENERAL_> struct Policy {
   }
   template <class P> __device__ __forceinline__ void set_head(const P& p, const Info& bi) {
     slope_nat = (GENERAL_ && p.alibi_slopes) ? p.alibi_slopes[bi.b * p.alibi_sb + bi.h] : 0.f;
-    slope = slope_nat * LOG2E;
   }
   // The sink logit of the tile's head in log2 units, -inf without sinks (read at the end of a row, not kept).
   template <class P> __device__ __forceinline__ static float sink_log2(const P& p, const Info& bi) {
@@ -143,8 +142,20 @@ template <int MASK_, bool GENERAL_> struct Policy {
     if constexpr (!GENERAL_) for_each_row(s, [&](float& x, int) { x = __fmul_rn(x, scale_log2); });
   }
 
+  // The ALiBi slope (natural units) of query head hk * group + hh of the block's sequence: decode's packed rows
+  // mix the heads of a group.
+  template <class P> __device__ __forceinline__ float head_slope(const P& p, const Info& bi, int hh) const {
+    return (GENERAL_ && p.alibi_slopes) ? p.alibi_slopes[bi.b * p.alibi_sb + bi.hk * (p.heads / p.kv_heads) + hh]
+                                        : 0.f;
+  }
+
   // x = q.k of query i, key j -> the score in log2 units; *dz = d(score in natural units) / d(scale * q.k).
   template <typename T> __device__ __forceinline__ float score(float x, int i, int j, float* dz = nullptr) const {
+    return score<T>(x, i, j, dz, slope_nat);
+  }
+  // The same with the ALiBi slope (natural units) of the row's own head.
+  template <typename T> __device__ __forceinline__ float score(float x, int i, int j, float* dz, float alibi) const {
+    const float slope = alibi * LOG2E, slope_nat = alibi;
     const int dist = i + diag - j;
     const float adist = (float)(dist < 0 ? -dist : dist);
     if (GENERAL_ && cap_in > 0.f) {

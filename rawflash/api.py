@@ -301,3 +301,101 @@ class _device:
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
         return False
+
+
+def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Array, k_new: Array | None = None,
+           v_new: Array | None = None, block_table: Array | None = None, causal: bool = False,
+           scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+           alibi_slopes: Array | None = None, sinks: Array | None = None, num_splits: int | None = None,
+           return_lse: bool = False, backend: str = "cupy") -> Array | tuple[Array, Array]:
+    """Attention of a few new query rows against a KV cache, for inference (flash-attn's ``flash_attn_with_kvcache``).
+
+    Sequence b attends to the first ``cache_seqlens[b]`` keys of its cache followed by its ``seqlen_new`` new keys,
+    which are first written into the cache (in place) as keys ``cache_seqlens[b] ..``. The keys are split into
+    ``num_splits`` chunks read in parallel (Flash-Decoding) and the partial results merged by their lse; the GQA
+    group's query heads and the call's query rows share every read of K and V.
+
+    Parameters
+    ----------
+    q : array (batch, seqlen_q, heads, head_dim), float16, bfloat16 or float32; head_dim a multiple of 8
+        seqlen_q is usually 1 (one generated token); more rows serve speculative decoding or chunked prefill.
+    k_cache, v_cache : arrays, q's dtype, read and appended in place
+        Contiguous: (batch, capacity, kv_heads, head_dim). Paged (with ``block_table``): (num_pages, page_size,
+        kv_heads, head_dim), any page_size >= 1.
+    cache_seqlens : int or int32 array (batch,)
+        Keys already in each sequence's cache (on the device or the host; a device array is copied to the host once
+        to check it against the capacity).
+    k_new, v_new : arrays (batch, seqlen_new, kv_heads, head_dim), optional
+        Keys and values appended before attending (both or neither).
+    block_table : int32 array (batch, max_pages), optional
+        Paged cache: key j of sequence b is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
+    causal : bool
+        Query i sees key j iff j <= i + keys - seqlen_q (bottom-right, as in the forward); irrelevant when
+        seqlen_q is 1.
+    scale, window, softcap, alibi_slopes, sinks
+        As in :func:`forward` (the window and ALiBi distances are measured from each sequence's own last key).
+    num_splits : int, optional
+        Chunks of the keys (default: enough to fill the GPU twice over, at least 4 key tiles each).
+    return_lse : bool
+        Also return lse (batch, heads, seqlen_q) float32.
+    backend : {'cupy', 'reference'}
+
+    Returns
+    -------
+    out : array like q, and lse when ``return_lse``.
+    """
+    env = settings.load()
+    q, k_cache, v_cache, k_new, v_new, block_table = _import(
+        (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new),
+         ("block_table", block_table)))
+    if not isinstance(cache_seqlens, (int, np.integer)):
+        (cache_seqlens,) = _import((("cache_seqlens", cache_seqlens),))
+    feats = _features(window, softcap, alibi_slopes, sinks, None, None, None, None, None)
+    c = validation.check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend,
+                                feats)
+    validation.check_flag(return_lse, "return_lse")
+    if num_splits is not None and (isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= forms.MAX_SPLITS):
+        raise ValueError(f"num_splits must be None or an int between 1 and {forms.MAX_SPLITS}, got {num_splits!r}")
+    p, to_numpy = c.problem, c.kind == "numpy"
+    lens = c.extras["seqused_k"]
+    if backend == "reference":
+        out, lse = reference.decode(q, k_cache, v_cache, lens, k_new=k_new, v_new=v_new, block_table=block_table,
+                                    causal=p.causal, scale=c.scale, window=p.window, softcap=p.softcap,
+                                    alibi_slopes=feats.alibi_slopes, sinks=feats.sinks)
+        out, lse = _host_result(out.astype(q.dtype), to_numpy), _host_result(lse.astype(np.float32), to_numpy)
+        _append_in_place(k_cache, v_cache, lens, k_new, v_new, block_table)
+        return (out, lse) if return_lse else out
+    _require_gpu(backend)
+    from . import cupy_backend
+
+    with _device(c):
+        out, lse = cupy_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras, env)
+    if to_numpy and p.new_keys:  # the device appended to copies of NumPy caches: append to the caller's too
+        _append_in_place(k_cache, v_cache, lens, k_new, v_new, block_table)
+    out, lse = arrays.export(out, to_numpy), arrays.export(lse, to_numpy)
+    return (out, lse) if return_lse else out
+
+
+def _append_in_place(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table) -> None:
+    """k_new / v_new written into the caller's caches (NumPy or CuPy) as decode's kernel does on the device."""
+    if k_new is None:
+        return
+    host = np.asarray(validation._host_ints(cache_seqlens)).astype(np.int64).reshape(-1)
+    table = None if block_table is None else validation._host_ints(block_table).astype(np.int64)
+    page = int(k_cache.shape[1])
+    for b in range(int(k_new.shape[0])):
+        for t in range(int(k_new.shape[1])):
+            j = int(host[b]) + t
+            slot, row = (b, j) if table is None else (int(table[b, j // page]), j % page)
+            k_cache[slot, row] = k_new[b, t] if isinstance(k_cache, type(k_new)) else _like(k_cache, k_new[b, t])
+            v_cache[slot, row] = v_new[b, t] if isinstance(v_cache, type(v_new)) else _like(v_cache, v_new[b, t])
+
+
+def _like(target, x):
+    """x moved to where target lives (NumPy or CuPy)."""
+    if isinstance(target, np.ndarray):
+        return x.get() if hasattr(x, "get") else np.asarray(x)
+    import cupy
+
+    return cupy.asarray(x)

@@ -1,6 +1,6 @@
 """The benchmark: validate every implementation against the reference, then time it beside the peers.
 
-Conventions (DESIGN.md section 6): FLOPs are ``4 B H Nq Nk d`` forward (half when causal), backward 2.5x that;
+Conventions: FLOPs are ``4 B H Nq Nk d`` forward (half when causal), backward 2.5x that;
 times are the median of CUDA-event timings after a warm-up, with L2 flushed before every timed launch; every
 implementation is first checked by flash-attn's rule on a reduced problem with the same kernel instantiation
 (same dtype, head_dim and causal flag) and an implementation that fails is reported, not timed.
@@ -85,7 +85,7 @@ def sweep_cases(impls, directions, dtypes, head_dims, seqlens, causals, tokens=1
                 continue
             for dtype in dtypes:
                 if impl == "cupy-naive" and dtype != "float16":
-                    continue  # CuPy has no bfloat16 matmul: the plain-CuPy peer runs in float16 (FACTS.md)
+                    continue  # CuPy has no bfloat16 matmul: the plain-CuPy peer runs in float16
                 for d in head_dims:
                     for n in seqlens:
                         for causal in causals:
@@ -310,4 +310,143 @@ def ratios(records: list[Record], impl: str = "rawflash-fa2") -> list[dict]:
             if peer != impl and other is not None and other.tflops:
                 row[f"x {peer}"] = r.tflops / other.tflops
         rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- the features models use (issue targets)
+@dataclasses.dataclass(frozen=True)
+class FeatureCase:
+    """One feature measurement: a name, the call's shape (packed lengths for varlen) and its feature arguments."""
+
+    name: str
+    direction: str
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+    causal: bool
+    opts: tuple = ()              # (name, value) pairs: window, softcap, alibi, sinks
+    lengths: tuple = ()           # packed sequences (varlen): batch and seqlen do not apply
+
+    @property
+    def flops(self) -> float:
+        """FLOPs over the visible (query, key) pairs only (a window's or each packed sequence's)."""
+        window = dict(self.opts).get("window", (-1, -1))
+        seqs = [(n, n) for n in self.lengths] or [(self.seqlen, self.seqlen)] * self.batch
+        return float(sum(iomodel.flops(iomodel.Shape(1, sq, sk, self.heads, self.heads, self.head_dim, 2,
+                                                     self.causal, window), self.direction) for sq, sk in seqs if sq))
+
+
+def varlen_lengths(count: int = 16, low: int = 256, high: int = 8192, seed: int = 0) -> tuple:
+    """The lengths of the varlen target: ``count`` sequences drawn uniformly in [low, high] with a fixed seed."""
+    rng = np.random.default_rng(seed)
+    return tuple(int(x) for x in rng.integers(low, high + 1, count))
+
+
+def feature_cases(head_dim: int = 128) -> list[FeatureCase]:
+    """The cases behind the features' speed targets (bf16, 16 heads): a 1024-key causal window over 16384 against
+    dense causal 2048; a varlen batch against an equal-length batch of the same tokens; soft-capping, ALiBi and
+    sinks against plain attention at N = 4096, forward and backward."""
+    lengths = varlen_lengths()
+    even = sum(lengths) // len(lengths)
+    h = 2048 // head_dim
+    cases = [FeatureCase("window (1024, 0), N 16384", "fwd", 1, 16384, h, head_dim, True, (("window", (1024, 0)),)),
+             FeatureCase("dense causal, N 2048", "fwd", 8, 2048, h, head_dim, True)]
+    for causal in (False, True):
+        cases += [FeatureCase(f"varlen x16{' causal' if causal else ''}", "fwd", len(lengths), 0, h, head_dim, causal,
+                              lengths=lengths),
+                  FeatureCase(f"equal x16 of {even}{' causal' if causal else ''}", "fwd", len(lengths), even, h,
+                              head_dim, causal)]
+    for direction in ("fwd", "bwd"):
+        for name, opts in (("plain", ()), ("softcap 30", (("softcap", 30.0),)), ("alibi", (("alibi", True),)),
+                           ("sinks", (("sinks", True),))):
+            cases.append(FeatureCase(f"{name}, N 4096", direction, 4, 4096, h, head_dim, False, opts))
+    return cases
+
+
+def _feature_inputs(case: FeatureCase):
+    import cupy
+
+    rng = cupy.random.default_rng(7)
+    dt = np.dtype(ml_dtypes.bfloat16)
+    if case.lengths:
+        shape = (sum(case.lengths), case.heads, case.head_dim)
+    else:
+        shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+    q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(dt) for _ in range(4))
+    opts = dict(case.opts)
+    feats = {}
+    if "window" in opts:
+        feats["window"] = opts["window"]
+    if "softcap" in opts:
+        feats["softcap"] = opts["softcap"]
+    if opts.get("alibi"):
+        feats["alibi_slopes"] = cupy.linspace(0.01, 0.3, case.heads, dtype=cupy.float32)
+    if opts.get("sinks"):
+        feats["sinks"] = cupy.linspace(-1, 1, case.heads, dtype=cupy.float32)
+    if case.lengths:
+        cu = cupy.asarray(np.cumsum((0,) + case.lengths).astype(np.int32))
+        feats.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    return q, k, v, dout, feats
+
+
+def feature_bound(case: FeatureCase, q, k, v, dout, feats):
+    """The call of ``case`` bound once (its kernels alone are timed; the public call, which checks cu_seqlens on
+    the host, is timed beside it)."""
+    import rawflash
+
+    from . import cupy_backend, settings, validation
+
+    f = validation.Features(**{n: feats.get(n, d) for n, d in (("window", (-1, -1)), ("softcap", 0.0),
+                                                                  ("alibi_slopes", None), ("sinks", None),
+                                                                  ("cu_seqlens_q", None), ("cu_seqlens_k", None))})
+    env = settings.load()
+    if case.direction == "fwd":
+        c = validation.check_forward(q, k, v, case.causal, None, "fa2", "cupy", f)
+        return cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", extras=c.extras, env=env)
+    out, lse = rawflash.forward(q, k, v, causal=case.causal, **feats)
+    c = validation.check_backward(dout, q, k, v, out, lse, case.causal, None, False, "cupy", f)
+    return cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, False, c.extras, env)
+
+
+def run_features(repeats: int = 10) -> list[dict]:
+    """Time every feature case (kernels alone, and the public call); validated elsewhere (tests/test_gpu_features)."""
+    import cupy
+
+    import rawflash
+
+    rows = []
+    for case in feature_cases():
+        q, k, v, dout, feats = _feature_inputs(case)
+        bound = feature_bound(case, q, k, v, dout, feats)
+        kernel_ms = time_ms(bound.launch, repeats=repeats)
+        if case.direction == "fwd":
+            public = lambda: rawflash.forward(q, k, v, causal=case.causal, **feats)  # noqa: E731
+        else:
+            out, lse = rawflash.forward(q, k, v, causal=case.causal, **feats)
+            public = lambda: rawflash.backward(dout, q, k, v, out, lse, causal=case.causal, **feats)  # noqa: E731
+        ms = time_ms(public, repeats=repeats)
+        rows.append({"case": case.name, "direction": case.direction, "kernel_ms": kernel_ms, "ms": ms,
+                     "kernel_tflops": case.flops / (kernel_ms * 1e-3) / 1e12, "tflops": case.flops / (ms * 1e-3) / 1e12})
+        del q, k, v, dout, feats, bound
+        cupy.get_default_memory_pool().free_all_blocks()
+    return _feature_ratios(rows)
+
+
+def _feature_ratios(rows: list[dict]) -> list[dict]:
+    """Each row with the ratio its target compares (window / dense causal, varlen / equal, feature / plain)."""
+    by = {(r["case"], r["direction"]): r for r in rows}
+    for r in rows:
+        name, d = r["case"], r["direction"]
+        if name.startswith("window"):
+            other = by[("dense causal, N 2048", d)]
+        elif name.startswith("varlen"):
+            other = next(x for (n, dd), x in by.items() if n.startswith("equal") and (n.endswith("causal") ==
+                                                                                      name.endswith("causal")))
+        elif name.endswith("N 4096") and not name.startswith("plain"):
+            other = by[("plain, N 4096", d)]
+        else:
+            continue
+        r["vs"] = other["case"]
+        r["ratio (kernels)"] = r["kernel_tflops"] / other["kernel_tflops"]
     return rows

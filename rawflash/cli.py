@@ -82,7 +82,21 @@ def main():
 
 
 # ---------------------------------------------------------------- shared options and helpers
-SHAPE_NAMES = ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "head_dim", "dtype", "causal")
+SHAPE_NAMES = ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "head_dim", "dtype", "causal", "window",
+               "softcap", "alibi", "sinks", "varlen")
+
+
+def _csv_lengths(ctx, param, text):
+    """``--varlen 256,1024,...`` as a tuple of ints >= 0 (None when not given)."""
+    if not text:
+        return None
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"a comma-separated list of lengths, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise click.BadParameter(f"lengths must be >= 0, got {text!r}")
+    return values
 
 
 def shape_options(batch=4, seqlen=2048, heads=16, head_dim=128, dtype="bfloat16", causal=False, kernel=False,
@@ -111,6 +125,15 @@ def shape_options(batch=4, seqlen=2048, heads=16, head_dim=128, dtype="bfloat16"
         click.option("--dtype", type=click.Choice(configs.DTYPES), default=dtype, show_default=True),
         click.option("--causal/--no-causal", default=causal, show_default=True,
                      help="Bottom-right aligned causal mask."),
+        click.option("--window", type=(int, int), default=(-1, -1), show_default=True, metavar="LEFT RIGHT",
+                     help="Sliding window: keys within LEFT before and RIGHT after the diagonal (-1: unbounded)."),
+        click.option("--softcap", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                     help="Soft-capping c: scores become c * tanh(s / c) (0: off)."),
+        click.option("--alibi/--no-alibi", default=False, help="ALiBi slopes, one per head."),
+        click.option("--sinks/--no-sinks", default=False, help="Attention sinks, one logit per head."),
+        click.option("--varlen", callback=_csv_lengths, default=None, metavar="N1,N2,...",
+                     help="Packed variable-length sequences of these lengths (queries and keys alike); --batch, "
+                          "--seqlen-q and --seqlen-k then do not apply."),
     ]
     if kernel:
         options.append(click.option("--kernel", type=click.Choice(validation.KERNELS), default="fa2",
@@ -594,12 +617,33 @@ def demo(ctx, gpu, arch, sms, as_json):
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench/results", show_default=True)
 @click.option("--tag", default="", help="Suffix of the output file names.")
+@click.option("--features", is_flag=True,
+              help="Time the features instead (windows, varlen, soft-capping, ALiBi, sinks: bf16, d = 128, each "
+                   "beside the case its target compares with).")
+@click.option("--decode", is_flag=True,
+              help="Time decode instead (a KV-cache step: bandwidth beside a device copy and PyTorch's SDPA).")
 @json_option
 def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
-          as_json):
+          features, decode, as_json):
     """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
-    only."""
+    only. The rawflash rows also give the kernels' own time (kernel_tflops: the launches alone, CUDA events)."""
     _require_gpu("bench", "'rawflash io' and 'rawflash explain' give the predicted numbers without one")
+    if decode:
+        from . import bench_decode
+
+        result = bench_decode.run_decode(repeats)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"bench-decode{('-' + tag) if tag else ''}.json").write_text(json.dumps(result, indent=1))
+        _emit({"decode": result}, as_json)
+        return
+    if features:
+        rows = bench_mod.run_features(repeats)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"bench-features{('-' + tag) if tag else ''}.json").write_text(json.dumps(rows, indent=1))
+        _emit({"features": rows}, as_json)
+        return
     impls = list(impls) or bench_mod.available_impls()
     missing = [i for i in impls if i not in bench_mod.available_impls()]
     if missing:

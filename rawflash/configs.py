@@ -16,7 +16,8 @@ import dataclasses
 SPECIALISED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = SPECIALISED_HEAD_DIMS[-1]
 DTYPES = ("float16", "bfloat16", "float32")
-KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_fwd_sm90", "fa2_bwd", "fa2_bwd_sm90", "fa2_bwd_dq")
+KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_fwd_sm90", "fa2_bwd", "fa2_bwd_sm90", "fa2_bwd_dq",
+           "decode_split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,9 @@ class TileConfig:
     br, bc: query rows and key rows of a block (the papers' Br, Bc); warps: warps per CTA; min_blocks: the
     CTAs per SM promised to the compiler through ``__launch_bounds__`` (it caps registers at
     65536 / (32 * warps * min_blocks)); wc: (fa2_bwd) warps that split the head_dim columns of dK, dV;
-    kunroll: k-steps of 16 unrolled together in the S = Q K^T style products (ILP against registers).
+    kunroll: k-steps of 16 unrolled together in the S = Q K^T style products (ILP against registers);
+    stages: (decode_split) depth of each warp's cp.async ring of key tiles. For decode_split, br is the packed query
+    rows of one CTA (16 per m-tile), bc the keys of one warp tile, warps the splits one CTA runs.
     """
 
     br: int
@@ -35,6 +38,7 @@ class TileConfig:
     min_blocks: int = 1
     wc: int = 1
     kunroll: int = 1
+    stages: int = 1
     why: str = ""
 
     @property
@@ -98,6 +102,15 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_bwd_dq", (192, 256), _16BIT, TileConfig(64, 16, 4, why="dQ of 16 x d per warp leaves room for 16 x 16 S"))
     put("fa2_bwd_dq", (32, 64, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path"))
     put("fa2_bwd_dq", (256,), ("float32",), TileConfig(64, 16, 4, why="fp32 FMA path: dQ of 16 x 256 per warp"))
+    # decode_split: a warp streams its split of the cache through a ring of `stages` tiles of bc keys; br packed
+    # query rows (GQA group x query rows) per CTA. Bytes in flight per SM, not registers, set these: 4 warps x 2
+    # tiles ahead x 16 KB at d = 128 is about twice what 4.3 TB/s x 1 us of latency needs per SM. 32 rows at d = 128
+    # make ptxas spill (255 registers, offline), so 16; larger groups x queries take several row groups.
+    put("decode_split", (32, 64), _16BIT, TileConfig(32, 32, 4, stages=3, why="2 m-tiles: 168 registers at d = 64"))
+    put("decode_split", (96, 128), _16BIT, TileConfig(16, 32, 4, stages=3, why="1 m-tile: 163 registers at d = 128"))
+    put("decode_split", (192, 256), _16BIT, TileConfig(16, 16, 4, stages=2, why="16 KB key tiles, 2 deep"))
+    put("decode_split", (32, 64, 96, 128), ("float32",), TileConfig(16, 16, 4, stages=2, why="fp32: half the keys"))
+    put("decode_split", (192, 256), ("float32",), TileConfig(16, 16, 2, stages=2, why="fp32: 2 warps fit 227 KB"))
     return rows
 
 

@@ -217,3 +217,63 @@ def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: b
     bound.launch()
     grads = bound.result()
     return (*grads, bound.sinks()) if hasattr(bound, "sinks") else grads
+
+
+def _cache_ready(x, name: str, chunk: int, in_place: bool):
+    """A cache the kernels read (and append to) in place: the caller's array, or a copy when it cannot be read as it
+    is and nothing is appended to it (an append must land in the caller's memory)."""
+    ready = kernel_ready(x, chunk)
+    if ready is not x and in_place:
+        raise ValueError(f"{name} must have a last stride of 1, a 16-byte aligned base and strides that are multiples "
+                         f"of {chunk} elements for an in-place append (k_new / v_new given), got strides "
+                         f"{tuple(x.strides)} bytes")
+    return ready
+
+
+def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,
+                extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None) -> Bound:
+    """Bind a decode call: the append (k_new / v_new into the caches, in place), the split-KV pass into float32 work
+    buffers (num_splits x the output) and the combine into out and lse (batch, heads, seqlen_q)."""
+    import cupy
+
+    prep = prepare(p, extras or {}, env, q)  # head_dim is a multiple of 8 (checked): nothing is padded
+    pr, (q,) = prep.problem, prep.arrays
+    chunk = 16 // q.dtype.itemsize
+    appends = k_new is not None
+    k_cache = _cache_ready(cupy.asarray(k_cache), "k_cache", chunk, appends)
+    v_cache = _cache_ready(cupy.asarray(v_cache), "v_cache", chunk, appends)
+    new = tuple(kernel_ready(cupy.asarray(x), chunk) for x in (k_new, v_new)) if appends else (None, None)
+    plan = forms.decode_plan(pr, num_splits, _sms(), override)
+    out = cupy.empty(q.shape, dtype=q.dtype)
+    lse = cupy.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=cupy.float32)
+    o_ws = cupy.empty((plan.num_splits,) + q.shape, dtype=cupy.float32)
+    m_ws = cupy.empty((plan.num_splits, pr.batch, pr.heads, pr.seqlen_q), dtype=cupy.float32)
+    ex = dict(prep.extras)
+    if "block_table" in ex:
+        ex["page_size"] = pr.page_size
+    rec = params.fwd_params(pr, q, k_cache, v_cache, out, lse, scale, o_ws=o_ws, m_ws=m_ws,
+                            num_splits=plan.num_splits, **ex)
+    for prefix, x in zip(("kn", "vn"), new):
+        if x is not None:
+            rec[f"{prefix}_sb"], rec[f"{prefix}_ss"], rec[f"{prefix}_sh"] = params.strides_bsh(x, False)
+    rec["k_new"], rec["v_new"] = params.ptr(new[0]), params.ptr(new[1])
+    rec["new_keys"], rec["split_keys"], rec["ws_split"] = pr.new_keys, plan.split_keys, out.size
+    # (a paged cache's batch stride, set by fwd_params, is its page stride: kv_row indexes pages with it)
+    bound = Bound(plan.launches, [(lau, (rec,)) for lau in plan.launches], (out, lse), env)
+    bound.keep = (q, k_cache, v_cache, new, o_ws, m_ws, prep.extras)
+    bound.plan_info = plan
+    return bound
+
+
+def _sms() -> int:
+    import cupy
+
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,
+           extras: dict | None = None, env: Settings = Settings()):
+    """out like q and lse (batch, heads, seqlen_q) float32; k_new / v_new are appended to the caches in place."""
+    bound = bind_decode(p, q, k_cache, v_cache, k_new, v_new, scale, num_splits, extras, env)
+    bound.launch()
+    return bound.result()

@@ -122,6 +122,48 @@ def backward_plan(p: Problem, deterministic: bool = False, settings: Settings = 
     return [pre, fa2_backward_main(p, True, wgmma, settings, override), launch.fa2_bwd_convert_dq(p)]
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """A decode call's launches and its split of the keys: num_splits chunks of split_keys keys."""
+
+    launches: list
+    num_splits: int
+    split_keys: int
+
+
+MAX_SPLITS = 256
+
+
+def decode_splits(p: Problem, cfg: TileConfig, sms: int = 132) -> tuple[int, int]:
+    """How many splits decode cuts the keys into, and how many keys each (a multiple of cfg.bc).
+
+    Enough warps for two waves of the GPU (``sms`` multiprocessors, as many CTAs per SM as shared memory allows)
+    over the (batch, kv head, row group) pairs, but at least four key tiles per split and at most 256 splits.
+    The longest sequence (``p.seqlen_k``: cache_seqlens + new keys) sets the chunk.
+    """
+    smem = launch.smem_decode_split(cfg, p.padded_head_dim, p.itemsize)
+    ctas_per_sm = max(1, min(32, 233472 // (smem + 1024)))
+    pairs = p.batch * p.kv_heads * launch.decode_rows(p, cfg)[1]
+    want = launch.cdiv(2 * sms * ctas_per_sm * cfg.warps, max(1, pairs))
+    most = max(1, launch.cdiv(p.seqlen_k, 4 * cfg.bc))
+    splits = max(1, min(want, most, MAX_SPLITS))
+    split_keys = launch.cdiv(launch.cdiv(max(1, p.seqlen_k), splits), cfg.bc) * cfg.bc
+    return launch.cdiv(max(1, p.seqlen_k), split_keys), split_keys
+
+
+def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
+                override: Override | None = None) -> DecodePlan:
+    """The append (when new keys come), the split-KV pass and the combine of one decode call."""
+    cfg = _config("decode_split", p, override)
+    if num_splits is None:
+        num_splits, split_keys = decode_splits(p, cfg, sms)
+    else:
+        split_keys = launch.cdiv(launch.cdiv(max(1, p.seqlen_k), num_splits), cfg.bc) * cfg.bc
+    launches = ([launch.decode_append(p)] if p.new_keys else []) + [launch.decode_split(p, cfg, num_splits),
+                                                                   launch.decode_combine(p)]
+    return DecodePlan(launches, num_splits, split_keys)
+
+
 def _variants_of(p: Problem) -> list[Problem]:
     """The compile-time variants a (dtype, head_dim) instantiates: plain without and with the causal mask, and the
     general policy without a mask and with a window (which is how every feature reaches the kernels)."""
@@ -148,6 +190,8 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures
                         launches += [fa2_forward(p, sw) for sw in ABLATIONS.values() if not sw.wgmma]
                 launches += [launch.fa2_bwd_preprocess(p), launch.fa2_bwd_convert_dq(p)]
+                if not p.general and not p.causal:  # decode has one instantiation per (dtype, head_dim)
+                    launches += decode_plan(dataclasses.replace(p, seqlen_k=4096, new_keys=1), 8).launches
                 for lau in launches:
                     out.setdefault(lau.name_expression, lau)
     return list(out.values())

@@ -35,16 +35,34 @@ class ShapeSpec:
     head_dim: int
     dtype: str
     causal: bool
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+    varlen: tuple | None = None  # lengths of packed sequences (q and k alike): batch and seqlen then do not apply
 
     @property
     def q_shape(self) -> tuple:
+        if self.varlen:
+            return (sum(self.varlen), self.heads, self.head_dim)
         return (self.batch, self.seqlen_q, self.heads, self.head_dim)
 
     @property
     def kv_shape(self) -> tuple:
-        nk = self.seqlen_q if self.seqlen_k is None else self.seqlen_k
         hk = self.heads if self.kv_heads is None else self.kv_heads
+        if self.varlen:
+            return (sum(self.varlen), hk, self.head_dim)
+        nk = self.seqlen_q if self.seqlen_k is None else self.seqlen_k
         return (self.batch, nk, hk, self.head_dim)
+
+    def features(self) -> validation.Features:
+        """The feature arguments of the call this spec stands for (placeholder arrays of the right shapes)."""
+        f32 = np.zeros((), np.float32)
+        cu = None if not self.varlen else np.cumsum((0,) + tuple(self.varlen)).astype(np.int32)
+        return validation.Features(window=self.window, softcap=self.softcap,
+                                   alibi_slopes=np.broadcast_to(f32, (self.heads,)) if self.alibi else None,
+                                   sinks=np.broadcast_to(f32, (self.heads,)) if self.sinks else None,
+                                   cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 
 def placeholders(spec: ShapeSpec) -> dict:
@@ -52,19 +70,21 @@ def placeholders(spec: ShapeSpec) -> dict:
     dt = accuracy.DTYPES[spec.dtype]
     one = np.zeros((), dt)
     q, kv = spec.q_shape, spec.kv_shape
+    lse = (q[1], q[0]) if spec.varlen else (q[0], q[2], q[1])
     return {"q": np.broadcast_to(one, q), "k": np.broadcast_to(one, kv), "v": np.broadcast_to(one, kv),
             "out": np.broadcast_to(one, q), "dout": np.broadcast_to(one, q),
-            "lse": np.broadcast_to(np.zeros((), np.float32), (q[0], q[2], q[1]))}
+            "lse": np.broadcast_to(np.zeros((), np.float32), lse)}
 
 
 def validate(spec: ShapeSpec, *, kernel: str = "fa2", backend: str = "cupy", scale=None, direction: str = "fwd",
              deterministic: bool = False) -> validation.Checked:
     """Run the API's own validation on arrays of this shape; raises its TypeError / ValueError unchanged."""
     x = placeholders(spec)
-    checked = validation.check_forward(x["q"], x["k"], x["v"], spec.causal, scale, kernel, backend)
+    feats = spec.features()
+    checked = validation.check_forward(x["q"], x["k"], x["v"], spec.causal, scale, kernel, backend, feats)
     if direction in ("bwd", "both"):
         checked = validation.check_backward(x["dout"], x["q"], x["k"], x["v"], x["out"], x["lse"], spec.causal,
-                                            scale, deterministic, backend)
+                                            scale, deterministic, backend, feats)
     return checked
 
 
@@ -102,13 +122,23 @@ def launches(p: Problem, kernel: str, direction: str, deterministic: bool = Fals
     return out
 
 
+def sequences(p: Problem) -> list[tuple[int, int]]:
+    """(seqlen_q, seqlen_k) of every sequence of the call: batch copies of one pair, or the packed lengths."""
+    return list(p.lengths) if p.lengths else [(p.seqlen_q, p.seqlen_k)] * p.batch
+
+
 def tiles(p: Problem, lau: Launch) -> tuple[int, int] | None:
-    """(computed, skipped) tiles over every (batch, head) with this launch's Br, Bc; None for launches without tiles."""
+    """(computed, skipped) tiles over every (sequence, head) with this launch's Br, Bc (the causal mask and the
+    window skip tiles, packed sequences count their own); None for launches without tiles."""
     if lau.config is None:
         return None
-    computed, skipped = iomodel.visible_blocks(p.seqlen_q, p.seqlen_k, lau.config.br, lau.config.bc, p.causal)
-    heads = p.batch * p.heads
-    return computed * heads, skipped * heads
+    computed = skipped = 0
+    for sq, sk in sequences(p):
+        if sq == 0 or sk == 0:
+            continue
+        c, s = iomodel.visible_blocks(sq, sk, lau.config.br, lau.config.bc, p.causal, p.window)
+        computed, skipped = computed + c, skipped + s
+    return computed * p.heads, skipped * p.heads
 
 
 def launch_row(p: Problem, direction: str, lau: Launch) -> dict:
@@ -398,13 +428,21 @@ def io_tiles(p: Problem, kernel: str, direction: str) -> tuple[int | None, int |
 
 
 def io_shape(p: Problem) -> iomodel.Shape:
-    return iomodel.Shape(p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads, p.head_dim, p.itemsize, p.causal)
+    return iomodel.Shape(p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads, p.head_dim, p.itemsize, p.causal,
+                         p.window)
 
 
 def io_row(p: Problem, kernel: str, direction: str, tgt: Target) -> dict:
     """Bytes, FLOPs and the roofline bound of one (kernel, direction) with the tiles it runs with on ``p.arch``."""
     br, bc, runs = io_tiles(p, kernel, direction)
-    rep = iomodel.io_bytes(kernel, direction, io_shape(p), Br=br, Bc=bc)
+    if p.lengths:  # packed sequences: each sequence's bytes and FLOPs, summed
+        reps = [iomodel.io_bytes(kernel, direction, io_shape(dataclasses.replace(p, batch=1, seqlen_q=sq, seqlen_k=sk)),
+                                 Br=br, Bc=bc) for sq, sk in p.lengths if sq and sk]
+        rep = dataclasses.replace(reps[0], read_bytes=sum(r.read_bytes for r in reps),
+                                  write_bytes=sum(r.write_bytes for r in reps), flops=sum(r.flops for r in reps),
+                                  breakdown={k: sum(r.breakdown.get(k, 0) for r in reps) for k in reps[0].breakdown})
+    else:
+        rep = iomodel.io_bytes(kernel, direction, io_shape(p), Br=br, Bc=bc)
     row = {"kernel": kernel, "dir": direction, "runs": runs, "Br": br, "Bc": bc, "read_MB": rep.read_bytes / 1e6,
            "write_MB": rep.write_bytes / 1e6, "GFLOP": rep.flops / 1e9, "flop_per_byte": rep.intensity}
     if tgt.peaks is not None:
@@ -513,9 +551,18 @@ def twin_rows(p: Problem, kernel: str, direction: str, deterministic: bool, tgt:
 
 
 def _problem_summary(p: Problem, scale: float) -> dict:
-    return {"batch": p.batch, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "heads": p.heads,
-            "kv_heads": p.kv_heads, "head_dim": p.head_dim, "kernel head_dim": p.padded_head_dim,
-            "dtype": p.dtype, "causal": p.causal, "scale": scale}
+    out = {"batch": p.batch, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "heads": p.heads,
+           "kv_heads": p.kv_heads, "head_dim": p.head_dim, "kernel head_dim": p.padded_head_dim,
+           "dtype": p.dtype, "causal": p.causal, "scale": scale}
+    if p.window != (-1, -1):
+        out["window (left, right)"] = p.window_bounds
+    for name, on in (("softcap", p.softcap), ("alibi", p.alibi), ("sinks", p.sinks)):
+        if on:
+            out[name] = on
+    if p.varlen:
+        out.update(packed=f"{p.batch} sequences, {p.total_q} query rows (max {p.seqlen_q})")
+    out["policy"] = ("general" if p.general else "plain") + f", mask mode {('none', 'causal', 'window')[p.mask]}"
+    return out
 
 
 def _variant_summary(v: registry.Variant) -> dict:
@@ -531,6 +578,15 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
     notes = [roofline_note(tgt)]
     if p.causal:
         notes.append("causal: tiles wholly above the diagonal are skipped (never loaded)")
+    if p.window_bounds[0] >= 0:
+        notes.append(f"window {p.window_bounds}: key blocks wholly outside it are never loaded; the tile counts "
+                     "and the FLOPs count visible blocks and pairs only")
+    if p.varlen:
+        notes.append("packed sequences: the grid covers the tiles of all sequences (an upper bound of "
+                     "cdiv(total, Br) + batch CTAs, spare ones exit at once); tile counts are per sequence")
+    if p.general:
+        notes.append("the general policy's kernels (GENERAL = true): packed lengths, soft-capping and ALiBi at run "
+                     "time; plain calls run the plain kernels")
     if p.padded_head_dim != p.head_dim:
         notes.append(f"head_dim {p.head_dim} runs on the {p.padded_head_dim} kernel, zero-padded")
     if kernel == "naive":

@@ -72,6 +72,8 @@ class Shape:
         Bytes per element of q, k, v and out: 2 (float16, bfloat16) or 4 (float32).
     causal : bool
         Bottom-right aligned causal mask.
+    window : (int, int)
+        Sliding window (left, right), -1 = unbounded; causal makes right 0.
     """
 
     batch: int
@@ -82,6 +84,7 @@ class Shape:
     head_dim: int
     itemsize: int = 2
     causal: bool = False
+    window: tuple = (-1, -1)
 
     def __post_init__(self):
         for name in ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "head_dim"):
@@ -98,20 +101,42 @@ class Shape:
         return self.heads // self.kv_heads
 
 
-def visible_pairs(seqlen_q, seqlen_k, causal):
+def _bounds(causal, window):
+    """(left, right) of a mask: -1 = unbounded, causal makes right 0 (the policy's window_bounds)."""
+    left, right = window if window is not None else (-1, -1)
+    return (left, 0) if causal else (left, right)
+
+
+def _row_spans(seqlen_q, seqlen_k, causal, window):
+    """Per query row, [start, end) of the keys it sees (numpy arrays), bottom-right aligned."""
+    import numpy as np
+
+    left, right = _bounds(causal, window)
+    diag = np.arange(seqlen_q, dtype=np.int64) + (seqlen_k - seqlen_q)
+    start = np.maximum(0, diag - left) if left >= 0 else np.zeros(seqlen_q, np.int64)
+    end = np.clip(diag + right + 1, 0, seqlen_k) if right >= 0 else np.full(seqlen_q, seqlen_k, np.int64)
+    return start, np.maximum(end, start)
+
+
+def visible_pairs(seqlen_q, seqlen_k, causal, window=(-1, -1)):
     """Number of (query, key) pairs that attention computes, per (batch, head).
 
     Parameters
     ----------
     seqlen_q, seqlen_k : int
     causal : bool
+    window : (int, int)
+        Sliding window (left, right), -1 = unbounded.
 
     Returns
     -------
     int
         ``seqlen_q * seqlen_k``, or with the causal mask the exact number of pairs with
-        ``j <= i + seqlen_k - seqlen_q``.
+        ``j <= i + seqlen_k - seqlen_q``, or those inside the window.
     """
+    if _bounds(causal, window)[0] >= 0 or (not causal and tuple(window) != (-1, -1)):
+        start, end = _row_spans(seqlen_q, seqlen_k, causal, window)
+        return int((end - start).sum())
     if not causal:
         return seqlen_q * seqlen_k
     # Row i sees max(0, i + seqlen_k - seqlen_q + 1) keys: a ramp that ends at seqlen_k on the last row.
@@ -139,15 +164,15 @@ def flops(shape, direction):
     """
     _check_direction(direction)
     s = shape
-    if s.causal and s.seqlen_q == s.seqlen_k:
+    if s.causal and s.seqlen_q == s.seqlen_k and s.window[0] < 0:
         forward = 2 * s.batch * s.heads * s.seqlen_q * s.seqlen_k * s.head_dim
     else:
-        forward = 4 * s.batch * s.heads * s.head_dim * visible_pairs(s.seqlen_q, s.seqlen_k, s.causal)
+        forward = 4 * s.batch * s.heads * s.head_dim * visible_pairs(s.seqlen_q, s.seqlen_k, s.causal, s.window)
     return forward if direction == "fwd" else forward * 5 // 2
 
 
-def visited_k_blocks(seqlen_q, seqlen_k, Br, Bc, causal):
-    """For each Q block, the K blocks that the forward visits.
+def visited_k_blocks(seqlen_q, seqlen_k, Br, Bc, causal, window=(-1, -1)):
+    """For each Q block, the K blocks that the forward visits (the policy's kv_blocks).
 
     Parameters
     ----------
@@ -155,23 +180,25 @@ def visited_k_blocks(seqlen_q, seqlen_k, Br, Bc, causal):
     Br, Bc : int
         Rows per Q block and per K block.
     causal : bool
+    window : (int, int)
+        Sliding window (left, right), -1 = unbounded: blocks wholly outside it are never visited.
 
     Returns
     -------
     list of range
         Entry ``i`` is the range of K block indices visited by Q block ``i`` (empty when its rows see no key).
     """
-    n_k = _cdiv(seqlen_k, Bc)
+    start, end = _row_spans(seqlen_q, seqlen_k, causal, window)
     ranges = []
     for i in range(_cdiv(seqlen_q, Br)):
-        last_row = min((i + 1) * Br, seqlen_q) - 1
-        keys_seen = last_row + seqlen_k - seqlen_q + 1
-        ranges.append(range(min(n_k, max(0, _cdiv(keys_seen, Bc))) if causal else n_k))
+        first, last = i * Br, min((i + 1) * Br, seqlen_q) - 1
+        lo, hi = int(start[first]) // Bc, _cdiv(int(end[last]), Bc)
+        ranges.append(range(lo, max(lo, hi)))
     return ranges
 
 
-def visited_q_blocks(seqlen_q, seqlen_k, Br, Bc, causal):
-    """For each K block, the Q blocks that the backward visits.
+def visited_q_blocks(seqlen_q, seqlen_k, Br, Bc, causal, window=(-1, -1)):
+    """For each K block, the Q blocks that the backward visits (the policy's q_blocks).
 
     Parameters
     ----------
@@ -179,17 +206,21 @@ def visited_q_blocks(seqlen_q, seqlen_k, Br, Bc, causal):
     Br, Bc : int
         Rows per Q block and per K block.
     causal : bool
+    window : (int, int)
 
     Returns
     -------
     list of range
         Entry ``j`` is the range of Q block indices whose rows see at least one key of K block ``j``.
     """
-    n_q = _cdiv(seqlen_q, Br)
+    import numpy as np
+
+    start, end = _row_spans(seqlen_q, seqlen_k, causal, window)
     ranges = []
     for j in range(_cdiv(seqlen_k, Bc)):
-        first_row = max(0, j * Bc - (seqlen_k - seqlen_q)) if causal else 0
-        ranges.append(range(min(n_q, first_row // Br), n_q))
+        c0, c1 = j * Bc, min((j + 1) * Bc, seqlen_k)
+        rows = np.nonzero((start < c1) & (end > c0))[0]
+        ranges.append(range(int(rows[0]) // Br, int(rows[-1]) // Br + 1) if rows.size else range(0))
     return ranges
 
 
@@ -225,21 +256,22 @@ class TileCounts:
     q_rows_in_tiles: int
 
 
-def tile_counts(seqlen_q, seqlen_k, Br, Bc, causal):
+def tile_counts(seqlen_q, seqlen_k, Br, Bc, causal, window=(-1, -1)):
     """Count the computed and skipped tiles and the rows they move, per (batch, head).
 
     Parameters
     ----------
     seqlen_q, seqlen_k, Br, Bc : int
     causal : bool
+    window : (int, int)
 
     Returns
     -------
     TileCounts
     """
     Br, Bc = _positive_int("Br", Br), _positive_int("Bc", Bc)
-    per_q = visited_k_blocks(seqlen_q, seqlen_k, Br, Bc, causal)
-    per_k = visited_q_blocks(seqlen_q, seqlen_k, Br, Bc, causal)
+    per_q = visited_k_blocks(seqlen_q, seqlen_k, Br, Bc, causal, window)
+    per_k = visited_q_blocks(seqlen_q, seqlen_k, Br, Bc, causal, window)
     computed = sum(len(r) for r in per_q)
     return TileCounts(
         q_blocks=len(per_q), k_blocks=len(per_k), computed=computed,
@@ -250,21 +282,22 @@ def tile_counts(seqlen_q, seqlen_k, Br, Bc, causal):
         q_rows_in_tiles=sum(_span_rows(r, seqlen_q, Br) for r in per_k))
 
 
-def visible_blocks(seqlen_q, seqlen_k, Br, Bc, causal):
+def visible_blocks(seqlen_q, seqlen_k, Br, Bc, causal, window=(-1, -1)):
     """Tiles computed and skipped per (batch, head).
 
     Parameters
     ----------
     seqlen_q, seqlen_k, Br, Bc : int
     causal : bool
+    window : (int, int)
 
     Returns
     -------
     (int, int)
-        ``(computed, skipped)``; a tile is skipped when every key in it is above the causal diagonal
-        for every query of its Q block. Tiles on the ragged edge count as computed.
+        ``(computed, skipped)``; a tile is skipped when no query of its Q block sees any of its keys (above the
+        causal diagonal, or outside the window). Tiles on the ragged edge count as computed.
     """
-    counts = tile_counts(seqlen_q, seqlen_k, Br, Bc, causal)
+    counts = tile_counts(seqlen_q, seqlen_k, Br, Bc, causal, window)
     return counts.computed, counts.skipped
 
 
@@ -435,7 +468,7 @@ def io_bytes(kernel, direction, shape, *, Br=None, Bc=None):
     if kernel != "naive":
         if Br is None or Bc is None:
             raise ValueError(f"kernel {kernel!r} needs the tile sizes Br and Bc, got Br={Br!r}, Bc={Bc!r}")
-        tiles = tile_counts(shape.seqlen_q, shape.seqlen_k, Br, Bc, shape.causal)
+        tiles = tile_counts(shape.seqlen_q, shape.seqlen_k, Br, Bc, shape.causal, shape.window)
     else:
         Br = Bc = None
     terms = _TERMS[kernel, direction](shape, tiles)
@@ -466,7 +499,7 @@ class GPU:
 
 
 GPUS = {
-    # Measured on the H200 test machine (shared/FACTS.md, 2026-11-29): cuBLAS bf16 8192^3 matmul through PyTorch,
+    # Measured on the H200 test machine (2026-11-29): cuBLAS bf16 8192^3 matmul through PyTorch,
     # 751 TFLOP/s; device-to-device copy, 4.26 TB/s read + written. fp32 was not measured: datasheet value.
     "H200": GPU("H200", 751.0, 67.0, 4.26),
     # NVIDIA H200 datasheet (SXM): bf16/fp16 1979 TFLOP/s with sparsity = 989 dense; fp32 67; HBM3e 4.8 TB/s.

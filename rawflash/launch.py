@@ -55,6 +55,9 @@ class Problem:
     total_q: int = 0
     total_k: int = 0
     seqused_k: bool = False
+    lengths: tuple = ()  # (seqlen_q, seqlen_k) of every packed sequence, when known on the host (introspection)
+    new_keys: int = 0    # decode: rows of k_new / v_new appended to the cache (seqlen_k counts them)
+    page_size: int = 0   # decode: a paged cache's page size (0: contiguous)
 
     @property
     def padded_head_dim(self) -> int:
@@ -288,6 +291,37 @@ def fa2_bwd_dq(p: Problem, cfg: TileConfig) -> Launch:
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.mask, p.general, smem)
     return Launch("fa2_bwd_dq", "fa2_bwd.cu", args, query_tile_grid(p, cfg.br, "fa2_bwd_dq"), (cfg.threads, 1, 1),
                   smem, cfg)
+
+
+def decode_rows(p: Problem, cfg: TileConfig) -> tuple[int, int]:
+    """(packed query rows of one kv head, row groups of cfg.br rows): GQA packing of decode."""
+    rows = (p.heads // p.kv_heads) * p.seqlen_q
+    return rows, cdiv(rows, cfg.br)
+
+
+def smem_decode_split(cfg: TileConfig, d: int, itemsize: int) -> int:
+    """The packed Q tile, and per warp `stages` tiles of K_j and V_j."""
+    return cfg.br * d * itemsize + cfg.warps * cfg.stages * 2 * cfg.bc * d * itemsize
+
+
+def decode_split(p: Problem, cfg: TileConfig, num_splits: int) -> Launch:
+    """Split-KV decode: grid (cdiv(num_splits, warps), kv_heads x row groups, batch), one split per warp."""
+    d = p.padded_head_dim
+    smem = smem_decode_split(cfg, d, p.itemsize)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br // 16, cfg.bc, cfg.stages, cfg.warps, smem)
+    grid = _check_grid((cdiv(num_splits, cfg.warps), p.kv_heads * decode_rows(p, cfg)[1], p.batch), "decode_split")
+    return Launch("decode_split", "decode.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
+
+
+def decode_append(p: Problem) -> Launch:
+    """8 columns of one appended key (K and V) per thread."""
+    return _elementwise("decode_append", "decode.cu", p.dtype, p.batch * p.new_keys * p.kv_heads * cdiv(p.head_dim, 8))
+
+
+def decode_combine(p: Problem) -> Launch:
+    """One warp per (batch, query, head), 8 warps per CTA."""
+    blocks = max(1, cdiv(p.batch * p.seqlen_q * p.heads, 8))
+    return Launch("decode_combine", "decode.cu", (CUDA_TYPES[p.dtype],), (blocks, 1, 1), (256, 1, 1), 0)
 
 
 def fa2_bwd_convert_dq(p: Problem) -> Launch:

@@ -26,10 +26,12 @@ FWD_FIELDS: tuple[tuple[str, str], ...] = (
     *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"), ("lse_sb", "i64"), ("lse_sh", "i64"),
     ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"), ("seqused_k", "ptr"), ("block_table", "ptr"),
     ("block_table_sb", "i64"), ("alibi_slopes", "ptr"), ("alibi_sb", "i64"), ("sinks", "ptr"),
-    ("o_ws", "ptr"), ("m_ws", "ptr"), ("l_ws", "ptr"),
+    ("o_ws", "ptr"), ("m_ws", "ptr"), ("l_ws", "ptr"), ("k_new", "ptr"), ("v_new", "ptr"),
+    *_strides("kn"), *_strides("vn"), ("ws_split", "i64"),
     ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
     ("head_dim", "i32"), ("window_left", "i32"), ("window_right", "i32"), ("page_size", "i32"),
-    ("num_splits", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("pad_", "i32"),
+    ("num_splits", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("new_keys", "i32"),
+    ("split_keys", "i32"), ("pad_", "i32"),
 )
 BWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("dout", "ptr"), ("dq", "ptr"), ("dk", "ptr"),

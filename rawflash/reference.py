@@ -8,13 +8,13 @@ Two precisions share one code path (naive attention: ``S = Q K^T * scale``, ``P 
   rounded to the input dtype; every elementwise step is done in float32 and rounded. This is ``base`` in
   the error rule.
 
-The error rule (flash-attn's, DESIGN.md section 5) is :func:`error_ratio_ok`::
+The error rule (flash-attn's tests') is :func:`error_ratio_ok`::
 
     max|ours - ref| <= factor * max|base - ref| + rounding_floor(dtype)
 
 with ``factor = 2`` for forward outputs and ``3`` for gradients.
 
-Semantics follow DESIGN.md section 1: layout ``(batch, seqlen, heads, head_dim)``; GQA/MQA query head ``h``
+Semantics (the API's, flash-attn's): layout ``(batch, seqlen, heads, head_dim)``; GQA/MQA query head ``h``
 reads kv head ``h // (heads // kv_heads)``; causal masking is aligned to the bottom-right corner (query ``i``
 sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``); a query row that sees no key gets ``out = 0``,
 ``lse = -inf`` and zero gradients, never NaN and never a NumPy warning.
@@ -292,7 +292,7 @@ def error_ratio_ok(ours, ref, base, dtype, factor):
         The input precision, which sets the floor (``rounding_floor(dtype)``); e.g. bfloat16 when checking an
         lse that is float32 but computed from bfloat16 inputs.
     factor : float
-        2 for forward outputs, 3 for gradients (DESIGN.md section 5).
+        2 for forward outputs, 3 for gradients (flash-attn's factors).
 
     Returns
     -------
@@ -528,3 +528,64 @@ def _max_abs_error(x, ref):
     with np.errstate(invalid="ignore"):
         diff = np.where(x == ref, 0.0, np.abs(x - ref))
     return float(np.max(diff, initial=0.0))
+
+
+def append_kv(k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None):
+    """The caches after a decode step's append: copies of ``k_cache`` / ``v_cache`` (host arrays, their dtype) with
+    ``k_new[b, t]`` / ``v_new[b, t]`` written as key ``cache_seqlens[b] + t`` of sequence b.
+
+    Contiguous caches are (batch, capacity, kv_heads, head_dim); paged ones (num_pages, page_size, kv_heads,
+    head_dim) with ``block_table[b, j // page_size]`` the page of key j of sequence b.
+    """
+    kc, vc = _host(k_cache).copy(), _host(v_cache).copy()
+    if k_new is None:
+        return kc, vc
+    kn, vn = _host(k_new), _host(v_new)
+    lens = np.asarray(_host(cache_seqlens)).astype(np.int64).reshape(-1)
+    table = None if block_table is None else np.asarray(_host(block_table)).astype(np.int64)
+    for b in range(kn.shape[0]):
+        for t in range(kn.shape[1]):
+            j = int(lens[b]) + t
+            if table is None:
+                kc[b, j], vc[b, j] = kn[b, t], vn[b, t]
+            else:
+                page, row = table[b, j // kc.shape[1]], j % kc.shape[1]
+                kc[page, row], vc[page, row] = kn[b, t], vn[b, t]
+    return kc, vc
+
+
+def gather_kv(k_cache, v_cache, lengths, block_table=None):
+    """Dense (batch, max(lengths), kv_heads, head_dim) keys and values of every sequence (zero past its length),
+    from a contiguous or a paged cache."""
+    kc, vc = _host(k_cache), _host(v_cache)
+    lengths = np.asarray(lengths).astype(np.int64).reshape(-1)
+    if block_table is None:
+        n = int(lengths.max(initial=0))
+        return kc[: len(lengths), :n], vc[: len(lengths), :n]
+    table = np.asarray(_host(block_table)).astype(np.int64)
+    page = kc.shape[1]
+    n = max(1, int(lengths.max(initial=0)))
+    k = np.zeros((len(lengths), n) + kc.shape[2:], dtype=kc.dtype)
+    v = np.zeros_like(k)
+    for b, length in enumerate(lengths):
+        for j0 in range(0, int(length), page):
+            rows = min(page, int(length) - j0)
+            k[b, j0:j0 + rows] = kc[table[b, j0 // page], :rows]
+            v[b, j0:j0 + rows] = vc[table[b, j0 // page], :rows]
+    return k, v
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, causal=False,
+           scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, upcast=True):
+    """Attention of q (batch, seqlen_q, heads, head_dim) against a KV cache after appending k_new / v_new: what
+    ``rawflash.decode`` computes (sequence b has ``cache_seqlens[b] + seqlen_new`` keys, causal aligned to its
+    last key). The caches are not modified; returns (out, lse) as :func:`forward` does."""
+    lens = np.asarray(_host(cache_seqlens)).astype(np.int64).reshape(-1)
+    lens = np.broadcast_to(lens, (_host(q).shape[0],))
+    kc, vc = append_kv(k_cache, v_cache, lens, k_new, v_new, block_table)
+    used = lens + (0 if k_new is None else _host(k_new).shape[1])
+    k, v = gather_kv(kc, vc, used, block_table)
+    if k.shape[1] == 0:  # no sequence has a key: keep one zero key, used by none
+        k, v = np.zeros((k.shape[0], 1) + k.shape[2:], k.dtype), np.zeros((v.shape[0], 1) + v.shape[2:], v.dtype)
+    return forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                   sinks=sinks, seqused_k=used.astype(np.int32), upcast=upcast)

@@ -272,6 +272,7 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     if varlen:
         batch, max_q, max_k = _check_varlen(features, nq, nk, device)
         key_lengths = np.diff(_host_ints(features.cu_seqlens_k).astype(np.int64))
+        query_lengths = np.diff(_host_ints(features.cu_seqlens_q).astype(np.int64))
     else:
         batch, max_q, max_k = shapes["q"][0], nq, nk
         key_lengths = np.full(batch, nk)
@@ -300,9 +301,12 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
         if unsupported:
             raise ValueError(f"kernel={kernel!r} does not support {unsupported[0]}: only kernel='fa2' runs every "
                              f"feature (got {unsupported[0]} with kernel={kernel!r})")
+    used = _host_ints(extras["seqused_k"]).astype(np.int64) if "seqused_k" in extras else key_lengths
+    lengths = tuple(zip(map(int, query_lengths), map(int, used))) if varlen else ()
     problem = Problem(batch, max_q, max_k, h, hk, d, dtypes["q"], causal, window=window, softcap=softcap,
                       alibi="alibi_slopes" in extras, sinks="sinks" in extras, varlen=varlen,
-                      total_q=nq if varlen else 0, total_k=nk if varlen else 0, seqused_k="seqused_k" in extras)
+                      total_q=nq if varlen else 0, total_k=nk if varlen else 0, seqused_k="seqused_k" in extras,
+                      lengths=lengths)
     return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)
 
 
@@ -330,3 +334,124 @@ def check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backen
     if device_of(lse, kind) != checked.device:
         raise ValueError(f"lse must be on q's device ({checked.device}), got {device_of(lse, kind)}")
     return checked
+
+
+DECODE_BACKENDS = ("cupy", "reference")
+
+
+def _same(x, name: str, dtype: str, device, kind_of_q: str) -> None:
+    if _dtype(x, name) != dtype:
+        raise TypeError(f"{name} must have q's dtype {dtype}, got {dtype_name(x.dtype)}")
+    if device_of(x, array_kind(x, name)) != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {device_of(x, array_kind(x, name))}")
+
+
+def _check_cache_seqlens(cache_seqlens, batch: int, device) -> tuple[object, np.ndarray]:
+    """(int32 array or None, host values) of cache_seqlens: an int for every sequence, or an int32 (batch,) array."""
+    if isinstance(cache_seqlens, (bool, np.bool_)):
+        raise TypeError(f"cache_seqlens must be an int or an int32 array (batch,), got {cache_seqlens!r}")
+    if isinstance(cache_seqlens, numbers.Integral):
+        return None, np.full(batch, int(cache_seqlens), dtype=np.int64)
+    kind = array_kind(cache_seqlens, "cache_seqlens")
+    if dtype_name(cache_seqlens.dtype) != "int32":
+        raise TypeError(f"cache_seqlens must have dtype int32, got {dtype_name(cache_seqlens.dtype)}")
+    if tuple(int(s) for s in cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+    if kind != "numpy" and device_of(cache_seqlens, kind) != device:
+        raise ValueError(f"cache_seqlens must be on q's device ({device}) or on the host, got "
+                         f"{device_of(cache_seqlens, kind)}")
+    return cache_seqlens, _host_ints(cache_seqlens).astype(np.int64)
+
+
+def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend: str,
+                 features: Features) -> Checked:
+    """Validate a decode call (``rawflash.decode``); raises before anything is launched or appended.
+
+    The problem's seqlen_k is the longest sequence after the append, new_keys the appended rows, page_size the
+    paged cache's page (0: contiguous); extras hold cache_seqlens (as seqused_k), block_table, alibi_slopes and
+    sinks. Host values of cache_seqlens (and of the used block_table entries) are checked: a device array costs
+    one copy to the host.
+    """
+    check_choice(backend, "backend", DECODE_BACKENDS)
+    causal = check_flag(causal, "causal")
+    window = check_window(features.window)
+    softcap = check_softcap(features.softcap)
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    kinds = {n: array_kind(x, n) for n, x in named}
+    shapes = {n: _shape(x, n) for n, x in named}
+    dtype = _dtype(q, "q")
+    device = device_of(q, kinds["q"])
+    for n, x in named[1:]:
+        _same(x, n, dtype, device, kinds["q"])
+    batch, sq, h, d = shapes["q"]
+    if shapes["v_cache"] != shapes["k_cache"]:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {shapes['k_cache']} and "
+                         f"{shapes['v_cache']}")
+    slots, rows, hk, dk = shapes["k_cache"]
+    if dk != d:
+        raise ValueError(f"q and k_cache must have the same head_dim, got q {d}, k_cache {dk}")
+    if h < 1 or hk < 1 or h % hk != 0:
+        raise ValueError(f"heads of q must be a multiple of kv_heads of k_cache (kv_heads >= 1), got heads {h}, "
+                         f"kv_heads {hk}")
+    if not 1 <= d <= configs.MAX_HEAD_DIM or d % 8:
+        raise ValueError(f"decode needs head_dim a multiple of 8 between 8 and {configs.MAX_HEAD_DIM} (the cache is "
+                         f"read and appended in place, never padded), got {d}")
+    if sq < 1 or batch < 1:
+        raise ValueError(f"q must have at least one sequence and one query row, got shape {shapes['q']}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together, got "
+                         f"{'k_new without v_new' if v_new is None else 'v_new without k_new'}")
+    new = 0
+    if k_new is not None:
+        for n, x in (("k_new", k_new), ("v_new", v_new)):
+            shape = _shape(x, n)
+            _same(x, n, dtype, device, kinds["q"])
+            if shape[0] != batch or shape[2:] != (hk, d):
+                raise ValueError(f"{n} must have shape (batch, seqlen_new, kv_heads, head_dim) = ({batch}, "
+                                 f"seqlen_new, {hk}, {d}), got {shape}")
+        if tuple(k_new.shape) != tuple(v_new.shape):
+            raise ValueError(f"k_new and v_new must have the same shape, got {tuple(k_new.shape)} and "
+                             f"{tuple(v_new.shape)}")
+        new = int(k_new.shape[1])
+    seqlens, lens = _check_cache_seqlens(cache_seqlens, batch, device)
+    if block_table is None:
+        if slots != batch:
+            raise ValueError(f"a contiguous k_cache must have q's batch ({batch}) as its first axis, got {slots} "
+                             "(a paged cache needs block_table)")
+        capacity, page = rows, 0
+    else:
+        kind = array_kind(block_table, "block_table")
+        if dtype_name(block_table.dtype) != "int32":
+            raise TypeError(f"block_table must have dtype int32, got {dtype_name(block_table.dtype)}")
+        if len(block_table.shape) != 2 or int(block_table.shape[0]) != batch:
+            raise ValueError(f"block_table must have shape (batch, max_pages) = ({batch}, max_pages), got "
+                             f"{tuple(block_table.shape)}")
+        if device_of(block_table, kind) != device:
+            raise ValueError(f"block_table must be on q's device ({device}), got {device_of(block_table, kind)}")
+        page = rows
+        capacity = page * int(block_table.shape[1])
+    if np.any(lens < 0) or np.any(lens + new > capacity):
+        where = "k_cache.shape[1]" if block_table is None else "page_size x block_table.shape[1]"
+        raise ValueError(f"cache_seqlens + seqlen_new ({new}) must be between 0 and the cache's capacity per sequence "
+                         f"({where} = {capacity}), got cache_seqlens {lens.tolist()}")
+    if block_table is not None:
+        table = _host_ints(block_table).astype(np.int64)
+        for b in range(batch):
+            used = table[b, : -(-int(lens[b] + new) // page)]
+            if np.any(used < 0) or np.any(used >= slots):
+                raise ValueError(f"block_table[{b}] must hold page indices between 0 and {slots - 1} (k_cache's "
+                                 f"pages) for the pages its {int(lens[b] + new)} keys use, got {used.tolist()}")
+    extras = {"seqused_k": seqlens if seqlens is not None else lens.astype(np.int32)}
+    if block_table is not None:
+        extras["block_table"] = block_table
+    if features.alibi_slopes is not None:
+        extras["alibi_slopes"] = _feature_array(features.alibi_slopes, "alibi_slopes", [(h,), (batch, h)], "float32",
+                                                device)
+    if features.sinks is not None:
+        extras["sinks"] = _feature_array(features.sinks, "sinks", [(h,)], "float32", device)
+    keys = int((lens + new).max())
+    lengths = tuple((sq, int(n)) for n in lens + new)
+    problem = Problem(batch, sq, keys, h, hk, d, dtype, causal, window=window, softcap=softcap,
+                      alibi="alibi_slopes" in extras, sinks="sinks" in extras, seqused_k=True, lengths=lengths,
+                      new_keys=new, page_size=page)
+    return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)

@@ -1,4 +1,4 @@
-"""CUDA C kernels on a GPU against the float64 reference, by flash-attn's rule (DESIGN.md section 5).
+"""CUDA C kernels on a GPU against the float64 reference, by flash-attn's rule.
 
 ours is within ``2 x`` (gradients ``3 x``) the error of the same naive attention done in the input precision,
 plus a rounding floor. The grid crosses ragged lengths, seqlen_q != seqlen_k both ways, every head dim (the odd

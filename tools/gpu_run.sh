@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The one command that checks rawflash on a GPU machine: precompile, GPU tests, compute-sanitizer, benchmark.
-#   tools/gpu_run.sh [tests] [tests-mma] [hopper] [sanitize] [SCRIPT.py] [bench ARGS...]   (no argument: tests, sanitize)
+#   tools/gpu_run.sh [tests] [tests-mma] [hopper] [sanitize] [bench-decode] [bench-features] [SCRIPT.py] [bench ARGS...]
+#   (no argument: tests, sanitize; bench takes every argument after it, so it comes last)
 #     tests      every GPU test (the default forward path: wgmma on an H200 where it applies)
 #     tests-mma  the kernel tests again with RAWFLASH_WGMMA=0 (the mma.sync forward on the same GPU)
 #     hopper     only tests/test_gpu_hopper.py (the wgmma kernel)
+#     bench-decode / bench-features   rawflash bench --decode / --features (DECODE_REPEATS, FEATURE_REPEATS)
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
 # TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
 # (float16 bfloat16 float32) the sanitizer step; TAR_TO=path packs every log into one archive at the end (for
@@ -37,6 +39,12 @@ while [ $i -lt ${#steps[@]} ]; do
         tail -3 "$OUT/sanitize_$tool.log"
         [ $rc -eq 0 ] || status=1
       done ;;
+    bench-decode)
+      python3 -m rawflash.cli bench --decode --repeats ${DECODE_REPEATS:-20} --out "$OUT" 2>&1 | tee "$OUT/bench_decode.log" \
+        | tail -60 || status=1 ;;
+    bench-features)
+      python3 -m rawflash.cli bench --features --repeats ${FEATURE_REPEATS:-10} --out "$OUT" 2>&1 \
+        | tee "$OUT/bench_features.log" | tail -60 || status=1 ;;
     bench)
       python3 -m rawflash.cli bench "${steps[@]:$i}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
       i=${#steps[@]} ;;

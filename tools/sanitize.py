@@ -2,7 +2,8 @@
 
 CuPy's memory pool is switched off so that out-of-bounds accesses inside a pooled chunk are seen. Every form runs
 (the Hopper forms where the GPU has them, the mma.sync forms through wgmma=False and RAWFLASH_WGMMA=0's backward),
-with and without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k).
+with and without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k); decode
+with contiguous and paged caches.
 """
 from __future__ import annotations
 
@@ -51,6 +52,30 @@ def _varlen(q, k, v):
     return pq, pk, pv, dict(cu_seqlens_q=cu(lq), cu_seqlens_k=cu(lk))
 
 
+def _decode(dtype: str) -> None:
+    """decode: contiguous and paged caches (pages of 16 and 3), appends crossing a page, an empty sequence, several
+    query rows, the features, one and many splits."""
+    rng = np.random.default_rng(1)
+    dt = random_qkv(1, 1, 1, 1, 1, 8, dtype)[0].dtype
+    for d, (h, hk), page, sq in ((64, (4, 2), 0, 1), (128, (4, 1), 16, 3), (256, (2, 2), 3, 1), (96, (8, 2), 0, 2)):
+        lens = np.array([0, 37, 70], np.int32)
+        cap = 80
+        if page:
+            per = -(-cap // page)
+            kc = cupy.asarray(rng.standard_normal((3 * per, page, hk, d)).astype(dt))
+            table = cupy.asarray(rng.permutation(3 * per).reshape(3, per).astype(np.int32))
+        else:
+            kc, table = cupy.asarray(rng.standard_normal((3, cap, hk, d)).astype(dt)), None
+        vc = kc.copy()
+        q = cupy.asarray(rng.standard_normal((3, sq, h, d)).astype(dt))
+        kn = cupy.asarray(rng.standard_normal((3, 2, hk, d)).astype(dt))
+        for splits in (None, 1, 5):
+            rawflash.decode(q, kc, vc, cache_seqlens=cupy.asarray(lens), k_new=kn, v_new=kn.copy(), block_table=table,
+                            causal=True, num_splits=splits)
+        rawflash.decode(q, kc, vc, cache_seqlens=5, block_table=table, window=(4, 0), softcap=3.0,
+                        alibi_slopes=cupy.full((h,), 0.1, cupy.float32), sinks=cupy.zeros(h, cupy.float32))
+
+
 def main() -> None:
     dtypes = sys.argv[1:] or ["float16", "bfloat16", "float32"]
     for dtype in dtypes:
@@ -80,6 +105,7 @@ def main() -> None:
                     for det in (False, True):
                         rawflash.backward(do, qq, kk, vv, o, l, causal=causal, deterministic=det, **feats)
                 cupy.cuda.Device().synchronize()
+        _decode(dtype)
         print(f"sanitize workload done: {dtype}", flush=True)
     os.environ["RAWFLASH_WGMMA"] = "0"  # this script's own process: the mma.sync atomic-dQ backward too
     q, k, v = (cupy.asarray(x) for x in random_qkv(1, 70, 33, 2, 1, 128, "bfloat16"))

@@ -1,0 +1,99 @@
+// mainloop_decode: attention of a few query rows against a long KV cache, split over the keys (Flash-Decoding).
+//
+// Decoding is bound by reading the cache, so every cache byte must be read once and the reads must keep HBM busy.
+// GQA packing: the group's query heads and the call's few query rows (speculative decoding, chunked prefill) are
+// one tile of packed rows, r = i * group + hh (query i, head hk * group + hh), so K_j and V_j are read once for all
+// of them. Split-KV: each warp owns one split, a contiguous chunk of keys, which it streams through its own
+// STAGES-deep cp.async ring of BCW-key tiles with no barrier but __syncwarp; the CTA's warps share the Q tile.
+// A warp's result is a partial O (divided by its own l) and a partial lse in float32; decode_combine merges them
+// (and adds the sink) once every split is done. The policy is the general one at run time: bottom-right causal
+// masks and windows per packed row, soft-capping, ALiBi per head; BlockInfo reads the page table.
+#pragma once
+#include "block_info.cuh"
+#include "policy.cuh"
+#include "sm80.cuh"
+#include "softmax.cuh"
+
+namespace rf {
+
+// A BCW x D tile of warp-owned keys (K or V rows k0.. of this sequence), zero past the last key: cp.async by the
+// warp's 32 lanes, one 16-byte chunk per lane and step; a paged cache looks each row's page up in BlockInfo.
+template <typename T, int ROWS, int D, class Info>
+__device__ __forceinline__ void load_keys_warp(const Tile<T, ROWS, D>& s, const FwdParams& p, const Info& bi,
+                                               const void* base, long long sb, long long ss, long long sh, int k0,
+                                               int nk) {
+  using TL = Tile<T, ROWS, D>;
+#pragma unroll
+  for (int idx = lane_id(); idx < ROWS * TL::C; idx += 32) {
+    const int row = idx / TL::C, col = (idx % TL::C) * TL::CHUNK;
+    const bool valid = row < nk && col < p.head_dim;
+    const T* src = (const T*)base + (valid ? bi.kv_row(p, sb, ss, sh, k0 + row) + col : 0);
+    cp_async16(s.saddr(row, col), src, valid);
+  }
+}
+
+template <typename T_, int D, int MT, int BCW, int STAGES, int WARPS_> struct MainloopDecode {
+  using T = T_;
+  using Pol = Policy<WINDOW, true>;
+  using Info = BlockInfo<true>;
+  static constexpr int WARPS = WARPS_, ROWS = 16 * MT, NT = BCW / 8, NO = D / 8;
+  static constexpr int Q_BYTES = ROWS * D * (int)sizeof(T_), KV_BYTES = BCW * D * (int)sizeof(T_);
+  static constexpr int SMEM_BYTES = Q_BYTES + WARPS * STAGES * 2 * KV_BYTES;  // Q tile; per warp, STAGES x (K_j, V_j)
+  static_assert(BCW % 16 == 0 && STAGES >= 2, "whole 16-key steps; at least double buffering");
+
+  // The split of one warp: keys [k_begin, k_end) of its sequence, rows [r0, r0 + nrows) of the packed tile.
+  // Returns the partial O (normalised) and lse through the per-row values written by store().
+  __device__ __forceinline__ static void run(const FwdParams& p, const Info& bi, const Pol& pol, int group, int r0,
+                                             int nrows, int k_begin, int k_end, const Tile<T, ROWS, D>& sQ,
+                                             char* warp_smem, Acc<MT, NO>& o, OnlineSoftmax<2 * MT>& sm) {
+    auto sK = [&](int t) { return Tile<T, BCW, D>{(T*)(warp_smem + (t % STAGES) * 2 * KV_BYTES)}; };
+    auto sV = [&](int t) { return Tile<T, BCW, D>{(T*)(warp_smem + (t % STAGES) * 2 * KV_BYTES + KV_BYTES)}; };
+    // Packed rows r0 + r: query (r0 + r) / group of head hk * group + (r0 + r) % group.
+    const int i_first = r0 / group, i_last = (r0 + nrows - 1) / group;
+    // Tiles start on multiples of BCW (split boundaries are), so a tile never reaches into the next split: keys
+    // before row_start or past row_end / seqlen_k inside a tile are masked, and a split ends on a tile edge.
+    const int lo = max(k_begin, pol.row_start(i_first)) / BCW * BCW, hi = min(k_end, pol.row_end(i_last));
+    const int n = hi > lo ? cdiv(hi - lo, BCW) : 0;
+    const int interior_end = min(hi, pol.row_end(i_first)), interior_start = max(lo, pol.row_start(i_last));
+    auto load = [&](int t) {
+      const int k0 = lo + t * BCW, nk = min(BCW, hi - k0);
+      load_keys_warp(sK(t), p, bi, p.k, p.k_sb, p.k_ss, p.k_sh, k0, nk);
+      load_keys_warp(sV(t), p, bi, p.v, p.v_sb, p.v_ss, p.v_sh, k0, nk);
+    };
+    // ---- [mainloop_decode:init] O = 0, l = 0, m = -inf; the first STAGES - 1 key tiles start streaming ----
+    zero(o);
+    sm.init();
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+      if (t < n) load(t);
+      cp_async_commit();
+    }
+    for (int t = 0; t < n; ++t) {
+      const int k0 = lo + t * BCW;
+      // ---- [mainloop_decode:wait] tile t has landed; tile t + STAGES - 1 starts streaming ----
+      cp_async_wait<STAGES - 2>();
+      __syncwarp();  // every lane's chunks of tile t are visible to the warp; tile t - 1's stage is free
+      if (t + STAGES - 1 < n) load(t + STAGES - 1);
+      cp_async_commit();
+      // ---- [mainloop_decode:scores] S = Q K_j^T for every packed row, through the transform and the mask ----
+      Acc<MT, NT> s;
+      zero(s);
+      gemm_abt<MT, NT, D, 1>(s, sQ, 0, sK(t), 0);
+      const bool edge = k0 < interior_start || k0 + BCW > interior_end;
+      for_each(s, [&](float& x, int row, int col) {
+        const int r = r0 + row, i = r / group, j = k0 + col;
+        x = pol.template score<T>(x, i, j, nullptr, pol.head_slope(p, bi, r % group));
+        if (edge && (row >= nrows || !pol.visible(i, j))) x = -INFINITY;
+      });
+      // ---- [mainloop_decode:softmax] online softmax of the block; O rescaled ----
+      float fo[2 * MT];
+      sm.template update<T>(s, 1.f, fo);
+      scale_rows(o, fo);
+      // ---- [mainloop_decode:pv] O += P V_j ----
+      gemm_rb<MT, NO, NT / 2>(o, s, sV(t), 0, 0);
+    }
+    cp_async_wait<0>();
+  }
+};
+
+}  // namespace rf

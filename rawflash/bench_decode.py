@@ -1,0 +1,207 @@
+"""The decode benchmark: a KV-cache step (one new token per sequence, appended) timed beside the peers.
+
+Decoding reads the whole cache once per step and does little arithmetic on it, so its figure of merit is bandwidth:
+bytes of K and V read (plus q and out) over the time, next to what a device-to-device copy reaches on the same GPU
+in the same run. Every implementation is validated first (flash-attn's rule against the float64 reference, on a
+reduced case of the same kind: dtype, head_dim, group, page size, query rows); an implementation that fails is
+reported, not timed. Times are medians of CUDA-event timings with L2 flushed before every timed call (a model's
+layers each read their own cache, so a step never finds it in L2). Peers: PyTorch's SDPA flash and cuDNN backends
+on the same contiguous cache (they do not append and cannot read pages; their time is the attention alone).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import reference
+from .bench import _torch, time_ms
+
+IMPLS = ("rawflash", "torch-flash", "torch-cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    cache: int            # keys already in every sequence's cache
+    heads: int = 32
+    kv_heads: int = 8     # Llama-3-8B's GQA
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    page: int = 0         # 0: contiguous cache
+    sq: int = 1           # query rows per sequence (more: speculative decoding, causal)
+    new: int = 1          # keys appended per step (rawflash only)
+
+    @property
+    def name(self) -> str:
+        layout = f"paged {self.page}" if self.page else "contiguous"
+        return (f"b{self.batch} N{self.cache} h{self.heads}/{self.kv_heads} d{self.head_dim} sq{self.sq} "
+                f"{layout}")
+
+    def bytes_moved(self) -> int:
+        """K and V of every used key read once, q read and out written once."""
+        item = 4 if self.dtype == "float32" else 2
+        keys = self.cache + self.new
+        return item * (2 * self.batch * keys * self.kv_heads * self.head_dim
+                       + 2 * self.batch * self.sq * self.heads * self.head_dim)
+
+
+def decode_cases() -> list[DecodeCase]:
+    out = [DecodeCase(b, n) for b, n in ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (64, 4096),
+                                         (64, 8192))]
+    out += [DecodeCase(8, 32768, page=16), DecodeCase(8, 32768, page=256), DecodeCase(8, 32768, sq=4),
+            DecodeCase(8, 8192, heads=16, kv_heads=16, head_dim=64), DecodeCase(8, 8192, heads=8, kv_heads=1),
+            DecodeCase(8, 32768, dtype="float16")]
+    return out
+
+
+def _inputs(case: DecodeCase, seed: int = 0):
+    """Device arrays: q, the caches (a shuffled page order when paged), k_new, v_new, cache_seqlens, block_table."""
+    import cupy
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16) if case.dtype == "bfloat16" else np.dtype(case.dtype)
+    rng = cupy.random.default_rng(seed)
+    cap = case.cache + case.new
+
+    def rand(*shape):
+        return rng.standard_normal(shape, dtype=cupy.float32).astype(dt)
+
+    q = rand(case.batch, case.sq, case.heads, case.head_dim)
+    table = None
+    if case.page:
+        per = -(-cap // case.page)
+        kc, vc = (rand(case.batch * per, case.page, case.kv_heads, case.head_dim) for _ in range(2))
+        order = np.random.default_rng(seed).permutation(case.batch * per).astype(np.int32)
+        table = cupy.asarray(order.reshape(case.batch, per))
+    else:
+        kc, vc = (rand(case.batch, cap, case.kv_heads, case.head_dim) for _ in range(2))
+    kn, vn = (rand(case.batch, case.new, case.kv_heads, case.head_dim) for _ in range(2))
+    lens = cupy.full(case.batch, case.cache, dtype=cupy.int32)
+    return q, kc, vc, kn, vn, lens, table
+
+
+def _rawflash(case: DecodeCase, q, kc, vc, kn, vn, lens, table):
+    """(the kernels of one step bound once, the public call)."""
+    import rawflash
+
+    from . import cupy_backend, settings, validation
+
+    causal = case.sq > 1
+    c = validation.check_decode(q, kc, vc, lens, kn, vn, table, causal, None, "cupy", validation.Features())
+    bound = cupy_backend.bind_decode(c.problem, q, kc, vc, kn, vn, c.scale, None, c.extras, settings.load())
+    public = lambda: rawflash.decode(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn, block_table=table,  # noqa
+                                     causal=causal)
+    return bound, public
+
+
+def _torch_call(impl: str, case: DecodeCase, q, kc, vc):
+    """SDPA on the contiguous cache's first case.cache + case.new keys (the appended token included)."""
+    torch = _torch()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
+    n = case.cache + case.new
+    tq = torch.from_dlpack(q).transpose(1, 2)
+    tk, tv = (torch.from_dlpack(x)[:, :n].transpose(1, 2) for x in (kc, vc))
+    gqa = case.heads != case.kv_heads
+
+    mask = None
+    if case.sq > 1:  # bottom-right causal, as decode's (SDPA's is_causal is top-left)
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(case.sq, n)
+
+    def call():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=gqa)
+
+    return call
+
+
+def validate(impl: str, case: DecodeCase) -> tuple[bool, str]:
+    """flash-attn's rule on a reduced case of the same kind (batch 2, at most 3000 cached keys)."""
+    import cupy
+
+    small = dataclasses.replace(case, batch=2, cache=min(case.cache, 3000) - 7)
+    if impl != "rawflash" and small.page:
+        return False, "no paged cache"
+    q, kc, vc, kn, vn, lens, table = _inputs(small, seed=3)
+    host = [None if x is None else cupy.asnumpy(x) for x in (q, kc, vc, kn, vn, lens, table)]
+    causal = small.sq > 1
+    if impl == "rawflash":
+        got = cupy.asnumpy(_rawflash(small, q, kc, vc, kn, vn, lens, table)[1]())
+    else:  # the peers see the cache with the new token already in place
+        kc[:, small.cache:small.cache + small.new], vc[:, small.cache:small.cache + small.new] = kn, vn
+        host[1], host[2] = cupy.asnumpy(kc), cupy.asnumpy(vc)
+        host[3] = host[4] = None
+        host[5] = host[5] + small.new
+        got = _torch_call(impl, small, q, kc, vc)().transpose(1, 2).float().cpu().numpy()
+    args = dict(k_new=host[3], v_new=host[4], block_table=host[6], causal=causal)
+    ref, _ = reference.decode(host[0], host[1], host[2], host[5], **args)
+    base, _ = reference.decode(host[0], host[1], host[2], host[5], upcast=False, **args)
+    ok, err, _, bound = reference.error_ratio_ok(np.asarray(got, np.float64), ref, base, host[0].dtype, 2.0)
+    return (True, "ok") if ok else (False, f"out error {err:.3g} > {bound:.3g}")
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10) -> float:
+    """GB/s of a device-to-device copy (bytes read plus bytes written), the roof a cache read is measured against."""
+    import cupy
+
+    src = cupy.ones(nbytes // 2, dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    ms = time_ms(lambda: cupy.copyto(dst, src), repeats=repeats)
+    del src, dst
+    cupy.get_default_memory_pool().free_all_blocks()
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def run_decode(repeats: int = 20, impls: tuple[str, ...] = IMPLS) -> dict:
+    """Validate, then time every case; rows of (case, impl, ms, GB/s, share of the copy bandwidth)."""
+    import cupy
+
+    have_torch = _torch() is not None
+    impls = tuple(i for i in impls if i == "rawflash" or have_torch)
+    roof = copy_bandwidth()
+    rows, checked = [], {}
+    for case in decode_cases():
+        kind = (case.dtype, case.head_dim, case.heads // case.kv_heads, case.page, case.sq)
+        for impl in impls:
+            row = {"case": case.name, "impl": impl}
+            key = (impl, kind)
+            if key not in checked:
+                try:
+                    checked[key] = validate(impl, case)
+                except Exception as err:  # a peer that cannot run this kind of case is reported
+                    checked[key] = (False, f"{type(err).__name__}: {str(err).splitlines()[0][:100]}")
+            ok, why = checked[key]
+            if not ok:
+                rows.append({**row, "status": f"invalid: {why}" if why != "no paged cache" else why})
+                continue
+            q, kc, vc, kn, vn, lens, table = _inputs(case)
+            try:
+                if impl == "rawflash":
+                    bound, public = _rawflash(case, q, kc, vc, kn, vn, lens, table)
+                    row["kernel_ms"] = time_ms(bound.launch, repeats=repeats)
+                    row["ms"] = time_ms(public, repeats=repeats)
+                    row["splits"] = bound.plan_info.num_splits
+                    ms = row["kernel_ms"]
+                else:
+                    row["ms"] = ms = time_ms(_torch_call(impl, case, q, kc, vc), repeats=repeats)
+                row["GB/s"] = case.bytes_moved() / (ms * 1e-3) / 1e9
+                row["of copy"] = row["GB/s"] / roof
+                row["status"] = "ok"
+            except Exception as err:
+                row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}"
+            rows.append(row)
+            del q, kc, vc, kn, vn, lens, table
+            cupy.get_default_memory_pool().free_all_blocks()
+    by = {(r["case"], r["impl"]): r for r in rows}
+    for r in rows:
+        if r["impl"] == "rawflash" and r.get("status") == "ok":
+            for peer in impls[1:]:
+                other = by.get((r["case"], peer))
+                if other and other.get("status") == "ok":  # peer time / ours: > 1 is faster than the peer
+                    r[f"vs {peer}"] = other["ms"] / r["kernel_ms"]
+                    r[f"vs {peer} (public call)"] = other["ms"] / r["ms"]
+    return {"copy_GBps": roof, "rows": rows}
