@@ -55,7 +55,7 @@ ABLATIONS: dict[str, Switches] = {  # FA2's ideas, measured on the mma.sync form
 
 
 def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
-    return configs.tile_config(kernel, p.padded_head_dim, p.dtype, p.arch, override)
+    return configs.tile_config(kernel, p.padded_head_dim, p.dtype, p.arch, override, p.general)
 
 
 def hopper_form_fits(kernel: str, p: Problem) -> bool:

@@ -1,0 +1,94 @@
+"""Time candidate decode_split tile rows side by side on a GPU, each validated first (flash-attn's rule against the
+float64 reference on reduced cases: contiguous and paged, one and two query rows); PyTorch SDPA's flash backend is
+timed on the same contiguous shapes when PyTorch is importable. Prints one table; nothing is written to configs.py.
+
+    python3 tools/tune_decode.py [--repeats N]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from rawflash import bench_decode as bd  # noqa: E402
+from rawflash import cupy_backend, reference, settings, validation  # noqa: E402
+from rawflash.bench import _torch, time_ms  # noqa: E402
+from rawflash.configs import TileConfig, tile_config  # noqa: E402
+
+CANDIDATES = {
+    (128, "bfloat16"): [TileConfig(16, 32, 4, stages=3), TileConfig(16, 16, 4, stages=2), TileConfig(16, 16, 4, stages=3),
+                        TileConfig(16, 32, 4, stages=2), TileConfig(16, 16, 2, stages=2), TileConfig(16, 32, 2, stages=3),
+                        TileConfig(16, 32, 1, stages=3), TileConfig(16, 16, 8, stages=2)],
+    (64, "bfloat16"): [TileConfig(32, 32, 4, stages=3), TileConfig(16, 32, 4, stages=2), TileConfig(16, 16, 4, stages=2),
+                       TileConfig(32, 16, 4, stages=2), TileConfig(16, 32, 2, stages=3)],
+}
+SHAPES = {128: [bd.DecodeCase(8, 32768), bd.DecodeCase(1, 32768), bd.DecodeCase(64, 4096),
+                bd.DecodeCase(8, 32768, page=16), bd.DecodeCase(8, 32768, sq=4)],
+          64: [bd.DecodeCase(8, 8192, heads=16, kv_heads=16, head_dim=64), bd.DecodeCase(8, 32768, head_dim=64)]}
+
+
+def _bound(case, cfg, arrays):
+    q, kc, vc, kn, vn, lens, table = arrays
+    c = validation.check_decode(q, kc, vc, lens, kn, vn, table, case.sq > 1, None, "cupy", validation.Features())
+    override = {("decode_split", case.head_dim, case.dtype): cfg}
+    return cupy_backend.bind_decode(c.problem, q, kc, vc, kn, vn, c.scale, None, c.extras, settings.load(), override)
+
+
+def _valid(case, cfg) -> str:
+    import cupy
+
+    for small in (dataclasses.replace(case, batch=2, cache=1993, page=0, sq=1),
+                  dataclasses.replace(case, batch=3, cache=517, page=16, sq=2)):
+        arrays = bd._inputs(small, seed=7)
+        bound = _bound(small, cfg, arrays)
+        bound.launch()
+        got = cupy.asnumpy(bound.result()[0])
+        q, kc, vc, kn, vn, lens, table = arrays
+        host = [None if x is None else cupy.asnumpy(x) for x in (q, kc, vc, kn, vn, lens, table)]
+        host[1], host[2] = reference.append_kv(host[1], host[2], host[5], host[3], host[4], host[6])  # (idempotent: the launch appended already)
+        args = dict(block_table=host[6], causal=small.sq > 1)
+        lens_after = host[5] + small.new
+        ref, _ = reference.decode(host[0], host[1], host[2], lens_after, **args)
+        base, _ = reference.decode(host[0], host[1], host[2], lens_after, upcast=False, **args)
+        ok, err, _, limit = reference.error_ratio_ok(got.astype(np.float64), ref, base, host[0].dtype, 2.0)
+        if not ok:
+            return f"invalid ({small.name}: {err:.3g} > {limit:.3g})"
+    return "ok"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    import cupy
+
+    lines = []
+    for (d, dtype), cands in CANDIDATES.items():
+        current = tile_config("decode_split", d, dtype, "sm_90")
+        for case in SHAPES[d]:
+            arrays = bd._inputs(case)
+            if _torch() is not None and not case.page:
+                ms = time_ms(bd._torch_call("torch-flash", case, *arrays[:3]), repeats=args.repeats)
+                lines.append((case.name, "torch-flash", ms, case.bytes_moved() / ms / 1e6, "ok"))
+            for cfg in cands:
+                label = f"br{cfg.br} bc{cfg.bc} w{cfg.warps} s{cfg.stages}" + (" (table)" if cfg == current else "")
+                try:
+                    status = _valid(case, cfg)
+                    ms = time_ms(_bound(case, cfg, arrays).launch, repeats=args.repeats) if status == "ok" else float("nan")
+                except Exception as err:  # a candidate that does not fit (shared memory) is reported
+                    status, ms = f"failed: {type(err).__name__}: {str(err)[:80]}", float("nan")
+                lines.append((case.name, label, ms, case.bytes_moved() / ms / 1e6, status))
+            del arrays
+            cupy.get_default_memory_pool().free_all_blocks()
+    print(f"{'case':40s} {'row':30s} {'ms':>8s} {'GB/s':>8s}  status")
+    for name, label, ms, gbs, status in lines:
+        print(f"{name:40s} {label:30s} {ms:8.4f} {gbs:8.0f}  {status}")
+
+
+if __name__ == "__main__":
+    main()
