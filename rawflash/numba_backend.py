@@ -1,7 +1,11 @@
-"""The Numba backend: the twins of ``rawflash/numba_kernels`` with the CUDA C kernels' grids and tile sizes.
+"""The Numba backend: binds arrays to the twins of ``rawflash/numba_kernels`` and runs the plan ``forms.py`` chose.
 
-Every grid comes from ``launch.py`` and every tile size from ``configs.py``, exactly as for the CUDA C; the twins'
-CTA sizes and shared memory (float32 tiles) come from the twin modules. The same code runs in two places:
+Plans come from ``forms.forward_plan`` / ``forms.backward_plan`` for the problem as the CUDA C backend prepares it
+(head_dim rounded up to a multiple of 8, the problem's arch) with the wgmma forms off, so every launch is an
+mma.sync form or a helper that has a twin: the twins run the CUDA C's grids and tile sizes (``Launch.grid``,
+``Launch.config``); their CTA sizes and (float32) shared memory come from the twin modules. Each launch runs the
+twin its kernel name maps to through the registry's twin names (``TWIN_FACTORIES``), built from its template
+arguments (``Launch.template_args``). The same code runs in two places:
 
 - on a GPU, arrays are CuPy arrays (NumPy inputs are copied to the device first) handed to Numba through
   ``__cuda_array_interface__`` without copies, kernels run on CuPy's current stream and results are CuPy arrays.
@@ -14,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import math
+import sys
 import time
 import warnings
 from typing import Callable
@@ -22,19 +28,81 @@ from typing import Callable
 import numpy as np
 from numba import config as numba_config
 
-from . import launch
+from . import forms, launch, registry
 from .cupy_backend import run_head_dim
-from .launch import Problem
-from .numba_kernels import fa1_fwd, fa2_bwd, fa2_fwd  # applies the numpy shim before numba.cuda is imported
+from .launch import Launch, Problem
+from .numba_kernels import Twin, fa1_fwd, fa2_bwd, fa2_fwd  # noqa: F401  (applies the numpy shim first)
+from .numba_kernels.params import BwdParams, FwdParams
+from .settings import Settings
 
 SIMULATOR = bool(numba_config.ENABLE_CUDASIM)
 # The twins favour clarity over occupancy (one thread per row); small test grids would warn on every launch.
 numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 LOG2E = 1.0 / math.log(2.0)
 STATIC_SMEM_LIMIT = 48 * 1024  # a CTA gets more dynamic shared memory only after raising its limit
-SWITCHES = {"defer_norm": True, "seq_parallel": True, "split_q": True}
+NO_WGMMA = Settings(wgmma=False)  # the wgmma forms have no twins: plan the mma.sync forms
 
 
+def _twin_factories() -> dict[str, tuple[str, str]]:
+    """Kernel name -> (twin module, factory name) for every form and helper of the registry that has a twin."""
+    table = {}
+    for variant in registry.REGISTRY.values():
+        for k in (*variant.forms, *variant.helpers):
+            if k.twin is not None:
+                table[k.kernel] = (k.twin, f"make_{k.kernel}")
+    return table
+
+
+TWIN_FACTORIES: dict[str, tuple[str, str]] = _twin_factories()
+"""The one dispatch table: a launch's kernel name -> the twin module and factory that mirror it."""
+
+
+def _no_twin(kernel: str, api_kernel: str) -> str:
+    try:
+        reason = registry.form(kernel).no_twin
+    except KeyError:
+        reason = "the registry lists no twin for it"
+    return (f"kernel={api_kernel!r} ({kernel}) has no Numba twin ({reason}); use backend='cupy' for it, or "
+            "kernel='fa2' / 'fa1' with backend='numba'")
+
+
+def twin_of(lau: Launch, api_kernel: str = "fa2") -> Twin:
+    """The twin of one launch: its factory called with the launch's template arguments (compiled lazily)."""
+    if lau.kernel not in TWIN_FACTORIES:
+        raise NotImplementedError(_no_twin(lau.kernel, api_kernel))
+    module, factory = TWIN_FACTORIES[lau.kernel]
+    return getattr(importlib.import_module(f"{__package__}.numba_kernels.{module}"), factory)(*lau.template_args)
+
+
+def run_problem(p: Problem) -> Problem:
+    """The problem as the kernels see it (cupy_backend.prepare's): head_dim rounded up to a multiple of 8."""
+    return dataclasses.replace(p, head_dim=run_head_dim(p.head_dim))
+
+
+def forward_plan(pr: Problem, kernel: str = "fa2", switches: forms.Switches | None = None) -> list[Launch]:
+    """The forward's launches for the run problem ``pr``, the wgmma forms off."""
+    sw = forms.Switches() if switches is None else switches
+    if sw.wgmma:
+        raise ValueError("wgmma=True: the warpgroup kernel has no Numba twin (the twin of fa2 is fa2_fwd's mma.sync "
+                         "form); use backend='cupy'")
+    return forms.forward_plan(pr, kernel, dataclasses.replace(sw, wgmma=False), NO_WGMMA)
+
+
+def backward_plan(pr: Problem, deterministic: bool = False) -> list[Launch]:
+    """The backward's launches for the run problem ``pr``, the wgmma forms off."""
+    return forms.backward_plan(pr, deterministic, NO_WGMMA)
+
+
+def _resolve(plan: list[Launch], api_kernel: str) -> list[tuple[Launch, Twin, int]]:
+    """(launch, twin, threads per CTA) for every launch of a plan; refuses before anything is allocated."""
+    out = []
+    for lau in plan:
+        twin = twin_of(lau, api_kernel)
+        out.append((lau, twin, lau.block[0] if twin.threads is None else twin.threads))
+    return out
+
+
+# ---------------------------------------------------------------- arrays
 def _xp():
     """The array module the kernels' arrays come from: NumPy on the simulator, CuPy on a GPU."""
     if SIMULATOR:
@@ -83,11 +151,17 @@ def _result(x, dtype: str):
 
 @dataclasses.dataclass
 class Prepared:
-    """Inputs ready for the twins and the problem they run as (head_dim rounded up as for the CUDA C)."""
+    """Inputs ready for the twins and the problem they run as (head_dim rounded up as for the CUDA C).
+
+    ``arrays`` are 4-D: packed sequences (total, heads, d) become (1, total, heads, d). ``features`` are the five
+    optional arrays in the kernels' order (cu_q, cu_k, used_k, slopes, sinks), one-element dummies where absent.
+    """
 
     problem: Problem
     arrays: tuple
     head_dim: int
+    features: tuple
+    extras: dict
 
 
 def _require_device() -> None:
@@ -99,12 +173,46 @@ def _require_device() -> None:
                            "imported to run the kernels on Numba's CPU simulator")
 
 
-def prepare(p: Problem, *arrays) -> Prepared:
-    """Inputs on the device (NumPy on the simulator), bfloat16 upcast, head_dim zero-padded as for the CUDA C."""
+FEATURES = (("cu_seqlens_q", np.int32), ("cu_seqlens_k", np.int32), ("seqused_k", np.int32),
+            ("alibi_slopes", np.float32), ("sinks", np.float32))
+
+
+def prepare(p: Problem, extras: dict | None, *arrays) -> Prepared:
+    """Inputs on the device (NumPy on the simulator), bfloat16 upcast, head_dim zero-padded as for the CUDA C,
+    packed sequences as one batch entry; the feature arrays flat (ALiBi's (batch, heads) too) or dummies."""
     _require_device()
-    hd = run_head_dim(p.head_dim)
-    ready = tuple(_pad(_kernel_dtype(_on_device(x)), hd) for x in arrays)
-    return Prepared(dataclasses.replace(p, head_dim=hd), ready, p.head_dim)
+    extras = dict(extras or {})
+    pr = run_problem(p)
+    ready = tuple(_pad(_kernel_dtype(_on_device(x)), pr.head_dim) for x in arrays)
+    if p.varlen:
+        ready = tuple(x[None] for x in ready)
+    xp = _xp()
+    feats = tuple(xp.ascontiguousarray(_on_device(extras[name]).astype(dtype).ravel()) if name in extras
+                  else xp.zeros(1, dtype) for name, dtype in FEATURES)
+    return Prepared(pr, ready, p.head_dim, feats, extras)
+
+
+def _params(cls, pr: Problem, scale: float, extras: dict, **more):
+    """FwdParams / BwdParams of one call (rawflash/params.py's fields, as numba_kernels/params.py keeps them)."""
+    left, right = pr.window_bounds
+    slopes = extras.get("alibi_slopes")
+    return cls(batch=pr.batch, seqlen_q=pr.seqlen_q, seqlen_k=pr.seqlen_k, heads=pr.heads, kv_heads=pr.kv_heads,
+               head_dim=pr.head_dim, window_left=left, window_right=right, scale=np.float32(scale),
+               scale_log2=np.float32(scale * LOG2E), softcap=np.float32(pr.softcap),
+               alibi_sb=pr.heads if slopes is not None and len(slopes.shape) == 2 else 0,
+               has_cu="cu_seqlens_q" in extras, has_seqused="seqused_k" in extras,
+               has_alibi=slopes is not None, has_sinks="sinks" in extras, **more)
+
+
+def _rows(pr: Problem, *tail):
+    """The shape of a per-row float32 buffer: (batch, heads, seqlen_q), or (1, heads, total_q) when packed."""
+    b, s = pr.rows
+    return (b, pr.heads, s, *tail)
+
+
+def _unpack(x, pr: Problem):
+    """Packed results lose the one batch entry they ran with."""
+    return x[0] if pr.varlen else x
 
 
 # ---------------------------------------------------------------- launching
@@ -149,114 +257,65 @@ def run(kernel, grid, threads: int, smem: int, *args) -> None:
     configured(*args)
 
 
-def _i64(*xs):
-    return tuple(int(x) for x in xs)
+def _run_plan(resolved: list[tuple[Launch, Twin, int]], args: tuple) -> None:
+    for lau, twin, threads in resolved:
+        run(twin.kernel, lau.grid, threads, twin.smem, *args)
 
 
 # ---------------------------------------------------------------- forward
-def _dims(pr: Problem) -> tuple[int, ...]:
-    return _i64(pr.seqlen_q, pr.seqlen_k, pr.heads, pr.kv_heads, pr.head_dim)
+def forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", sw: forms.Switches | None = None,
+            extras: dict | None = None):
+    """out like q in q's dtype and lse (batch, heads, seqlen_q) float32, or (heads, total_q) when packed.
 
-
-def _fa2_forward(pr: Problem, q, k, v, out, lse, scale_log2, switches: dict) -> None:
-    if switches.get("wgmma"):
-        raise ValueError("wgmma=True: the warpgroup kernel has no Numba twin (the twin of fa2 is fa2_fwd's mma.sync "
-                         "form); use backend='cupy'")
-    ideas = {k: v for k, v in switches.items() if k in SWITCHES}
-    sw = {**SWITCHES, **ideas}
-    lau = launch.fa2_fwd(pr, **ideas, wgmma=False)
-    c, d = lau.config, pr.padded_head_dim
-    kernel = fa2_fwd.make_fa2_fwd(d, c.br, c.bc, c.warps, pr.causal, **sw)
-    run(kernel, lau.grid, fa2_fwd.threads(c.br, c.warps, sw["split_q"]),
-        fa2_fwd.smem_bytes(c.br, c.bc, c.warps, d, sw["split_q"]), q, k, v, out, lse, *_dims(pr), scale_log2)
-
-
-def _fa1_forward(pr: Problem, q, k, v, out, lse, scale_log2) -> None:
-    xp = _xp()
-    o_ws = xp.zeros((pr.batch, pr.heads, pr.seqlen_q, pr.head_dim), dtype=np.float32)
-    m_ws = xp.full((pr.batch, pr.heads, pr.seqlen_q), -np.inf, dtype=np.float32)
-    l_ws = xp.zeros((pr.batch, pr.heads, pr.seqlen_q), dtype=np.float32)
-    lau = launch.fa1_fwd(pr)
-    c, d = lau.config, pr.padded_head_dim
-    run(fa1_fwd.make_fa1_fwd(d, c.br, c.bc, c.warps, pr.causal), lau.grid, fa1_fwd.threads(c.br, c.warps),
-        fa1_fwd.smem_bytes(c.br, c.bc, c.warps, d), q, k, v, o_ws, m_ws, l_ws, *_dims(pr), scale_log2)
-    fin = launch.fa1_finalize(pr)
-    run(fa1_fwd.fa1_finalize, fin.grid, fin.block[0], 0, o_ws, m_ws, l_ws, out, lse,
-        *_i64(pr.batch, pr.seqlen_q, pr.heads, pr.head_dim))
-
-
-def forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", **switches):
-    """out (batch, seqlen_q, heads, head_dim) in q's dtype and lse (batch, heads, seqlen_q) float32.
-
-    Same signature and semantics as ``cupy_backend.forward``; ``kernel`` is 'fa2' (with the ablation
-    ``switches``) or 'fa1'. There is no Numba 'naive' kernel.
+    Same signature and semantics as ``cupy_backend.forward``: ``sw`` the forward's switches (the ablation; wgmma
+    must not be True), ``extras`` the feature arrays (cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks).
+    kernel='naive' has no twin (NotImplementedError).
     """
-    if kernel == "naive":
-        raise NotImplementedError("kernel='naive' has no Numba twin (it is cuBLAS products around a softmax "
-                                  "kernel); use backend='cupy' for it, or kernel='fa2' / 'fa1' with backend='numba'")
-    if kernel not in ("fa2", "fa1"):
-        raise ValueError(f"kernel must be one of 'fa2', 'fa1', 'naive', got {kernel!r}")
+    if kernel not in registry.api_kernels():
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, registry.api_kernels()))}, got {kernel!r}")
+    pr = run_problem(p)
+    resolved = _resolve(forward_plan(pr, kernel, sw), kernel)
     xp = _xp()
-    prep = prepare(p, q, k, v)
-    pr, (q, k, v) = prep.problem, prep.arrays
-    out = xp.empty((pr.batch, pr.seqlen_q, pr.heads, pr.head_dim), dtype=q.dtype)
-    lse = xp.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=np.float32)
-    scale_log2 = np.float32(scale * LOG2E)
-    if kernel == "fa2":
-        _fa2_forward(pr, q, k, v, out, lse, scale_log2, switches)
+    prep = prepare(p, extras, q, k, v)
+    q, k, v = prep.arrays
+    out = xp.empty(q.shape, dtype=q.dtype)
+    lse = xp.empty(_rows(pr), dtype=np.float32)
+    if any(lau.kernel == "fa1_fwd" for lau, _, _ in resolved):  # fa1's running state in HBM
+        ws = (xp.zeros(_rows(pr, pr.head_dim), np.float32), xp.full(_rows(pr), -np.inf, np.float32),
+              xp.zeros(_rows(pr), np.float32))
     else:
-        _fa1_forward(pr, q, k, v, out, lse, scale_log2)
-    return _result(_trim(out, prep.head_dim), p.dtype), lse
+        ws = (xp.zeros((1, 1, 1, 1), np.float32), xp.zeros((1, 1, 1), np.float32), xp.zeros((1, 1, 1), np.float32))
+    params = _params(FwdParams, pr, scale, prep.extras)
+    _run_plan(resolved, (params, q, k, v, out, lse, *prep.features, *ws))
+    return _unpack(_result(_trim(out, prep.head_dim), p.dtype), pr), _unpack(lse, pr)
 
 
 # ---------------------------------------------------------------- backward
-def _preprocess(p: Problem, pr: Problem, out, dout, lse):
-    """lse2 = lse * log2(e) (+inf where lse = -inf) and delta = rowsum(dO * O), (batch, heads, seqlen_q) float32."""
+def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False,
+             extras: dict | None = None):
+    """dq, dk, dv with the shapes and dtype of q, k, v, and dsinks (heads,) float32 when sinks are given (same
+    signature and semantics as ``cupy_backend.backward``)."""
+    pr = run_problem(p)
+    resolved = _resolve(backward_plan(pr, deterministic), "fa2")
     xp = _xp()
-    out, dout = (_kernel_dtype(_on_device(x)) for x in (out, dout))
-    lse = _on_device(lse).astype(np.float32)
-    lse2 = xp.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=np.float32)
-    delta = xp.empty_like(lse2)
-    lau = launch.fa2_bwd_preprocess(pr)
-    run(fa2_bwd.fa2_bwd_preprocess, lau.grid, lau.block[0], 0, out, dout, lse, lse2, delta,
-        *_i64(pr.batch, pr.seqlen_q, pr.heads, p.head_dim))
-    return lse2, delta
-
-
-def _fa2_dq_deterministic(pr: Problem, inputs: tuple, dq, scales: tuple) -> None:
-    lau = launch.fa2_bwd_dq(pr)
-    c, d = lau.config, pr.padded_head_dim
-    run(fa2_bwd.make_fa2_bwd_dq(d, c.br, c.bc, c.warps, pr.causal), lau.grid, fa2_bwd.threads_dq(c.br),
-        fa2_bwd.smem_bytes_dq(c.br, c.bc, d), *inputs, dq, *_dims(pr), *scales)
-
-
-def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False):
-    """dq, dk, dv with the shapes and dtype of q, k, v (same signature and semantics as ``cupy_backend.backward``)."""
-    xp = _xp()
-    prep = prepare(p, q, k, v, dout)
-    pr, (q, k, v, do) = prep.problem, prep.arrays
-    lse2, delta = _preprocess(p, pr, out, dout, lse)
-    dq = xp.empty((pr.batch, pr.seqlen_q, pr.heads, pr.head_dim), dtype=q.dtype)
-    dk = xp.empty((pr.batch, pr.seqlen_k, pr.kv_heads, pr.head_dim), dtype=q.dtype)
-    dv = xp.empty_like(dk)
-    inputs = (q, k, v, do, lse2, delta)
-    scales = (np.float32(scale), np.float32(scale * LOG2E))
-    atomic = not deterministic
-    lau = launch.fa2_bwd(pr, atomic_dq=atomic, wgmma=False)  # the twin mirrors fa2_bwd (mma.sync tiles)
-    c, d = lau.config, pr.padded_head_dim
-    kernel = fa2_bwd.make_fa2_bwd(d, c.br, c.bc, c.warps, pr.causal, atomic_dq=atomic)
-    # dq_ws: float32 dQ accumulated with atomic adds; the deterministic pass leaves it alone (any 4-D float32 array)
-    shape = (pr.batch, pr.heads, pr.seqlen_q, pr.head_dim) if atomic else (1, 1, 1, 1)
-    dq_ws = xp.zeros(shape, dtype=np.float32)
-    run(kernel, lau.grid, fa2_bwd.threads(c.bc), fa2_bwd.smem_bytes(c.br, c.bc, d, atomic), *inputs, dk, dv, dq_ws,
-        *_dims(pr), *scales)
-    if deterministic:
-        _fa2_dq_deterministic(pr, inputs, dq, scales)
-    else:
-        conv = launch.fa2_bwd_convert_dq(pr)
-        run(fa2_bwd.fa2_bwd_convert_dq, conv.grid, conv.block[0], 0, dq_ws, dq,
-            *_i64(pr.batch, pr.seqlen_q, pr.heads, pr.head_dim))
-    return tuple(_result(_trim(g, prep.head_dim), p.dtype) for g in (dq, dk, dv))
+    prep = prepare(p, extras, q, k, v, dout, out)  # out too: D reads it at the kernels' head_dim
+    q, k, v, do, out = prep.arrays
+    lse = xp.ascontiguousarray(_on_device(lse).astype(np.float32).reshape(_rows(pr)))
+    lse2, delta = xp.empty(_rows(pr), np.float32), xp.empty(_rows(pr), np.float32)
+    dq = xp.empty(q.shape, dtype=q.dtype)
+    # keys past seqused_k are never written by a kernel: their gradients start (and stay) zero
+    alloc = xp.zeros if pr.seqused_k else xp.empty
+    dk, dv = alloc(k.shape, dtype=q.dtype), alloc(v.shape, dtype=q.dtype)
+    # dq_ws: float32 dQ accumulated with atomic adds (zeroed); the deterministic pass leaves it alone (a dummy)
+    dq_ws = xp.zeros(_rows(pr, pr.head_dim) if not deterministic else (1, 1, 1, 1), np.float32)
+    sinks = "sinks" in prep.extras
+    dsink_ws = xp.zeros(_rows(pr) if sinks else (1, 1, 1), np.float32)
+    params = _params(BwdParams, pr, scale, prep.extras, rows_batch=pr.rows[0], rows_seqlen=pr.rows[1])
+    _run_plan(resolved, (params, q, k, v, out, do, dq, dk, dv, lse, lse2, delta, dq_ws, dsink_ws, *prep.features))
+    grads = tuple(_unpack(_result(_trim(x, prep.head_dim), p.dtype), pr) for x in (dq, dk, dv))
+    if not sinks:
+        return grads
+    return (*grads, (-dsink_ws.sum(axis=(0, 2), dtype=np.float64)).astype(np.float32))
 
 
 # ---------------------------------------------------------------- the simulator: one launch at a time
@@ -279,6 +338,12 @@ def _simulator_internals():
     return sim if all(hasattr(sim, name) for name in needed) else None
 
 
+def _twin_modules() -> list[dict]:
+    """The globals of every twin module imported so far (``rawflash.numba_kernels.*``)."""
+    prefix = f"{__package__}.numba_kernels."
+    return [m.__dict__ for name, m in list(sys.modules.items()) if name.startswith(prefix) and m is not None]
+
+
 @contextlib.contextmanager
 def _simulated_launch(kernel, grid, threads: int):
     """One simulated launch without the simulator's per-call module lock, with progress per CTA.
@@ -298,9 +363,7 @@ def _simulated_launch(kernel, grid, threads: int):
         return
     import numba.cuda as real_cuda
 
-    from .numba_kernels import common, splitk
-
-    twins = [m.__dict__ for m in (common, splitk, fa1_fwd, fa2_fwd, fa2_bwd)]
+    twins = _twin_modules()
     twin_ids = {id(g) for g in twins}
     original_swap, original_manager = sim.swapped_cuda_module, sim.BlockManager
     state = {"pinned": False, "done": 0, "t0": time.perf_counter()}
@@ -351,8 +414,8 @@ def _simulated_launch(kernel, grid, threads: int):
 # ---------------------------------------------------------------- what the twins launch, without launching
 @dataclasses.dataclass(frozen=True)
 class TwinLaunch:
-    """One launch of a Numba twin: grid and tiles from ``launch.py``, CTA size and (float32) shared memory from the
-    twin module, exactly as ``forward`` and ``backward`` pass them to ``run``."""
+    """One launch of a Numba twin: grid and tiles from the plan (``launch.py``), CTA size and (float32) shared
+    memory from the twin module, exactly as ``forward`` and ``backward`` pass them to ``run``."""
 
     kernel: str
     grid: tuple[int, int, int]
@@ -366,50 +429,20 @@ class TwinLaunch:
 
 
 def twin_launches(p: Problem, kernel: str = "fa2", direction: str = "fwd", deterministic: bool = False,
-                  **switches) -> list[TwinLaunch]:
+                  switches: forms.Switches | None = None, **flags: bool) -> list[TwinLaunch]:
     """Every launch ``forward`` (direction 'fwd'), ``backward`` ('bwd') or both ('both') make for the caller's
-    problem ``p``, in order; nothing is allocated or run, and no GPU is needed.
+    problem ``p``, in order; nothing is allocated or run (the twins are built, not compiled), and no GPU is needed.
 
-    Follows ``prepare`` (head_dim rounded up as for the CUDA C, the problem's arch unchanged) and the launch code
-    above; tests/test_simulator.py checks it against the launches the simulator records.
+    ``switches`` (or the same as keyword ``flags``: defer_norm, seq_parallel, split_q) are the forward's. Follows
+    ``run_problem`` and the plans above: the same ``_resolve`` gives the threads and shared memory the backend
+    launches with; tests/test_simulator.py checks the list against the launches the simulator records.
     """
-    pr = dataclasses.replace(p, head_dim=run_head_dim(p.head_dim))
-    d = pr.padded_head_dim
-    out: list[TwinLaunch] = []
-
-    def add(name, lau, threads, smem):
-        out.append(TwinLaunch(name, tuple(lau.grid), int(threads), int(smem), lau.config))
-
+    pr = run_problem(p)
+    sw = switches if switches is not None else forms.Switches(**flags)
+    plan: list[Launch] = []
     if direction in ("fwd", "both"):
-        if kernel == "fa2":
-            if switches.get("wgmma"):
-                raise ValueError("wgmma=True: the warpgroup kernel has no Numba twin; use backend='cupy'")
-            ideas = {k: v for k, v in switches.items() if k in SWITCHES}
-            sw = {**SWITCHES, **ideas}
-            lau = launch.fa2_fwd(pr, **ideas, wgmma=False)
-            c = lau.config
-            add("fa2_fwd", lau, fa2_fwd.threads(c.br, c.warps, sw["split_q"]),
-                fa2_fwd.smem_bytes(c.br, c.bc, c.warps, d, sw["split_q"]))
-        elif kernel == "fa1":
-            lau = launch.fa1_fwd(pr)
-            c = lau.config
-            add("fa1_fwd", lau, fa1_fwd.threads(c.br, c.warps), fa1_fwd.smem_bytes(c.br, c.bc, c.warps, d))
-            fin = launch.fa1_finalize(pr)
-            add("fa1_finalize", fin, fin.block[0], 0)
-        else:
-            raise NotImplementedError(f"kernel={kernel!r} has no Numba twin (only 'fa2' and 'fa1' do)")
+        plan += forward_plan(pr, kernel, sw)
     if direction in ("bwd", "both"):
-        pre = launch.fa2_bwd_preprocess(pr)
-        add("fa2_bwd_preprocess", pre, pre.block[0], 0)
-        atomic = not deterministic
-        lau = launch.fa2_bwd(pr, atomic_dq=atomic, wgmma=False)
-        c = lau.config
-        add("fa2_bwd", lau, fa2_bwd.threads(c.bc), fa2_bwd.smem_bytes(c.br, c.bc, d, atomic))
-        if deterministic:
-            dq = launch.fa2_bwd_dq(pr)
-            c = dq.config
-            add("fa2_bwd_dq", dq, fa2_bwd.threads_dq(c.br), fa2_bwd.smem_bytes_dq(c.br, c.bc, d))
-        else:
-            conv = launch.fa2_bwd_convert_dq(pr)
-            add("fa2_bwd_convert_dq", conv, conv.block[0], 0)
-    return out
+        plan += backward_plan(pr, deterministic)
+    return [TwinLaunch(lau.kernel, tuple(lau.grid), int(threads), int(twin.smem), lau.config)
+            for lau, twin, threads in _resolve(plan, kernel)]

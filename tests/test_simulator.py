@@ -30,7 +30,7 @@ PRELUDE = """
     import json, time
     import ml_dtypes, numpy as np
     import rawflash
-    from rawflash import numba_backend, validation
+    from rawflash import forms, numba_backend, validation
 
     def inputs(shape, dtype, seed=0):
         b, sq, sk, h, hk, d = shape
@@ -88,17 +88,22 @@ def test_launches_skip_the_module_lock_and_match_twin_launches():
         q, k, v, dout = inputs(shape, dtype)
         c = validation.check_forward(q, k, v, True, None, kernel, "numba")
         recorded.clear()
-        out, lse = numba_backend.forward(c.problem, q, k, v, c.scale, kernel, **sw)
+        out, lse = numba_backend.forward(c.problem, q, k, v, c.scale, kernel, forms.Switches(**sw), c.extras)
         if not sw:
-            numba_backend.backward(c.problem, dout, q, k, v, out, lse, c.scale, det)
+            numba_backend.backward(c.problem, dout, q, k, v, out, lse, c.scale, det, c.extras)
         want = numba_backend.twin_launches(c.problem, kernel, "fwd" if sw else "both", det, **sw)
         cases.append({"recorded": recorded[:],
                       "listed": [[t.kernel, list(t.grid), t.threads, t.smem] for t in want],
                       "ctas": [t.ctas for t in want]})
     restored = sim.swapped_cuda_module is counting_swap and common.cuda is __import__("numba").cuda
+    from rawflash.numba_kernels.params import BwdParams
+    convert = numba_backend.fa2_bwd.make_fa2_bwd_convert_dq("float").kernel
+    p = BwdParams(1, 1, 1, 1, 1, 8, 1, 1, -1, -1, np.float32(1), np.float32(1), np.float32(0), 0, False, False,
+                  False, False)
+    arrays = [np.zeros((1, 1, 1, 8), np.float32) for _ in range(18)]
+    arrays[5] = np.zeros(1, np.float16)  # dq: too small, so the kernel fails in its threads
     try:  # a kernel that fails inside a simulated thread still restores everything
-        numba_backend.run(numba_backend.fa2_bwd.fa2_bwd_convert_dq, (1, 1, 1), 32, 0,
-                          np.zeros((1, 1, 1, 8), np.float32), np.zeros(1, np.float16), 1, 1, 1, 8)
+        numba_backend.run(convert, (1, 1, 1), 32, 0, p, *arrays)
         raised = False
     except Exception:
         raised = True

@@ -1,12 +1,12 @@
-"""Tile verbs of the Numba twins: the counterpart of ``cuda/common.cuh``.
+"""Tile verbs of the Numba twins: the counterpart of ``cuda/core.cuh``, ``cuda/acc.cuh`` and ``cuda/sm80.cuh``.
 
-The CUDA C spreads each tile over the 32 lanes of a warp in ``mma.sync`` fragments; the twins give every thread
-whole rows and do scalar float32 arithmetic, so fragments, ``ldmatrix``, ``mma``, swizzles and the quad
-shuffles of ``row_max``/``row_sum`` have no counterpart here. What is left: the mask rules (one owner, as in
-the CUDA C), the exponential, and the global -> shared copy.
+The CUDA C spreads each tile over the 32 lanes of a warp in ``mma.sync`` fragments (``Acc<MT, NT>``); the twins
+give every thread whole rows and do scalar float32 arithmetic, so fragments, ``ldmatrix``, ``mma``, swizzles, the
+quad shuffles of ``row_max`` / ``row_sum`` and ``cp.async`` have no counterpart here. What is left: the constants,
+the exponential, the global -> shared copy, the products (one output element per call) and the row verbs.
 
-The products compute one output element per call (a device-function call costs about 20 us on the simulator,
-against about 1 us per multiply-add, so they are never called per term).
+The products compute one output element per call (a device-function call costs a few microseconds on the
+simulator, against about 1 us per multiply-add, so they are never called per term).
 """
 from __future__ import annotations
 
@@ -18,10 +18,27 @@ from numba import cuda, float32
 
 LOG2E = float32(1.4426950408889634)
 LN2 = float32(0.6931471805599453)
+LOG2E_D = 1.4426950408889634  # float64, as core.cuh's LOG2E_D
 INF = float32(np.inf)
 NEG_INF = float32(-np.inf)
 ZERO = float32(0.0)
 ONE = float32(1.0)
+
+# What a twin factory returns: the compiled kernel, its threads per CTA (None: the launch's own block, as for the
+# elementwise kernels) and its dynamic shared memory in bytes (float32 tiles).
+Twin = collections.namedtuple("Twin", ["kernel", "threads", "smem"])
+
+# A mainloop as the skeletons (fwd.py, bwd.py) compose it, the counterpart of a Mainloop template argument: its
+# tile rows BR and columns BC, the twin's threads per CTA and shared memory (bytes), the float32 words of its
+# per-thread State, its policy's constants (MASK, GENERAL, EXACT: T is float) and its device functions run, store.
+Mainloop = collections.namedtuple("Mainloop", ["BR", "BC", "NTHREADS", "SMEM_BYTES", "STATE_WORDS", "MASK",
+                                               "GENERAL", "EXACT", "run", "store"])
+
+
+def is_float32(T: str) -> bool:
+    """Whether the CUDA element type of a launch's template arguments is float (core.cuh's sizeof(T) == 4)."""
+    return T == "float"
+
 
 if hasattr(math, "exp2"):
     # MIRROR: exp2f for every dtype; the CUDA C's exp2_<float> goes through double (2 ulp apart, far below 1e-5).
@@ -33,10 +50,16 @@ else:  # Python 3.10 has no math.exp2
         return math.pow(float32(2.0), x)
 
 
+@cuda.jit(device=True)
+def cdiv(a, b):
+    """core.cuh's cdiv (its arguments are never negative in the kernels, so C and Python division agree)."""
+    return (a + b - 1) // b
+
+
 # ---------------------------------------------------------------- global -> shared copies
 @cuda.jit(device=True)
 def load_tile(s, g, row0, rows_valid, cols_valid):
-    """Copy rows ``row0 ..`` of ``g`` (seqlen x head_dim, any dtype) into the float32 shared tile ``s``.
+    """Copy rows ``row0 ..`` of ``g`` (rows x head_dim, any dtype, any strides) into the float32 shared tile ``s``.
 
     Rows ``>= rows_valid`` and columns ``>= cols_valid`` of the tile read as 0. All threads of the CTA take part.
     """
@@ -108,62 +131,14 @@ def dot_vecs(x, y):
     return acc
 
 
-# ---------------------------------------------------------------- masking (one owner for every mask rule)
-# Query row i sees key j iff j < seqlen_k and (not causal or j <= i + seqlen_k - seqlen_q): causal masks are
-# aligned to the bottom-right corner. Sliding windows, soft-capping or ALiBi would join here.
-Mask = collections.namedtuple("Mask", ["seqlen_q", "seqlen_k", "causal"])
-
-
+# ---------------------------------------------------------------- row verbs (a thread owns its row)
 @cuda.jit(device=True)
-def row_end(mask, i):
-    """Keys ``j < row_end(mask, i)`` are visible to query ``i``."""
-    if mask.causal:
-        return min(mask.seqlen_k, max(0, i + 1 + mask.seqlen_k - mask.seqlen_q))
-    return mask.seqlen_k
+def zero(x):
+    """x = 0 (acc.cuh's zero for the row a thread holds)."""
+    for c in range(x.shape[0]):
+        x[c] = ZERO
 
 
-@cuda.jit(device=True)
-def block_needs_mask(mask, r0, nr, c0, nc):
-    """True when some (i, j) of rows [r0, r0+nr) x cols [c0, c0+nc) is hidden: only those blocks mask."""
-    return c0 + nc > mask.seqlen_k or (mask.causal and c0 + nc - 1 > r0 + mask.seqlen_k - mask.seqlen_q)
-
-
-@cuda.jit(device=True)
-def key_blocks(mask, r0, nr, bc):
-    """Number of key blocks of width ``bc`` that the query rows [r0, r0+nr) see at all (later ones are skipped)."""
-    last = mask.seqlen_k - 1
-    if mask.causal:
-        last = min(last, r0 + nr - 1 + mask.seqlen_k - mask.seqlen_q)
-    return 0 if last < 0 else last // bc + 1
-
-
-@cuda.jit(device=True)
-def first_query_block(mask, c0, br):
-    """First query block of height ``br`` that sees any key of the block starting at key ``c0``."""
-    if not mask.causal:
-        return 0
-    first_row = c0 - (mask.seqlen_k - mask.seqlen_q)
-    return 0 if first_row <= 0 else first_row // br
-
-
-@cuda.jit(device=True)
-def apply_mask(s, mask, row, c0):
-    """Set ``s[y] = -inf`` for the keys ``c0 + y`` that query ``row`` does not see (``s`` is one row of S)."""
-    # MIRROR: one row per thread; the CUDA C masks the C-fragment elements a lane holds.
-    end = row_end(mask, row) - c0
-    for y in range(max(0, end), s.shape[0]):
-        s[y] = NEG_INF
-
-
-@cuda.jit(device=True)
-def apply_mask_t(p, mask, key, q0):
-    """The same rule for one row of S^T: ``p[c] = -inf`` where query ``q0 + c`` does not see ``key``."""
-    for c in range(p.shape[0]):
-        if key >= row_end(mask, q0 + c):
-            p[c] = NEG_INF
-
-
-# ---------------------------------------------------------------- row statistics (a thread owns its row)
 @cuda.jit(device=True)
 def row_max(s):
     """max_y s[y] (-inf for an empty or fully hidden row)."""
