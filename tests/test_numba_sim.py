@@ -6,10 +6,13 @@ Run in a process of its own with the simulator switched on before numba is impor
 
 Anywhere else the module skips itself. The simulator runs every thread as a Python thread (about 1 us per
 multiply-add), so the shapes are small; they still cross ragged lengths, seqlen_q != seqlen_k both ways, MHA / GQA /
-MQA, causal on and off, odd and large head dims, float16 / bfloat16 / float32, every kernel and switch.
+MQA, causal on and off, odd and large head dims, float16 / bfloat16 / float32, every kernel and switch, and every
+feature (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k) forward and backward, alone and
+combined. The twins' block ranges are checked against brute force, and their launch shapes against an H200.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -24,7 +27,7 @@ pytestmark = [
 ]
 
 import rawflash  # noqa: E402
-from rawflash import reference, validation  # noqa: E402
+from rawflash import reference  # noqa: E402
 from conftest import random_qkv  # noqa: E402
 
 # (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim)
@@ -50,33 +53,44 @@ def _dout(q, seed=1):
     return np.random.default_rng(seed).standard_normal(q.shape).astype(q.dtype)
 
 
-def _forward(q, k, v, causal, kernel="fa2", **switches):
-    """The numba backend; with ablation switches it is called directly (api.forward passes them to CuPy only)."""
-    if not switches:
-        return rawflash.forward(q, k, v, causal=causal, kernel=kernel, backend="numba")
-    from rawflash import numba_backend
-
-    c = validation.check_forward(q, k, v, causal, None, kernel, "numba")
-    return numba_backend.forward(c.problem, q, k, v, c.scale, kernel, **switches)
+def _forward(q, k, v, causal, kernel="fa2", **options):
+    return rawflash.forward(q, k, v, causal=causal, kernel=kernel, backend="numba", **options)
 
 
-def _assert_forward_ok(q, k, v, causal, out, lse):
+def _check(name, ours, ref, base, dtype, factor):
+    """flash-attn's rule; for float32 also 4 ulps of the largest value (tests/test_gpu_features.py's _check: a row
+    with one visible key gets P = 1 - O(ulp) from a float32 lse where a naive float32 softmax gets exactly 1)."""
+    ok, err, base_err, bound = reference.error_ratio_ok(ours, ref, base, dtype, factor)
+    if not ok and np.dtype(dtype) == np.float32 and np.isfinite(np.asarray(ours, np.float64)).all():
+        ulps = 4 * np.finfo(np.float32).eps * float(np.max(np.abs(ref[np.isfinite(ref)]), initial=0.0))
+        ok, bound = err <= max(bound, ulps), max(bound, ulps)
+    assert ok, f"{name}: max error {err:.3g} > bound {bound:.3g} (naive {np.dtype(dtype)} error {base_err:.3g})"
+
+
+def _assert_forward_ok(q, k, v, out, lse, **features):
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == np.float32
-    ref_out, ref_lse = reference.forward(q, k, v, causal=causal)
-    base_out, base_lse = reference.forward(q, k, v, causal=causal, upcast=False)
-    for name, ours, ref, base in (("out", out, ref_out, base_out), ("lse", lse, ref_lse, base_lse)):
-        ok, err, base_err, bound = reference.error_ratio_ok(ours, ref, base, q.dtype, 2)
-        assert ok, f"{name}: max error {err:.3g} > bound {bound:.3g} (naive {q.dtype} error {base_err:.3g})"
+    varlen = "cu_seqlens_q" in features
+    want = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    assert lse.shape == want and lse.dtype == np.float32
+    ref_out, ref_lse = reference.forward(q, k, v, **features)
+    base_out, base_lse = reference.forward(q, k, v, upcast=False, **features)
+    _check("out", out, ref_out, base_out, q.dtype, 2)
+    _check("lse", lse, ref_lse, base_lse, q.dtype, 2)
+    assert np.isfinite(out.astype(np.float32)).all()
 
 
-def _assert_backward_ok(dout, q, k, v, causal, grads):
-    refs = reference.backward(dout, q, k, v, causal=causal)
-    bases = reference.backward(dout, q, k, v, causal=causal, upcast=False)
-    for name, ours, ref, base, like in zip(("dq", "dk", "dv"), grads, refs, bases, (q, k, v)):
-        assert ours.shape == like.shape and ours.dtype == like.dtype, name
-        ok, err, base_err, bound = reference.error_ratio_ok(ours, ref, base, q.dtype, 3)
-        assert ok, f"{name}: max error {err:.3g} > bound {bound:.3g} (naive {q.dtype} error {base_err:.3g})"
+def _assert_backward_ok(dout, q, k, v, grads, out=None, lse=None, **features):
+    given = {} if out is None else {"out": out, "lse": lse}
+    refs = reference.backward(dout, q, k, v, **features, **given)
+    bases = reference.backward(dout, q, k, v, upcast=False, **features, **given)
+    assert len(grads) == len(refs) == (4 if "sinks" in features else 3)
+    for name, ours, ref, base, like in zip(("dq", "dk", "dv", "dsinks"), grads, refs, bases, (q, k, v, None)):
+        if like is None:
+            assert ours.shape == ref.shape and ours.dtype == np.float32, name
+        else:
+            assert ours.shape == like.shape and ours.dtype == like.dtype, name
+        _check(name, ours, ref, base, q.dtype if like is not None else np.float32, 3)
+        assert np.isfinite(ours.astype(np.float32)).all(), name
 
 
 def _hidden_rows(shape, causal):
@@ -105,7 +119,7 @@ FORWARD_CASES = [
 def test_forward(shape, dtype, causal, kernel):
     q, k, v = _inputs(shape, dtype)
     out, lse = _forward(q, k, v, causal, kernel)
-    _assert_forward_ok(q, k, v, causal, out, lse)
+    _assert_forward_ok(q, k, v, out, lse, causal=causal)
     hidden = _hidden_rows(shape, causal)
     assert np.all(out[:, :hidden] == 0) and np.all(lse[:, :, :hidden] == -np.inf)
     assert np.all(np.isfinite(lse[:, :, hidden:]))
@@ -124,16 +138,22 @@ def test_forward_ablation(switches):
     shape, dtype = (1, 33, 45, 4, 2, 32), "float16"
     q, k, v = _inputs(shape, dtype, seed=3)
     out, lse = _forward(q, k, v, True, "fa2", **switches)
-    _assert_forward_ok(q, k, v, True, out, lse)
+    _assert_forward_ok(q, k, v, out, lse, causal=True)
+
+
+def test_wgmma_has_no_twin():
+    q, k, v = _inputs((1, 4, 4, 1, 1, 32), "float16")
+    with pytest.raises(ValueError, match="no Numba twin"):
+        _forward(q, k, v, False, wgmma=True)
 
 
 def test_bfloat16_upcast_on_host():
     q, k, v = _inputs((1, 17, 23, 2, 1, 32), "bfloat16", seed=4)
     out, lse = _forward(q, k, v, True)
-    _assert_forward_ok(q, k, v, True, out, lse)
+    _assert_forward_ok(q, k, v, out, lse, causal=True)
     dout = _dout(q)
     grads = rawflash.backward(dout, q, k, v, out, lse, causal=True, backend="numba")
-    _assert_backward_ok(dout, q, k, v, True, grads)
+    _assert_backward_ok(dout, q, k, v, grads, causal=True)
 
 
 def test_forward_strided_views():
@@ -142,7 +162,7 @@ def test_forward_strided_views():
     views = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (q, k, v)]
     assert not views[0].flags.c_contiguous
     out, lse = _forward(*views, False)
-    _assert_forward_ok(q, k, v, False, out, lse)
+    _assert_forward_ok(q, k, v, out, lse, causal=False)
 
 
 def test_naive_has_no_numba_twin():
@@ -169,7 +189,7 @@ def test_backward(shape, dtype, causal, deterministic):
     dout = _dout(q)
     out, lse = _forward(q, k, v, causal)
     grads = rawflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, backend="numba")
-    _assert_backward_ok(dout, q, k, v, causal, grads)
+    _assert_backward_ok(dout, q, k, v, grads, causal=causal)
     hidden = _hidden_rows(shape, causal)
     assert np.all(grads[0][:, :hidden] == 0)
 
@@ -183,6 +203,168 @@ def test_backward_atomic_and_deterministic_agree():
     deterministic = rawflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, backend="numba")
     for name, a, d in zip(("dq", "dk", "dv"), atomic, deterministic):
         np.testing.assert_allclose(a, d, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# ---------------------------------------------------------------- features, forward and backward
+VARLEN_Q = [0, 1, 9, 17]   # a zero-length query sequence first,
+VARLEN_K = [5, 0, 12, 20]  # a zero-length key sequence second (its query row sees nothing)
+
+
+def _feature_inputs(shape, dtype, opts, seed):
+    """q, k, v (packed when opts has 'varlen') and the feature arguments of one case, as host arrays."""
+    b, sq, sk, h, hk, d = shape
+    rng = np.random.default_rng(seed + 100)
+    scale_in = 8.0 if "softcap" in opts else 1.0  # large logits: the cap bites
+    extra = {}
+    if opts.get("varlen"):
+        q, k, v = random_qkv(1, sum(VARLEN_Q), sum(VARLEN_K), h, hk, d, dtype, seed=seed, scale=scale_in)
+        q, k, v = q[0], k[0], v[0]
+        extra.update(cu_seqlens_q=np.cumsum([0] + VARLEN_Q).astype(np.int32),
+                     cu_seqlens_k=np.cumsum([0] + VARLEN_K).astype(np.int32))
+        b = len(VARLEN_Q)
+    else:
+        q, k, v = random_qkv(b, sq, sk, h, hk, d, dtype, seed=seed, scale=scale_in)
+    if opts.get("seqused"):
+        lengths = VARLEN_K if opts.get("varlen") else [sk] * b
+        extra["seqused_k"] = np.array([max(0, n - 3 * i - 2) for i, n in enumerate(lengths)], np.int32)
+    if opts.get("alibi"):
+        extra["alibi_slopes"] = rng.uniform(0.01, 0.5, (h,) if opts["alibi"] == "heads" else (b, h)).astype(np.float32)
+    if "sinks" in opts:
+        s = opts["sinks"]
+        extra["sinks"] = (rng.standard_normal(h) * 2 if s == "random" else np.full(h, s)).astype(np.float32)
+    for name in ("window", "softcap", "causal", "scale"):
+        if name in opts:
+            extra[name] = opts[name]
+    return q, k, v, extra
+
+
+def check_feature(shape, dtype, opts, seed=0, deterministic=False):
+    q, k, v, extra = _feature_inputs(shape, dtype, opts, seed)
+    out, lse = rawflash.forward(q, k, v, backend="numba", **extra)
+    _assert_forward_ok(q, k, v, out, lse, **extra)
+    if "sinks" in extra:
+        assert np.isfinite(lse).all(), "with sinks every row has a finite lse"
+    dout = np.random.default_rng(seed + 7).standard_normal(q.shape).astype(q.dtype)
+    grads = rawflash.backward(dout, q, k, v, out, lse, backend="numba", deterministic=deterministic, **extra)
+    _assert_backward_ok(dout, q, k, v, grads, **extra)
+    return q, k, v, extra, out, lse, grads
+
+
+F32 = (2, 13, 21, 2, 1, 32)      # one key block per query block at the float32 tile rows
+F32_LONG_Q = (1, 21, 13, 2, 2, 32)
+SMALL16 = (1, 13, 21, 2, 1, 16)  # float16 / bfloat16 (128-row tiles: 128 simulated threads per CTA)
+BLOCKS = (1, 100, 130, 1, 1, 16)  # several query and key blocks: interior blocks, edge blocks and skipped blocks
+FEATURES = [  # (id, shape, dtype, options, deterministic)
+    ("window-diag", F32, "float32", dict(window=(0, 0)), False),
+    ("window-1-causal", F32_LONG_Q, "float32", dict(window=(1, 0), causal=True), True),
+    ("window-two-sided", SMALL16, "float16", dict(window=(3, 2)), False),
+    ("window-wider", F32, "float32", dict(window=(5000, 5000)), False),
+    ("window-right-only", F32_LONG_Q, "bfloat16", dict(window=(-1, 4)), False),
+    ("window-blocks-causal", BLOCKS, "float32", dict(window=(20, 0), causal=True), False),
+    ("window-blocks-two-sided", BLOCKS, "float32", dict(window=(10, 40)), True),
+    ("softcap", F32, "float32", dict(softcap=5.0, scale=1.0), False),
+    ("softcap-causal", SMALL16, "bfloat16", dict(softcap=5.0, scale=1.0, causal=True), True),
+    ("alibi", F32, "float32", dict(alibi="heads"), False),
+    ("alibi-batch-causal", (2, 9, 15, 2, 2, 16), "float16", dict(alibi="batch", causal=True), True),
+    ("sinks", F32, "float32", dict(sinks="random"), False),
+    ("sinks-negative", SMALL16, "float16", dict(sinks=-30.0), False),
+    ("varlen", F32, "float32", dict(varlen=True), False),
+    ("varlen-causal", F32, "float32", dict(varlen=True, causal=True), True),
+    ("seqused", F32, "float32", dict(seqused=True, causal=True), False),
+    ("seqused-deterministic", F32_LONG_Q, "float16", dict(seqused=True), True),
+    ("varlen+window+sinks+causal", SMALL16, "bfloat16",
+     dict(varlen=True, window=(4, 0), causal=True, sinks="random"), False),
+    ("softcap+alibi+window", F32, "float32", dict(softcap=20.0, alibi="batch", window=(6, 6)), True),
+    ("varlen+seqused+softcap", F32, "float32", dict(varlen=True, seqused=True, softcap=10.0, causal=True), False),
+]
+
+
+@pytest.mark.parametrize("shape, dtype, opts, deterministic", [pytest.param(*c[1:], id=c[0]) for c in FEATURES])
+def test_feature(shape, dtype, opts, deterministic):
+    check_feature(shape, dtype, opts, deterministic=deterministic)
+
+
+def test_sink_only_rows_give_zero_and_the_sink():
+    """Causal with more queries than keys: the top rows see no key; with sinks they get out 0 and lse = sink, and
+    the sink gradient still counts them (D_i = 0 there, so their term is 0)."""
+    q, k, v, extra, out, lse, grads = check_feature((1, 20, 7, 2, 2, 16), "float32", dict(sinks="random", causal=True))
+    sinks = extra["sinks"]
+    assert not out[0, :13].any(), "rows that see no key have out 0"
+    np.testing.assert_allclose(lse[0, :, :13], np.repeat(sinks[:, None], 13, 1), rtol=1e-6)
+    assert not grads[0][0, :13].any(), "and dq 0"
+
+
+def test_varlen_zero_length_sequences_and_seqused_keys():
+    """A zero-length query sequence, a zero-length key sequence (its row sees nothing: out 0, lse -inf, dq 0), and
+    keys past seqused_k (dk = dv = 0)."""
+    q, k, v, extra, out, lse, grads = check_feature(F32, "float32", dict(varlen=True, seqused=True))
+    cq, ck, used = extra["cu_seqlens_q"], extra["cu_seqlens_k"], extra["seqused_k"]
+    assert lse.shape == (q.shape[1], q.shape[0])
+    row = cq[1]  # the one query of the sequence with no keys
+    assert not out[row].any() and np.all(lse[:, row] == -np.inf) and not grads[0][row].any()
+    for b in range(len(cq) - 1):
+        unused = slice(ck[b] + used[b], ck[b + 1])
+        assert not grads[1][unused].any() and not grads[2][unused].any(), f"sequence {b}: keys past seqused_k"
+
+
+# ---------------------------------------------------------------- the policy's block ranges against brute force
+def _visible(sq, sk, left, right):
+    diag = np.arange(sq)[:, None] + sk - sq
+    j = np.arange(sk)[None, :]
+    vis = np.ones((sq, sk), bool)
+    if right >= 0:
+        vis &= j <= diag + right
+    if left >= 0:
+        vis &= j >= diag - left
+    return vis
+
+
+def _policy(sq, sk, left, right, mask):
+    from rawflash.numba_kernels import policy
+
+    one = np.float32(1.0)
+    return policy.Policy(mask, mask == policy.WINDOW, False, sq, sk, sk - sq, left, right, one, np.float32(0), one,
+                         np.float32(0), one)
+
+
+def _steps(r):
+    from rawflash.numba_kernels import policy
+
+    return [(policy.block(r, s), bool(policy.is_edge(r, s))) for s in range(policy.range_n(r))]
+
+
+WINDOWS = [(-1, -1, 0), (-1, 0, 1), (-1, 0, 2), (0, 0, 2), (3, 0, 2), (5, 7, 2), (-1, 6, 2), (40, 40, 2), (0, 9, 2)]
+
+
+@pytest.mark.parametrize("left, right, mask", WINDOWS)
+def test_block_ranges_visit_exactly_the_visible_blocks(left, right, mask):
+    """kv_blocks / q_blocks visit every block holding a visible element once, interior blocks first, no block
+    wholly outside the window, and call a block interior only when every element of it is visible (elements of
+    rows past seqlen_q do not count: their L is +inf, so P = 0 there whatever the mask)."""
+    from rawflash.numba_kernels import policy
+
+    for sq, sk, br, bc in itertools.product((1, 7, 33), (1, 9, 40), (8, 16), (8, 16)):
+        vis = _visible(sq, sk, left if mask == policy.WINDOW else -1, right if mask != policy.NO_MASK else -1)
+        pol = _policy(sq, sk, left, right, mask)
+        tr, tc = -(-sq // br), -(-sk // bc)
+        for i in range(tr):  # the forward: key blocks of query tile i
+            r0, nr = i * br, min(br, sq - i * br)
+            rows = vis[r0:r0 + nr]
+            steps = _steps(policy.kv_blocks(pol, r0, nr, bc))
+            seen = [rows[:, j * bc:(j + 1) * bc].any() for j in range(tc)]
+            assert sorted(b for b, _ in steps) == [j for j in range(tc) if seen[j]], (sq, sk, br, bc, i, steps)
+            for b, edge in steps:
+                full = b * bc + bc <= sk and rows[:, b * bc:b * bc + bc].all()
+                assert edge or full, (sq, sk, br, bc, i, b)
+            assert [e for _, e in steps] == sorted(e for _, e in steps), "interior blocks first"
+        for j in range(tc):  # the backward: query blocks of key tile j
+            cols = vis[:, j * bc:(j + 1) * bc]
+            steps = _steps(policy.q_blocks(pol, j * bc, bc, br, tr))
+            seen = [cols[i * br:(i + 1) * br].any() for i in range(tr)]
+            assert sorted(b for b, _ in steps) == [i for i in range(tr) if seen[i]], (sq, sk, br, bc, j, steps)
+            for b, edge in steps:
+                full = (j + 1) * bc <= sk and cols[b * br:b * br + br].all()  # over the block's rows < seqlen_q
+                assert edge or full, (sq, sk, br, bc, j, b)
 
 
 # ---------------------------------------------------------------- the package
@@ -202,26 +384,49 @@ def test_numpy_row_stack_shim():
             numpy.row_stack = saved
 
 
-def test_twin_launch_shapes_fit_an_h200():
-    """Every tile row of configs.py gives a twin CTA of at most 1024 threads and 227 KB of shared memory."""
-    from rawflash import configs
-    from rawflash.numba_kernels import fa1_fwd, fa2_bwd, fa2_fwd
+def _planned():
+    """Every launch the backend plans over dtypes, head dims, both policies, switches and both backwards."""
+    import dataclasses
+
+    from rawflash import configs, forms, numba_backend
+    from rawflash.launch import Problem
+
+    out = {}
+    for dtype, d, arch in itertools.product(configs.DTYPES, configs.SPECIALISED_HEAD_DIMS, ("sm_90", "sm_80")):
+        base = Problem(1, 100, 100, 2, 1, d, dtype, False, arch)
+        for p in (base, dataclasses.replace(base, causal=True), dataclasses.replace(base, window=(8, 0))):
+            plans = [numba_backend.forward_plan(p, "fa1")] if not p.general else []
+            switches = [forms.Switches()] + ([forms.Switches(split_q=False)] if not p.general else [])
+            plans += [numba_backend.forward_plan(p, "fa2", sw) for sw in switches]
+            plans += [numba_backend.backward_plan(p, det) for det in (False, True)]
+            for lau in itertools.chain(*plans):
+                out.setdefault(lau.name_expression, lau)
+    return list(out.values())
+
+
+def test_twins_run_the_planned_forms_and_fit_an_h200():
+    """Every launch planned for the twins is an mma.sync form or helper with a twin; its twin CTA has at most 1024
+    threads and 227 KB of shared memory; the twins' shared memory is the CUDA C's layout with float32 tiles (the
+    backward keeps one stage of Q_i, dO_i, L_i, D_i where the CUDA C has two)."""
+    from rawflash import launch, numba_backend
 
     limit = 232448
-    for (kernel, d, _), c in configs.TABLE.items():
-        if kernel.endswith("_sm90"):  # the wgmma rows: the twins run fa2_fwd's and fa2_bwd's rows instead
-            continue
-        if kernel == "fa2_fwd":
-            shapes = [(fa2_fwd.threads(c.br, c.warps), fa2_fwd.smem_bytes(c.br, c.bc, c.warps, d))]
-        elif kernel == "fa2_fwd_splitk":
-            shapes = [(fa2_fwd.threads(c.br, c.warps, False), fa2_fwd.smem_bytes(c.br, c.bc, c.warps, d, False))]
-        elif kernel == "fa1_fwd":
-            shapes = [(fa1_fwd.threads(c.br, c.warps), fa1_fwd.smem_bytes(c.br, c.bc, c.warps, d))]
-        elif kernel == "fa2_bwd":
-            shapes = [(fa2_bwd.threads(c.bc), fa2_bwd.smem_bytes(c.br, c.bc, d, atomic)) for atomic in (True, False)]
-        elif kernel == "fa2_bwd_dq":
-            shapes = [(fa2_bwd.threads_dq(c.br), fa2_bwd.smem_bytes_dq(c.br, c.bc, d))]
+    kinds = set()
+    for lau in _planned():
+        twin = numba_backend.twin_of(lau)
+        threads = lau.block[0] if twin.threads is None else twin.threads
+        assert threads <= 1024 and twin.smem <= limit, (lau.name_expression, threads, twin.smem)
+        kinds.add(lau.kernel)
+        cfg, d = lau.config, lau.template_args[1] if lau.config else None
+        if lau.kernel == "fa2_fwd":
+            assert twin.smem == launch.smem_fa2_fwd(cfg, d, 4, lau.template_args[11])
+        elif lau.kernel == "fa1_fwd":
+            assert twin.smem == launch.smem_fa1_fwd(cfg, d, 4)
+        elif lau.kernel == "fa2_bwd_dq":
+            assert twin.smem == launch.smem_fa2_bwd_dq(cfg, d, 4)
+        elif lau.kernel == "fa2_bwd":
+            assert twin.smem == launch.smem_fa2_bwd(cfg, d, 4, lau.template_args[10]) - 2 * cfg.br * (d + 1) * 4
         else:
-            raise AssertionError(f"no twin launch shape known for the {kernel!r} rows")
-        for threads, smem in shapes:
-            assert threads <= 1024 and smem <= limit, (kernel, d, c, threads, smem)
+            assert lau.config is None and twin.smem == 0 and twin.threads is None, lau.kernel
+    assert kinds == {"fa1_fwd", "fa1_finalize", "fa2_fwd", "fa2_bwd_preprocess", "fa2_bwd", "fa2_bwd_dq",
+                     "fa2_bwd_convert_dq"}
