@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa1_fwd(const __grid_
       splitk_merge<T, true, BR, D, NTHREADS>(sk, m_ws + q0, l_ws + q0, o_ws + (long long)q0 * p.head_dim, p.head_dim,
                                              nq, p.head_dim);
     }
+    cp_async_wait<0>();  // K_j, V_j have landed even when no query block saw them (never with today's policies)
     __syncthreads();  // every warp is done with K_j, V_j before the next blocks overwrite them
   }
 }

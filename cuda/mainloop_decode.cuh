@@ -16,19 +16,35 @@
 
 namespace rf {
 
-// A BCW x D tile of warp-owned keys (K or V rows k0.. of this sequence), zero past the last key: cp.async by the
-// warp's 32 lanes, one 16-byte chunk per lane and step; a paged cache looks each row's page up in BlockInfo.
+// Keys k0 .. k0 + nk - 1 of this sequence into two BCW x D tiles (K_j and V_j), zero past the last key: cp.async
+// by the warp's 32 lanes, one 16-byte chunk of K and one of V per lane and step. Each row's offset is computed
+// once for both tiles; a paged cache divides once per tile (k0's page) and carries into the next pages from there.
 template <typename T, int ROWS, int D, class Info>
-__device__ __forceinline__ void load_keys_warp(const Tile<T, ROWS, D>& s, const FwdParams& p, const Info& bi,
-                                               const void* base, long long sb, long long ss, long long sh, int k0,
-                                               int nk) {
+__device__ __forceinline__ void load_kv_warp(const Tile<T, ROWS, D>& sk, const Tile<T, ROWS, D>& sv,
+                                             const FwdParams& p, const Info& bi, int k0, int nk) {
   using TL = Tile<T, ROWS, D>;
+  const int page0 = p.block_table ? k0 / p.page_size : 0, in_page0 = k0 - page0 * p.page_size;
 #pragma unroll
   for (int idx = lane_id(); idx < ROWS * TL::C; idx += 32) {
     const int row = idx / TL::C, col = (idx % TL::C) * TL::CHUNK;
     const bool valid = row < nk && col < p.head_dim;
-    const T* src = (const T*)base + (valid ? bi.kv_row(p, sb, ss, sh, k0 + row) + col : 0);
-    cp_async16(s.saddr(row, col), src, valid);
+    long long ko = 0, vo = 0;
+    if (valid) {
+      long long slot, at;  // the cache's "batch" entry (sequence or page) and the row in it
+      if (p.block_table) {
+        int page = page0, in_page = in_page0 + row;
+        while (in_page >= p.page_size) in_page -= p.page_size, ++page;
+        slot = p.block_table[bi.b * p.block_table_sb + page];
+        at = in_page;
+      } else {
+        slot = bi.b;
+        at = bi.k_row0 + k0 + row;
+      }
+      ko = slot * p.k_sb + at * p.k_ss + bi.hk * p.k_sh + col;
+      vo = slot * p.v_sb + at * p.v_ss + bi.hk * p.v_sh + col;
+    }
+    cp_async16(sk.saddr(row, col), (const T*)p.k + ko, valid);
+    cp_async16(sv.saddr(row, col), (const T*)p.v + vo, valid);
   }
 }
 
@@ -56,11 +72,23 @@ template <typename T_, int D, int MT, int BCW, int STAGES, int WARPS_> struct Ma
     const int n = hi > lo ? cdiv(hi - lo, BCW) : 0;
     const int interior_end = min(hi, pol.row_end(i_first)), interior_start = max(lo, pol.row_start(i_last));
     auto load = [&](int t) {
-      const int k0 = lo + t * BCW, nk = min(BCW, hi - k0);
-      load_keys_warp(sK(t), p, bi, p.k, p.k_sb, p.k_ss, p.k_sh, k0, nk);
-      load_keys_warp(sV(t), p, bi, p.v, p.v_sb, p.v_ss, p.v_sh, k0, nk);
+      const int k0 = lo + t * BCW;
+      load_kv_warp(sK(t), sV(t), p, bi, k0, min(BCW, hi - k0));
     };
     // ---- [mainloop_decode:init] O = 0, l = 0, m = -inf; the first STAGES - 1 key tiles start streaming ----
+    // The thread's 2 MT packed rows, fixed for the split: query index, ALiBi slope, visible keys [row_lo, row_hi)
+    // (padding rows past nrows see nothing). Computed once, so the tile loop has no division.
+    const int g = lane_id() >> 2, tq = lane_id() & 3;
+    int qi[2 * MT], row_lo[2 * MT], row_hi[2 * MT];
+    float slope[2 * MT];
+#pragma unroll
+    for (int rr = 0; rr < 2 * MT; ++rr) {
+      const int row = 16 * (rr / 2) + g + 8 * (rr % 2), r = r0 + row;
+      qi[rr] = r / group;
+      slope[rr] = pol.head_slope(p, bi, r % group);
+      row_lo[rr] = row < nrows ? pol.row_start(qi[rr]) : 0x7fffffff;
+      row_hi[rr] = row < nrows ? pol.row_end(qi[rr]) : 0;
+    }
     zero(o);
     sm.init();
 #pragma unroll
@@ -80,11 +108,17 @@ template <typename T_, int D, int MT, int BCW, int STAGES, int WARPS_> struct Ma
       zero(s);
       gemm_abt<MT, NT, D, 1>(s, sQ, 0, sK(t), 0);
       const bool edge = k0 < interior_start || k0 + BCW > interior_end;
-      for_each(s, [&](float& x, int row, int col) {
-        const int r = r0 + row, i = r / group, j = k0 + col;
-        x = pol.template score<T>(x, i, j, nullptr, pol.head_slope(p, bi, r % group));
-        if (edge && (row >= nrows || !pol.visible(i, j))) x = -INFINITY;
-      });
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int nj = 0; nj < NT; ++nj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int rr = 2 * mi + (e >> 1), j = k0 + 8 * nj + 2 * tq + (e & 1);
+            float& x = s.v[mi][nj][e];
+            x = pol.template score<T>(x, qi[rr], j, nullptr, slope[rr]);
+            if (edge && (j < row_lo[rr] || j >= row_hi[rr])) x = -INFINITY;
+          }
       // ---- [mainloop_decode:softmax] online softmax of the block; O rescaled ----
       float fo[2 * MT];
       sm.template update<T>(s, 1.f, fo);

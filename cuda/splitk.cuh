@@ -124,6 +124,7 @@ template <typename T_, int D, int BR_, int BC, int NWARPS, bool DEFER_NORM, clas
     for (int x = threadIdx.x; x < BR * D; x += NTHREADS) { sO[x] = 0.f; sk.acc[x] = 0.f; }
     for (int r = threadIdx.x; r < BR; r += NTHREADS) { sM[r] = -INFINITY; sL[r] = 0.f; }
     load_tile<NTHREADS>(sQ, q + q0 * p.q_ss, p.q_ss, nrows, p.head_dim);
+    cp_async_commit();  // its own group, so the final wait covers it when no key block is visible
     for (int s = 0; s < kv.n(); ++s) {
       const int k0 = kv.block(s) * BC;
       // ---- [splitk:step] every warp takes BC/NWARPS keys; rows are merged through shared memory ----

@@ -7,6 +7,7 @@ parameter structs from ``params.py``; this module only binds arrays to them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -32,11 +33,21 @@ def device_arch(env: Settings = Settings()) -> str:
     return env.tile_arch or f"sm_{cupy.cuda.Device().compute_capability}"
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_optin(device_id: int) -> int:
+    """The opt-in shared memory per block of a device (asked once: Device.attributes queries every attribute,
+    tens of microseconds that a decode step would otherwise pay per launch)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                    device_id))
+
+
 def run(lau: Launch, args: tuple, env: Settings = Settings()) -> None:
     """Launch one kernel on CuPy's current stream, raising its dynamic shared-memory limit when needed."""
     import cupy
 
-    limit = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    limit = _smem_optin(cupy.cuda.runtime.getDevice())
     if lau.smem > limit:
         raise ValueError(f"{lau.name_expression} needs {lau.smem} B of shared memory per block and this GPU allows "
                          f"{limit} B: its tile row in rawflash/configs.py does not fit this GPU")

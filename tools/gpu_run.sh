@@ -8,7 +8,7 @@
 #     bench-decode / bench-features   rawflash bench --decode / --features (DECODE_REPEATS, FEATURE_REPEATS)
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
 # TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
-# (float16 bfloat16 float32) the sanitizer step; TAR_TO=path packs every log into one archive at the end (for
+# (float16 bfloat16 float32) the sanitizer step (SANITIZE_ONLY=decode or splitk: that part of its workload alone); TAR_TO=path packs every log into one archive at the end (for
 # machines that return only a few files).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}
