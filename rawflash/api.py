@@ -304,7 +304,7 @@ class _device:
 
 
 def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Array, k_new: Array | None = None,
-           v_new: Array | None = None, block_table: Array | None = None, causal: bool = False,
+           v_new: Array | None = None, block_table: Array | None = None, causal: bool = True,
            scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
            alibi_slopes: Array | None = None, sinks: Array | None = None, num_splits: int | None = None,
            return_lse: bool = False, backend: str = "cupy") -> Array | tuple[Array, Array]:
@@ -324,14 +324,15 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
         kv_heads, head_dim), any page_size >= 1.
     cache_seqlens : int or int32 array (batch,)
         Keys already in each sequence's cache (on the device or the host; a device array is copied to the host once
-        to check it against the capacity).
+        to check it against the capacity). It is left as given: after an append the caller adds seqlen_new.
     k_new, v_new : arrays (batch, seqlen_new, kv_heads, head_dim), optional
         Keys and values appended before attending (both or neither).
     block_table : int32 array (batch, max_pages), optional
         Paged cache: key j of sequence b is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
     causal : bool
-        Query i sees key j iff j <= i + keys - seqlen_q (bottom-right, as in the forward); irrelevant when
-        seqlen_q is 1.
+        Query i sees key j iff j <= i + keys - seqlen_q (bottom-right, as in the forward): the new rows are the
+        sequence's last ones. True by default (what decoding means; flash-attn's ``flash_attn_with_kvcache``
+        defaults to False); irrelevant when seqlen_q is 1.
     scale, window, softcap, alibi_slopes, sinks
         As in :func:`forward` (the window and ALiBi distances are measured from each sequence's own last key).
     num_splits : int, optional

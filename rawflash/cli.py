@@ -628,21 +628,15 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, token
     """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
     only. The rawflash rows also give the kernels' own time (kernel_tflops: the launches alone, CUDA events)."""
     _require_gpu("bench", "'rawflash io' and 'rawflash explain' give the predicted numbers without one")
-    if decode:
+    if decode or features:  # the decode sweep or the feature cases instead of the FA2 sweep
         from . import bench_decode
 
-        result = bench_decode.run_decode(repeats)
+        name, result = ("decode", bench_decode.run_decode(repeats)) if decode else \
+            ("features", bench_mod.run_features(repeats))
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"bench-decode{('-' + tag) if tag else ''}.json").write_text(json.dumps(result, indent=1))
-        _emit({"decode": result}, as_json)
-        return
-    if features:
-        rows = bench_mod.run_features(repeats)
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"bench-features{('-' + tag) if tag else ''}.json").write_text(json.dumps(rows, indent=1))
-        _emit({"features": rows}, as_json)
+        (out / f"bench-{name}{('-' + tag) if tag else ''}.json").write_text(json.dumps(result, indent=1))
+        _emit({name: result}, as_json)
         return
     impls = list(impls) or bench_mod.available_impls()
     missing = [i for i in impls if i not in bench_mod.available_impls()]

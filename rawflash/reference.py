@@ -575,7 +575,7 @@ def gather_kv(k_cache, v_cache, lengths, block_table=None):
     return k, v
 
 
-def decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, causal=False,
+def decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, causal=True,
            scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, upcast=True):
     """Attention of q (batch, seqlen_q, heads, head_dim) against a KV cache after appending k_new / v_new: what
     ``rawflash.decode`` computes (sequence b has ``cache_seqlens[b] + seqlen_new`` keys, causal aligned to its

@@ -69,12 +69,12 @@ def test_reference_decode_is_forward_on_the_appended_keys():
 def test_reference_paged_equals_contiguous():
     args, _ = _case(dtype="float32", lens=(37, 0, 30), new=3, page=16)
     paged = reference.decode(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"], k_new=args["k_new"],
-                             v_new=args["v_new"], block_table=args["block_table"])
+                             v_new=args["v_new"], block_table=args["block_table"], causal=False)
     kc, vc = reference.append_kv(args["k_cache"], args["v_cache"], args["cache_seqlens"], args["k_new"],
                                  args["v_new"], args["block_table"])
     lengths = args["cache_seqlens"] + 3
     k, v = reference.gather_kv(kc, vc, lengths, args["block_table"])
-    flat = reference.decode(args["q"], k, v, lengths)
+    flat = reference.decode(args["q"], k, v, lengths, causal=False)
     for a, b in zip(paged, flat):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
 
@@ -218,7 +218,7 @@ def _gpu_decode(args, opts, extra, dtype):
 
     dev = {n: (None if x is None else cupy.asarray(x)) for n, x in args.items()}
     dev_opts = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
-    out, lse = rawflash.decode(**dev, **dev_opts, **extra, return_lse=True)
+    out, lse = rawflash.decode(**dev, **dev_opts, **{"causal": False, **extra}, return_lse=True)
     return dev, cupy.asnumpy(out), cupy.asnumpy(lse)
 
 
