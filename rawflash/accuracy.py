@@ -42,11 +42,12 @@ def reference_bytes(p: Problem) -> int:
     return 6 * 8 * p.batch * p.heads * p.seqlen_q * p.seqlen_k
 
 
-def prepare_backend(backend: str) -> str:
-    """Make ``backend`` runnable in this process, or raise Unavailable; returns a line saying where it runs.
+def prepare_backend(backend: str, enable_simulator=None) -> str:
+    """Check that ``backend`` can run in this process, or raise Unavailable; returns a line saying where it runs.
 
     Without a GPU the Numba backend runs on Numba's CUDA simulator, which must be switched on before numba is
-    first imported (``NUMBA_ENABLE_CUDASIM`` is read once).
+    first imported (``NUMBA_ENABLE_CUDASIM`` is read once): ``enable_simulator()`` is then called, which the
+    application supplies (the command line sets the variable for its own process; the library never does).
     """
     if backend == "reference":
         return "backend 'reference': float64 NumPy on the host"
@@ -65,8 +66,10 @@ def prepare_backend(backend: str) -> str:
         if not numba.config.ENABLE_CUDASIM:
             raise Unavailable("no GPU, and numba was imported in this process without its CUDA simulator: run "
                               "with NUMBA_ENABLE_CUDASIM=1 set in the environment")
-    else:
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    elif enable_simulator is not None:
+        enable_simulator()
+    elif os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        raise Unavailable("no GPU: the Numba backend needs NUMBA_ENABLE_CUDASIM=1 set before numba is imported")
     return "backend 'numba': no GPU, so the Numba kernels run on Numba's CUDA simulator on the CPU (slow)"
 
 

@@ -217,6 +217,11 @@ def _blank_notes(value):
     return value
 
 
+def _enable_simulator() -> None:
+    """The command line's own process runs the Numba twins on the CPU simulator (read once, at numba's import)."""
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+
 def _step(message: str) -> None:
     click.echo(message, err=True)
 
@@ -463,7 +468,7 @@ def check(ctx, spec, kernel, backend, scale, deterministic, seed, as_json):
         raise click.UsageError(f"the float64 reference of this shape needs about "
                                f"{accuracy.reference_bytes(p) / 2**30:.0f} GiB; pick a smaller shape")
     try:
-        where = accuracy.prepare_backend(backend)
+        where = accuracy.prepare_backend(backend, _enable_simulator)
     except accuracy.Unavailable as err:
         raise click.ClickException(str(err))
     _step(where)

@@ -1,4 +1,4 @@
-"""The Numba twins mirror the CUDA C (DESIGN.md section 4), checked on the source text and the registry (no numba,
+"""The Numba twins mirror the CUDA C, checked on the source text and the registry (no numba,
 no GPU).
 
 - Every ``cuda/*.cu`` / ``*.cuh`` file with section anchors (``// ---- [stem:name] ... ----``) has a twin module
