@@ -379,24 +379,13 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
 
 
 def _append_in_place(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table) -> None:
-    """k_new / v_new written into the caller's caches (NumPy or CuPy) as decode's kernel does on the device."""
+    """k_new / v_new written into the caller's caches (NumPy or CuPy, like k_new) as decode's kernel does on the
+    device; the destinations are reference.append_slots'."""
     if k_new is None:
         return
-    host = np.asarray(validation._host_ints(cache_seqlens)).astype(np.int64).reshape(-1)
-    table = None if block_table is None else validation._host_ints(block_table).astype(np.int64)
-    page = int(k_cache.shape[1])
-    for b in range(int(k_new.shape[0])):
-        for t in range(int(k_new.shape[1])):
-            j = int(host[b]) + t
-            slot, row = (b, j) if table is None else (int(table[b, j // page]), j % page)
-            k_cache[slot, row] = k_new[b, t] if isinstance(k_cache, type(k_new)) else _like(k_cache, k_new[b, t])
-            v_cache[slot, row] = v_new[b, t] if isinstance(v_cache, type(v_new)) else _like(v_cache, v_new[b, t])
+    slots, rows = reference.append_slots(cache_seqlens, int(k_new.shape[1]), int(k_cache.shape[1]), block_table)
+    if not isinstance(k_cache, np.ndarray):  # device caches: device indices
+        import cupy
 
-
-def _like(target, x):
-    """x moved to where target lives (NumPy or CuPy)."""
-    if isinstance(target, np.ndarray):
-        return x.get() if hasattr(x, "get") else np.asarray(x)
-    import cupy
-
-    return cupy.asarray(x)
+        slots, rows = cupy.asarray(slots), cupy.asarray(rows)
+    k_cache[slots, rows], v_cache[slots, rows] = k_new, v_new

@@ -81,15 +81,15 @@ def _inputs(case: DecodeCase, seed: int = 0):
     return q, kc, vc, kn, vn, lens, table
 
 
-def _rawflash(case: DecodeCase, q, kc, vc, kn, vn, lens, table):
-    """(the kernels of one step bound once, the public call)."""
+def _rawflash(case: DecodeCase, q, kc, vc, kn, vn, lens, table, override=None):
+    """(the kernels of one step bound once, the public call); ``override`` replaces tile rows in the bound one."""
     import rawflash
 
     from . import cupy_backend, settings, validation
 
     causal = case.sq > 1
     c = validation.check_decode(q, kc, vc, lens, kn, vn, table, causal, None, "cupy", validation.Features())
-    bound = cupy_backend.bind_decode(c.problem, q, kc, vc, kn, vn, c.scale, None, c.extras, settings.load())
+    bound = cupy_backend.bind_decode(c.problem, q, kc, vc, kn, vn, c.scale, None, c.extras, settings.load(), override)
     public = lambda: rawflash.decode(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn, block_table=table,  # noqa
                                      causal=causal)
     return bound, public
@@ -119,8 +119,9 @@ def _torch_call(impl: str, case: DecodeCase, q, kc, vc):
     return call
 
 
-def validate(impl: str, case: DecodeCase) -> tuple[bool, str]:
-    """flash-attn's rule on a reduced case of the same kind (batch 2, at most 3000 cached keys)."""
+def validate(impl: str, case: DecodeCase, override=None) -> tuple[bool, str]:
+    """flash-attn's rule on a reduced case of the same kind (batch 2, at most 3000 cached keys); with
+    ``override`` (tools/tune_decode.py's candidate rows) rawflash's bound kernels are checked instead of the call."""
     import cupy
 
     small = dataclasses.replace(case, batch=2, cache=min(case.cache, 3000) - 7)
@@ -130,7 +131,12 @@ def validate(impl: str, case: DecodeCase) -> tuple[bool, str]:
     host = [None if x is None else cupy.asnumpy(x) for x in (q, kc, vc, kn, vn, lens, table)]
     causal = small.sq > 1
     if impl == "rawflash":
-        got = cupy.asnumpy(_rawflash(small, q, kc, vc, kn, vn, lens, table)[1]())
+        bound, public = _rawflash(small, q, kc, vc, kn, vn, lens, table, override)
+        if override is None:
+            got = cupy.asnumpy(public())
+        else:
+            bound.launch()
+            got = cupy.asnumpy(bound.result()[0])
     else:  # the peers see the cache with the new token already in place
         kc[:, small.cache:small.cache + small.new], vc[:, small.cache:small.cache + small.new] = kn, vn
         host[1], host[2] = cupy.asnumpy(kc), cupy.asnumpy(vc)

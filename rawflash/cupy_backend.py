@@ -259,17 +259,9 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
     lse = cupy.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=cupy.float32)
     o_ws = cupy.empty((plan.num_splits,) + q.shape, dtype=cupy.float32)
     m_ws = cupy.empty((plan.num_splits, pr.batch, pr.heads, pr.seqlen_q), dtype=cupy.float32)
-    ex = dict(prep.extras)
-    if "block_table" in ex:
-        ex["page_size"] = pr.page_size
     rec = params.fwd_params(pr, q, k_cache, v_cache, out, lse, scale, o_ws=o_ws, m_ws=m_ws,
-                            num_splits=plan.num_splits, **ex)
-    for prefix, x in zip(("kn", "vn"), new):
-        if x is not None:
-            rec[f"{prefix}_sb"], rec[f"{prefix}_ss"], rec[f"{prefix}_sh"] = params.strides_bsh(x, False)
-    rec["k_new"], rec["v_new"] = params.ptr(new[0]), params.ptr(new[1])
-    rec["new_keys"], rec["split_keys"], rec["ws_split"] = pr.new_keys, plan.split_keys, out.size
-    # (a paged cache's batch stride, set by fwd_params, is its page stride: kv_row indexes pages with it)
+                            num_splits=plan.num_splits, k_new=new[0], v_new=new[1], split_keys=plan.split_keys,
+                            **prep.extras)
     bound = Bound(plan.launches, [(lau, (rec,)) for lau in plan.launches], (out, lse), env)
     bound.keep = (q, k_cache, v_cache, new, o_ws, m_ws, prep.extras)
     bound.plan_info = plan

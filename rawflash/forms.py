@@ -146,7 +146,11 @@ def decode_splits(p: Problem, cfg: TileConfig, sms: int = 132) -> tuple[int, int
     pairs = p.batch * p.kv_heads * launch.decode_rows(p, cfg)[1]
     want = launch.cdiv(2 * sms * ctas_per_sm * cfg.warps, max(1, pairs))
     most = max(1, launch.cdiv(p.seqlen_k, 4 * cfg.bc))
-    splits = max(1, min(want, most, MAX_SPLITS))
+    return _splits_of(p, cfg, max(1, min(want, most, MAX_SPLITS)))
+
+
+def _splits_of(p: Problem, cfg: TileConfig, splits: int) -> tuple[int, int]:
+    """(splits, keys per split) when the longest sequence is cut into at most ``splits`` chunks of whole tiles."""
     split_keys = launch.cdiv(launch.cdiv(max(1, p.seqlen_k), splits), cfg.bc) * cfg.bc
     return launch.cdiv(max(1, p.seqlen_k), split_keys), split_keys
 
@@ -157,8 +161,8 @@ def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
     cfg = _config("decode_split", p, override)
     if num_splits is None:
         num_splits, split_keys = decode_splits(p, cfg, sms)
-    else:
-        split_keys = launch.cdiv(launch.cdiv(max(1, p.seqlen_k), num_splits), cfg.bc) * cfg.bc
+    else:  # as asked (the kernels' grid has num_splits splits; trailing ones may be empty)
+        split_keys = _splits_of(p, cfg, num_splits)[1]
     launches = ([launch.decode_append(p)] if p.new_keys else []) + [launch.decode_split(p, cfg, num_splits),
                                                                    launch.decode_combine(p)]
     return DecodePlan(launches, num_splits, split_keys)

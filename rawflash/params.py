@@ -85,9 +85,12 @@ def _common(rec, p: Problem, scale: float, extras: dict) -> None:
     rec["alibi_sb"] = p.heads if slopes is not None and slopes.ndim == 2 else 0
 
 
-def fwd_params(p: Problem, q, k, v, o, lse, scale: float, **extras) -> np.ndarray:
-    """FwdParams for one forward call. ``extras``: cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks (CuPy arrays
-    or None), block_table (+ page_size), o_ws / m_ws / l_ws (float32 work buffers), num_splits."""
+def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=None, split_keys: int = 0,
+               **extras) -> np.ndarray:
+    """FwdParams for one forward (or decode) call. ``extras``: cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks
+    (CuPy arrays or None), block_table (its page size is ``p.page_size``), o_ws / m_ws / l_ws (float32 work
+    buffers), num_splits. Decode: k_new / v_new (appended, ``p.new_keys`` rows each) and split_keys (keys per
+    split); a split's partial O is o's size apart in o_ws."""
     rec = np.zeros(1, FWD_DTYPE)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
         rec[name] = ptr(x)
@@ -97,10 +100,16 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, **extras) -> np.ndarra
     rec["block_table"] = ptr(extras.get("block_table"))
     if extras.get("block_table") is not None:
         rec["block_table_sb"] = extras["block_table"].shape[1]
-        rec["page_size"] = extras["page_size"]
+        rec["page_size"] = p.page_size
     for name in ("o_ws", "m_ws", "l_ws"):
         rec[name] = ptr(extras.get(name))
     rec["num_splits"] = extras.get("num_splits", 1)
+    for name, prefix, x in (("k_new", "kn", k_new), ("v_new", "vn", v_new)):
+        rec[name] = ptr(x)
+        if x is not None:
+            _set_strides(rec, prefix, x, False)
+    rec["new_keys"], rec["split_keys"] = p.new_keys, split_keys
+    rec["ws_split"] = o.size if split_keys else 0
     return rec
 
 

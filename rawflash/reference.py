@@ -530,6 +530,18 @@ def _max_abs_error(x, ref):
     return float(np.max(diff, initial=0.0))
 
 
+def append_slots(cache_seqlens, new_keys: int, page_size: int, block_table=None):
+    """Where a decode step's appended keys go: (slots, rows), each (batch, new_keys) int64, so that key
+    ``cache_seqlens[b] + t`` of sequence b is ``cache[slots[b, t], rows[b, t]]`` (slot: the sequence of a contiguous
+    cache, the page ``block_table[b, j // page_size]`` of a paged one)."""
+    lens = np.asarray(_host(cache_seqlens)).astype(np.int64).reshape(-1)
+    j = lens[:, None] + np.arange(new_keys)[None, :]
+    if block_table is None:
+        return np.broadcast_to(np.arange(len(lens))[:, None], j.shape), j
+    table = np.asarray(_host(block_table)).astype(np.int64)
+    return np.take_along_axis(table, j // page_size, axis=1), j % page_size
+
+
 def append_kv(k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None):
     """The caches after a decode step's append: copies of ``k_cache`` / ``v_cache`` (host arrays, their dtype) with
     ``k_new[b, t]`` / ``v_new[b, t]`` written as key ``cache_seqlens[b] + t`` of sequence b.
@@ -541,16 +553,8 @@ def append_kv(k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_tab
     if k_new is None:
         return kc, vc
     kn, vn = _host(k_new), _host(v_new)
-    lens = np.asarray(_host(cache_seqlens)).astype(np.int64).reshape(-1)
-    table = None if block_table is None else np.asarray(_host(block_table)).astype(np.int64)
-    for b in range(kn.shape[0]):
-        for t in range(kn.shape[1]):
-            j = int(lens[b]) + t
-            if table is None:
-                kc[b, j], vc[b, j] = kn[b, t], vn[b, t]
-            else:
-                page, row = table[b, j // kc.shape[1]], j % kc.shape[1]
-                kc[page, row], vc[page, row] = kn[b, t], vn[b, t]
+    slots, rows = append_slots(cache_seqlens, kn.shape[1], kc.shape[1], block_table)
+    kc[slots, rows], vc[slots, rows] = kn, vn
     return kc, vc
 
 

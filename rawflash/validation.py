@@ -339,11 +339,13 @@ def check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backen
 DECODE_BACKENDS = ("cupy", "reference")
 
 
-def _same(x, name: str, dtype: str, device, kind_of_q: str) -> None:
+def _same(x, name: str, dtype: str, device) -> None:
+    """x has q's dtype and lives on q's device."""
     if _dtype(x, name) != dtype:
         raise TypeError(f"{name} must have q's dtype {dtype}, got {dtype_name(x.dtype)}")
-    if device_of(x, array_kind(x, name)) != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {device_of(x, array_kind(x, name))}")
+    where = device_of(x, array_kind(x, name))
+    if where != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {where}")
 
 
 def _check_cache_seqlens(cache_seqlens, batch: int, device) -> tuple[object, np.ndarray]:
@@ -382,7 +384,7 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
     dtype = _dtype(q, "q")
     device = device_of(q, kinds["q"])
     for n, x in named[1:]:
-        _same(x, n, dtype, device, kinds["q"])
+        _same(x, n, dtype, device)
     batch, sq, h, d = shapes["q"]
     if shapes["v_cache"] != shapes["k_cache"]:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {shapes['k_cache']} and "
@@ -405,7 +407,7 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
     if k_new is not None:
         for n, x in (("k_new", k_new), ("v_new", v_new)):
             shape = _shape(x, n)
-            _same(x, n, dtype, device, kinds["q"])
+            _same(x, n, dtype, device)
             if shape[0] != batch or shape[2:] != (hk, d):
                 raise ValueError(f"{n} must have shape (batch, seqlen_new, kv_heads, head_dim) = ({batch}, "
                                  f"seqlen_new, {hk}, {d}), got {shape}")
