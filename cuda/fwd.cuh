@@ -1,6 +1,7 @@
 // The forward skeleton: tile scheduler x mainloop x epilogue. Every forward form of FA2 is this one body with a
 // different mainloop (mainloop_fwd_sm80.cuh: mma.sync; mainloop_fwd_sm90.cuh: wgmma; splitk.cuh: FA1's split-K
 // partition); the variant policy (policy.cuh) rides in the mainloop's type, BlockInfo locates the sequence.
+// FA3's form splits this skeleton by warpgroup role (fa3_fwd_sm90.cu: fwd_kernel_ws).
 #pragma once
 #include "block_info.cuh"
 #include "params.cuh"

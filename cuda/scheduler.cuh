@@ -59,6 +59,41 @@ template <int BR, bool SERIAL, bool VARLEN> struct QTileScheduler {
   __device__ __forceinline__ bool advance() { return ++i < stop; }
 };
 
+// Query tiles as one linear index t over a 1-d grid: (b, h) outer, the tile i inner and last-first, so the CTAs
+// running at one time share the K and V of a few heads in L2. Fixed lengths: t < Tr * heads * batch. Packed
+// sequences: u = t % U over the upper bound U = cdiv(total_q, BR) + batch of tiles of a head (varlen_tile;
+// indices past the last real tile are holes, skipped). PERSISTENT: a grid of about one CTA per SM, each CTA
+// taking t = blockIdx.x, + gridDim.x, ... (a static schedule); otherwise one tile per CTA.
+template <int BR, bool PERSISTENT, bool VARLEN> struct LinearTileScheduler {
+  int b, h, i, t;
+  template <class P> __device__ __forceinline__ bool start(const P& p) {
+    t = blockIdx.x;
+    return find(p);
+  }
+  template <class P> __device__ __forceinline__ bool advance(const P& p) {
+    if (!PERSISTENT) return false;
+    t += gridDim.x;
+    return find(p);
+  }
+  template <class P> __device__ __forceinline__ bool find(const P& p) {
+    if (VARLEN && p.cu_seqlens_q) {
+      const int per_head = cdiv(p.cu_seqlens_q[p.batch], BR) + p.batch;
+      for (; t < per_head * p.heads; t += PERSISTENT ? gridDim.x : per_head * p.heads) {
+        h = t / per_head;
+        if (varlen_tile(p.cu_seqlens_q, p.batch, BR, t % per_head, true, b, i)) return true;
+      }
+      return false;
+    }
+    const int tr = cdiv(p.seqlen_q, BR);
+    if (t >= tr * p.heads * p.batch) return false;
+    const int bh = t / tr;
+    i = tr - 1 - (t - bh * tr);
+    h = bh % p.heads;
+    b = bh / p.heads;
+    return true;
+  }
+};
+
 // Key tiles of a backward launch: grid (Tc, kv_heads, batch), or for packed sequences (an upper bound on the key
 // tiles of all sequences, kv_heads, 1). hk is the kv head; the CTA walks the query heads of its group itself.
 template <int BC, bool VARLEN> struct KTileScheduler {

@@ -16,7 +16,7 @@ from . import arrays, forms, reference, settings, validation
 from .validation import Checked, Features
 
 Array = Any  # a CuPy array, a NumPy array, or any object with __dlpack__ / __cuda_array_interface__
-SWITCHES = ("defer_norm", "seq_parallel", "split_q", "wgmma", "overlap")
+SWITCHES = ("defer_norm", "seq_parallel", "split_q", "wgmma", "overlap", "warp_specialize", "pingpong", "persistent")
 
 
 def _import(named):
@@ -98,7 +98,11 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     **switches
         fa2 only, for the ablation (plain attention only): ``defer_norm``, ``seq_parallel``, ``split_q`` (all True
         by default); ``wgmma`` (default: Hopper's warpgroup form where it applies, False forces mma.sync, True
-        demands wgmma) and ``overlap`` (wgmma form: FA3's softmax / P V overlap, default True).
+        demands wgmma) and ``overlap`` (wgmma forms: FA3's softmax / P V overlap, default True); on Hopper
+        ``warp_specialize`` (default: FA3's form, a TMA producer warpgroup feeding consumer warpgroups, where it
+        applies; False: the wgmma form whose threads all copy; True demands FA3's form), and in FA3's form
+        ``pingpong`` (consumer warpgroups take turns on the tensor cores) and ``persistent`` (one CTA per SM walks
+        the tiles), both True by default.
 
     Returns
     -------
@@ -238,7 +242,7 @@ def _check_switches(kernel: str, switches: dict, c: Checked) -> forms.Switches:
     if switches and kernel != "fa2":
         raise ValueError(f"the ablation switches {sorted(switches)} apply to kernel='fa2' only, got kernel={kernel!r}")
     for name, value in switches.items():
-        if not (name == "wgmma" and value is None):
+        if not (name in ("wgmma", "warp_specialize") and value is None):
             validation.check_flag(value, name)
     sw = forms.Switches(**switches)
     if not sw.ideas_on and c.problem.general:

@@ -19,13 +19,15 @@ import numpy as np
 
 from . import iomodel, reference
 
-IMPLS = ("rawflash-fa2", "rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive", "torch-flash", "torch-cudnn",
+IMPLS = ("rawflash-fa2", "rawflash-fa2-wgmma", "rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive", "torch-flash", "torch-cudnn",
          "cupy-naive")
-# rawflash implementations: (kernel=, extra forward switches). rawflash-fa2 is what a user gets (Hopper's wgmma
-# kernel where it applies); rawflash-fa2-mma forces the mma.sync kernel, to show what the Hopper path is worth.
-RAWFLASH_IMPLS = {"rawflash-fa2": ("fa2", {}), "rawflash-fa2-mma": ("fa2", {"wgmma": False}),
+# rawflash implementations: (kernel=, extra forward switches). rawflash-fa2 is what a user gets (on Hopper FA3's
+# warp-specialised form where it applies); rawflash-fa2-wgmma forces the wgmma form without warp specialisation and
+# rawflash-fa2-mma the mma.sync kernel, to show what each Hopper step is worth.
+RAWFLASH_IMPLS = {"rawflash-fa2": ("fa2", {}), "rawflash-fa2-wgmma": ("fa2", {"warp_specialize": False}),
+                  "rawflash-fa2-mma": ("fa2", {"wgmma": False}),
                   "rawflash-fa1": ("fa1", {}), "rawflash-naive": ("naive", {})}
-FORWARD_ONLY = ("rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive", "cupy-naive")
+FORWARD_ONLY = ("rawflash-fa2-wgmma", "rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive", "cupy-naive")
 FLUSH_BYTES = 256 << 20  # larger than the H200's 60 MB L2
 
 

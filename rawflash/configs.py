@@ -6,7 +6,7 @@ chosen; ``bench/results/NOTES.md`` keeps the measurements.
 
 Kernels here are the CUDA templates: ``fa1_fwd``, ``fa2_fwd``, ``fa2_fwd_splitk`` (fa2_fwd with its split-Q
 partition switched off, for the ablation), ``fa2_fwd_sm90`` (fa2_fwd on Hopper's wgmma, 16-bit, sm_90 only),
-``fa2_bwd``, ``fa2_bwd_sm90`` (fa2_bwd's atomic-dQ pass on wgmma, 16-bit, sm_90 only) and
+``fa3_fwd_sm90`` (FA3's warp-specialised TMA forward, 16-bit, sm_90 only), ``fa2_bwd``, ``fa2_bwd_sm90`` (fa2_bwd's atomic-dQ pass on wgmma, 16-bit, sm_90 only) and
 ``fa2_bwd_dq`` (the deterministic dQ pass).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 SPECIALISED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = SPECIALISED_HEAD_DIMS[-1]
 DTYPES = ("float16", "bfloat16", "float32")
-KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_fwd_sm90", "fa2_bwd", "fa2_bwd_sm90", "fa2_bwd_dq",
+KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_fwd_sm90", "fa3_fwd_sm90", "fa2_bwd", "fa3_bwd_sm90", "fa2_bwd_sm90", "fa2_bwd_dq",
            "decode_split")
 
 
@@ -92,6 +92,21 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_bwd", (128,), _16BIT, TileConfig(32, 128, 8, why="no spill at Br = 32; Br = 64 spills 52-112 B"))
     put("fa2_bwd", (192,), _16BIT, TileConfig(32, 64, 8, wc=2, why="warps also split d: 16 x d/2 per warp"))
     put("fa2_bwd", (256,), _16BIT, TileConfig(32, 64, 8, wc=2, why="16 x 128 dK, dV per warp"))
+    # fa3_fwd_sm90 (TMA + warp specialisation, sm_90a): br / 64 consumer warpgroups and one producer warpgroup
+    # (warps = 4 * (br / 64 + 1)), `stages` stages of K_j and V_j. A consumer holds O (d / 2 floats), S (bc / 2) and
+    # P (bc / 4) of its 64 rows in the registers setmaxnreg gives it (232 with two consumer warpgroups, 160 with
+    # three). tools/tune.py --which fwd_fa3, H200 bf16, N = 2048 / 8192, full and causal, TFLOP/s (session 4):
+    put("fa3_fwd_sm90", (32, 64), _16BIT, TileConfig(192, 128, 16, stages=2, why="477/344/540/474 vs 128x128: "
+                                                                             "398/314/423/407, 128x176: 420/313/455/424"))
+    put("fa3_fwd_sm90", (96, 128), _16BIT, TileConfig(128, 176, 12, stages=2, why="614/449/689/621 vs 128x128: "
+                                                                             "599/457/662/608, 128x160: 612/450/674/615"))
+    put("fa3_fwd_sm90", (192,), _16BIT, TileConfig(128, 96, 12, stages=2, why="FA3's shape at d = 192; not tuned"))
+    put("fa3_fwd_sm90", (256,), _16BIT, TileConfig(128, 80, 12, stages=2, why="622/477/700/624 vs 128x64: "
+                                                                          "604/454/671/583; 226 KB"))
+    # fa3_bwd_sm90 (TMA + warp specialisation, sm_90a): 2 consumer warpgroups x 64 keys and a producer warpgroup;
+    # 64 query rows per step, `stages` stages of Q_i, dO_i, L_i, D_i. The shape of fa2_bwd_sm90's d <= 128 row.
+    put("fa3_bwd_sm90", (32, 64, 96, 128), _16BIT, TileConfig(64, 128, 12, stages=2, why="fa2_bwd_sm90's shape; "
+                                                                                        "untuned"))
     # fa2_bwd_sm90 (wgmma, sm_90a): a warpgroup per 64 keys, 64 query rows per step (one wgmma of dQ_i).
     put("fa2_bwd_sm90", (64, 128), _16BIT, TileConfig(64, 128, 8, why="FA3's d<=128 shape: 2 warpgroups x 64 keys"))
     # d 256: 8 warps on 64 keys = SPLIT_D, each warpgroup holds dK, dV for half of the columns (2 x 64 registers).

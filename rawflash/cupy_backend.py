@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from . import _compile, forms, params
+from . import _compile, forms, params, tma
 from .arrays import kernel_ready, pad_head_dim
 from .launch import Launch, Problem
 from .settings import Settings
@@ -76,7 +76,7 @@ def prepare(p: Problem, extras: dict, env: Settings, *arrays) -> Prepared:
     dtypes = {"alibi_slopes": np.float32, "sinks": np.float32}
     feats = {name: cupy.ascontiguousarray(cupy.asarray(x), dtype=dtypes.get(name, np.int32))
              for name, x in extras.items()}
-    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch(env)), ready, p.head_dim, feats)
+    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch(env), sms=_sms()), ready, p.head_dim, feats)
 
 
 def _trim(x, head_dim: int):
@@ -130,7 +130,15 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
         ws = dict(o_ws=cupy.zeros(_rows(pr, pr.head_dim), dtype=cupy.float32),
                   m_ws=cupy.full(_rows(pr), -np.inf, dtype=cupy.float32), l_ws=cupy.zeros(_rows(pr), dtype=cupy.float32))
     rec = params.fwd_params(pr, q, k, v, out, lse, scale, **prep.extras, **ws)
-    bound = Bound(plan, [(lau, (rec,)) for lau in plan], (_Trimmed(out, prep.head_dim), lse), env)
+    args = (rec,)
+    if plan[0].kernel == "fa3_fwd_sm90":
+        try:
+            args = (rec, tma.fwd_maps(q, k, v, plan[0].config.br, plan[0].config.bc, pr.varlen))
+        except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: every thread copies instead
+            if switches.warp_specialize:
+                raise
+            plan = forms.forward_plan(pr, kernel, dataclasses.replace(switches, warp_specialize=False), env, override)
+    bound = Bound(plan, [(lau, args) for lau in plan], (_Trimmed(out, prep.head_dim), lse), env)
     bound.keep = (q, k, v, prep.extras, ws)  # the parameter struct holds their addresses
     return bound
 
@@ -213,7 +221,16 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
                             dq_ws=dq_ws, dsink_ws=dsink_ws, **prep.extras)
     hd = prep.head_dim
     outputs = (_Trimmed(dq, hd), _Trimmed(dk, hd), _Trimmed(dv, hd))
-    bound = Bound(plan, [(lau, (rec,)) for lau in plan], outputs, env, reset=[] if dq_ws is None else [dq_ws])
+    launches = [(lau, (rec,)) for lau in plan]
+    main = plan[1]
+    if main.kernel == "fa3_bwd_sm90":
+        try:
+            launches[1] = (main, (rec, tma.bwd_maps(q, k, v, do, main.config.br, main.config.bc, pr.varlen)))
+        except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: the wgmma form whose threads all copy
+            main = forms.fa2_backward_main(pr, True, settings=env, override=override, warp_specialize=False)
+            plan[1] = main
+            launches[1] = (main, (rec,))
+    bound = Bound(plan, launches, outputs, env, reset=[] if dq_ws is None else [dq_ws])
     bound.keep = (q, k, v, do, out, lse, lse2, delta, prep.extras)
     if sinks:
         axes = (1,) if pr.varlen else (0, 2)
@@ -269,9 +286,17 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
 
 
 def _sms() -> int:
+    """The current device's multiprocessors (asked once per device, like _smem_optin)."""
     import cupy
 
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    return _sm_count(cupy.cuda.runtime.getDevice())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
 def decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,

@@ -18,10 +18,15 @@ Override = dict[tuple[str, int, str], TileConfig]
 
 @dataclasses.dataclass(frozen=True)
 class Switches:
-    """The forward's ablation switches: FA2's three ideas, and on Hopper the wgmma form and FA3's overlap.
+    """The forward's ablation switches: FA2's three ideas, and on Hopper the wgmma forms and FA3's ideas.
 
-    ``wgmma``: None (default) runs the wgmma form wherever it can (unless the settings say ``RAWFLASH_WGMMA=0``),
+    ``wgmma``: None (default) runs a wgmma form wherever it can (unless the settings say ``RAWFLASH_WGMMA=0``),
     True demands it (ValueError where it cannot run), False forces the mma.sync form.
+    ``warp_specialize``: the same choice between FA3's form (a TMA producer warpgroup and consumer warpgroups,
+    fa3_fwd_sm90) and the wgmma form without it (every thread copies with cp.async, fa2_fwd_sm90).
+    ``overlap``: FA3's softmax / P V overlap inside a warpgroup (both wgmma forms); ``pingpong``: its schedule
+    between consumer warpgroups and ``persistent``: one CTA per SM walking the tiles (fa3_fwd_sm90 only; None:
+    where every tile costs the same, i.e. no mask; see ``persistent_default``).
     """
 
     defer_norm: bool = True
@@ -29,6 +34,9 @@ class Switches:
     split_q: bool = True
     wgmma: bool | None = None
     overlap: bool = True
+    warp_specialize: bool | None = None
+    pingpong: bool = True
+    persistent: bool | None = None
 
     @property
     def ideas_on(self) -> bool:
@@ -49,9 +57,23 @@ ABLATIONS: dict[str, Switches] = {  # FA2's ideas, measured on the mma.sync form
     "no-split-q": Switches(split_q=False),
     "none (all three off)": Switches(defer_norm=False, seq_parallel=False, split_q=False),
     # and what Hopper's warpgroup products add on top of full FA2 (sm_90 only), with and without FA3's overlap
-    "wgmma": Switches(wgmma=True),
-    "wgmma, no overlap": Switches(wgmma=True, overlap=False),
+    "wgmma": Switches(wgmma=True, warp_specialize=False),
+    "wgmma, no overlap": Switches(wgmma=True, warp_specialize=False, overlap=False),
+    # FA3's form (TMA producer, consumer warpgroups) with each of its ideas taken away in turn
+    "fa3": Switches(wgmma=True, warp_specialize=True),
+    "fa3, no ping-pong": Switches(wgmma=True, warp_specialize=True, pingpong=False),
+    "fa3, no overlap": Switches(wgmma=True, warp_specialize=True, overlap=False),
+    "fa3, persistent": Switches(wgmma=True, warp_specialize=True, persistent=True),
+    "fa3, not persistent": Switches(wgmma=True, warp_specialize=True, persistent=False),
 }
+
+
+def persistent_default(p: Problem) -> bool:
+    """FA3's persistent grid by default only when every tile has the same work (no mask): its static schedule
+    (tile t on CTA t % grid) leaves CTAs idle when causal tiles differ in length, where the hardware's own
+    dispatch of one CTA per tile balances them (H200, bf16, d = 128, N = 16384 causal: 442 persistent vs
+    676 TFLOP/s; non-causal N = 1024: 523 vs 486; bench/results/NOTES.md, session 4)."""
+    return p.mask == launch.NO_MASK
 
 
 def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
@@ -83,8 +105,20 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
     """The fa2 forward launch: its wgmma form where the switches and the GPU allow it, else the mma.sync form."""
     got = (f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={sw.defer_norm}, "
            f"seq_parallel={sw.seq_parallel}, split_q={sw.split_q}")
-    if _use_wgmma(sw.wgmma, sw.ideas_on and hopper_form_fits("fa2_fwd_sm90", p), "fa2_fwd_sm90",
+    fa3 = sw.ideas_on and hopper_form_fits("fa3_fwd_sm90", p)
+    if sw.warp_specialize and not (fa3 and sw.wgmma is not False):
+        raise ValueError(f"warp_specialize=True needs an sm_90 GPU, float16 or bfloat16, wgmma not False and every "
+                         f"FA2 switch on; got {got}, wgmma={sw.wgmma}")
+    if _use_wgmma(sw.wgmma, fa3 or (sw.ideas_on and hopper_form_fits("fa2_fwd_sm90", p)), "fa2_fwd_sm90",
                   " and every FA2 switch on", got, settings):
+        use_fa3 = (fa3 and settings.warp_specialize) if sw.warp_specialize is None else sw.warp_specialize
+        if use_fa3:
+            return launch.fa3_fwd_sm90(p, _config("fa3_fwd_sm90", p, override), overlap=sw.overlap,
+                                       pingpong=sw.pingpong,
+                                       persistent=persistent_default(p) if sw.persistent is None else sw.persistent)
+        if not hopper_form_fits("fa2_fwd_sm90", p):
+            raise ValueError(f"warp_specialize=False on Hopper runs the cp.async wgmma form, which needs a head_dim "
+                             f"that pads to a multiple of 64; got {got}")
         return launch.fa2_fwd_sm90(p, _config("fa2_fwd_sm90", p, override), overlap=sw.overlap)
     row = "fa2_fwd" if sw.split_q else "fa2_fwd_splitk"
     return launch.fa2_fwd(p, _config(row, p, override), defer_norm=sw.defer_norm, seq_parallel=sw.seq_parallel,
@@ -92,11 +126,22 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
 
 
 def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, settings: Settings = Settings(),
-                      override: Override | None = None) -> Launch:
-    """The backward's main pass: the wgmma form for the atomic-dQ pass where it fits, else mma.sync."""
-    if _use_wgmma(wgmma, atomic_dq and hopper_form_fits("fa2_bwd_sm90", p), "fa2_bwd_sm90", " and the atomic dQ pass",
-                  f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, atomic_dq={atomic_dq}", settings):
-        return launch.fa2_bwd_sm90(p, _config("fa2_bwd_sm90", p, override))
+                      override: Override | None = None, warp_specialize: bool | None = None) -> Launch:
+    """The backward's main pass: for the atomic-dQ pass on Hopper FA3's warp-specialised form where it fits (head_dim
+    <= 128), else the cp.async wgmma form, else mma.sync."""
+    fa3 = atomic_dq and hopper_form_fits("fa3_bwd_sm90", p)
+    if _use_wgmma(wgmma, fa3 or (atomic_dq and hopper_form_fits("fa2_bwd_sm90", p)), "fa2_bwd_sm90",
+                  " and the atomic dQ pass", f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, atomic_dq={atomic_dq}",
+                  settings):
+        use_fa3 = (fa3 and settings.warp_specialize) if warp_specialize is None else warp_specialize
+        if use_fa3 and fa3:
+            return launch.fa3_bwd_sm90(p, _config("fa3_bwd_sm90", p, override))
+        if use_fa3:
+            raise ValueError(f"warp_specialize=True (backward) needs an sm_90 GPU, float16 or bfloat16, a head_dim of "
+                             f"at most 128 and the atomic dQ pass; got arch {p.arch}, {p.dtype}, head_dim "
+                             f"{p.head_dim}, atomic_dq={atomic_dq}")
+        if atomic_dq and hopper_form_fits("fa2_bwd_sm90", p):
+            return launch.fa2_bwd_sm90(p, _config("fa2_bwd_sm90", p, override))
     return launch.fa2_bwd(p, _config("fa2_bwd", p, override), atomic_dq=atomic_dq)
 
 
@@ -185,10 +230,16 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                 launches = [fa2_forward(p, Switches(wgmma=False)), fa2_backward_main(p, True, wgmma=False),
                             fa2_backward_main(p, False), launch.fa2_bwd_dq(p, _config("fa2_bwd_dq", p, None))]
                 if hopper_form_fits("fa2_fwd_sm90", p):
-                    launches += [fa2_forward(p, Switches(wgmma=True)),
-                                 fa2_forward(p, Switches(wgmma=True, overlap=False))]
+                    launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=False)),
+                                 fa2_forward(p, Switches(wgmma=True, warp_specialize=False, overlap=False))]
+                if hopper_form_fits("fa3_fwd_sm90", p):
+                    launches.append(fa2_forward(p, Switches(wgmma=True, warp_specialize=True)))
+                    if not p.general and d in (64, 128):  # FA3's ablation, at the FA2 paper's head dims
+                        launches += [fa2_forward(p, sw) for sw in ABLATIONS.values() if sw.warp_specialize]
                 if hopper_form_fits("fa2_bwd_sm90", p):
-                    launches.append(fa2_backward_main(p, True, wgmma=True))
+                    launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=False))
+                if hopper_form_fits("fa3_bwd_sm90", p):
+                    launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=True))
                 if not p.general:  # the teaching kernels and the ablation run the plain policy only
                     launches += [*forward_plan(p, "fa1"), *forward_plan(p, "naive")]
                     if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures

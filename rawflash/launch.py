@@ -21,7 +21,7 @@ MAX_GRID_YZ = 65535
 NO_MASK, CAUSAL, WINDOW = 0, 1, 2  # policy.cuh's Mask: the compile-time mask mode of a kernel
 # Where each tiled kernel's template arguments hold its mask mode (the general-policy bool follows it, except in
 # fa1_fwd, which has only the plain policy): the formulas below build them in this order.
-MASK_ARG = {"fa2_fwd": 7, "fa2_fwd_sm90": 5, "fa2_bwd": 8, "fa2_bwd_sm90": 5, "fa2_bwd_dq": 7, "fa1_fwd": 6}
+MASK_ARG = {"fa2_fwd": 7, "fa2_fwd_sm90": 5, "fa3_fwd_sm90": 5, "fa3_bwd_sm90": 5, "fa2_bwd": 8, "fa2_bwd_sm90": 5, "fa2_bwd_dq": 7, "fa1_fwd": 6}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,6 +58,7 @@ class Problem:
     lengths: tuple = ()  # (seqlen_q, seqlen_k) of every packed sequence, when known on the host (introspection)
     new_keys: int = 0    # decode: rows of k_new / v_new appended to the cache (seqlen_k counts them)
     page_size: int = 0   # decode: a paged cache's page size (0: contiguous)
+    sms: int = 132       # multiprocessors of the GPU (an H200's by default): persistent grids and split counts
 
     @property
     def padded_head_dim(self) -> int:
@@ -190,6 +191,19 @@ def smem_fa2_fwd_sm90(cfg: TileConfig, d: int) -> int:
     return 1024 + (cfg.br + 4 * cfg.bc) * d * 2
 
 
+def smem_fa3_fwd_sm90(cfg: TileConfig, d: int) -> int:
+    """mainloop_fwd_sm90_ws.cuh SMEM_BYTES: 1024 B of alignment slack, Q_i, `stages` stages each of K_j and V_j
+    (16-bit), and 2 + 4 stages mbarriers of 8 B."""
+    return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d * 2 + 8 * (2 + 4 * cfg.stages)
+
+
+def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
+    """mainloop_bwd_sm90_ws.cuh SMEM_BYTES: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i); two dS^T;
+    `stages` x (L_i, D_i) float32; 1 + 2 stages mbarriers."""
+    return (1024 + (2 * cfg.bc + 2 * cfg.stages * cfg.br) * d * 2 + 2 * cfg.bc * cfg.br * 2
+            + 2 * cfg.stages * cfg.br * 4 + 8 * (1 + 2 * cfg.stages))
+
+
 def smem_fa1_fwd(cfg: TileConfig, d: int, itemsize: int) -> int:
     return (cfg.br + 2 * cfg.bc) * d * itemsize + splitk_bytes(cfg.br, d, cfg.warps)
 
@@ -239,6 +253,31 @@ def fa2_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True) -> Launch
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
 
+def tma_head_dim(p: Problem) -> int:
+    """The head_dim a TMA form is compiled for: the specialised one rounded up to whole 64-column panels (the
+    columns past the caller's are zero-filled by the copies, in shared memory only)."""
+    return cdiv(p.padded_head_dim, 64) * 64
+
+
+def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, int]:
+    """scheduler.cuh's LinearTileScheduler: every query tile of every head in one index (packed sequences: the
+    upper bound of ``Problem.q_tiles`` per head); persistent grids take one CTA per multiprocessor."""
+    tiles = p.q_tiles(br) * p.heads * (1 if p.varlen else p.batch)
+    return (max(1, min(tiles, p.sms) if persistent else tiles), 1, 1)
+
+
+def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong: bool = True,
+                 persistent: bool = True) -> Launch:
+    """FA3 forward (sm_90a): TMA copies by a producer warpgroup, br / 64 consumer warpgroups; ``overlap`` inside a
+    warpgroup, ``pingpong`` between them, ``persistent`` a grid of one CTA per SM walking the tiles."""
+    d = tma_head_dim(p)
+    smem = smem_fa3_fwd_sm90(cfg, d)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, overlap, pingpong, persistent,
+            smem)
+    return Launch("fa3_fwd_sm90", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
+                  (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+
+
 def fa1_fwd(p: Problem, cfg: TileConfig) -> Launch:
     """FA1 forward: one CTA per (head, batch)."""
     d = p.padded_head_dim
@@ -281,6 +320,16 @@ def fa2_bwd_sm90(p: Problem, cfg: TileConfig) -> Launch:
     smem = smem_fa2_bwd_sm90(cfg, d)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.mask, p.general, bwd_sm90_split_d(cfg), smem)
     return Launch("fa2_bwd_sm90", "fa2_bwd_sm90.cu", args, key_tile_grid(p, cfg.bc, "fa2_bwd_sm90"),
+                  (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+
+
+def fa3_bwd_sm90(p: Problem, cfg: TileConfig) -> Launch:
+    """FA3's backward main pass (sm_90a, atomic dQ): a TMA producer warpgroup and bc / 64 consumer warpgroups, one
+    CTA per (key block, kv head, batch)."""
+    d = tma_head_dim(p)
+    smem = smem_fa3_bwd_sm90(cfg, d)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, smem)
+    return Launch("fa3_bwd_sm90", "fa3_bwd_sm90.cu", args, key_tile_grid(p, cfg.bc, "fa3_bwd_sm90"),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
 

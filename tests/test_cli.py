@@ -113,7 +113,7 @@ def test_occupancy_offline_agrees_with_ptxas_calculator_and_register_cap(arch):
     assert arch in report["target"]
     rows = {r["kernel"]: r for r in report["occupancy"]}
     lau = forms.fa2_forward(dataclasses.replace(introspect.kernel_problem(SMALL_PROBLEM), arch=arch))
-    assert lau.kernel == ("fa2_fwd_sm90" if arch == "sm_90" else "fa2_fwd"), "the target's own forward kernel"
+    assert lau.kernel == ("fa3_fwd_sm90" if arch == "sm_90" else "fa2_fwd"), "the target's own forward kernel"
     row = rows[lau.kernel]
     ptxas = _compile.compile_offline(lau.source, lau.name_expression, lau.compile_arch(arch))
     ours = occupancy.occupancy(arch, lau.threads, ptxas.registers, ptxas.static_smem + lau.smem)
@@ -293,7 +293,7 @@ def test_demo_without_gpu_runs_what_it_can():
     assert "compiled for sm_90 but not run" in report["ran"]
     if status == "passed":
         assert [r["quantity"] for r in report["simulator grades"]] == ["out", "lse", "dq", "dk", "dv", "out", "lse"]
-    assert report["launches"][0]["kernel"] == "fa2_fwd_sm90", "sm_90 runs the wgmma forward"
+    assert report["launches"][0]["kernel"] == "fa3_fwd_sm90", "sm_90 runs FA3's forward"
     assert report["occupancy"][0]["regs"] > 0
 
 

@@ -1,5 +1,5 @@
-"""Which form runs where (no GPU needed): forms.py chooses the wgmma form on sm_90 for 16-bit inputs whose head_dim
-pads to one of its rows, the mma.sync form everywhere else, refuses clearly where wgmma is demanded but cannot run,
+"""Which form runs where (no GPU needed): forms.py chooses FA3's warp-specialised form on sm_90 for 16-bit inputs
+(the cp.async wgmma form when warp specialisation is switched off), the mma.sync form everywhere else, refuses clearly where wgmma is demanded but cannot run,
 and picks the variant policy (plain or general, the mask mode) from the call's features. Also: the generated wgmma
 wrappers are up to date with their generator, and the registry agrees with the tile table and the sources."""
 from __future__ import annotations
@@ -27,13 +27,32 @@ def _problem(d=128, dtype="bfloat16", arch="sm_90", causal=False, **features):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sm90_16bit_runs_wgmma(d, dtype):
     lau = forms.fa2_forward(_problem(d, dtype))
-    assert lau.kernel == "fa2_fwd_sm90" and lau.target == "sm_90a"
+    assert lau.kernel == "fa3_fwd_sm90" and lau.target == "sm_90a"
     assert lau.compile_arch("sm_90") == "sm_90a"
+    assert lau.threads == 128 * (lau.config.br // 64 + 1), "a warpgroup per 64 query rows and the producer"
+    assert lau.template_args[1] % 64 == 0 and lau.template_args[1] >= d, "whole 64-column panels"
+    lau = forms.fa2_forward(_problem(d, dtype), Switches(warp_specialize=False))
+    assert lau.kernel == "fa2_fwd_sm90" and lau.target == "sm_90a"
     assert lau.threads == 128 * (lau.config.br // 64), "one warpgroup per 64 query rows"
 
 
-@pytest.mark.parametrize("d,dtype,arch", [(32, "bfloat16", "sm_90"), (96, "float16", "sm_90"),
-                                          (128, "float32", "sm_90"), (128, "bfloat16", "sm_80"),
+@pytest.mark.parametrize("d", [32, 80, 96, 112, 160, 224])
+def test_head_dims_off_the_64_grid_run_fa3_with_zero_filled_panels(d):
+    lau = forms.fa2_forward(_problem(d, "bfloat16"))
+    assert lau.kernel == "fa3_fwd_sm90" and lau.template_args[1] == -(-configs.padded_head_dim(d) // 64) * 64
+
+
+def test_persistent_by_default_only_without_a_mask():
+    assert forms.fa2_forward(_problem()).template_args[9] is True
+    assert forms.fa2_forward(_problem(causal=True)).template_args[9] is False
+    assert forms.fa2_forward(_problem(window=(8, 8))).template_args[9] is False
+    assert forms.fa2_forward(_problem(causal=True), Switches(persistent=True)).template_args[9] is True
+    big = Problem(8, 4096, 4096, 16, 16, 128, "bfloat16", False, "sm_90", sms=132)
+    assert forms.fa2_forward(big).grid == (132, 1, 1)
+    assert forms.fa2_forward(big, Switches(persistent=False)).grid == (8 * 16 * 4096 // 128, 1, 1)
+
+
+@pytest.mark.parametrize("d,dtype,arch", [(128, "float32", "sm_90"), (128, "bfloat16", "sm_80"),
                                           (128, "bfloat16", "sm_89"), (128, "bfloat16", "sm_100")])
 def test_elsewhere_runs_mma_sync(d, dtype, arch):
     lau = forms.fa2_forward(_problem(d, dtype, arch))
@@ -45,7 +64,8 @@ def test_settings_and_switches_force_mma_sync():
     assert forms.fa2_forward(_problem(), Switches(wgmma=False)).kernel == "fa2_fwd"
     assert forms.fa2_forward(_problem(), Switches(defer_norm=False)).kernel == "fa2_fwd", "the switches live there"
     assert forms.fa2_forward(_problem(), settings=NO_WGMMA).kernel == "fa2_fwd"
-    assert forms.fa2_forward(_problem(), Switches(wgmma=True), NO_WGMMA).kernel == "fa2_fwd_sm90", "explicit wins"
+    assert forms.fa2_forward(_problem(), Switches(wgmma=True), NO_WGMMA).kernel == "fa3_fwd_sm90", "explicit wins"
+    assert forms.fa2_forward(_problem(), settings=Settings(warp_specialize=False)).kernel == "fa2_fwd_sm90"
 
 
 def test_settings_are_read_from_the_environment_only_in_settings():
@@ -60,11 +80,17 @@ def test_settings_are_read_from_the_environment_only_in_settings():
 
 @pytest.mark.parametrize("sw,problem", [(Switches(wgmma=True), _problem(arch="sm_80")),
                                         (Switches(wgmma=True), _problem(dtype="float32")),
-                                        (Switches(wgmma=True), _problem(d=96)),
                                         (Switches(wgmma=True, split_q=False), _problem())])
 def test_demanding_wgmma_where_it_cannot_run_is_refused(sw, problem):
     with pytest.raises(ValueError, match="wgmma=True needs an sm_90 GPU"):
         forms.fa2_forward(problem, sw)
+
+
+def test_the_cp_async_wgmma_form_needs_the_64_grid_and_fa3_needs_the_ideas():
+    with pytest.raises(ValueError, match="warp_specialize=False on Hopper"):
+        forms.fa2_forward(_problem(d=96), Switches(warp_specialize=False))
+    with pytest.raises(ValueError, match="warp_specialize=True needs"):
+        forms.fa2_forward(_problem(), Switches(warp_specialize=True, split_q=False))
 
 
 def test_overlap_switch_reaches_the_template():
@@ -115,14 +141,17 @@ def test_api_refuses_bad_wgmma_switch_before_launch():
 
 
 @pytest.mark.parametrize("d,dtype,arch,deterministic,expected", [
-    (128, "bfloat16", "sm_90", False, "fa2_bwd_sm90"), (40, "float16", "sm_90", False, "fa2_bwd_sm90"),
+    (128, "bfloat16", "sm_90", False, "fa3_bwd_sm90"), (40, "float16", "sm_90", False, "fa3_bwd_sm90"),
     (128, "bfloat16", "sm_90", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa2_bwd_sm90"),
-    (96, "bfloat16", "sm_90", False, "fa2_bwd"), (32, "float16", "sm_90", False, "fa2_bwd"),
+    (96, "bfloat16", "sm_90", False, "fa3_bwd_sm90"), (32, "float16", "sm_90", False, "fa3_bwd_sm90"),
     (192, "bfloat16", "sm_90", False, "fa2_bwd"),
     (128, "float32", "sm_90", False, "fa2_bwd"), (128, "bfloat16", "sm_80", False, "fa2_bwd")])
 def test_backward_form_choice(d, dtype, arch, deterministic, expected):
     assert forms.backward_plan(_problem(d, dtype, arch), deterministic)[1].kernel == expected
     assert forms.backward_plan(_problem(d, dtype, arch), deterministic, NO_WGMMA)[1].kernel == "fa2_bwd"
+    no_fa3 = forms.backward_plan(_problem(d, dtype, arch), deterministic, Settings(warp_specialize=False))[1].kernel
+    cp_async = "fa2_bwd_sm90" if forms.hopper_form_fits("fa2_bwd_sm90", _problem(d, dtype, arch)) else "fa2_bwd"
+    assert no_fa3 == (cp_async if expected == "fa3_bwd_sm90" else expected)
 
 
 def test_demanding_wgmma_backward_where_it_cannot_run_is_refused():
@@ -134,7 +163,7 @@ def test_demanding_wgmma_backward_where_it_cannot_run_is_refused():
 
 @pytest.mark.parametrize("d,split", [(64, False), (128, False), (200, True), (256, True)])
 def test_backward_split_d_form_for_large_head_dims(d, split):
-    lau = forms.fa2_backward_main(_problem(d=d), True)
+    lau = forms.fa2_backward_main(_problem(d=d), True, warp_specialize=False)
     assert lau.kernel == "fa2_bwd_sm90" and launch.bwd_sm90_split_d(lau.config) is split
     assert lau.template_args[7] is split and lau.smem <= 232448
 
@@ -142,8 +171,12 @@ def test_backward_split_d_form_for_large_head_dims(d, split):
 def test_override_replaces_a_tile_row_without_touching_the_table():
     before = dict(configs.TABLE)
     cand = configs.TileConfig(128, 128, 8)
-    lau = forms.fa2_forward(_problem(), override={("fa2_fwd_sm90", 128, "bfloat16"): cand})
+    lau = forms.fa2_forward(_problem(), Switches(warp_specialize=False),
+                            override={("fa2_fwd_sm90", 128, "bfloat16"): cand})
     assert lau.config == cand and configs.TABLE == before
+    cand = configs.TileConfig(128, 128, 12, stages=3)
+    lau = forms.fa2_forward(_problem(), override={("fa3_fwd_sm90", 128, "bfloat16"): cand})
+    assert lau.config == cand and lau.template_args[4] == 3 and configs.TABLE == before
 
 
 def test_registry_names_every_form_row_and_source():

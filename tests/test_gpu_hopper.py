@@ -1,7 +1,7 @@
-"""The wgmma forward kernel (fa2_fwd_sm90) on an sm_90 GPU, by flash-attn's rule against the float64 reference,
-with and without FA3's softmax / P V overlap, over ragged lengths, seqlen_q != seqlen_k both ways, GQA / MQA and
-causal both ways. (tests/test_gpu_kernels.py runs the default path, which on an H200 is this kernel wherever it
-applies; tools/gpu_run.sh runs that file once more with RAWFLASH_WGMMA=0 so the mma.sync kernel stays covered.)"""
+"""The cp.async wgmma forward kernel (fa2_fwd_sm90, warp_specialize=False) on an sm_90 GPU, by flash-attn's rule
+against the float64 reference, with and without FA3's softmax / P V overlap, over ragged lengths, seqlen_q != seqlen_k both ways, GQA / MQA and
+causal both ways, and the wgmma backward. (tests/test_gpu_fa3.py tests FA3's form, the default forward on an
+H200; tests/test_gpu_kernels.py runs the default path; tools/gpu_run.sh runs that file once more with RAWFLASH_WGMMA=0 so the mma.sync kernel stays covered.)"""
 from __future__ import annotations
 
 import itertools
@@ -45,20 +45,21 @@ def _cases():
 
 @pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal,overlap", _cases())
 def test_wgmma_forward(sq, sk, h, hk, d, dtype, causal, overlap):
-    check_forward(2, sq, sk, h, hk, d, dtype, causal, "fa2", wgmma=True, overlap=overlap)
+    check_forward(2, sq, sk, h, hk, d, dtype, causal, "fa2", wgmma=True, warp_specialize=False, overlap=overlap)
 
 
-def test_default_path_on_h200_is_wgmma():
+def test_default_path_on_h200_is_fa3():
     from rawflash import cupy_backend
 
     p = launch.Problem(1, 1, 1, 1, 1, 128, "bfloat16", False, cupy_backend.device_arch())
-    assert forms.fa2_forward(p).kernel == "fa2_fwd_sm90"
+    assert forms.fa2_forward(p).kernel == "fa3_fwd_sm90"
+    assert forms.fa2_forward(p, forms.Switches(warp_specialize=False)).kernel == "fa2_fwd_sm90"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_wgmma_large_logits_no_nan(dtype):
-    check_forward(1, 127, 129, 2, 2, 64, dtype, True, "fa2", scale=8.0, wgmma=True)
-    check_forward(1, 300, 1000, 2, 1, 128, dtype, False, "fa2", scale=8.0, wgmma=True)
+    check_forward(1, 127, 129, 2, 2, 64, dtype, True, "fa2", scale=8.0, wgmma=True, warp_specialize=False)
+    check_forward(1, 300, 1000, 2, 1, 128, dtype, False, "fa2", scale=8.0, wgmma=True, warp_specialize=False)
 
 
 def test_wgmma_and_mma_sync_agree():
@@ -69,7 +70,7 @@ def test_wgmma_and_mma_sync_agree():
     from conftest import random_qkv
 
     q, k, v = (cupy.asarray(x) for x in random_qkv(2, 777, 1031, 8, 2, 128, "bfloat16", seed=4))
-    a, la = rawflash.forward(q, k, v, causal=True, wgmma=True)
+    a, la = rawflash.forward(q, k, v, causal=True, wgmma=True, warp_specialize=False)
     b, lb = rawflash.forward(q, k, v, causal=True, wgmma=False)
     diff = float(cupy.abs(a.astype(cupy.float32) - b.astype(cupy.float32)).max())
     assert diff < 2e-2, f"wgmma and mma.sync outputs differ by {diff}"
@@ -91,7 +92,7 @@ def test_wgmma_backward(sq, sk, h, hk, d, dtype, causal):
     from rawflash import cupy_backend
 
     p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
-    assert forms.backward_plan(p)[1].kernel == "fa2_bwd_sm90"
+    assert forms.backward_plan(p)[1].kernel in ("fa2_bwd_sm90", "fa3_bwd_sm90")
     check_backward(2, sq, sk, h, hk, d, dtype, causal, False)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SHAPES = (32, 64, 96, 128, 192, 256)  # N of m64nNk16; the accumulator is N / 2 floats per thread
+SHAPES = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 256)  # N of m64nNk16; the accumulator is N / 2 floats per thread
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
 OUT = Path(__file__).resolve().parents[1] / "cuda" / "wgmma_ops.cuh"
 

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The one command that checks rawflash on a GPU machine: precompile, GPU tests, compute-sanitizer, benchmark.
-#   tools/gpu_run.sh [tests] [tests-mma] [hopper] [sanitize] [bench-decode] [bench-features] [SCRIPT.py] [bench ARGS...]
+#   tools/gpu_run.sh [tests] [tests-mma] [hopper] [hopper-cp-async] [sanitize] [bench-decode] [bench-features] [SCRIPT.py] [bench ARGS...]
 #   (no argument: tests, sanitize; bench takes every argument after it, so it comes last)
 #     tests      every GPU test (the default forward path: wgmma on an H200 where it applies)
 #     tests-mma  the kernel tests again with RAWFLASH_WGMMA=0 (the mma.sync forward on the same GPU)
-#     hopper     only tests/test_gpu_hopper.py (the wgmma kernel)
+#     hopper     only tests/test_gpu_hopper.py and tests/test_gpu_fa3.py (the wgmma and FA3 forms)
+#     hopper-cp-async  tests/test_gpu_hopper.py with RAWFLASH_FA3=0 (the backward's cp.async wgmma form too)
 #     bench-decode / bench-features   rawflash bench --decode / --features (DECODE_REPEATS, FEATURE_REPEATS)
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
 # TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
-# (float16 bfloat16 float32) the sanitizer step (SANITIZE_ONLY=decode or splitk: that part of its workload alone); TAR_TO=path packs every log into one archive at the end (for
+# (float16 bfloat16 float32) the sanitizer step (SANITIZE_ONLY=decode, splitk or fa3: that part of its workload alone); TAR_TO=path packs every log into one archive at the end (for
 # machines that return only a few files).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}
@@ -29,8 +30,11 @@ while [ $i -lt ${#steps[@]} ]; do
       RAWFLASH_WGMMA=0 python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 \
         | tee "$OUT/gpu_tests_mma.log" | tail -15 || status=1 ;;
     hopper)
-      python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_hopper.py 2>&1 | tee "$OUT/gpu_hopper.log" \
-        | tail -25 || status=1 ;;
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_hopper.py tests/test_gpu_fa3.py 2>&1 \
+        | tee "$OUT/gpu_hopper.log" | tail -25 || status=1 ;;
+    hopper-cp-async)
+      RAWFLASH_FA3=0 python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_hopper.py 2>&1 \
+        | tee "$OUT/gpu_hopper_cp_async.log" | tail -15 || status=1 ;;
     sanitize)
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
         compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize.py ${SANITIZE_DTYPES:-float16 bfloat16 float32} \

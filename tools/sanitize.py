@@ -84,12 +84,38 @@ def _splitk(dtype: str) -> None:
     rawflash.forward(q, k, v, causal=True, kernel="fa1")
 
 
+def _fa3_forms(q, k, v, causal: bool) -> None:
+    """On an H200: the cp.async wgmma forward, and FA3's with each of its switches flipped."""
+    from rawflash import cupy_backend
+
+    if cupy_backend.device_arch() != "sm_90":
+        return
+    if q.shape[-1] % 64 == 0 or q.shape[-1] <= 64:
+        rawflash.forward(q, k, v, causal=causal, warp_specialize=False)
+    for sw in ({"pingpong": False}, {"persistent": not causal}, {"overlap": False, "persistent": True}):
+        rawflash.forward(q, k, v, causal=causal, warp_specialize=True, **sw)
+
+
+def _fa3(dtype: str) -> None:
+    """FA3's forms alone (racecheck and synccheck of the whole workload are slow): forward with every switch,
+    backward, over ragged shapes, GQA and a grid with more tiles than SMs."""
+    if dtype == "float32":
+        return
+    for b, sq, sk, h, hk, d in ((1, 203, 113, 4, 2, 64), (2, 300, 1029, 4, 1, 128), (5, 700, 700, 12, 4, 96),
+                                (1, 129, 257, 2, 2, 256)):
+        for causal in (False, True):
+            q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
+            out, lse = rawflash.forward(q, k, v, causal=causal)
+            _fa3_forms(q, k, v, causal)
+            rawflash.backward(cupy.ones_like(q), q, k, v, out, lse, causal=causal)
+
+
 def main() -> None:
     dtypes = sys.argv[1:] or ["float16", "bfloat16", "float32"]
-    only = os.environ.get("SANITIZE_ONLY")  # 'decode' or 'splitk': that part alone (racecheck is slow)
+    only = os.environ.get("SANITIZE_ONLY")  # 'decode', 'splitk' or 'fa3': that part alone (racecheck is slow)
     if only:
         for dtype in dtypes:
-            {"decode": _decode, "splitk": _splitk}[only](dtype)
+            {"decode": _decode, "splitk": _splitk, "fa3": _fa3}[only](dtype)
             cupy.cuda.Device().synchronize()
             print(f"sanitize workload done: {only} {dtype}", flush=True)
         return
@@ -99,9 +125,10 @@ def main() -> None:
                 q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
                 for kernel in ("fa2", "fa1", "naive"):
                     out, lse = rawflash.forward(q, k, v, causal=causal, kernel=kernel)
-                if dtype != "float32":  # on an H200: the mma.sync forward, and the wgmma one without its overlap
+                if dtype != "float32":  # on an H200: the mma.sync forward, and the wgmma ones without their ideas
                     rawflash.forward(q, k, v, causal=causal, wgmma=False)
                     rawflash.forward(q, k, v, causal=causal, overlap=False)
+                    _fa3_forms(q, k, v, causal)
                 if d in (64, 128):
                     for sw in ({"split_q": False}, {"seq_parallel": False, "defer_norm": False}):
                         rawflash.forward(q, k, v, causal=causal, **sw)
@@ -122,6 +149,10 @@ def main() -> None:
                 cupy.cuda.Device().synchronize()
         _decode(dtype)
         print(f"sanitize workload done: {dtype}", flush=True)
+    os.environ["RAWFLASH_FA3"] = "0"  # this script's own process: the cp.async wgmma backward too
+    q, k, v = (cupy.asarray(x) for x in random_qkv(1, 70, 33, 2, 1, 128, "bfloat16"))
+    o, l = rawflash.forward(q, k, v, causal=True)
+    rawflash.backward(cupy.ones_like(q), q, k, v, o, l, causal=True)
     os.environ["RAWFLASH_WGMMA"] = "0"  # this script's own process: the mma.sync atomic-dQ backward too
     q, k, v = (cupy.asarray(x) for x in random_qkv(1, 70, 33, 2, 1, 128, "bfloat16"))
     o, l = rawflash.forward(q, k, v, causal=True, window=(8, 0), sinks=cupy.zeros(2, cupy.float32))

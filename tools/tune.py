@@ -1,6 +1,6 @@
 """Time candidate tile configurations on a GPU (the numbers behind rawflash/configs.py).
 
-    python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] [--which fwd,bwd,fwd_sm90,bwd_sm90]
+    python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] [--which fwd,bwd,fwd_sm90,fwd_fa3,bwd_sm90]
 
 Each candidate is passed as a tile-row override (nothing in configs.TABLE changes), validated on a small problem
 by flash-attn's rule, then its kernels alone are timed (bench.bound_call) on the FA2 paper's shape (B = 16384 / N,
@@ -34,10 +34,20 @@ CANDIDATES = {
     ("fa2_fwd_sm90", 128): [TileConfig(128, 128, 8), TileConfig(192, 64, 12), TileConfig(64, 96, 4, min_blocks=2),
                             TileConfig(128, 96, 8)],
     ("fa2_fwd_sm90", 256): [TileConfig(128, 64, 8), TileConfig(64, 64, 4), TileConfig(128, 32, 8)],
+    ("fa3_fwd_sm90", 64): [TileConfig(128, 128, 12, stages=2), TileConfig(192, 128, 16, stages=2),
+                           TileConfig(128, 176, 12, stages=2), TileConfig(192, 96, 16, stages=2),
+                           TileConfig(128, 128, 12, stages=3), TileConfig(192, 128, 16, stages=3)],
+    ("fa3_fwd_sm90", 128): [TileConfig(128, 128, 12, stages=2), TileConfig(128, 176, 12, stages=2),
+                            TileConfig(128, 160, 12, stages=2), TileConfig(128, 112, 12, stages=2),
+                            TileConfig(128, 128, 12, stages=3)],
+    ("fa3_fwd_sm90", 256): [TileConfig(128, 80, 12, stages=2), TileConfig(128, 64, 12, stages=2)],
     ("fa2_bwd_sm90", 64): [TileConfig(64, 128, 8)],
     ("fa2_bwd_sm90", 128): [TileConfig(64, 128, 8)],
 }
-IMPL = {"fwd": "rawflash-fa2-mma", "bwd": "rawflash-fa2", "fwd_sm90": "rawflash-fa2", "bwd_sm90": "rawflash-fa2"}
+# --which value -> (tile-row kernel, bench implementation that runs it)
+WHICH = {"fwd": ("fa2_fwd", "rawflash-fa2-mma"), "bwd": ("fa2_bwd", "rawflash-fa2"),
+         "fwd_sm90": ("fa2_fwd_sm90", "rawflash-fa2-wgmma"), "fwd_fa3": ("fa3_fwd_sm90", "rawflash-fa2"),
+         "bwd_sm90": ("fa2_bwd_sm90", "rawflash-fa2")}
 
 
 def valid(case: bench.Case, override: dict) -> str:
@@ -68,11 +78,11 @@ def main() -> None:
     ap.add_argument("--seqlen", default="4096", help="one or more, comma-separated")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--which", default="fwd,bwd")
+    ap.add_argument("--which", default="fwd,bwd", help=f"comma-separated, of {', '.join(WHICH)}")
     args = ap.parse_args()
     dims = [int(x) for x in args.head_dims.split(",")]
     for which in args.which.split(","):
-        kernel, direction = f"fa2_{which}", which.split("_")[0]
+        (kernel, impl), direction = WHICH[which], which.split("_")[0]
         for d in dims:
             key = (kernel, d, args.dtype)
             default = configs.TABLE.get(key)
@@ -81,7 +91,7 @@ def main() -> None:
             for cand in CANDIDATES.get((kernel, d), []):
                 override = {key: cand}
                 for n, causal in itertools.product((int(x) for x in args.seqlen.split(",")), (False, True)):
-                    case = bench.Case(IMPL[which], direction, args.dtype, 16384 // n, 2048 // d, 2048 // d, n, d,
+                    case = bench.Case(impl, direction, args.dtype, 16384 // n, 2048 // d, 2048 // d, n, d,
                                       causal)
                     try:
                         status = valid(case, override)
@@ -92,7 +102,7 @@ def main() -> None:
                     except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
                         tf, status = None, f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
                     print(f"{direction} d={d} N={n} causal={causal!s:5} Br={cand.br} Bc={cand.bc} warps={cand.warps} "
-                          f"minB={cand.min_blocks} ku={cand.kunroll}: "
+                          f"minB={cand.min_blocks} ku={cand.kunroll} st={cand.stages}: "
                           f"{'%.0f TFLOP/s' % tf if tf else status}{'  (current)' if cand == default else ''}",
                           flush=True)
 

@@ -1,0 +1,57 @@
+// fa3_fwd_sm90: the forward skeleton split by warpgroup role (fwd_kernel_ws) with FlashAttention-3's mainloop
+// (mainloop_fwd_sm90_ws.cuh: TMA copies by a producer warpgroup, BR/64 consumer warpgroups on wgmma, 16-bit,
+// sm_90a). A 1-d grid of query tiles (LinearTileScheduler), persistent or one tile per CTA; MASK / GENERAL select
+// the variant policy, OVERLAP is FA3's intra-warpgroup overlap, PINGPONG its inter-warpgroup schedule.
+#include "fwd.cuh"
+#include "mainloop_fwd_sm90_ws.cuh"
+
+namespace rf {
+
+// The forward skeleton of fwd.cuh split by warpgroup role (FA3's warp specialisation): a producer that only
+// copies and consumers that only compute walk the same tiles of the same scheduler, so their pipelines stay in
+// step without talking about tiles; BlockInfo, the variant policy and the epilogue are fwd.cuh's.
+template <class Mainloop, class Scheduler>
+__device__ __forceinline__ void fwd_kernel_ws(const FwdParams& p, const TmaFwd& tma) {
+  extern __shared__ __align__(16) char smem[];
+  const typename Mainloop::Smem sm(smem);
+  // ---- [fa3_fwd_sm90:setup] the pipelines' barriers, initialised once and visible to every warp and the TMA unit ----
+  if (threadIdx.x == 0) sm.init();
+  __syncthreads();  // the last CTA-wide barrier: from here on the roles meet only at mbarriers and named barriers
+  typename Mainloop::Pipes pipes;
+  Scheduler tiles;
+  if (Mainloop::is_producer()) {
+    // ---- [fa3_fwd_sm90:producer] Q_i, K_j, V_j of every tile of this CTA, as far ahead as the stages allow ----
+    if (!Mainloop::producer_start(tma) || !tiles.start(p)) return;
+    do {
+      const typename Mainloop::Pol::Info bi(p, tiles.b, tiles.h);
+      const int q0 = tiles.i * Mainloop::BR;
+      if (q0 >= bi.seqlen_q) continue;
+      Mainloop::produce(p, tma, bi, typename Mainloop::Pol(p, bi), q0, sm, pipes);
+    } while (tiles.advance(p));
+    return;
+  }
+  // ---- [fa3_fwd_sm90:consumers] Alg.1 l.4-13 on each tile: the mainloop, then the epilogue ----
+  Mainloop::consumer_start();
+  if (tiles.start(p)) do {
+      const typename Mainloop::Pol::Info bi(p, tiles.b, tiles.h);
+      const int q0 = tiles.i * Mainloop::BR;
+      if (q0 >= bi.seqlen_q) continue;
+      const typename Mainloop::Pol pol(p, bi);
+      typename Mainloop::State st;
+      Mainloop::consume(p, bi, pol, q0, sm, pipes, st);
+      Mainloop::store(p, bi, pol, q0, st);
+    } while (tiles.advance(p));
+  Mainloop::consumer_finish();
+}
+
+}  // namespace rf
+
+template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, bool OVERLAP, bool PINGPONG,
+          bool PERSISTENT, int SMEM_BYTES>
+__global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
+    fa3_fwd_sm90(const __grid_constant__ rf::FwdParams p, const __grid_constant__ rf::TmaFwd tma) {
+  using namespace rf;
+  using Mainloop = MainloopFwdSm90Ws<T, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>>;
+  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
+  fwd_kernel_ws<Mainloop, LinearTileScheduler<BR, PERSISTENT, GENERAL>>(p, tma);
+}

@@ -1,0 +1,217 @@
+// mainloop_bwd_sm90_ws: FA2's backward mainloop (Alg.2 l.6-16, atomic dQ) with FlashAttention-3's warp
+// specialisation, for float16 / bfloat16 and head_dim up to 128 (sm_90a). No Numba twin: mainloop_bwd_sm80's twin
+// computes the same results.
+//
+// A CTA owns key block K_j, V_j (BC = 64 keys per consumer warpgroup) of one kv head. Its producer warpgroup's
+// first warp copies K_j, V_j once with TMA, then streams Q_i, dO_i (TMA) and L_i, D_i (plain loads by its 32
+// lanes) of every (query head, query block) the policy says sees K_j into a ring of STAGES stages. The consumer
+// warpgroups compute exactly what mainloop_bwd_sm90's warpgroups do (S^T, dP^T, P^T, dS^T; dV, dK in registers;
+// dQ_i += dS K_j from dS^T in shared memory, reduced into float32 with vector atomics); they meet each other only
+// at one named barrier per step (every dS^T written), double-buffered so the next step's dS^T cannot overwrite one
+// still being read.
+#pragma once
+#include "mainloop_bwd_sm90.cuh"
+#include "tma.cuh"
+
+namespace rf {
+
+// The backward's tensor maps: q, k, v and dO (head_dim, rows, heads, batch), boxes of BR (q, dO) or BC rows.
+struct TmaBwd {
+  TmaDesc q, k, v, dout;
+};
+
+template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct MainloopBwdSm90Ws {
+  using T = T_;
+  using Pol = Pol_;
+  static constexpr int BR = BR_, BC = BC_, NWG = BC_ / 64, NTHREADS = (NWG + 1) * 128, NQ = BR_ / 8, DQN = D / NWG;
+  static constexpr int NO = D / 8;
+  static constexpr int ALIGN = 1024, KV = BC_ * D * 2, QB = BR_ * D * 2, DS = BC_ * BR_ * 2;
+  static constexpr int BARRIERS = 1 + 2 * STAGES;  // K_j, V_j full; per stage full and empty
+  // K_j, V_j; STAGES x (Q_i, dO_i); 2 x dS^T; STAGES x (L_i, D_i); the mbarriers
+  static constexpr int SMEM_BYTES = ALIGN + 2 * KV + 2 * STAGES * QB + 2 * DS + 2 * STAGES * BR_ * 4 + 8 * BARRIERS;
+  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+  static constexpr int DS_BARRIER = 1;  // named barrier of the consumer warpgroups: every dS^T is in shared memory
+  static_assert(NWG == 2 && BR_ == 64 && D % 64 == 0 && DQN % 32 == 0, "2 x 64 keys; dQ_i is one 64-row wgmma");
+  static_assert(DQN % 64 == 0 || 64 % DQN == 0, "column slices within panels");
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= 65536, "the register file");
+
+  struct State {
+    Acc<1, NO> dk, dv;
+  };
+  struct Smem {
+    u32 base;
+    float* lsd;  // STAGES x L_i, then STAGES x D_i
+    __device__ __forceinline__ explicit Smem(char* smem)
+        : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {
+      lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + 2 * KV + 2 * STAGES * QB + 2 * DS);
+    }
+    __device__ __forceinline__ Sw128<T, BC_, D> k() const { return {base}; }
+    __device__ __forceinline__ Sw128<T, BC_, D> v() const { return {base + KV}; }
+    __device__ __forceinline__ Sw128<T, BR_, D> q(int s) const { return {base + 2 * KV + s * QB}; }
+    __device__ __forceinline__ Sw128<T, BR_, D> dout(int s) const { return {base + 2 * KV + (STAGES + s) * QB}; }
+    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const {
+      return {base + 2 * KV + 2 * STAGES * QB + (it & 1) * DS};
+    }
+    __device__ __forceinline__ float* lse2(int s) const { return lsd + s * BR_; }
+    __device__ __forceinline__ float* delta(int s) const { return lsd + (STAGES + s) * BR_; }
+    __device__ __forceinline__ u32 bar(int i) const {
+      return base + 2 * KV + 2 * STAGES * QB + 2 * DS + 2 * STAGES * BR_ * 4 + 8 * i;
+    }
+    __device__ __forceinline__ u32 kv_full() const { return bar(0); }
+    __device__ __forceinline__ u32 full(int s) const { return bar(1 + s); }
+    __device__ __forceinline__ u32 empty(int s) const { return bar(1 + STAGES + s); }
+    // A stage is full when the copies' bytes have landed and the producer's 32 lanes have stored L_i, D_i (the
+    // first lane's expect_tx counts as one more arrival); empty when every consumer thread is done with it.
+    __device__ __forceinline__ void init() const {
+      mbar_init(kv_full(), 1);
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(full(s), 33);
+        mbar_init(empty(s), NWG * 128);
+      }
+      mbar_init_fence();
+    }
+  };
+
+  __device__ __forceinline__ static bool is_producer() { return warpgroup_id() == NWG; }
+  __device__ __forceinline__ static int key_row() { return 64 * warpgroup_id() + 16 * warp_in_group(); }
+
+  // ---------------------------------------------------------------- producer
+  __device__ __forceinline__ static bool producer_start(const TmaBwd& tma) {
+    regs_release<PRODUCER_REGS>();
+    if (warp_id() != 4 * NWG) return false;
+    if (lane_id() == 0) {
+      tma_prefetch_desc(tma.q);
+      tma_prefetch_desc(tma.k);
+      tma_prefetch_desc(tma.v);
+      tma_prefetch_desc(tma.dout);
+    }
+    return true;
+  }
+  __device__ __forceinline__ static void produce(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
+                                                 int k0, const QIter& walk, const Smem& sm) {
+    const int bq = p.cu_seqlens_q ? 0 : bi.b, bk = p.cu_seqlens_k ? 0 : bi.b;
+    // ---- [mainloop_bwd_sm90_ws:load_kv] Alg.2 l.6: K_j, V_j, once ----
+    if (lane_id() == 0) {
+      mbar_expect_tx(sm.kv_full(), 2 * KV);
+#pragma unroll
+      for (int c = 0; c < D; c += 64) {
+        tma_load_4d(tma.k, sm.k().base + c / 64 * Sw128<T, BC_, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
+        tma_load_4d(tma.v, sm.v().base + c / 64 * Sw128<T, BC_, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
+      }
+    }
+    // ---- [mainloop_bwd_sm90_ws:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i of every step into the next free stage ----
+    typename Pol::Info bh = bi;
+    PipeState<STAGES> pipe;
+#pragma unroll 1
+    for (int it = 0; it < walk.total; ++it, pipe.advance()) {
+      const int s = pipe.stage(), q0 = walk.block(it) * BR;
+      bh.set_head(p, walk.head(it));
+      mbar_wait(sm.empty(s), pipe.parity() ^ 1);
+      if (lane_id() == 0) {
+        mbar_expect_tx(sm.full(s), 2 * QB);
+#pragma unroll
+        for (int c = 0; c < D; c += 64) {
+          tma_load_4d(tma.q, sm.q(s).base + c / 64 * Sw128<T, BR_, D>::PANEL_BYTES, sm.full(s), c, bh.q_row0 + q0, bh.h, bq);
+          tma_load_4d(tma.dout, sm.dout(s).base + c / 64 * Sw128<T, BR_, D>::PANEL_BYTES, sm.full(s), c,
+                      bh.q_row0 + q0, bh.h, bq);
+        }
+      }
+      // rows past the sequence get L = D = 0 (their P and dS are zeroed by the consumers)
+      const int nq = min(BR, bh.seqlen_q - q0);
+#pragma unroll
+      for (int r = lane_id(); r < BR; r += 32) {
+        sm.lse2(s)[r] = r < nq ? p.lse2[bh.row0 + q0 + r] : 0.f;
+        sm.delta(s)[r] = r < nq ? p.delta[bh.row0 + q0 + r] : 0.f;
+      }
+      mbar_arrive(sm.full(s));
+    }
+  }
+
+  // ---------------------------------------------------------------- consumers
+  __device__ __forceinline__ static void consumer_start() { regs_claim<CONSUMER_REGS>(); }
+
+  __device__ __forceinline__ static void consume(const BwdParams& p, const typename Pol::Info& bi, Pol& pol, int k0,
+                                                 const QIter& walk, const Smem& sm, State& st) {
+    const int w = warpgroup_id(), kw = 64 * w, wk = key_row();
+    const auto sK = sm.k(), sV = sm.v();
+    typename Pol::Info bh = bi;
+    // ---- [mainloop_bwd_sm90_ws:init] Alg.2 l.7: dK_j = dV_j = 0; K_j, V_j have landed ----
+    zero(st.dk);
+    zero(st.dv);
+    if (walk.total > 0) mbar_wait(sm.kv_full(), 0);
+    PipeState<STAGES> pipe;
+#pragma unroll 1
+    for (int it = 0; it < walk.total; ++it, pipe.advance()) {
+      const int q0 = walk.block(it) * BR, s = pipe.stage();
+      const bool edge = walk.edge(it);
+      bh.set_head(p, walk.head(it));
+      if constexpr (Pol::GENERAL) pol.set_head(p, bh);
+      const auto sQ = sm.q(s), sdO = sm.dout(s);
+      const float *sL = sm.lse2(s), *sDelta = sm.delta(s);
+      mbar_wait(sm.full(s), pipe.parity());
+      // ---- [mainloop_bwd_sm90_ws:scores] Alg.2 l.9-10 and l.12: S^T = K_w Q_i^T and dP^T = V_w dO_i^T ----
+      Acc<1, NQ> sc, dp;
+      wgmma_fence();
+      wg_gemm_abt(sc, sK, kw, sQ, 0, false);
+      wgmma_commit();
+      wg_gemm_abt(dp, sV, kw, sdO, 0, false);
+      wgmma_commit();
+      // ---- [mainloop_bwd_sm90_ws:probs] Alg.2 l.10 and l.13: P^T and dS^T = P^T * (dP^T - D_i) ----
+      if constexpr (Pol::GENERAL) {
+        wgmma_wait<0>();
+        fence_operand(sc);
+        fence_operand(dp);
+        for_each2(sc, dp, [&](float& x, float& y, int row, int col) {
+          pol.template backward<T>(x, y, q0 + col, k0 + wk + row, sL[col], sDelta[col], edge);
+        });
+      } else {
+        wgmma_wait<1>();
+        fence_operand(sc);
+        if (edge) pol.mask_t(sc, k0 + wk, q0);
+        const float scale = pol.scale_log2;
+        for_each_col(sc, [&](float& x, int col) { x = exp2_<T>(fmaf(x, scale, -sL[col])); });
+        wgmma_wait<0>();
+        fence_operand(dp);
+        for_each2(sc, dp, [&](float& x, float& y, int, int col) { y = x * (y - sDelta[col]); });
+      }
+      // Rows past the sequence: the copies may have read a packed neighbour's rows (not zeros), so P = dS = 0.
+      if (q0 + BR > bh.seqlen_q) {
+        const int nq = bh.seqlen_q - q0;
+        for_each2(sc, dp, [&](float& x, float& y, int, int col) {
+          if (col >= nq) x = y = 0.f;
+        });
+      }
+      u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
+      to_a_operand<T>(p_a, sc);
+      to_a_operand<T>(ds_a, dp);
+      const auto sdS = sm.ds(it);
+      store_acc(sdS, dp, wk, 0);
+      fence_async_smem();
+      // ---- [mainloop_bwd_sm90_ws:dkdv] Alg.2 l.11 and l.15: dV_w += P^T dO_i, dK_w += dS^T Q_i ----
+      fence_operand(st.dk);
+      fence_operand(st.dv);
+      wgmma_fence();
+      wg_gemm_rb(st.dv, p_a, sdO, 0, 0);
+      wg_gemm_rb(st.dk, ds_a, sQ, 0, 0);
+      wgmma_commit();
+      // ---- [mainloop_bwd_sm90_ws:dq] Alg.2 l.14: dQ_i += scale * dS K_j, columns w*D/NWG.. from every dS^T ----
+      named_sync(DS_BARRIER, NWG * 128);
+      Acc<1, DQN / 8> dq;
+      wg_gemm_atb<BC>(dq, sdS, 0, sK, w * DQN, false);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operand(dq);
+      fence_operand(st.dk);
+      fence_operand(st.dv);
+      mbar_arrive(sm.empty(s));  // Q_i, dO_i, L_i, D_i of this stage are no longer read
+      reduce_dq(p, bh, dq, q0, w * DQN);
+    }
+  }
+
+  __device__ __forceinline__ static void store(const BwdParams& p, const typename Pol::Info& bi, int k0,
+                                               const State& st) {
+    store_dkdv<T>(p, bi, st.dk, st.dv, k0 + key_row(), 0);
+  }
+};
+
+}  // namespace rf

@@ -1,0 +1,87 @@
+// rawflash Hopper asynchrony verbs (sm_90a): tensor-memory-accelerator (TMA) copies, mbarrier pipelines, named
+// barriers between warpgroups and register reallocation. PTX ISA: "cp.async.bulk.tensor", "mbarrier",
+// "bar.sync / bar.arrive", "setmaxnreg".
+//
+// A TMA copy moves a whole box of a tensor (here: 64 columns x ROWS rows of one (batch, head) of q, k or v)
+// from global to shared memory with one instruction from one thread, described by a tensor map that the host
+// encodes (rawflash/tma.py, cuTensorMapEncodeTiled) and passes by value as a `__grid_constant__` parameter. With
+// the 128-byte swizzle the box lands in exactly the Sw128 layout of hopper.cuh (chunk c of row r at c ^ (r % 8)),
+// so wgmma reads it as it reads a cp.async tile. Out-of-bounds rows and columns are filled with zeros: that is
+// how a head_dim that is not a multiple of 64 runs without a padding copy in HBM.
+//
+// Completion is counted in bytes by an mbarrier: the producer arms it with the bytes it expects
+// (arrive.expect_tx) and the copies complete the phase; consumers wait for the phase's parity. A stage's
+// "empty" barrier is the way back: every consumer thread arrives after its last read of the stage.
+#pragma once
+#include "core.cuh"
+
+namespace rf {
+
+// The opaque 128-byte CUtensorMap of the driver API (cuda.h is a host header NVRTC does not have).
+struct alignas(128) TmaDesc {
+  u64 opaque[16];
+};
+// The forward's tensor maps, one kernel parameter: q, k and v as 4-d tensors (head_dim, rows, heads, batch).
+struct TmaFwd {
+  TmaDesc q, k, v;
+};
+
+// ---------------------------------------------------------------- mbarrier
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Make barrier initialisation visible to the async proxy (the TMA unit) before anyone uses them.
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Block until the phase of parity `parity` of the barrier has completed (a fresh barrier's phase "1" counts as
+// completed, so a producer's first wait on an empty barrier passes at once).
+__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
+  u32 done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+
+// A ring of STAGES buffers: stage s of use number n (n counts from 0 over the whole kernel) is n % STAGES and
+// its barriers' parity is (n / STAGES) & 1. Producer and consumers keep their own counters in step.
+template <int STAGES> struct PipeState {
+  int n = 0;
+  __device__ __forceinline__ int stage() const { return n % STAGES; }
+  __device__ __forceinline__ int parity() const { return (n / STAGES) & 1; }
+  __device__ __forceinline__ void advance() { ++n; }
+};
+
+// ---------------------------------------------------------------- TMA
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc& d) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)&d) : "memory");
+}
+// Box (c0.., c1.., c2, c3) of the tensor of `d` into shared memory at dst; completes `bytes` on bar.
+__device__ __forceinline__ void tma_load_4d(const TmaDesc& d, u32 dst, u32 bar, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+      ::"r"(dst), "l"((u64)&d), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+
+// ---------------------------------------------------------------- warpgroups
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads: sync waits for all, arrive only counts.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Give registers back (producer) or take them (consumers); every warp of a warpgroup runs the same one.
+template <int REGS> __device__ __forceinline__ void regs_release() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS> __device__ __forceinline__ void regs_claim() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+}  // namespace rf

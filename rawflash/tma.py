@@ -1,0 +1,118 @@
+"""Tensor maps for Hopper's TMA copies (cuda/tma.cuh), encoded on the host by the CUDA driver.
+
+A TMA copy is described by a 128-byte ``CUtensorMap`` that ``cuTensorMapEncodeTiled`` fills in from the tensor's
+address, sizes and strides, the box one copy moves and the shared-memory swizzle. The kernels take the forward's
+three maps as one ``__grid_constant__`` parameter (``TmaFwd``: q, k, v), the backward its four (``TmaBwd``: q, k, v,
+dO).
+
+The driver function is called through ``ctypes`` on ``libcuda``, the driver library CuPy has already loaded:
+one C function with plain integer and pointer arguments needs no binding package (``cuda-bindings`` would be a
+new dependency for one call), and its enums are written out below from ``cuda.h``.
+
+Every tensor is described as 4-d, (head_dim, rows, heads, batch) innermost first, strides in bytes; packed
+variable-length tensors are one "batch" of all their rows. A box is 64 columns (128 bytes: the 128-byte swizzle)
+by ``box_rows`` rows of one head of one sequence; columns past head_dim and rows past the tensor's end are filled
+with zeros, which is how a head_dim that is not a multiple of 64 runs with no padding copy.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+DATA_TYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+INTERLEAVE_NONE = 0
+SWIZZLE_128B = 3
+L2_PROMOTION_256B = 3
+OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements read as zero
+BOX_COLS = 64        # 128 bytes of 16-bit elements: one swizzle row
+MAX_BOX_ROWS = 256
+DESC_BYTES = 128
+
+FWD_DTYPE = np.dtype([("q", np.uint64, 16), ("k", np.uint64, 16), ("v", np.uint64, 16)])
+BWD_DTYPE = np.dtype([("q", np.uint64, 16), ("k", np.uint64, 16), ("v", np.uint64, 16), ("dout", np.uint64, 16)])
+
+
+class TmaUnavailable(ValueError):
+    """The tensor cannot be described by a tensor map (alignment, strides) or the driver refused it."""
+
+
+@functools.lru_cache(maxsize=1)
+def _encode_fn():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def layout_4d(x, packed: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(dims, byte strides of dims 1..3) of a (batch, rows, heads, d) or packed (total, heads, d) array.
+
+    TMA wants every stride a positive multiple of 16 bytes: a dimension of size 1 gets the next dimension's
+    extent as its (never used) stride; a zero or negative stride, or one off the 16-byte grid, raises
+    TmaUnavailable.
+    """
+    item = x.dtype.itemsize
+    if packed:
+        (rows, heads, d), (s_row, s_head, _) = x.shape, x.strides
+        batch, s_batch = 1, 0
+    else:
+        (batch, rows, heads, d), (s_batch, s_row, s_head, _) = x.shape, x.strides
+    if x.strides[-1] != item and d > 1:
+        raise TmaUnavailable("head_dim is not contiguous")
+    dims = (d, rows, heads, batch)
+    strides = []
+    for extent, stride in ((rows, s_row), (heads, s_head), (batch, s_batch)):
+        if extent == 1:
+            stride = -(-max(abs(stride), x.nbytes, 16) // 16) * 16
+        if stride <= 0 or stride % 16:
+            raise TmaUnavailable(f"a stride of {stride} bytes (TMA needs positive multiples of 16)")
+        strides.append(stride)
+    return dims, tuple(strides)
+
+
+def encode(x, box_rows: int, packed: bool) -> np.ndarray:
+    """The 16 quad-words of a tensor map of ``x`` (float16 / bfloat16, 4-d as ``layout_4d``) whose box is 64
+    columns by ``box_rows`` rows of one head, 128-byte swizzle, zero fill."""
+    dtype = str(x.dtype)
+    if dtype not in DATA_TYPE:
+        raise TmaUnavailable(f"TMA forms take float16 or bfloat16, got {dtype}")
+    if not 0 < box_rows <= MAX_BOX_ROWS:
+        raise TmaUnavailable(f"a box of {box_rows} rows (at most {MAX_BOX_ROWS})")
+    if x.data.ptr % 16:
+        raise TmaUnavailable("the base address is not 16-byte aligned")
+    dims, strides = layout_4d(x, packed)
+    buf = (ctypes.c_uint64 * (2 * DESC_BYTES // 8))()           # room to align the map to 128 bytes
+    addr = ctypes.addressof(buf)
+    aligned = -(-addr // DESC_BYTES) * DESC_BYTES
+    c_dims = (ctypes.c_uint64 * 4)(*dims)
+    c_strides = (ctypes.c_uint64 * 3)(*strides)
+    c_box = (ctypes.c_uint32 * 4)(BOX_COLS, box_rows, 1, 1)
+    c_elem = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    rc = _encode_fn()(aligned, DATA_TYPE[dtype], 4, x.data.ptr, c_dims, c_strides, c_box, c_elem, INTERLEAVE_NONE,
+                      SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZEROS)
+    if rc != 0:
+        raise TmaUnavailable(f"cuTensorMapEncodeTiled returned CUresult {rc} for dims {dims}, strides {strides}, "
+                             f"box (64, {box_rows})")
+    return np.frombuffer(ctypes.string_at(aligned, DESC_BYTES), dtype=np.uint64).copy()
+
+
+def fwd_maps(q, k, v, br: int, bc: int, packed: bool) -> np.ndarray:
+    """The forward's ``TmaFwd`` parameter: q in boxes of br rows, k and v in boxes of bc rows."""
+    rec = np.zeros(1, FWD_DTYPE)
+    rec["q"] = encode(q, br, packed)
+    rec["k"] = encode(k, bc, packed)
+    rec["v"] = encode(v, bc, packed)
+    return rec
+
+
+def bwd_maps(q, k, v, dout, br: int, bc: int, packed: bool) -> np.ndarray:
+    """The backward's ``TmaBwd`` parameter: q and dout in boxes of br rows, k and v in boxes of bc rows."""
+    rec = np.zeros(1, BWD_DTYPE)
+    for name, x, rows in (("q", q, br), ("k", k, bc), ("v", v, bc), ("dout", dout, br)):
+        rec[name] = encode(x, rows, packed)
+    return rec

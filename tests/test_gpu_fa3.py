@@ -1,0 +1,120 @@
+"""FA3's forms on an sm_90 GPU (fa3_fwd_sm90: TMA producer warpgroup, consumer warpgroups, ping-pong, persistent
+tiles; fa3_bwd_sm90: the same split for the backward's main pass), by flash-attn's rule against the float64 reference: ragged lengths, seqlen_q != seqlen_k both ways,
+MHA / GQA / MQA, causal both ways, head dims that are not a multiple of 64 (zero-filled by the copies), each of
+FA3's switches off in turn, grids with more tiles than SMs (the persistent loop), large logits, and agreement
+with the cp.async wgmma form. Features (windows, soft-capping, ALiBi, sinks, packed lengths) run through the
+default path in tests/test_gpu_features.py, which on an H200 is this form."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import rawflash
+from rawflash import forms, launch
+from test_gpu_kernels import check_backward, check_forward
+
+pytestmark = pytest.mark.gpu
+
+SEQLENS = [(1, 1), (3, 3), (17, 17), (64, 128), (113, 203), (127, 129), (203, 113), (1023, 1024), (128, 128),
+           (256, 512), (640, 129), (129, 640)]
+HEAD_DIMS = [40, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+HEADS = [(4, 4), (4, 2), (4, 1)]
+SWITCHES = {"default": {}, "no-pingpong": {"pingpong": False}, "no-overlap": {"overlap": False},
+            "persistent": {"persistent": True}, "not-persistent": {"persistent": False}}
+
+
+@pytest.fixture(autouse=True)
+def _needs_sm90():
+    from rawflash import cupy_backend
+
+    if cupy_backend.device_arch() != "sm_90":
+        pytest.skip("FA3's form is sm_90a code")
+
+
+def _cases():
+    out = []
+    combos = itertools.product(SEQLENS, ("float16", "bfloat16"), (False, True), SWITCHES)
+    for i, (sq, dtype, causal, sw) in enumerate(combos):
+        d, (h, hk) = HEAD_DIMS[i % len(HEAD_DIMS)], HEADS[(i // len(HEAD_DIMS)) % len(HEADS)]
+        out.append(pytest.param(*sq, h, hk, d, dtype, causal, sw,
+                                id=f"{dtype}-{'causal' if causal else 'full'}-{sq[0]}x{sq[1]}-d{d}-h{h}/{hk}-{sw}"))
+    for d, dtype, causal in itertools.product(HEAD_DIMS, ("float16", "bfloat16"), (False, True)):
+        out.append(pytest.param(203, 113, 4, 2, d, dtype, causal, "default",
+                                id=f"dims-{dtype}-{'causal' if causal else 'full'}-203x113-d{d}"))
+    return out
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal,sw", _cases())
+def test_fa3_forward(sq, sk, h, hk, d, dtype, causal, sw):
+    check_forward(2, sq, sk, h, hk, d, dtype, causal, "fa2", warp_specialize=True, **SWITCHES[sw])
+
+
+@pytest.mark.parametrize("sw", list(SWITCHES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa3_more_tiles_than_sms(sw, causal):
+    """5 x 12 heads x 9 query tiles = 540 tiles: each persistent CTA walks several, across heads and batches."""
+    p = launch.Problem(5, 1100, 1100, 12, 4, 128, "bfloat16", causal, "sm_90")
+    persistent = forms.fa2_forward(p, forms.Switches(**SWITCHES[sw])).template_args[9]
+    assert forms.fa2_forward(p, forms.Switches(**SWITCHES[sw])).ctas == (132 if persistent else 540)
+    check_forward(5, 1100, 1100, 12, 4, 128, "bfloat16", causal, "fa2", warp_specialize=True, **SWITCHES[sw])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fa3_large_logits_no_nan(dtype):
+    check_forward(1, 127, 129, 2, 2, 64, dtype, True, "fa2", scale=8.0, warp_specialize=True)
+    check_forward(1, 300, 1000, 2, 1, 128, dtype, False, "fa2", scale=8.0, warp_specialize=True)
+
+
+def test_fa3_and_cp_async_form_agree():
+    """Same inputs through FA3's form and the cp.async wgmma form: they differ only by rounding."""
+    import cupy
+
+    from conftest import random_qkv
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(2, 777, 1031, 8, 2, 128, "bfloat16", seed=4))
+    a, la = rawflash.forward(q, k, v, causal=True, warp_specialize=True)
+    b, lb = rawflash.forward(q, k, v, causal=True, warp_specialize=False)
+    diff = float(cupy.abs(a.astype(cupy.float32) - b.astype(cupy.float32)).max())
+    assert diff < 2e-2, f"the two wgmma forms' outputs differ by {diff}"
+    assert float(cupy.abs(la - lb).max()) < 1e-3
+    assert np.isfinite(cupy.asnumpy(a.astype(cupy.float32))).all()
+
+
+def test_fa3_strided_views():
+    """q, k, v as views into one packed qkv tensor (row stride 3 h d): the tensor maps take the strides as given."""
+    import cupy
+
+    from conftest import random_qkv
+
+    q, k, v = random_qkv(2, 300, 300, 4, 4, 128, "bfloat16", seed=6)
+    qkv = cupy.asarray(np.stack([q, k, v], axis=2))  # (b, s, 3, h, d)
+    qv, kv_, vv = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out, lse = rawflash.forward(qv, kv_, vv, causal=True, warp_specialize=True)
+    ref, _ = rawflash.forward(q, k, v, causal=True, warp_specialize=False)
+    assert float(cupy.abs(out.astype(cupy.float32) - cupy.asarray(ref).astype(cupy.float32)).max()) < 2e-2
+
+
+def _bwd_cases():
+    out = []
+    for i, (sq, dtype, causal) in enumerate(itertools.product(SEQLENS, ("float16", "bfloat16"), (False, True))):
+        d, (h, hk) = (40, 64, 80, 96, 128)[i % 5], HEADS[(i // 5) % len(HEADS)]
+        out.append(pytest.param(*sq, h, hk, d, dtype, causal,
+                                id=f"{dtype}-{'causal' if causal else 'full'}-{sq[0]}x{sq[1]}-d{d}-h{h}/{hk}"))
+    return out
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", _bwd_cases())
+def test_fa3_backward(sq, sk, h, hk, d, dtype, causal):
+    from rawflash import cupy_backend
+
+    p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
+    assert forms.backward_plan(p)[1].kernel == "fa3_bwd_sm90"
+    check_backward(2, sq, sk, h, hk, d, dtype, causal, False)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fa3_backward_long_gqa_causal(d):
+    """Many query blocks per key block and 4 query heads per kv head: a long walk through the stages."""
+    check_backward(1, 1000, 1500, 8, 2, d, "bfloat16", True, False, seed=3)
