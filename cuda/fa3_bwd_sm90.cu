@@ -30,7 +30,7 @@ template <class Mainloop> __device__ __forceinline__ void bwd_kernel_ws(const Bw
   // ---- [fa3_bwd_sm90:consumers] Alg.2 l.6-17: dK_j, dV_j over every (h, i), dQ_i on the way, then dK_j, dV_j out ----
   Mainloop::consumer_start();
   typename Mainloop::State st;
-  Mainloop::consume(p, bi, pol, k0, walk, sm, st);
+  Mainloop::consume(p, tma, bi, pol, k0, walk, sm, st);
   Mainloop::store(p, bi, k0, st);
 }
 

@@ -6,18 +6,20 @@
 // first warp copies K_j, V_j once with TMA, then streams Q_i, dO_i (TMA) and L_i, D_i (plain loads by its 32
 // lanes) of every (query head, query block) the policy says sees K_j into a ring of STAGES stages. The consumer
 // warpgroups compute exactly what mainloop_bwd_sm90's warpgroups do (S^T, dP^T, P^T, dS^T; dV, dK in registers;
-// dQ_i += dS K_j from dS^T in shared memory, reduced into float32 with vector atomics); they meet each other only
-// at one named barrier per step (every dS^T written), double-buffered so the next step's dS^T cannot overwrite one
-// still being read.
+// dQ_i += dS K_j from dS^T in shared memory); they meet each other only at one named barrier per step (every dS^T
+// written), double-buffered so the next step's dS^T cannot overwrite one still being read. Each warpgroup's slice
+// of dQ_i goes to shared memory (float32, double-buffered) and one thread adds it into the float32 dQ rows with a
+// TMA reduce-add, so the consumers issue no atomics of their own.
 #pragma once
 #include "mainloop_bwd_sm90.cuh"
 #include "tma.cuh"
 
 namespace rf {
 
-// The backward's tensor maps: q, k, v and dO (head_dim, rows, heads, batch), boxes of BR (q, dO) or BC rows.
+// The backward's tensor maps: q, k, v and dO (head_dim, rows, heads, batch), boxes of BR (q, dO) or BC rows;
+// dq: the float32 dQ rows (head_dim, rows), boxes of 32 columns by BR rows (128-byte swizzle).
 struct TmaBwd {
-  TmaDesc q, k, v, dout;
+  TmaDesc q, k, v, dout, dq;
 };
 
 template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct MainloopBwdSm90Ws {
@@ -25,12 +27,14 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   using Pol = Pol_;
   static constexpr int BR = BR_, BC = BC_, NWG = BC_ / 64, NTHREADS = (NWG + 1) * 128, NQ = BR_ / 8, DQN = D / NWG;
   static constexpr int NO = D / 8;
-  static constexpr int ALIGN = 1024, KV = BC_ * D * 2, QB = BR_ * D * 2, DS = BC_ * BR_ * 2;
+  static constexpr int ALIGN = 1024, KV = BC_ * D * 2, QB = BR_ * D * 2, DS = BC_ * BR_ * 2, DQB = BR_ * DQN * 4;
   static constexpr int BARRIERS = 1 + 2 * STAGES;  // K_j, V_j full; per stage full and empty
-  // K_j, V_j; STAGES x (Q_i, dO_i); 2 x dS^T; STAGES x (L_i, D_i); the mbarriers
-  static constexpr int SMEM_BYTES = ALIGN + 2 * KV + 2 * STAGES * QB + 2 * DS + 2 * STAGES * BR_ * 4 + 8 * BARRIERS;
+  // K_j, V_j; STAGES x (Q_i, dO_i); 2 x dS^T; 2 x NWG dQ_i slices; STAGES x (L_i, D_i); the mbarriers
+  static constexpr int SMEM_BYTES =
+      ALIGN + 2 * KV + 2 * STAGES * QB + 2 * DS + 2 * NWG * DQB + 2 * STAGES * BR_ * 4 + 8 * BARRIERS;
   static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
   static constexpr int DS_BARRIER = 1;  // named barrier of the consumer warpgroups: every dS^T is in shared memory
+  static constexpr int DQ_BARRIER = 2;  // + w: warpgroup w's dQ_i slice is in shared memory
   static_assert(NWG == 2 && BR_ == 64 && D % 64 == 0 && DQN % 32 == 0, "2 x 64 keys; dQ_i is one 64-row wgmma");
   static_assert(DQN % 64 == 0 || 64 % DQN == 0, "column slices within panels");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= 65536, "the register file");
@@ -43,7 +47,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     float* lsd;  // STAGES x L_i, then STAGES x D_i
     __device__ __forceinline__ explicit Smem(char* smem)
         : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {
-      lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + 2 * KV + 2 * STAGES * QB + 2 * DS);
+      lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + 2 * KV + 2 * STAGES * QB + 2 * DS +
+                     2 * NWG * DQB);
     }
     __device__ __forceinline__ Sw128<T, BC_, D> k() const { return {base}; }
     __device__ __forceinline__ Sw128<T, BC_, D> v() const { return {base + KV}; }
@@ -52,10 +57,14 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const {
       return {base + 2 * KV + 2 * STAGES * QB + (it & 1) * DS};
     }
+    // Warpgroup w's float32 dQ_i slice of step it: BR rows of DQN columns, row-major (the dq map's box).
+    __device__ __forceinline__ u32 dq(int w, int it) const {
+      return base + 2 * KV + 2 * STAGES * QB + 2 * DS + (2 * w + (it & 1)) * DQB;
+    }
     __device__ __forceinline__ float* lse2(int s) const { return lsd + s * BR_; }
     __device__ __forceinline__ float* delta(int s) const { return lsd + (STAGES + s) * BR_; }
     __device__ __forceinline__ u32 bar(int i) const {
-      return base + 2 * KV + 2 * STAGES * QB + 2 * DS + 2 * STAGES * BR_ * 4 + 8 * i;
+      return base + 2 * KV + 2 * STAGES * QB + 2 * DS + 2 * NWG * DQB + 2 * STAGES * BR_ * 4 + 8 * i;
     }
     __device__ __forceinline__ u32 kv_full() const { return bar(0); }
     __device__ __forceinline__ u32 full(int s) const { return bar(1 + s); }
@@ -84,6 +93,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       tma_prefetch_desc(tma.k);
       tma_prefetch_desc(tma.v);
       tma_prefetch_desc(tma.dout);
+      tma_prefetch_desc(tma.dq);
     }
     return true;
   }
@@ -130,8 +140,36 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   // ---------------------------------------------------------------- consumers
   __device__ __forceinline__ static void consumer_start() { regs_claim<CONSUMER_REGS>(); }
 
-  __device__ __forceinline__ static void consume(const BwdParams& p, const typename Pol::Info& bi, Pol& pol, int k0,
-                                                 const QIter& walk, const Smem& sm, State& st) {
+  // dQ_i's slice (columns w*DQN.., times the scale) from registers to this warpgroup's shared tile, then one thread
+  // adds the tile into the float32 dQ rows (rows past the sequence carry zeros: their dS is 0). The tile is cut
+  // into panels of 32 columns (128 bytes a row) with the 128-byte swizzle (16-byte chunk c of row r at c ^ r % 8),
+  // the layout the dq map's box reads, so a warp's stores of a row pair spread over every bank.
+  template <int NT>
+  __device__ __forceinline__ static void reduce_dq_tma(const BwdParams& p, const TmaBwd& tma, const Smem& sm,
+                                                       const typename Pol::Info& bh, const Acc<1, NT>& dq, int q0,
+                                                       int it) {
+    const int w = warpgroup_id(), g = lane_id() >> 2, t = lane_id() & 3, qr = 16 * warp_in_group();
+    const u32 tile = sm.dq(w, it);
+#pragma unroll
+    for (int y = 0; y < NT; ++y)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = qr + g + 8 * hh, col = 8 * y + 2 * t;  // col % 32 / 4 is the 16-byte chunk in the panel
+        const u32 at = tile + col / 32 * (BR_ * 128) + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(p.scale * dq.v[0][y][2 * hh]),
+                     "f"(p.scale * dq.v[0][y][2 * hh + 1]) : "memory");
+      }
+    fence_async_smem();
+    named_sync(DQ_BARRIER + w, 128);
+    if ((threadIdx.x & 127) == 0) {
+#pragma unroll
+      for (int c = 0; c < DQN; c += 32) tma_reduce_add_2d(tma.dq, tile + c / 32 * (BR_ * 128), w * DQN + c, (int)(bh.row0 + q0));
+      bulk_commit();
+    }
+  }
+
+  __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
+                                                 Pol& pol, int k0, const QIter& walk, const Smem& sm, State& st) {
     const int w = warpgroup_id(), kw = 64 * w, wk = key_row();
     const auto sK = sm.k(), sV = sm.v();
     typename Pol::Info bh = bi;
@@ -195,6 +233,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wg_gemm_rb(st.dk, ds_a, sQ, 0, 0);
       wgmma_commit();
       // ---- [mainloop_bwd_sm90_ws:dq] Alg.2 l.14: dQ_i += scale * dS K_j, columns w*D/NWG.. from every dS^T ----
+      // (the reduce-add of two steps ago has read its dQ tile before anyone passes the barrier and rewrites it)
+      if ((threadIdx.x & 127) == 0) bulk_wait_read<1>();
       named_sync(DS_BARRIER, NWG * 128);
       Acc<1, DQN / 8> dq;
       wg_gemm_atb<BC>(dq, sdS, 0, sK, w * DQN, false);
@@ -204,8 +244,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       fence_operand(st.dk);
       fence_operand(st.dv);
       mbar_arrive(sm.empty(s));  // Q_i, dO_i, L_i, D_i of this stage are no longer read
-      reduce_dq(p, bh, dq, q0, w * DQN);
+      reduce_dq_tma(p, tma, sm, bh, dq, q0, it);
     }
+    if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();  // shared memory outlives the last reduce-add's reads
   }
 
   __device__ __forceinline__ static void store(const BwdParams& p, const typename Pol::Info& bi, int k0,

@@ -68,6 +68,19 @@ __device__ __forceinline__ void tma_load_4d(const TmaDesc& d, u32 dst, u32 bar, 
       ::"r"(dst), "l"((u64)&d), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 
+// Box (c0.., c1..) of a 2-d float32 tensor += the shared-memory tile at src (row-major, no swizzle): the TMA unit
+// reads shared memory and adds into global memory atomically per element. Issued by one thread, then committed to
+// its bulk group; the tile may be overwritten once bulk_wait_read says the reads are done.
+__device__ __forceinline__ void tma_reduce_add_2d(const TmaDesc& d, u32 src, int c0, int c1) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];\n"
+               ::"l"((u64)&d), "r"(src), "r"(c0), "r"(c1) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// At most N of this thread's committed bulk groups still reading shared memory.
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
 // ---------------------------------------------------------------- warpgroups
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads: sync waits for all, arrive only counts.
 __device__ __forceinline__ void named_sync(int id, int threads) {

@@ -225,7 +225,7 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
     main = plan[1]
     if main.kernel == "fa3_bwd_sm90":
         try:
-            launches[1] = (main, (rec, tma.bwd_maps(q, k, v, do, main.config.br, main.config.bc, pr.varlen)))
+            launches[1] = (main, (rec, tma.bwd_maps(q, k, v, do, dq_ws, main.config.br, main.config.bc, pr.varlen)))
         except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: the wgmma form whose threads all copy
             main = forms.fa2_backward_main(pr, True, settings=env, override=override, warp_specialize=False)
             plan[1] = main

@@ -198,9 +198,9 @@ def smem_fa3_fwd_sm90(cfg: TileConfig, d: int) -> int:
 
 
 def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
-    """mainloop_bwd_sm90_ws.cuh SMEM_BYTES: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i); two dS^T;
-    `stages` x (L_i, D_i) float32; 1 + 2 stages mbarriers."""
-    return (1024 + (2 * cfg.bc + 2 * cfg.stages * cfg.br) * d * 2 + 2 * cfg.bc * cfg.br * 2
+    """mainloop_bwd_sm90_ws.cuh SMEM_BYTES: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i); two dS^T; two
+    float32 dQ_i tiles (all warpgroups' slices); `stages` x (L_i, D_i) float32; 1 + 2 stages mbarriers."""
+    return (1024 + (2 * cfg.bc + 2 * cfg.stages * cfg.br) * d * 2 + 2 * cfg.bc * cfg.br * 2 + 2 * cfg.br * d * 4
             + 2 * cfg.stages * cfg.br * 4 + 8 * (1 + 2 * cfg.stages))
 
 

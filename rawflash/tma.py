@@ -22,6 +22,7 @@ import functools
 import numpy as np
 
 DATA_TYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+FLOAT32 = 7                                # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 INTERLEAVE_NONE = 0
 SWIZZLE_128B = 3
 L2_PROMOTION_256B = 3
@@ -31,7 +32,8 @@ MAX_BOX_ROWS = 256
 DESC_BYTES = 128
 
 FWD_DTYPE = np.dtype([("q", np.uint64, 16), ("k", np.uint64, 16), ("v", np.uint64, 16)])
-BWD_DTYPE = np.dtype([("q", np.uint64, 16), ("k", np.uint64, 16), ("v", np.uint64, 16), ("dout", np.uint64, 16)])
+BWD_DTYPE = np.dtype([("q", np.uint64, 16), ("k", np.uint64, 16), ("v", np.uint64, 16), ("dout", np.uint64, 16),
+                      ("dq", np.uint64, 16)])
 
 
 class TmaUnavailable(ValueError):
@@ -75,9 +77,24 @@ def layout_4d(x, packed: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return dims, tuple(strides)
 
 
+def _encode(ptr: int, data_type: int, dims: tuple, strides: tuple, box: tuple, swizzle: int) -> np.ndarray:
+    """cuTensorMapEncodeTiled: the 16 quad-words of the map (zero fill, 256-byte L2 promotion)."""
+    rank = len(dims)
+    buf = (ctypes.c_uint64 * (2 * DESC_BYTES // 8))()           # room to align the map to 128 bytes
+    aligned = -(-ctypes.addressof(buf) // DESC_BYTES) * DESC_BYTES
+    rc = _encode_fn()(aligned, data_type, rank, ptr, (ctypes.c_uint64 * rank)(*dims),
+                      (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box),
+                      (ctypes.c_uint32 * rank)(*([1] * rank)), INTERLEAVE_NONE, swizzle, L2_PROMOTION_256B,
+                      OOB_FILL_ZEROS)
+    if rc != 0:
+        raise TmaUnavailable(f"cuTensorMapEncodeTiled returned CUresult {rc} for dims {dims}, strides {strides}, "
+                             f"box {box}")
+    return np.frombuffer(ctypes.string_at(aligned, DESC_BYTES), dtype=np.uint64).copy()
+
+
 def encode(x, box_rows: int, packed: bool) -> np.ndarray:
-    """The 16 quad-words of a tensor map of ``x`` (float16 / bfloat16, 4-d as ``layout_4d``) whose box is 64
-    columns by ``box_rows`` rows of one head, 128-byte swizzle, zero fill."""
+    """A tensor map of ``x`` (float16 / bfloat16, 4-d as ``layout_4d``) whose box is 64 columns by ``box_rows``
+    rows of one head, 128-byte swizzle, zero fill."""
     dtype = str(x.dtype)
     if dtype not in DATA_TYPE:
         raise TmaUnavailable(f"TMA forms take float16 or bfloat16, got {dtype}")
@@ -86,19 +103,16 @@ def encode(x, box_rows: int, packed: bool) -> np.ndarray:
     if x.data.ptr % 16:
         raise TmaUnavailable("the base address is not 16-byte aligned")
     dims, strides = layout_4d(x, packed)
-    buf = (ctypes.c_uint64 * (2 * DESC_BYTES // 8))()           # room to align the map to 128 bytes
-    addr = ctypes.addressof(buf)
-    aligned = -(-addr // DESC_BYTES) * DESC_BYTES
-    c_dims = (ctypes.c_uint64 * 4)(*dims)
-    c_strides = (ctypes.c_uint64 * 3)(*strides)
-    c_box = (ctypes.c_uint32 * 4)(BOX_COLS, box_rows, 1, 1)
-    c_elem = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
-    rc = _encode_fn()(aligned, DATA_TYPE[dtype], 4, x.data.ptr, c_dims, c_strides, c_box, c_elem, INTERLEAVE_NONE,
-                      SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZEROS)
-    if rc != 0:
-        raise TmaUnavailable(f"cuTensorMapEncodeTiled returned CUresult {rc} for dims {dims}, strides {strides}, "
-                             f"box (64, {box_rows})")
-    return np.frombuffer(ctypes.string_at(aligned, DESC_BYTES), dtype=np.uint64).copy()
+    return _encode(x.data.ptr, DATA_TYPE[dtype], dims, strides, (BOX_COLS, box_rows, 1, 1), SWIZZLE_128B)
+
+
+def encode_rows_f32(x, box_rows: int) -> np.ndarray:
+    """A tensor map of a contiguous float32 array of rows (..., head_dim) as 2-d (head_dim, rows): boxes of 32
+    columns (128 bytes, 128-byte swizzle) by ``box_rows`` rows; the backward's TMA reduce-add of dQ targets it."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous or x.shape[-1] % 4:
+        raise TmaUnavailable("dQ rows must be contiguous float32 with head_dim a multiple of 4")
+    d = x.shape[-1]
+    return _encode(x.data.ptr, FLOAT32, (d, x.size // d), (d * 4,), (32, box_rows), SWIZZLE_128B)
 
 
 def fwd_maps(q, k, v, br: int, bc: int, packed: bool) -> np.ndarray:
@@ -110,9 +124,11 @@ def fwd_maps(q, k, v, br: int, bc: int, packed: bool) -> np.ndarray:
     return rec
 
 
-def bwd_maps(q, k, v, dout, br: int, bc: int, packed: bool) -> np.ndarray:
-    """The backward's ``TmaBwd`` parameter: q and dout in boxes of br rows, k and v in boxes of bc rows."""
+def bwd_maps(q, k, v, dout, dq_ws, br: int, bc: int, packed: bool) -> np.ndarray:
+    """The backward's ``TmaBwd`` parameter: q and dout in boxes of br rows, k and v in boxes of bc rows, and the
+    float32 dQ rows dq_ws for the reduce-add."""
     rec = np.zeros(1, BWD_DTYPE)
     for name, x, rows in (("q", q, br), ("k", k, bc), ("v", v, bc), ("dout", dout, br)):
         rec[name] = encode(x, rows, packed)
+    rec["dq"] = encode_rows_f32(dq_ws, br)
     return rec

@@ -62,6 +62,10 @@ def test_the_parameter_is_three_128_byte_maps():
     assert tma.FWD_DTYPE.names == ("q", "k", "v")
 
 
+def test_the_backward_parameter_adds_the_dq_rows():
+    assert tma.BWD_DTYPE.itemsize == 5 * tma.DESC_BYTES and tma.BWD_DTYPE.names == ("q", "k", "v", "dout", "dq")
+
+
 def test_float32_and_oversized_boxes_are_refused_before_the_driver():
     with pytest.raises(tma.TmaUnavailable, match="float16 or bfloat16"):
         tma.encode(FakeArray((1, 8, 1, 64), "float32"), 64, False)
