@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa1_fwd(const __grid_
   const int split = blockIdx.z, splits = gridDim.z;
   const T *q = bi.template q<T>(p), *k = bi.template k<T>(p), *v = bi.template v<T>(p);
   float *o_ws = p.o_ws + bi.row0 * p.head_dim, *m_ws = p.m_ws + bi.row0, *l_ws = p.l_ws + bi.row0;
-  const Tile<T, BR, D> sQ[2] = {{(T*)smem}, {(T*)(smem + QT)}};
+  auto sQ = [&](int buf) { return Tile<T, BR, D>{(T*)(smem + buf * QT)}; };  // two Q buffers, alternating
   const Tile<T, BC, D> sK{(T*)(smem + 2 * QT)}, sV{(T*)(smem + 2 * QT + BC * D * sizeof(T))};
   const SK sk(smem + 2 * QT + 2 * BC * D * sizeof(T));
   const int tr = cdiv(bi.seqlen_q, BR), tc = cdiv(bi.seqlen_k, BC);
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa1_fwd(const __grid_
     load_tile<NTHREADS>(sV, v + k0 * p.v_ss, p.v_ss, nk, p.head_dim);
   };
   auto load_q = [&](int i, int buf) {
-    load_tile<NTHREADS>(sQ[buf], q + i * BR * p.q_ss, p.q_ss, min(BR, bi.seqlen_q - i * BR), p.head_dim);
+    load_tile<NTHREADS>(sQ(buf), q + i * BR * p.q_ss, p.q_ss, min(BR, bi.seqlen_q - i * BR), p.head_dim);
   };
   int j = 0, i = -1, buf = 0;
   advance(j, i);
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa1_fwd(const __grid_
         }
       }
       // ---- [fa1_fwd:block] Alg.1 l.9-10: S_ij, m~_ij, P~_ij, l~_ij and P~_ij V_j, keys split across warps ----
-      splitk_block<BR, BC, D, NWARPS>(sk, sQ[buf], sK, sV, pol, q0, k0, i < qb.lo_full || i >= qb.hi_full);
+      splitk_block<BR, BC, D, NWARPS>(sk, sQ(buf), sK, sV, pol, q0, k0, i < qb.lo_full || i >= qb.hi_full);
       __syncthreads();  // every warp's partials are in its slot; K_j, V_j and this Q buffer are free
       if (jn != j && jn < tc) {  // the next K block (and its first Q block) stream in while the warps merge
         load_kv(jn);

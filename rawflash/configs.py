@@ -137,6 +137,9 @@ ARCH_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
            for d in (96, 128) for dt in _16BIT},
         **{("fa2_bwd", d, "float32"): TileConfig(16, 32, 8, wc=4, why="sm_80: 163 KB per block; Br = 32 spills")
            for d in (192, 256)},
+        **{("fa1_fwd", 128, dt): TileConfig(16, 64, 4, min_blocks=2, why="73 KB: fits sm_86 / sm_89's 99 KB")
+           for dt in _16BIT},
+        **{("fa1_fwd", 192, dt): TileConfig(16, 64, 2, why="2 warps: 85 KB fits sm_86 / sm_89's 99 KB") for dt in _16BIT},
     },
 }
 
