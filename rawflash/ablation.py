@@ -273,14 +273,18 @@ def validate_rung(case: Case) -> tuple[bool, str]:
 
 
 def time_rung(case: Case, repeats: int) -> float:
-    """Median ms of one forward of the rung at ``case``'s shape (bench.time_ms: CUDA events, L2 flushed)."""
+    """Median ms of one forward of the rung at ``case``'s shape (bench.time_ms: CUDA events, L2 flushed);
+    MemoryError when its buffers (naive: its scores) would not fit (bench.fits)."""
     import cupy
 
     import rawflash
 
     r = rung(case.variant)
-    q, k, v, _ = bench.make_inputs(bench.Case("rawflash-fa2", "fwd", case.dtype, case.batch, case.heads, case.heads,
-                                              case.seqlen, case.head_dim, case.causal))
+    bcase = bench.Case("rawflash-naive" if r.kernel == "naive" else "rawflash-fa2", "fwd", case.dtype, case.batch,
+                       case.heads, case.heads, case.seqlen, case.head_dim, case.causal)
+    if not bench.fits(bcase, cupy.cuda.Device().mem_info[0]):
+        raise MemoryError("does not fit in memory")
+    q, k, v, _ = bench.make_inputs(bcase)
     try:
         return bench.time_ms(lambda: rawflash.forward(q, k, v, causal=case.causal, kernel=r.kernel, **r.kwargs),
                              repeats=repeats)
@@ -304,7 +308,10 @@ def run_ladder(all_cases: list[Case], repeats: int | None, step: Callable[[Case]
             if key not in verdicts:
                 verdicts[key] = validate_rung(case)
             ok, why = verdicts[key]
-            ms = time_rung(case, repeats) if ok else None
+            try:
+                ms = time_rung(case, repeats) if ok else None
+            except MemoryError as err:  # naive's N^2 scores at long N (CuPy's OutOfMemoryError is one too)
+                why = f"not timed: {str(err).splitlines()[0][:100]}"
         elif plan is not None:
             why = "not timed: needs a CUDA GPU"
         mb = predicted_bytes(r, p, plan)

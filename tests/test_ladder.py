@@ -97,8 +97,17 @@ def test_run_ladder_speedup_is_over_the_nearest_timed_rung_below(monkeypatch):
         return True, "ok"
 
     monkeypatch.setattr(ablation, "validate_rung", fake_validate)
-    monkeypatch.setattr(ablation, "time_rung", lambda case, repeats: flop_ms / speed[case.variant])
-    rows = ablation.run_ladder(ablation.ladder_cases("bfloat16", [64], [1024], False), repeats=3)
+    def fake_time(case, repeats):
+        if case.seqlen == 2048 and case.variant == "naive":
+            raise MemoryError("does not fit in memory")
+        return flop_ms / speed[case.variant] * case.seqlen / 1024  # same TFLOP/s at both lengths (B = 16384 / N)
+
+    monkeypatch.setattr(ablation, "time_rung", fake_time)
+    rows = ablation.run_ladder(ablation.ladder_cases("bfloat16", [64], [1024, 2048], False), repeats=3)
+    longer = {r["rung"]: r for r in rows if r["seqlen"] == 2048}
+    assert longer["naive"]["ms"] is None and longer["naive"]["status"] == "not timed: does not fit in memory"
+    assert longer["fa1"]["x_below"] is None and longer["fa2: loop order"]["vs"] == "fa1"
+    rows = [r for r in rows if r["seqlen"] == 1024]
     by = {r["rung"]: r for r in rows}
     assert [r["rung"] for r in rows] == [r.name for r in ablation.LADDER]
     assert by["naive"]["x_below"] is None
