@@ -557,12 +557,24 @@ class _SimulatorProgress:
 @click.option("--seqlens", default="1024,4096", show_default=True, callback=_csv_ints)
 @click.option("--causal/--no-causal", default=False, show_default=True, help="Bottom-right aligned causal mask.")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--ladder", is_flag=True, help="The climb from standard attention to FlashAttention-3 instead: naive, "
+                                             "fa1, FA2's ideas one at a time, wgmma, FA3's ideas (ladder.json, "
+                                             "ladder.png).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench/results", show_default=True)
 @json_option
-def ablate(dtype, head_dims, seqlens, causal, repeats, out_dir, as_json):
-    """FA2 forward with each of its three ideas off alone, and all three off (B = 16384/N, H = 2048/d). GPU only."""
+@click.pass_context
+def ablate(ctx, dtype, head_dims, seqlens, causal, repeats, ladder, out_dir, as_json):
+    """FA2 forward with each of its three ideas off alone, and all three off (B = 16384/N, H = 2048/d). GPU only.
+
+    --ladder: every rung of rawflash.ablation.LADDER on the same shapes, each validated, then timed, with its speedup
+    over the rung below and the HBM bytes 'rawflash io' predicts for it. Without a GPU it prints the rungs and the
+    predicted bytes, writes nothing and exits 1 (timing needs a GPU).
+    """
     from . import ablation
 
+    if ladder:
+        _ladder(ctx, ablation, dtype, head_dims, seqlens, causal, repeats, Path(out_dir), as_json)
+        return
     cases = ablation.cases(dtype, head_dims, seqlens, causal)
     _require_gpu("ablate", "'rawflash launch-config' and 'rawflash io' show the launches and bytes without one")
     with click.progressbar(length=len(cases), label=f"{len(cases)} cases", file=sys.stderr) as bar:
@@ -578,6 +590,36 @@ def ablate(dtype, head_dims, seqlens, causal, repeats, out_dir, as_json):
             introspect.add_note(r, "x_fa2: full fa2 was not timed at this shape")
     _emit({"ablation": rows, "wrote": [str(out / "ablation.json"),
                                         str(plot) if plot else "no plot: matplotlib is not installed"]}, as_json)
+
+
+def _ladder(ctx, ablation, dtype, head_dims, seqlens, causal, repeats, out: Path, as_json) -> None:
+    """ablate --ladder: predictions everywhere; validation, timing, ladder.json and ladder.png on a GPU."""
+    cases = ablation.ladder_cases(dtype, head_dims, seqlens, causal)
+    rungs = {r.name: {"runs": r.call, "changes": r.changes, "paper": r.claim} for r in ablation.LADDER}
+    gpu = sysinfo.gpu_available()
+    if gpu:
+        with click.progressbar(length=len(cases), label=f"{len(cases)} rungs x shapes", file=sys.stderr) as bar:
+            rows = ablation.run_ladder(cases, repeats, step=lambda _: bar.update(1))
+    else:
+        rows = ablation.run_ladder(cases, None)
+    for r in rows:
+        if r["ms"] is None:
+            introspect.add_note(r, r["status"])
+        elif r["x_below"] is None:
+            introspect.add_note(r, "x_below: no rung below was timed at this shape")
+        if r["hbm_MB"] is not None and r["kernel"] == "naive_softmax" and dtype == "bfloat16":
+            introspect.add_note(r, "hbm_MB leaves out the float32 copies of its bfloat16 products")
+    report = {"rungs": rungs, "ladder": rows}
+    if not gpu:
+        report["timing"] = ("not timed: needs a CUDA GPU and none is visible (cupy.cuda.is_available() is False); "
+                            "the bytes are rawflash io's predictions for each rung's own tiles")
+        _emit(report, as_json, hide=("status",))
+        ctx.exit(EXIT_FAILED)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ladder.json").write_text(json.dumps(rows, indent=1))
+    plot = ablation.plot_ladder(rows, out / "ladder.png")
+    report["wrote"] = [str(out / "ladder.json"), str(plot) if plot else "no plot: matplotlib is not installed"]
+    _emit(report, as_json, hide=("status",))
 
 
 @main.command()

@@ -80,11 +80,19 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     # float32 runs the same body with emulated mma (FMA + shuffles): one m-tile per warp, narrow key blocks.
     put("fa2_fwd", (32, 64, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low"))
     put("fa2_fwd", (256,), ("float32",), TileConfig(64, 16, 4, why="fp32 FMA path: O of 16 x 256 per warp"))
-    # Split-K (ablation and FA1): all warps share BR = 16*MT rows and take BC / warps = 16 keys each.
-    put("fa2_fwd_splitk", SPECIALISED_HEAD_DIMS, _16BIT, TileConfig(32, 64, 4, why="16 keys per warp, 2 m-tiles"))
-    put("fa2_fwd_splitk", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(32, 32, 2, why="fits 227 KB at d = 256"))
-    put("fa1_fwd", SPECIALISED_HEAD_DIMS, _16BIT, TileConfig(32, 64, 4, why="16 keys per warp, 2 m-tiles"))
-    put("fa1_fwd", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(32, 32, 2, why="fits 227 KB at d = 256"))
+    # Split-K (splitk.cuh): all warps share BR rows and take BC / warps keys each; per block every warp writes a
+    # partial O of BR x d float32 to its slot and reads a d / warps slice of all slots back, so shared traffic per
+    # FLOP is about 2.5 / (keys per warp) + 1 / BR bytes and the slots take warps x BR x d x 4 bytes. The ablation
+    # rows (FA2 without split-Q) keep 32+ keys per warp and several CTAs per SM with 2 warps; fa1 keeps flash-attn
+    # 1.x's steps (16 query rows, 4 warps, 256 keys at d <= 64 and 128 at d = 128).
+    put("fa2_fwd_splitk", (32, 64), _16BIT, TileConfig(32, 128, 2, min_blocks=4, why="64 keys per warp, 53 KB: 4 CTAs"))
+    put("fa2_fwd_splitk", (96, 128), _16BIT, TileConfig(32, 64, 2, min_blocks=3, why="32 keys per warp, 73 KB: 3 CTAs"))
+    put("fa2_fwd_splitk", (192, 256), _16BIT, TileConfig(16, 32, 2, min_blocks=2, why="O slice of 16 x 128 per warp"))
+    put("fa2_fwd_splitk", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(16, 32, 2, why="fp32 FMA path; 112 KB at d 256"))
+    put("fa1_fwd", (32, 64), _16BIT, TileConfig(16, 256, 4, min_blocks=2, why="flash-attn 1.x d<=64: 16 x 256 steps"))
+    put("fa1_fwd", (96, 128), _16BIT, TileConfig(16, 128, 4, min_blocks=2, why="flash-attn 1.x d=128: 16 x 128 steps"))
+    put("fa1_fwd", (192, 256), _16BIT, TileConfig(16, 64, 4, why="16 keys per warp; 145 KB at d = 256"))
+    put("fa1_fwd", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(16, 32, 2, why="fp32 FMA path; 129 KB at d = 256"))
     # fa2_bwd: 8 warps own 16 keys each; K_j, V_j of 128 keys stay in shared memory for the whole query loop.
     put("fa2_bwd", (32, 64), _16BIT, TileConfig(64, 128, 8, why="FA2 sm80 d<=64 shape"))
     put("fa2_bwd", (96,), _16BIT, TileConfig(64, 128, 8, why="H200 N=4096 d=128: 162/145 TF vs 146/132 at Br=32"))
@@ -144,6 +152,9 @@ ARCH_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
            for d in (96, 128) for dt in _16BIT},
         **{("fa2_bwd", d, "float32"): TileConfig(16, 32, 8, wc=4, why="sm_80: 163 KB per block; Br = 32 spills")
            for d in (192, 256)},
+        **{("fa1_fwd", 128, dt): TileConfig(16, 64, 4, min_blocks=2, why="73 KB: fits sm_86 / sm_89's 99 KB")
+           for dt in _16BIT},
+        **{("fa1_fwd", 192, dt): TileConfig(16, 64, 2, why="2 warps: 85 KB fits sm_86 / sm_89's 99 KB") for dt in _16BIT},
     },
 }
 

@@ -435,14 +435,15 @@ def io_shape(p: Problem) -> iomodel.Shape:
 def io_row(p: Problem, kernel: str, direction: str, tgt: Target) -> dict:
     """Bytes, FLOPs and the roofline bound of one (kernel, direction) with the tiles it runs with on ``p.arch``."""
     br, bc, runs = io_tiles(p, kernel, direction)
+    splits = forms.forward_plan(p, "fa1")[0].grid[2] if (kernel, direction) == ("fa1", "fwd") else 1
     if p.lengths:  # packed sequences: each sequence's bytes and FLOPs, summed
         reps = [iomodel.io_bytes(kernel, direction, io_shape(dataclasses.replace(p, batch=1, seqlen_q=sq, seqlen_k=sk)),
-                                 Br=br, Bc=bc) for sq, sk in p.lengths if sq and sk]
+                                 Br=br, Bc=bc, splits=splits) for sq, sk in p.lengths if sq and sk]
         rep = dataclasses.replace(reps[0], read_bytes=sum(r.read_bytes for r in reps),
                                   write_bytes=sum(r.write_bytes for r in reps), flops=sum(r.flops for r in reps),
                                   breakdown={k: sum(r.breakdown.get(k, 0) for r in reps) for k in reps[0].breakdown})
     else:
-        rep = iomodel.io_bytes(kernel, direction, io_shape(p), Br=br, Bc=bc)
+        rep = iomodel.io_bytes(kernel, direction, io_shape(p), Br=br, Bc=bc, splits=splits)
     row = {"kernel": kernel, "dir": direction, "runs": runs, "Br": br, "Bc": bc, "read_MB": rep.read_bytes / 1e6,
            "write_MB": rep.write_bytes / 1e6, "GFLOP": rep.flops / 1e9, "flop_per_byte": rep.intensity}
     if tgt.peaks is not None:

@@ -244,6 +244,9 @@ class TileCounts:
     k_rows_in_tiles, q_rows_in_tiles : int
         In-range K (or Q) rows summed over the computed tiles: what re-reading a K/V (or Q) block
         per computed tile moves, in rows.
+    k_rows_split_loads : int
+        In-range K rows loaded when the Q blocks are dealt to ``splits`` CTAs (block i to CTA i % splits) and
+        each CTA loads every K block one of its Q blocks visits (fa1's splits); ``k_rows_loaded`` for one split.
     """
 
     q_blocks: int
@@ -254,9 +257,10 @@ class TileCounts:
     k_rows_loaded: int
     k_rows_in_tiles: int
     q_rows_in_tiles: int
+    k_rows_split_loads: int = 0
 
 
-def tile_counts(seqlen_q, seqlen_k, Br, Bc, causal, window=(-1, -1)):
+def tile_counts(seqlen_q, seqlen_k, Br, Bc, causal, window=(-1, -1), splits=1):
     """Count the computed and skipped tiles and the rows they move, per (batch, head).
 
     Parameters
@@ -264,12 +268,14 @@ def tile_counts(seqlen_q, seqlen_k, Br, Bc, causal, window=(-1, -1)):
     seqlen_q, seqlen_k, Br, Bc : int
     causal : bool
     window : (int, int)
+    splits : int
+        CTAs that share the Q blocks of a (batch, head) (fa1's splits), for ``k_rows_split_loads``.
 
     Returns
     -------
     TileCounts
     """
-    Br, Bc = _positive_int("Br", Br), _positive_int("Bc", Bc)
+    Br, Bc, splits = _positive_int("Br", Br), _positive_int("Bc", Bc), _positive_int("splits", splits)
     per_q = visited_k_blocks(seqlen_q, seqlen_k, Br, Bc, causal, window)
     per_k = visited_q_blocks(seqlen_q, seqlen_k, Br, Bc, causal, window)
     computed = sum(len(r) for r in per_q)
@@ -279,7 +285,9 @@ def tile_counts(seqlen_q, seqlen_k, Br, Bc, causal, window=(-1, -1)):
         q_rows_loaded=sum(_span_rows(range(i, i + 1), seqlen_q, Br) for i, r in enumerate(per_q) if r),
         k_rows_loaded=sum(_span_rows(range(j, j + 1), seqlen_k, Bc) for j, r in enumerate(per_k) if r),
         k_rows_in_tiles=sum(_span_rows(r, seqlen_k, Bc) for r in per_q),
-        q_rows_in_tiles=sum(_span_rows(r, seqlen_q, Br) for r in per_k))
+        q_rows_in_tiles=sum(_span_rows(r, seqlen_q, Br) for r in per_k),
+        k_rows_split_loads=sum(min(splits, len(r)) * _span_rows(range(j, j + 1), seqlen_k, Bc)
+                               for j, r in enumerate(per_k)))
 
 
 def visible_blocks(seqlen_q, seqlen_k, Br, Bc, causal, window=(-1, -1)):
@@ -380,12 +388,13 @@ def _naive_bwd(s, _):
 
 
 def _fa1_fwd(s, t):
-    """FA1 Algorithm 1; O, l, m live in float32 work buffers in HBM."""
+    """FA1 Algorithm 1; O, l, m live in float32 work buffers in HBM; each of the splits that share a head's Q
+    blocks reads the K blocks its Q blocks see."""
     bh, row, f32_row = s.batch * s.heads, s.head_dim * s.itemsize, s.head_dim * F32
     state = f32_row + 2 * F32  # O_i, l_i, m_i of one row
     return [
         ("O,l,m initialised (float32)", 0, bh * s.seqlen_q * state),
-        ("K_j,V_j read once per K block", bh * 2 * t.k_rows_loaded * row, 0),
+        ("K_j,V_j read once per K block and split", bh * 2 * t.k_rows_split_loads * row, 0),
         ("Q_i re-read per K block", bh * t.q_rows_in_tiles * row, 0),
         ("O_i,l_i,m_i read per K block (float32)", bh * t.q_rows_in_tiles * state, 0),
         ("O_i,l_i,m_i written per K block (float32)", 0, bh * t.q_rows_in_tiles * state),
@@ -445,7 +454,7 @@ def _check_direction(direction):
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
 
 
-def io_bytes(kernel, direction, shape, *, Br=None, Bc=None):
+def io_bytes(kernel, direction, shape, *, Br=None, Bc=None, splits=1):
     """Predict the HBM bytes and FLOPs of one kernel call.
 
     Parameters
@@ -456,6 +465,9 @@ def io_bytes(kernel, direction, shape, *, Br=None, Bc=None):
     shape : Shape
     Br, Bc : int, optional
         Tile sizes, required for 'fa1' and 'fa2' (take them from ``rawflash.configs``); ignored for 'naive'.
+    splits : int
+        'fa1' 'fwd': the CTAs that share the Q blocks of a (batch, head) (its launch's grid z,
+        ``launch.fa1_splits``); each reads the K/V blocks its Q blocks see. Ignored elsewhere.
 
     Returns
     -------
@@ -468,7 +480,8 @@ def io_bytes(kernel, direction, shape, *, Br=None, Bc=None):
     if kernel != "naive":
         if Br is None or Bc is None:
             raise ValueError(f"kernel {kernel!r} needs the tile sizes Br and Bc, got Br={Br!r}, Bc={Bc!r}")
-        tiles = tile_counts(shape.seqlen_q, shape.seqlen_k, Br, Bc, shape.causal, shape.window)
+        tiles = tile_counts(shape.seqlen_q, shape.seqlen_k, Br, Bc, shape.causal, shape.window,
+                            splits if (kernel, direction) == ("fa1", "fwd") else 1)
     else:
         Br = Bc = None
     terms = _TERMS[kernel, direction](shape, tiles)

@@ -176,14 +176,14 @@ def _elementwise(kernel: str, source: str, dtype: str, n: int) -> Launch:
 
 # ---------------------------------------------------------------- shared memory (mirrors the mainloops' SMEM_BYTES)
 def splitk_bytes(br: int, d: int, warps: int) -> int:
-    """splitk.cuh SplitK::BYTES: red_max, red_sum (warps x BR), acc (BR x D), alpha, beta (BR), float32."""
-    return (2 * warps * br + br * d + 2 * br) * 4
+    """splitk.cuh SplitK::BYTES: each warp's slot of partial O (BR x D), row max and row sum (BR), float32."""
+    return (warps * br * d + 2 * warps * br) * 4
 
 
 def smem_fa2_fwd(cfg: TileConfig, d: int, itemsize: int, split_q: bool = True) -> int:
-    """Q_i, K_j, V_j; with split-K also its buffers and the running O, m, l (float32)."""
+    """Q_i, K_j, V_j; with split-K also the warps' slots (the running O, m, l stay in registers)."""
     tiles = (cfg.br + 2 * cfg.bc) * d * itemsize
-    return tiles if split_q else tiles + splitk_bytes(cfg.br, d, cfg.warps) + (cfg.br * d + 2 * cfg.br) * 4
+    return tiles if split_q else tiles + splitk_bytes(cfg.br, d, cfg.warps)
 
 
 def smem_fa2_fwd_sm90(cfg: TileConfig, d: int) -> int:
@@ -205,7 +205,25 @@ def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
 
 
 def smem_fa1_fwd(cfg: TileConfig, d: int, itemsize: int) -> int:
-    return (cfg.br + 2 * cfg.bc) * d * itemsize + splitk_bytes(cfg.br, d, cfg.warps)
+    """Two Q_i buffers, K_j, V_j and the split-K slots."""
+    return (2 * cfg.br + 2 * cfg.bc) * d * itemsize + splitk_bytes(cfg.br, d, cfg.warps)
+
+
+FA1_MAX_SPLITS = 30  # flash-attn 1.x's cap on num_splits
+
+
+def fa1_splits(p: Problem, cfg: TileConfig, sms: int | None = None) -> int:
+    """How many CTAs share the query blocks of one (batch, head) in fa1_fwd: flash-attn 1.x's num_splits heuristic
+    (num_splits_heuristic_fwd). With w(s) = batch * heads * s / (sms * CTAs per SM) waves, the efficiency of s splits
+    is w / ceil(w); the smallest s within 95 % of the best one up to min(30, query blocks). CTAs per SM: what shared
+    memory and the row's ``min_blocks`` both allow. ``sms``: the GPU's multiprocessors (default ``p.sms``)."""
+    smem = smem_fa1_fwd(cfg, p.padded_head_dim, p.itemsize)
+    per_sm = max(1, min(cfg.min_blocks, 233472 // (smem + 1024), 2048 // cfg.threads))
+    most = max(1, min(FA1_MAX_SPLITS, cdiv(p.seqlen_q, cfg.br)))
+    slots = (p.sms if sms is None else sms) * per_sm
+    eff = [(p.batch * p.heads * s / slots) / cdiv(p.batch * p.heads * s, slots) for s in range(1, most + 1)]
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, start=1) if e > 0.95 * best)
 
 
 def smem_fa2_bwd(cfg: TileConfig, d: int, itemsize: int, atomic_dq: bool) -> int:
@@ -278,14 +296,15 @@ def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong:
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
 
-def fa1_fwd(p: Problem, cfg: TileConfig) -> Launch:
-    """FA1 forward: one CTA per (head, batch)."""
+def fa1_fwd(p: Problem, cfg: TileConfig, sms: int | None = None) -> Launch:
+    """FA1 forward: one CTA per (head, batch, split) (``fa1_splits``)."""
     d = p.padded_head_dim
     smem = smem_fa1_fwd(cfg, d, p.itemsize)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, p.mask, smem)
     if p.batch > MAX_GRID_YZ:
         raise ValueError(f"fa1_fwd: batch must be at most {MAX_GRID_YZ}, got {p.batch}")
-    return Launch("fa1_fwd", "fa1_fwd.cu", args, (p.heads, p.batch, 1), (cfg.threads, 1, 1), smem, cfg)
+    return Launch("fa1_fwd", "fa1_fwd.cu", args, (p.heads, p.batch, fa1_splits(p, cfg, sms)), (cfg.threads, 1, 1),
+                  smem, cfg)
 
 
 def fa1_finalize(p: Problem) -> Launch:

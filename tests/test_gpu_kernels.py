@@ -105,6 +105,28 @@ def test_ablation_variants_are_exact(switch, d, causal):
     check_forward(1, 129, 257, 2, 1, d, "float16", causal, "fa2", **switches)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_k_float32(d, causal):
+    """The split-K partition (split_q=False) on the float32 FMA path, with and without the other two ideas."""
+    check_forward(2, 203, 113, 4, 2, d, "float32", causal, "fa2", split_q=False)
+    check_forward(1, 129, 257, 2, 1, d, "float32", causal, "fa2", split_q=False, seq_parallel=False, defer_norm=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,sq,sk,d", [(2, 333, 301, 64), (132, 200, 301, 128), (264, 64, 1030, 128),
+                                           (3, 1000, 40, 96)])
+def test_fa1_splits(heads, sq, sk, d, dtype, causal):
+    """fa1's query blocks dealt to its splits (launch.fa1_splits): one block per split and key block, several, one
+    split per head, and causal rows that see no key."""
+    from rawflash import forms, launch
+
+    p = launch.Problem(1, sq, sk, heads, heads, d, dtype, causal)
+    assert forms.forward_plan(p, "fa1")[0].grid[2] == launch.fa1_splits(p, forms.forward_plan(p, "fa1")[0].config)
+    check_forward(1, sq, sk, heads, heads, d, dtype, causal, "fa1")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_large_logits_no_nan(dtype):
     """Inputs scaled by 8 give logits of hundreds: no overflow, no NaN, still within the rule."""

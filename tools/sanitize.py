@@ -78,10 +78,16 @@ def _decode(dtype: str) -> None:
 
 def _splitk(dtype: str) -> None:
     """FA1's split-K partition in fa2_fwd (split_q=False) with a serial grid, causal with seqlen_q - seqlen_k >= 32:
-    tiles that see no key block, then a tile that does, reuse the Q buffer."""
+    tiles that see no key block, then a tile that does, reuse the Q buffer; fa1 with one query block per split
+    (2 heads: 13 splits of 13 blocks), and with several per split and key block (132 heads: 2 splits), so both of
+    its prefetch paths (the next Q block of K_j, the first of K_j+1) run."""
     q, k, v = (cupy.asarray(x) for x in random_qkv(1, 200, 33, 2, 1, 64, dtype))  # rows < 167 see no key
     rawflash.forward(q, k, v, causal=True, split_q=False, seq_parallel=False, defer_norm=False)
     rawflash.forward(q, k, v, causal=True, kernel="fa1")
+    q, k, v = (cupy.asarray(x) for x in random_qkv(1, 200, 301, 132, 132, 64, dtype))
+    for causal in (False, True):
+        rawflash.forward(q, k, v, causal=causal, kernel="fa1")
+        rawflash.forward(q, k, v, causal=causal, split_q=False)
 
 
 def _fa3_forms(q, k, v, causal: bool) -> None:
