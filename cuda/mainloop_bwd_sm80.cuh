@@ -100,9 +100,7 @@ struct MainloopBwdSm80 {
       zero(ds);
       gemm_abt<MTK, NQ, D, KUNROLL>(ds, sV, kw, sdO, 0);
       // ---- [mainloop_bwd_sm80:probs] Alg.2 l.10 and l.13: P^T = exp2(S^T - L), dS^T = P^T * (dP^T - D) ----
-      for_each2(pp, ds, [&](float& x, float& y, int row, int col) {
-        pol.template backward<T>(x, y, q0 + col, k0 + kw + row, sL[col], sDelta[col], edge);
-      });
+      pol.template backward_tile<T, true>(pp, ds, q0, k0 + kw, sL, sDelta, edge);
       // ---- [mainloop_bwd_sm80:dkdv] Alg.2 l.11 and l.15: dV_j += P^T dO_i, dK_j += dS^T Q_i (scale at the end) ----
       gemm_rb<MTK, DW / 8, NQ / 2>(st.dv, pp, sdO, 0, dc);
       gemm_rb<MTK, DW / 8, NQ / 2>(st.dk, ds, sQ, 0, dc);
