@@ -15,26 +15,26 @@ template <int MT_, int NT_> struct Acc {
   float v[MT_][NT_][4];
 };
 
-// f(x, row, col) for every element, row and col relative to the warp tile's first row and column.
-template <int MT, int NT, class F> __device__ __forceinline__ void for_each(Acc<MT, NT>& a, F f) {
+// f(i, j, e, row, col) for every element v[i][j][e] a thread holds, at (row, col) of the warp tile (C layout).
+// Every element-wise walk below is this one loop nest (a walk over column pairs takes the even e).
+template <int MT, int NT, class F> __device__ __forceinline__ void for_each_index(F f) {
   const int g = lane_id() >> 2, t = lane_id() & 3;
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) f(a.v[i][j][e], 16 * i + g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1));
+      for (int e = 0; e < 4; ++e) f(i, j, e, 16 * i + g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1));
+}
+
+// f(x, row, col) for every element, row and col relative to the warp tile's first row and column.
+template <int MT, int NT, class F> __device__ __forceinline__ void for_each(Acc<MT, NT>& a, F f) {
+  for_each_index<MT, NT>([&](int i, int j, int e, int row, int col) { f(a.v[i][j][e], row, col); });
 }
 
 // f(x, y, row, col) for every pair of elements at the same place in two tiles of one shape (P and dS).
 template <int MT, int NT, class F> __device__ __forceinline__ void for_each2(Acc<MT, NT>& a, Acc<MT, NT>& b, F f) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) f(a.v[i][j][e], b.v[i][j][e], 16 * i + g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1));
+  for_each_index<MT, NT>([&](int i, int j, int e, int row, int col) { f(a.v[i][j][e], b.v[i][j][e], row, col); });
 }
 
 // f(x, r) for every element, r the thread's row index (2i + e/2) into per-row arrays.

@@ -8,6 +8,7 @@
 #include "params.cuh"
 #include "policy.cuh"
 #include "scheduler.cuh"
+#include "sm80.cuh"
 
 namespace rf {
 
@@ -21,7 +22,36 @@ struct QIter {
   __device__ __forceinline__ int head(int it) const { return h0 + it / n; }
   __device__ __forceinline__ int block(int it) const { return qb.block(it % n); }
   __device__ __forceinline__ bool edge(int it) const { return qb.is_edge(it % n); }
+  // Iteration it's first query row; bh (and the general policy's per-head state) moved to its query head.
+  template <int BR, class Pol>
+  __device__ __forceinline__ int enter(const BwdParams& p, int it, typename Pol::Info& bh, Pol& pol) const {
+    bh.set_head(p, head(it));
+    if constexpr (Pol::GENERAL) pol.set_head(p, bh);
+    return block(it) * BR;
+  }
 };
+
+// The verbs every backward mainloop shares (mma.sync and wgmma alike: load_tile and store_rows take either tile).
+// Alg.2 l.6-7: K_j, V_j of the key block at k0 into shared memory, one cp.async group.
+template <int NTHREADS, int BC, typename T, class Info, class KTile>
+__device__ __forceinline__ void load_key_block(const BwdParams& p, const Info& bi, int k0, const KTile& sK,
+                                               const KTile& sV) {
+  const int nk = min(BC, bi.seqlen_k - k0);
+  load_tile<NTHREADS>(sK, bi.template k<T>(p) + k0 * p.k_ss, p.k_ss, nk, p.head_dim);
+  load_tile<NTHREADS>(sV, bi.template v<T>(p) + k0 * p.v_ss, p.v_ss, nk, p.head_dim);
+  cp_async_commit();
+}
+
+// Alg.2 l.17: dK_j (times scale) and dV_j of the rows kr.. and columns c0.. a thread holds.
+template <typename T, class Info, int MT, int NT>
+__device__ __forceinline__ void store_dkdv(const BwdParams& p, const Info& bi, const Acc<MT, NT>& dk,
+                                           const Acc<MT, NT>& dv, int kr, int c0) {
+  float fk[2 * MT], fv[2 * MT];
+#pragma unroll
+  for (int r = 0; r < 2 * MT; ++r) { fk[r] = p.scale; fv[r] = 1.f; }
+  store_rows<T>(bi.template k_like<T>(p.dk, p.dk_sb, p.dk_ss, p.dk_sh), p.dk_ss, dk, fk, kr, c0, bi.seqlen_k, p.head_dim);
+  store_rows<T>(bi.template k_like<T>(p.dv, p.dv_sb, p.dv_ss, p.dv_sh), p.dv_ss, dv, fv, kr, c0, bi.seqlen_k, p.head_dim);
+}
 
 template <class Mainloop> __device__ __forceinline__ void bwd_kernel(const BwdParams& p) {
   using Pol = typename Mainloop::Pol;

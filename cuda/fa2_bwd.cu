@@ -110,10 +110,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa2_bwd_dq(const __gr
     gemm_abt<MT, NT, D, KUNROLL>(pp, sQ, wq, sK, 0);
     zero(ds);
     gemm_abt<MT, NT, D, KUNROLL>(ds, sdO, wq, sV, 0);
-    for_each2(pp, ds, [&](float& x, float& y, int row, int col) {
-      const int r = wq + row;
-      pol.template backward<T>(x, y, q0 + r, k0 + col, sL[r], sDelta[r], edge);
-    });
+    pol.template backward_tile<T, false>(pp, ds, q0 + wq, k0, sL + wq, sDelta + wq, edge);
     gemm_rb<MT, D / 8, NT / 2>(acc, ds, sK, 0, 0);
     __syncthreads();  // every warp is done with K_j, V_j before the next block overwrites them
   }

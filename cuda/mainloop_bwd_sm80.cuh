@@ -62,10 +62,7 @@ struct MainloopBwdSm80 {
     float* const sDelta0 = sL0 + 2 * BR;
     typename Pol::Info bh = bi;                                              // the iteration's query head
     // ---- [mainloop_bwd_sm80:load_kv] Alg.2 l.6-7: K_j, V_j to shared memory once; dK_j = dV_j = 0 ----
-    const int nk = min(BC, bi.seqlen_k - k0);
-    load_tile<NTHREADS>(sK, bi.template k<T>(p) + k0 * p.k_ss, p.k_ss, nk, p.head_dim);
-    load_tile<NTHREADS>(sV, bi.template v<T>(p) + k0 * p.v_ss, p.v_ss, nk, p.head_dim);
-    cp_async_commit();
+    load_key_block<NTHREADS, BC, T>(p, bi, k0, sK, sV);
     zero(st.dk);
     zero(st.dv);
     auto issue = [&](int it) {  // start loading iteration it's Q_i, dO_i, L_i, D_i into stage it % 2
@@ -79,10 +76,8 @@ struct MainloopBwdSm80 {
     };
     if (walk.total > 0) issue(0);
     for (int it = 0; it < walk.total; ++it) {
-      const int q0 = walk.block(it) * BR, stage = it & 1;
+      const int q0 = walk.enter<BR>(p, it, bh, pol), stage = it & 1;
       const bool edge = walk.edge(it);
-      bh.set_head(p, walk.head(it));
-      if constexpr (Pol::GENERAL) pol.set_head(p, bh);
       const Tile<T, BR, D> sQ{sQ0 + stage * BR * D}, sdO{sdO0 + stage * BR * D};
       const float *sL = sL0 + stage * BR, *sDelta = sDelta0 + stage * BR;
       // ---- [mainloop_bwd_sm80:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i; the next block's stream in behind them ----
@@ -100,9 +95,7 @@ struct MainloopBwdSm80 {
       zero(ds);
       gemm_abt<MTK, NQ, D, KUNROLL>(ds, sV, kw, sdO, 0);
       // ---- [mainloop_bwd_sm80:probs] Alg.2 l.10 and l.13: P^T = exp2(S^T - L), dS^T = P^T * (dP^T - D) ----
-      for_each2(pp, ds, [&](float& x, float& y, int row, int col) {
-        pol.template backward<T>(x, y, q0 + col, k0 + kw + row, sL[col], sDelta[col], edge);
-      });
+      pol.template backward_tile<T, true>(pp, ds, q0, k0 + kw, sL, sDelta, edge);
       // ---- [mainloop_bwd_sm80:dkdv] Alg.2 l.11 and l.15: dV_j += P^T dO_i, dK_j += dS^T Q_i (scale at the end) ----
       gemm_rb<MTK, DW / 8, NQ / 2>(st.dv, pp, sdO, 0, dc);
       gemm_rb<MTK, DW / 8, NQ / 2>(st.dk, ds, sQ, 0, dc);
@@ -130,13 +123,7 @@ struct MainloopBwdSm80 {
 
   __device__ __forceinline__ static void store(const BwdParams& p, const typename Pol::Info& bi, int k0,
                                                const State& st) {
-    float fk[2 * MTK], fv[2 * MTK];
-#pragma unroll
-    for (int r = 0; r < 2 * MTK; ++r) { fk[r] = p.scale; fv[r] = 1.f; }
-    store_rows<T>(bi.template k_like<T>(p.dk, p.dk_sb, p.dk_ss, p.dk_sh), p.dk_ss, st.dk, fk, k0 + key_row(), col0(),
-                  bi.seqlen_k, p.head_dim);
-    store_rows<T>(bi.template k_like<T>(p.dv, p.dv_sb, p.dv_ss, p.dv_sh), p.dv_ss, st.dv, fv, k0 + key_row(), col0(),
-                  bi.seqlen_k, p.head_dim);
+    store_dkdv<T>(p, bi, st.dk, st.dv, k0 + key_row(), col0());
   }
 };
 

@@ -180,6 +180,32 @@ template <int MASK_, bool GENERAL_> struct Policy {
     x = (edge && !visible(i, j)) ? 0.f : exp2_<T>(s - L);
     dp = x * (dp - D) * dz;
   }
+  // P and dS of a whole tile (FA2 Alg.2 l.10-13): s holds q.k, dp holds dO.V, and they become P and dS. TRANSPOSED:
+  // rows are keys k0.., columns queries q0.. (S^T), L and D indexed by column; else rows are queries q0.., columns
+  // keys k0.., L and D indexed by row. The plain policy masks edge blocks only and leaves interior blocks without
+  // any mask code (-inf before the exponential gives the same P = dS = 0 as backward()'s select, in ~20 fewer
+  // registers than testing visibility per element in every block: NOTES, session 4); the general one runs
+  // backward() per element.
+  template <typename T, bool TRANSPOSED, int MT, int NT>
+  __device__ __forceinline__ void backward_tile(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, const float* L,
+                                                const float* D, bool edge) const {
+    if constexpr (GENERAL_) {
+      for_each2(s, dp, [&](float& x, float& y, int row, int col) {
+        const int r = TRANSPOSED ? col : row;
+        backward<T>(x, y, q0 + r, k0 + (TRANSPOSED ? row : col), L[r], D[r], edge);
+      });
+    } else {
+      if (edge) {
+        if constexpr (TRANSPOSED) mask_t(s, k0, q0);
+        else mask(s, q0, k0);
+      }
+      for_each2(s, dp, [&](float& x, float& y, int row, int col) {
+        const int r = TRANSPOSED ? col : row;
+        x = exp2_<T>(__fmul_rn(x, scale_log2) - L[r]);
+        y = x * (y - D[r]);
+      });
+    }
+  }
   // Scores of a tile (rows queries r0.., columns keys c0..) into log2 units (GENERAL only).
   template <typename T, int MT, int NT> __device__ __forceinline__ void transform(Acc<MT, NT>& s, int r0, int c0) const {
     if constexpr (GENERAL_) for_each(s, [&](float& x, int row, int col) { x = score<T>(x, r0 + row, c0 + col); });

@@ -126,25 +126,34 @@ __device__ __forceinline__ void mma(float (&c)[4], const Frag<__nv_bfloat16>::A&
                : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
 }
 // ---------------------------------------------------------------- warp-level products
-// acc += A B^T with A = rows a0.. of sa ([m][k]) and B^T = rows b0.. of sb ([n][k]), over k in [0, K).
-// KU k-steps of 16 are unrolled together (the tile table's kunroll): more loads in flight, more registers.
-template <int MT, int NT, int K, int KU, typename T, int RA, int CA, int RB, int CB>
-__device__ __forceinline__ void gemm_abt(Acc<MT, NT>& acc, const Tile<T, RA, CA>& sa, int a0,
-                                         const Tile<T, RB, CB>& sb, int b0) {
+// The k loop of every 16-bit product: acc += A B over k in [0, K) in steps of 16, KU steps unrolled together.
+// load_a(a, i, kk) fetches A's m-tile i of k-step kk, load_b(b0, b1, j, kk) B's n-tiles j and j + 1.
+template <int MT, int NT, int K, int KU, typename T, class LA, class LB>
+__device__ __forceinline__ void mma_k_loop(Acc<MT, NT>& acc, LA load_a_, LB load_b_) {
   static_assert(NT % 2 == 0 && K % 16 == 0, "B tiles are loaded in pairs; k in steps of 16");
 #pragma unroll KU
   for (int kk = 0; kk < K; kk += 16) {
     typename Frag<T>::A a[MT];
 #pragma unroll
-    for (int i = 0; i < MT; ++i) load_a(a[i], sa, a0 + 16 * i, kk);
+    for (int i = 0; i < MT; ++i) load_a_(a[i], i, kk);
 #pragma unroll
     for (int j = 0; j < NT; j += 2) {
       typename Frag<T>::B b[2];
-      load_b2_nk(b[0], b[1], sb, b0 + 8 * j, kk);
+      load_b_(b[0], b[1], j, kk);
 #pragma unroll
       for (int i = 0; i < MT; ++i) { mma(acc.v[i][j], a[i], b[0]); mma(acc.v[i][j + 1], a[i], b[1]); }
     }
   }
+}
+
+// acc += A B^T with A = rows a0.. of sa ([m][k]) and B^T = rows b0.. of sb ([n][k]), over k in [0, K).
+// KU k-steps of 16 are unrolled together (the tile table's kunroll): more loads in flight, more registers.
+template <int MT, int NT, int K, int KU, typename T, int RA, int CA, int RB, int CB>
+__device__ __forceinline__ void gemm_abt(Acc<MT, NT>& acc, const Tile<T, RA, CA>& sa, int a0,
+                                         const Tile<T, RB, CB>& sb, int b0) {
+  mma_k_loop<MT, NT, K, KU, T>(
+      acc, [&](typename Frag<T>::A& a, int i, int kk) { load_a(a, sa, a0 + 16 * i, kk); },
+      [&](typename Frag<T>::B& x, typename Frag<T>::B& y, int j, int kk) { load_b2_nk(x, y, sb, b0 + 8 * j, kk); });
 }
 
 // Convert k-chunk kk (columns 16kk..16kk+15) of a C-layout accumulator into an A fragment (P stays in registers).
@@ -161,20 +170,9 @@ __device__ __forceinline__ void acc_to_a(typename Frag<T>::A& a, const Acc<MT, N
 template <int MT, int NT, int KT, typename T, int R, int C>
 __device__ __forceinline__ void gemm_rb(Acc<MT, NT>& acc, const Acc<MT, 2 * KT>& p,
                                         const Tile<T, R, C>& sb, int b_k0, int n0) {
-  static_assert(NT % 2 == 0, "B tiles are loaded in pairs");
-#pragma unroll
-  for (int kk = 0; kk < KT; ++kk) {
-    typename Frag<T>::A a[MT];
-#pragma unroll
-    for (int i = 0; i < MT; ++i) acc_to_a<T>(a[i], p, i, kk);
-#pragma unroll
-    for (int j = 0; j < NT; j += 2) {
-      typename Frag<T>::B b[2];
-      load_b2_kn(b[0], b[1], sb, b_k0 + 16 * kk, n0 + 8 * j);
-#pragma unroll
-      for (int i = 0; i < MT; ++i) { mma(acc.v[i][j], a[i], b[0]); mma(acc.v[i][j + 1], a[i], b[1]); }
-    }
-  }
+  mma_k_loop<MT, NT, 16 * KT, KT, T>(
+      acc, [&](typename Frag<T>::A& a, int i, int kk) { acc_to_a<T>(a, p, i, kk / 16); },
+      [&](typename Frag<T>::B& x, typename Frag<T>::B& y, int j, int kk) { load_b2_kn(x, y, sb, b_k0 + kk, n0 + 8 * j); });
 }
 
 // acc += A B where A[m][k] is read from sa stored [k][m] (columns m0..) and B from sb stored [k][n]
@@ -182,20 +180,9 @@ __device__ __forceinline__ void gemm_rb(Acc<MT, NT>& acc, const Acc<MT, 2 * KT>&
 template <int MT, int NT, int K, typename T, int RA, int CA, int RB, int CB>
 __device__ __forceinline__ void gemm_atb(Acc<MT, NT>& acc, const Tile<T, RA, CA>& sa, int m0,
                                          const Tile<T, RB, CB>& sb, int n0) {
-  static_assert(NT % 2 == 0 && K % 16 == 0, "B tiles are loaded in pairs; k in steps of 16");
-#pragma unroll
-  for (int kk = 0; kk < K; kk += 16) {
-    typename Frag<T>::A a[MT];
-#pragma unroll
-    for (int i = 0; i < MT; ++i) load_a_trans(a[i], sa, m0 + 16 * i, kk);
-#pragma unroll
-    for (int j = 0; j < NT; j += 2) {
-      typename Frag<T>::B b[2];
-      load_b2_kn(b[0], b[1], sb, kk, n0 + 8 * j);
-#pragma unroll
-      for (int i = 0; i < MT; ++i) { mma(acc.v[i][j], a[i], b[0]); mma(acc.v[i][j + 1], a[i], b[1]); }
-    }
-  }
+  mma_k_loop<MT, NT, K, K / 16, T>(
+      acc, [&](typename Frag<T>::A& a, int i, int kk) { load_a_trans(a, sa, m0 + 16 * i, kk); },
+      [&](typename Frag<T>::B& x, typename Frag<T>::B& y, int j, int kk) { load_b2_kn(x, y, sb, kk, n0 + 8 * j); });
 }
 
 // ---------------------------------------------------------------- float32 products (scalar FMA, same C layout)
@@ -294,20 +281,15 @@ __device__ __forceinline__ void gemm_rb(Acc<MT, NT>& acc, const Acc<MT, 2 * KT>&
 // Write a C-layout accumulator into a shared tile at rows r0.., cols c0.. (dS^T for the dQ product).
 template <typename T, int MT, int NT, int R, int C>
 __device__ __forceinline__ void store_acc(const Tile<T, R, C>& s, const Acc<MT, NT>& acc, int r0, int c0) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        T* dst = s.at(r0 + 16 * i + g + 8 * h, c0 + 8 * j + 2 * t);
-        if constexpr (sizeof(T) == 2) {
-          *reinterpret_cast<u32*>(dst) = pack2<T>(acc.v[i][j][2 * h], acc.v[i][j][2 * h + 1]);
-        } else {
-          *reinterpret_cast<float2*>(dst) = make_float2(acc.v[i][j][2 * h], acc.v[i][j][2 * h + 1]);
-        }
-      }
+  for_each_index<MT, NT>([&](int i, int j, int e, int row, int col) {
+    if (e & 1) return;  // one store per column pair
+    T* dst = s.at(r0 + row, c0 + col);
+    if constexpr (sizeof(T) == 2) {
+      *reinterpret_cast<u32*>(dst) = pack2<T>(acc.v[i][j][e], acc.v[i][j][e + 1]);
+    } else {
+      *reinterpret_cast<float2*>(dst) = make_float2(acc.v[i][j][e], acc.v[i][j][e + 1]);
+    }
+  });
 }
 
 }  // namespace rf
