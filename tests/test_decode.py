@@ -8,6 +8,9 @@ every feature alone and combined; the caches after the call must hold exactly th
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import numpy as np
 import pytest
 
@@ -112,7 +115,7 @@ BAD = [
     (dict(causal=1), TypeError, "causal must be a bool"),
     (dict(num_splits=0), ValueError, "num_splits"),
     (dict(num_splits=1000), ValueError, "num_splits"),
-    (dict(backend="numba"), ValueError, "backend must be one of"),
+    (dict(backend="torch"), ValueError, "backend must be one of"),
     (dict(window=(-2, 0)), ValueError, "window"),
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(return_lse="yes"), TypeError, "return_lse"),
@@ -156,25 +159,81 @@ def test_decode_rejects_bad_pages():
 
 @pytest.mark.parametrize("seqlen,group,sq", [(1, 1, 1), (100, 4, 1), (5000, 8, 1), (100000, 1, 4), (64, 16, 8)])
 def test_split_heuristic(seqlen, group, sq):
-    """Splits are whole key tiles, cover every key, stay within MAX_SPLITS, and a short cache is not over-split."""
+    """Between 1 and min(MAX_SPLITS, key tiles of the capacity); the cost model's best within 2 %."""
     p = launch.Problem(2, sq, seqlen, 8 * group, 8, 128, "bfloat16", False, seqused_k=True, new_keys=1)
     cfg = tile_config("decode_split", 128, "bfloat16", "sm_90")
-    n, keys = forms.decode_splits(p, cfg)
-    assert keys % cfg.bc == 0 and 1 <= n <= forms.MAX_SPLITS
-    assert n * keys >= seqlen and (n - 1) * keys < max(1, seqlen)
-    assert keys >= min(seqlen, 4 * cfg.bc) or n == 1
+    n = forms.decode_splits(p, cfg)
+    tiles = -(-seqlen // cfg.bc)
+    assert 1 <= n <= min(forms.MAX_SPLITS, tiles)
+    best = min(forms.decode_split_cost(p, cfg, s) for s in range(1, min(forms.MAX_SPLITS, tiles) + 1))
+    assert forms.decode_split_cost(p, cfg, n) <= 1.02 * best
+
+
+def _sweep_problem(batch, cache, heads=32, kv_heads=8, sq=1):
+    return launch.Problem(batch, sq, cache + 1, heads, kv_heads, 128, "bfloat16", sq > 1, seqused_k=True, new_keys=1)
+
+
+@pytest.mark.parametrize("batch,cache", [(8, 32768), (64, 4096), (64, 8192), (8, 131072)])
+def test_split_heuristic_fills_whole_waves(batch, cache):
+    """Large caches: waves of CTAs come out nearly whole (session 3's 50 splits at b8 N32768 made 2.1 waves, 0.7 of
+    the bandwidth's time wasted in the last one), with full CTAs."""
+    p = _sweep_problem(batch, cache)
+    cfg = tile_config("decode_split", 128, "bfloat16", "sm_90")
+    n = forms.decode_splits(p, cfg)
+    assert forms.decode_occupancy(p, cfg, n) >= 0.9, n
+    assert n % cfg.warps == 0
+
+
+@pytest.mark.parametrize("batch,cache,kv_heads", [(1, 32768, 8), (1, 131072, 8), (8, 8192, 1)])
+def test_split_heuristic_small_grids_split_more(batch, cache, kv_heads):
+    """Few (batch, kv head) pairs: enough splits for a hundred CTAs or more, each split several tiles long."""
+    p = _sweep_problem(batch, cache, heads=8 * kv_heads if kv_heads == 1 else 32, kv_heads=kv_heads)
+    cfg = tile_config("decode_split", 128, "bfloat16", "sm_90")
+    n = forms.decode_splits(p, cfg)
+    ctas = batch * kv_heads * -(-n // cfg.warps)
+    assert ctas >= 100 and -(-p.seqlen_k // cfg.bc) // n >= 4, (n, ctas)
+
+
+def test_split_plan_is_cached_and_ignores_lengths():
+    p = _sweep_problem(8, 4096)
+    a = forms.decode_plan(p)
+    assert forms.decode_plan(dataclasses.replace(p, lengths=((1, 5),) * 8)) is a  # the plan never sees lengths
+    assert forms.decode_plan(p, 7).num_splits == 7
 
 
 def test_decode_plan_launches():
     p = launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True, new_keys=1)
     plan = forms.decode_plan(p, 16)
     assert [lau.kernel for lau in plan.launches] == ["decode_append", "decode_split", "decode_combine"]
-    assert plan.num_splits == 16 and plan.split_keys * 16 >= 4096
-    split = plan.launches[1]
+    assert plan.num_splits == 16
+    split, combine = plan.launches[1], plan.launches[2]
     cfg = tile_config("decode_split", 128, "float16", "sm_90")
     assert split.grid == (-(-16 // cfg.warps), 8 * -(-4 // cfg.br), 2)
+    assert combine.grid == (2 * 32, 1, 1) and combine.block == (launch.DECODE_COMBINE_THREADS, 1, 1)
+    assert combine.template_args[2] == forms.MAX_SPLITS
     no_new = forms.decode_plan(launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True), 16)
     assert [lau.kernel for lau in no_new.launches] == ["decode_split", "decode_combine"]
+
+
+def test_check_decode_plans_from_the_capacity():
+    """seqlen_k is the cache's capacity (what the launch is planned from), whatever cache_seqlens holds; an int
+    cache_seqlens travels as cache_len (no array, nothing to copy)."""
+    from rawflash import validation
+
+    args, _ = _case(dtype="float32", lens=(37, 0, 300), new=2, page=16)
+    c = validation.check_decode(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"], args["k_new"],
+                                args["v_new"], args["block_table"], True, None, "cupy", validation.Features())
+    assert c.problem.seqlen_k == 16 * args["block_table"].shape[1] and c.problem.page_size == 16
+    c = validation.check_decode(args["q"], args["k_cache"], args["v_cache"], 40, args["k_new"], args["v_new"],
+                                args["block_table"], True, None, "cupy", validation.Features())
+    assert "seqused_k" not in c.extras and c.extras["cache_len"] == 40
+
+
+def test_decode_refuses_appends_larger_than_the_cache():
+    args, _ = _case(dtype="float32", lens=(0, 0, 0), new=2)
+    small = dict(args, k_cache=args["k_cache"][:, :1], v_cache=args["v_cache"][:, :1])
+    with pytest.raises(ValueError, match="seqlen_new"):
+        rawflash.decode(**small, backend="reference")
 
 
 # ---------------------------------------------------------------- GPU: the kernels against the reference
