@@ -77,6 +77,7 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
     launched with the Launch's grid, ``Twin.threads`` threads (WARPS splits of 16 MT packed rows) and ``Twin.smem``
     bytes (float32 tiles, one stage)."""
     ROWS = 16 * MT
+    STATE = D + 2  # the row's O, m, l (the CUDA C's accumulator fragments and OnlineSoftmax)
     EXACT = is_float32(T)
     run = make_mainloop_decode(T, D, MT, BCW, STAGES, WARPS)
 
@@ -85,7 +86,7 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
         g = DecodeArrays(q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws)
         # MIRROR: one dynamic float32 array carved like the CUDA C's extern __shared__ smem.
         smem = cuda.shared.array(0, float32)
-        st = cuda.local.array(D + 2, float32)
+        st = cuda.local.array(STATE, float32)
         # ---- [decode:schedule] split s of kv head hk's packed rows [r0, r0 + ROWS) of sequence b ----
         group = p.heads // p.kv_heads
         m_rows = group * p.seqlen_q
