@@ -236,6 +236,38 @@ def test_decode_refuses_appends_larger_than_the_cache():
         rawflash.decode(**small, backend="reference")
 
 
+def _explain(*args, code=0):
+    import json
+
+    from click.testing import CliRunner
+
+    from rawflash import cli
+
+    result = CliRunner().invoke(cli.main, ["explain", "--decode", *map(str, args), "--json"])
+    assert result.exit_code == code, result.output
+    return json.loads(result.stdout)
+
+
+def test_explain_decode_shows_the_split_plan():
+    got = _explain("--batch", 8, "--seqlen-q", 1, "--seqlen-k", 32768, "--heads", 32, "--kv-heads", 8,
+                   "--page-size", 64)
+    assert got["valid"] and [r["kernel"] for r in got["launches"]] == ["decode_append", "decode_split",
+                                                                      "decode_combine"]
+    plan = got["split plan"]
+    want = forms.decode_plan(launch.Problem(8, 1, got["problem"]["cache capacity per sequence"], 32, 8, 128,
+                                            "bfloat16", False, seqused_k=True, new_keys=1, page_size=64))
+    assert plan["num_splits"] == want.num_splits
+    split = next(r for r in got["launches"] if r["kernel"] == "decode_split")
+    assert split["grid"] == "x".join(map(str, want.launches[1].grid))
+    asked = _explain("--batch", 2, "--seqlen-q", 4, "--seqlen-k", 1000, "--num-splits", 7)
+    assert asked["split plan"]["num_splits"] == 7 and "you" in asked["split plan"]["chosen by"]
+
+
+def test_explain_decode_refuses_what_decode_refuses():
+    got = _explain("--batch", 2, "--seqlen-q", 1, "--seqlen-k", 100, "--head-dim", 60, code=2)
+    assert not got["valid"] and "head_dim a multiple of 8" in got["error"]
+
+
 # ---------------------------------------------------------------- GPU: the kernels against the reference
 
 GPU_CASES = [
