@@ -18,6 +18,7 @@ import rawflash
 from rawflash import forms, launch, reference
 from rawflash.configs import tile_config
 from conftest import DTYPES
+from test_numba_gpu import PTX_CHECK as _FWD_PTX_CHECK
 
 RNG_SCALE = 1.0
 
@@ -536,26 +537,9 @@ def test_decode_twin_pages_outside_the_cache_give_nan_rows():
     assert np.isnan(out[1]).all() and np.isnan(lse[1]).all() and np.isfinite(out[0]).all()
 
 
-DECODE_PTX_CHECK = r"""
-import json, sys
-import numpy as np
-from numba import cuda, typeof, types
-from numba.cuda.cudadrv import nvvm
-if not nvvm.is_available():
-    print(json.dumps({"skip": "NVVM (libNVVM) is not available"}))
-    sys.exit(0)
-import numba.cuda.compiler as compiler, numba.cuda.dispatcher as dispatcher
-
-class Device:  # device functions compile for the current device; without a GPU: sm_90, as the kernels do
-    compute_capability = (9, 0)
-if not cuda.is_available():
-    dispatcher.get_current_device = compiler.get_current_device = lambda: Device()
-from rawflash import forms, numba_backend as nb
-from rawflash.launch import Problem
+# the forward twins' check up to their signature: NVVM present, no GPU needed (sm_90), arr()
+DECODE_PTX_CHECK = _FWD_PTX_CHECK[:_FWD_PTX_CHECK.index("def signature")] + r"""
 from rawflash.numba_kernels.params import DecodeParams
-
-def arr(dtype, ndim):
-    return types.Array(typeof(np.zeros(1, dtype)).dtype, ndim, "A")
 
 def signature(dtype):  # p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws
     p = Problem(1, 1, 64, 2, 1, 32, "float32", False, seqused_k=True, new_keys=1, page_size=16)
