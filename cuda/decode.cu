@@ -128,13 +128,16 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   }
 }
 
-template <typename T, int THREADS, int MAX_SPLITS>
+template <typename T, int THREADS, int MAX_SPLITS, int SMEM_BYTES>
 __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
   static_assert(THREADS % 32 == 0 && THREADS >= 64, "whole warps");
-  __shared__ float w[MAX_SPLITS];           // each split's lse, then its weight e^(lse_s - lse)
-  __shared__ float red[THREADS / 32];
-  __shared__ float4 part[THREADS];          // per (split group, column chunk) partial sums
+  static_assert(SMEM_BYTES == THREADS * 16 + MAX_SPLITS * 4 + THREADS / 32 * 4,
+                "rawflash/launch.py and the kernel disagree on shared memory");
+  extern __shared__ __align__(16) char smem[];
+  float4* part = (float4*)smem;                      // per (split group, column chunk) partial sums
+  float* w = (float*)(smem + THREADS * 16);          // each split's lse, then its weight e^(lse_s - lse)
+  float* red = w + MAX_SPLITS;                       // one value per warp (block reductions)
   // ---- [decode:combine] row (b, i, h): lse = log(sum_s e^lse_s + e^sink), out = sum_s e^(lse_s - lse) O_s ----
   // Lanes over the splits for the lse (block reductions), then each thread a chunk of 4 columns and every
   // groups-th split, the groups summed through shared memory. A NaN lse (a sequence outside its cache) makes the

@@ -326,8 +326,14 @@ def decode_combine(p: Problem) -> Launch:
     """One CTA of DECODE_COMBINE_THREADS per (batch, query, head) row: the splits' lse reduced across the threads,
     then each thread sums 4 columns over every (threads / (head_dim / 4))-th split."""
     rows = p.batch * p.seqlen_q * p.heads
-    args = (CUDA_TYPES[p.dtype], DECODE_COMBINE_THREADS, DECODE_MAX_SPLITS)
-    return Launch("decode_combine", "decode.cu", args, (max(1, rows), 1, 1), (DECODE_COMBINE_THREADS, 1, 1), 0)
+    smem = smem_decode_combine(DECODE_COMBINE_THREADS, DECODE_MAX_SPLITS)
+    args = (CUDA_TYPES[p.dtype], DECODE_COMBINE_THREADS, DECODE_MAX_SPLITS, smem)
+    return Launch("decode_combine", "decode.cu", args, (max(1, rows), 1, 1), (DECODE_COMBINE_THREADS, 1, 1), smem)
+
+
+def smem_decode_combine(threads: int, max_splits: int) -> int:
+    """A float4 partial sum per thread, a weight per split, a float per warp."""
+    return threads * 16 + max_splits * 4 + threads // 32 * 4
 
 
 def fa2_bwd_convert_dq(p: Problem) -> Launch:

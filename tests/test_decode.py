@@ -211,7 +211,7 @@ def test_decode_plan_launches():
     cfg = tile_config("decode_split", 128, "float16", "sm_90")
     assert split.grid == (-(-16 // cfg.warps), 8 * -(-4 // cfg.br), 2)
     assert combine.grid == (2 * 32, 1, 1) and combine.block == (launch.DECODE_COMBINE_THREADS, 1, 1)
-    assert combine.template_args[2] == forms.MAX_SPLITS
+    assert combine.template_args[2] == forms.MAX_SPLITS and combine.smem == combine.template_args[3]
     no_new = forms.decode_plan(launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True), 16)
     assert [lau.kernel for lau in no_new.launches] == ["decode_split", "decode_combine"]
 

@@ -145,11 +145,14 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
 
 
 @functools.lru_cache(maxsize=None)
-def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int) -> Twin:
-    """The twin of ``decode_combine<T, THREADS, MAX_SPLITS>``: one CTA per (b, i, h) row, COMBINE_THREADS threads."""
+def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int, SMEM_BYTES: int) -> Twin:
+    """The twin of ``decode_combine<T, THREADS, MAX_SPLITS, SMEM_BYTES>``: one CTA per (b, i, h) row,
+    COMBINE_THREADS threads."""
 
     @cuda.jit
     def decode_combine(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
+        # MIRROR: static shared arrays (a weight per split, the row's lse and NaN flag); the CUDA C carves its
+        # dynamic shared memory into a partial sum per thread, the weights and a value per warp.
         w = cuda.shared.array(MAX_SPLITS, float32)
         red = cuda.shared.array(2, float32)
         # ---- [decode:combine] row (b, i, h): lse = log(sum_s e^lse_s + e^sink), out = sum_s e^(lse_s - lse) O_s ----
