@@ -2,8 +2,9 @@
 // its first rows in the (possibly packed) tensors and typed pointers, so kernels never do (batch, head) pointer
 // arithmetic themselves. Variable lengths (cu_seqlens_q / cu_seqlens_k: packed sequences with the batch stride
 // 0) and seqused_k (fewer keys used than stored) are read here and nowhere else, in the VARLEN instantiations
-// (fixed-length kernels keep the lengths as plain parameters, which costs no registers); a paged K / V cache
-// adds its page lookup here too (kv_row).
+// (fixed-length kernels keep the lengths as plain parameters, which costs no registers); decode's KV cache,
+// contiguous or paged, is located here too: page_pos, page_slot and key_offsets read the page table, and
+// pages_inside checks it.
 #pragma once
 #include "core.cuh"
 #include "params.cuh"
@@ -55,13 +56,45 @@ template <bool VARLEN> struct BlockInfo {
   template <typename T, class P> __device__ __forceinline__ const T* v(const P& p) const {
     return k_like<const T>(p.v, p.v_sb, p.v_ss, p.v_sh);
   }
-  // Paged K / V (FwdParams::block_table): element offset of key j of this sequence and kv head, the page's
-  // index times the batch stride (one page per "batch" entry of the cache) plus the row within the page.
-  __device__ __forceinline__ long long kv_row(const FwdParams& p, long long sb, long long ss, long long sh,
-                                              int j) const {
-    if (!p.block_table) return b * sb + (long long)(k_row0 + j) * ss + hk * sh;
-    const int page = p.block_table[b * p.block_table_sb + j / p.page_size];
-    return page * sb + (long long)(j % p.page_size) * ss + hk * sh;
+  // ---- KV caches (decode): key j of the sequence is row `row` of its page `page`, the page being the cache's
+  // "batch" entry block_table[b][page] (one page per batch entry of the cache); a contiguous cache is one page
+  // of cache_capacity rows, the sequence's own batch entry. Keys are located once per tile: page_pos divides
+  // (once), key_offsets walks on from there with a carry (no division), so a tile costs one division.
+  struct PagePos {
+    int page, row;
+  };
+  // Where key j0 of this sequence is: (page, row in it); a contiguous cache: (0, k_row0 + j0).
+  __device__ __forceinline__ PagePos page_pos(const FwdParams& p, int j0) const {
+    if (!p.block_table) return {0, k_row0 + j0};
+    const int page = j0 / p.page_size;
+    return {page, j0 - page * p.page_size};
+  }
+  // The cache entry of page `page` of this sequence (block_table's value; a contiguous cache: the sequence).
+  __device__ __forceinline__ long long page_slot(const FwdParams& p, int page) const {
+    return p.block_table ? p.block_table[b * p.block_table_sb + page] : b;
+  }
+  // Whether a cache entry is one of the cache's pages (a page table's value is the caller's).
+  __device__ __forceinline__ static bool slot_inside(const FwdParams& p, long long slot) {
+    return !p.block_table || (slot >= 0 && slot < p.num_pages);
+  }
+  // Whether every page holding keys [j0, j1) of this sequence is inside the cache: checked once per split by the
+  // calling warp's lanes together (all 32 must call it), so the key loop itself reads the table unchecked.
+  __device__ __forceinline__ bool pages_inside(const FwdParams& p, int j0, int j1) const {
+    bool bad = false;
+    if (p.block_table && j1 > j0)
+      for (int page = j0 / p.page_size + lane_id(); page <= (j1 - 1) / p.page_size; page += 32)
+        bad |= !slot_inside(p, page_slot(p, page));
+    return !__any_sync(0xffffffffu, bad);
+  }
+  // Element offsets into k and v (strides of FwdParams) of key pos + r of this sequence and kv head hk, r >= 0.
+  __device__ __forceinline__ void key_offsets(const FwdParams& p, PagePos pos, int r, long long& ko,
+                                              long long& vo) const {
+    int page = pos.page, row = pos.row + r;
+    if (p.block_table)
+      while (row >= p.page_size) row -= p.page_size, ++page;  // the carry into the next pages
+    const long long slot = page_slot(p, page);
+    ko = slot * p.k_sb + (long long)row * p.k_ss + hk * p.k_sh;
+    vo = slot * p.v_sb + (long long)row * p.v_ss + hk * p.v_sh;
   }
 };
 

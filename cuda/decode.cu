@@ -2,16 +2,44 @@
 // decode_append: k_new / v_new written into the cache (contiguous or paged) at cache_seqlens[b] + t, before.
 // decode_split: grid (cdiv(num_splits, WARPS), kv_heads * row_groups, batch), each warp one split of the keys
 //   (mainloop_decode.cuh) for the GQA-packed query rows of one kv head; partial O and lse to float32 buffers.
-// decode_combine: one warp per (b, query, head) merges the splits by their lse, adds the sink to the denominator,
-//   writes out (input dtype) and lse.
-// Keys of sequence b: cache_seqlens[b] + new_keys (FwdParams::seqused_k holds cache_seqlens, as given).
+// decode_combine: one CTA per (b, query, head) merges the splits by their lse (lanes over the splits, threads
+//   over the columns), adds the sink to the denominator, writes out (input dtype) and lse.
+//
+// The launch never depends on the values of cache_seqlens (the host does not read them): the grid is planned from
+// the cache's capacity, and sequence b's keys are cut on the device into num_splits runs of whole tiles
+// (cdiv(tiles_b, num_splits) each); splits past its keys are empty (lse -inf, no partial O written).
+// Lengths and page-table entries are checked here: a sequence whose cache_seqlens + new keys lies outside
+// [0, cache_capacity], or whose used pages lie outside the cache, gets NaN out and lse, its append is skipped,
+// and nothing outside the cache is read or written.
 #include "mainloop_decode.cuh"
 #include "softmax.cuh"
 
 namespace rf {
 
-// Keys of one sequence after the append.
-__device__ __forceinline__ int decode_keys(const FwdParams& p, int b) { return p.seqused_k[b] + p.new_keys; }
+// A quiet NaN (NVRTC has no <cmath> NAN): the results of a sequence that does not fit its cache.
+__device__ __forceinline__ float nan_f() { return __int_as_float(0x7fc00000); }
+
+// cache_seqlens[b] as given (seqused_k; cache_len when an int was given for every sequence).
+__device__ __forceinline__ int decode_cache_len(const FwdParams& p, int b) {
+  return p.seqused_k ? p.seqused_k[b] : p.cache_len;
+}
+// Whether sequence b's lengths fit its cache: 0 <= cache_seqlens[b] and cache_seqlens[b] + new_keys <= capacity.
+__device__ __forceinline__ bool decode_len_ok(const FwdParams& p, int len) {
+  return len >= 0 && len <= p.cache_capacity - p.new_keys;
+}
+
+// Block-wide reductions of one float (THREADS a multiple of 32; every thread gets the result).
+template <int THREADS, class Op> __device__ __forceinline__ float block_reduce(float x, float* red, Op op) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+  if (lane_id() == 0) red[warp_id()] = x;
+  __syncthreads();
+  x = red[0];
+#pragma unroll
+  for (int w = 1; w < THREADS / 32; ++w) x = op(x, red[w]);
+  __syncthreads();  // red is free again
+  return x;
+}
 
 }  // namespace rf
 
@@ -23,13 +51,18 @@ template <typename T> __global__ void decode_append(const __grid_constant__ rf::
   for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
     const int c = (int)(x % c8) * 8, hk = (x / c8) % p.kv_heads, t = (x / c8 / p.kv_heads) % p.new_keys;
     const int b = x / ((long long)c8 * p.kv_heads * p.new_keys);
+    const int len = decode_cache_len(p, b);
+    if (!decode_len_ok(p, len)) continue;  // out of the cache: nothing written (decode_split makes b's rows NaN)
     const BlockInfo<true> bi(p, b, hk * (p.heads / p.kv_heads));
-    const int j = p.seqused_k[b] + t;
+    const BlockInfo<true>::PagePos pos = bi.page_pos(p, len + t);
+    if (!BlockInfo<true>::slot_inside(p, bi.page_slot(p, pos.page))) continue;  // the page lies outside the cache
+    long long ko, vo;
+    bi.key_offsets(p, pos, 0, ko, vo);
     float kv[8];
     load8(kv, (const T*)p.k_new + b * p.kn_sb + t * p.kn_ss + hk * p.kn_sh + c);
-    store8((T*)p.k + bi.kv_row(p, p.k_sb, p.k_ss, p.k_sh, j) + c, kv);
+    store8((T*)p.k + ko + c, kv);
     load8(kv, (const T*)p.v_new + b * p.vn_sb + t * p.vn_ss + hk * p.vn_sh + c);
-    store8((T*)p.v + bi.kv_row(p, p.v_sb, p.v_ss, p.v_sh, j) + c, kv);
+    store8((T*)p.v + vo + c, kv);
   }
 }
 
@@ -44,10 +77,12 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   const int group = p.heads / p.kv_heads, m_rows = group * p.seqlen_q, row_groups = cdiv(m_rows, ROWS);
   const int hk = blockIdx.y / row_groups, r0 = (blockIdx.y % row_groups) * ROWS, b = blockIdx.z;
   const int s = blockIdx.x * Mainloop::WARPS + warp_id(), nrows = min(ROWS, m_rows - r0);
-  // ---- [decode:setup] the sequence (its keys after the append) and the policy ----
+  // ---- [decode:setup] the sequence (its keys after the append, checked against the cache) and the policy ----
   BlockInfo<true> bi(p, b, hk * group);
+  const int len = decode_cache_len(p, b);
+  const bool len_ok = decode_len_ok(p, len);
   bi.seqlen_q = p.seqlen_q;
-  bi.seqlen_k = decode_keys(p, b);
+  bi.seqlen_k = len_ok ? len + p.new_keys : 0;
   const Policy<WINDOW, true> pol(p, bi);
   // ---- [decode:load_q] the packed Q tile (row r: query r / group, head hk * group + r % group), shared by the warps ----
   const Tile<T, ROWS, D> sQ{(T*)smem};
@@ -62,54 +97,99 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   cp_async_wait<0>();
   __syncthreads();  // the Q tile is visible to every warp
   if (s >= p.num_splits) return;
-  // ---- [decode:mainloop] this warp's split of the keys ----
+  // ---- [decode:mainloop] this warp's split: the s-th run of cdiv(tiles, num_splits) key tiles of the sequence ----
   Acc<MT, D / 8> o;
   OnlineSoftmax<2 * MT> sm;
-  const int k_begin = s * p.split_keys, k_end = min(bi.seqlen_k, k_begin + p.split_keys);
-  Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, k_end, sQ,
-                smem + Mainloop::Q_BYTES + warp_id() * STAGES * 2 * Mainloop::KV_BYTES, o, sm);
-  // ---- [decode:epilogue] partial O (divided by this split's l) and partial lse, float32; empty: 0 and -inf ----
+  const int per = cdiv(cdiv(bi.seqlen_k, BCW), p.num_splits) * BCW;
+  const int k_begin = s * per, k_end = min(bi.seqlen_k, k_begin + per);
+  const bool bad = !len_ok || !bi.pages_inside(p, k_begin, k_end);  // the split's pages, once (the warp's lanes)
+  const int tiles = Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, bad ? k_begin : k_end, sQ,
+                                  smem + Mainloop::Q_BYTES + warp_id() * STAGES * 2 * Mainloop::KV_BYTES, o, sm);
+  // ---- [decode:epilogue] partial O (divided by this split's l) and partial lse, float32; empty: lse -inf only ----
+  // A sequence outside its cache gets lse NaN in every split (decode_combine turns its rows into NaN).
   float f[2 * MT], lse[2 * MT];
   sm.template finalize<T, false>(-INFINITY, f, lse);
   const int g = lane_id() >> 2, t = lane_id() & 3;
   float* ows = p.o_ws + s * p.ws_split;
   float* lws = p.m_ws + s * (p.ws_split / p.head_dim);
-  for_each(o, [&](float& x, int row, int col) {
-    const int r = r0 + row, c = col;
-    if (row < nrows && c < p.head_dim) {
-      const int i = r / group, h = hk * group + r % group;
-      ows[(((long long)b * p.seqlen_q + i) * p.heads + h) * p.head_dim + c] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
-    }
-  });
+  if (tiles > 0 && !bad)  // the combine reads a split's O only where its lse is finite
+    for_each(o, [&](float& x, int row, int col) {
+      const int r = r0 + row, c = col;
+      if (row < nrows && c < p.head_dim) {
+        const int i = r / group, h = hk * group + r % group;
+        ows[(((long long)b * p.seqlen_q + i) * p.heads + h) * p.head_dim + c] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
+      }
+    });
 #pragma unroll
   for (int rr = 0; rr < 2 * MT; ++rr) {
     const int row = 16 * (rr / 2) + g + 8 * (rr % 2), r = r0 + row;
-    if (t == 0 && row < nrows) lws[((long long)b * p.heads + hk * group + r % group) * p.seqlen_q + r / group] = lse[rr];
+    if (t == 0 && row < nrows)
+      lws[((long long)b * p.heads + hk * group + r % group) * p.seqlen_q + r / group] = bad ? nan_f() : lse[rr];
   }
 }
 
-template <typename T> __global__ void decode_combine(const __grid_constant__ rf::FwdParams p) {
+template <typename T, int THREADS, int MAX_SPLITS, int SMEM_BYTES>
+__global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
-  // ---- [decode:combine] one warp per (b, i, h): lse = log(sum_s e^lse_s + e^sink), out = sum_s e^(lse_s - lse) O_s ----
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;  // (b * seqlen_q + i) * heads + h
-  if (row >= (long long)p.batch * p.seqlen_q * p.heads) return;
+  static_assert(THREADS % 32 == 0 && THREADS >= 64, "whole warps");
+  static_assert(SMEM_BYTES == THREADS * 16 + MAX_SPLITS * 4 + THREADS / 32 * 4,
+                "rawflash/launch.py and the kernel disagree on shared memory");
+  extern __shared__ __align__(16) char smem[];
+  float4* part = (float4*)smem;                      // per (split group, column chunk) partial sums
+  float* w = (float*)(smem + THREADS * 16);          // each split's lse, then its weight e^(lse_s - lse)
+  float* red = w + MAX_SPLITS;                       // one value per warp (block reductions)
+  // ---- [decode:combine] row (b, i, h): lse = log(sum_s e^lse_s + e^sink), out = sum_s e^(lse_s - lse) O_s ----
+  // Lanes over the splits for the lse (block reductions), then each thread a chunk of 4 columns and every
+  // groups-th split, the groups summed through shared memory. A NaN lse (a sequence outside its cache) makes the
+  // row NaN.
+  const long long row = blockIdx.x;  // (b * seqlen_q + i) * heads + h
   const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
   const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / p.head_dim;
-  float m = p.sinks ? p.sinks[h] : -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, p.m_ws[s * lse_split + lse_row]);
-  const float m_use = m == -INFINITY ? 0.f : m;
+  const int splits = min(p.num_splits, MAX_SPLITS);
   auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
-  float denom = p.sinks ? ex(p.sinks[h] - m_use) : 0.f;
-  for (int s = 0; s < p.num_splits; ++s) denom += ex(p.m_ws[s * lse_split + lse_row] - m_use);
-  const float lse = denom > 0.f ? m_use + logf(denom) : -INFINITY;
-  T* out = (T*)p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh;
-  for (int c = lane_id(); c < p.head_dim; c += 32) {
-    float acc = 0.f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float w = p.m_ws[s * lse_split + lse_row];
-      if (w != -INFINITY) acc += ex(w - lse) * p.o_ws[s * p.ws_split + row * p.head_dim + c];
-    }
-    out[c] = from_float<T>(acc);
+  float m = -INFINITY;
+  int nan = 0;
+  for (int s = threadIdx.x; s < splits; s += THREADS) {
+    const float x = p.m_ws[s * lse_split + lse_row];
+    w[s] = x;
+    nan |= x != x;
+    m = fmaxf(m, x);
   }
-  if (lane_id() == 0 && p.lse) p.lse[lse_row] = lse;
+  nan = __syncthreads_or(nan);
+  if (p.sinks) m = fmaxf(m, p.sinks[h]);
+  m = block_reduce<THREADS>(m, red, [](float a, float c) { return fmaxf(a, c); });
+  const float m_use = m == -INFINITY ? 0.f : m;
+  float denom = 0.f;
+  for (int s = threadIdx.x; s < splits; s += THREADS) denom += ex(w[s] - m_use);  // the thread's own entries of w
+  denom = block_reduce<THREADS>(denom, red, [](float a, float c) { return a + c; });
+  if (p.sinks) denom += ex(p.sinks[h] - m_use);
+  const float lse = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
+  for (int s = threadIdx.x; s < splits; s += THREADS) w[s] = w[s] == -INFINITY || nan ? 0.f : ex(w[s] - lse);
+  __syncthreads();  // every weight is visible
+  const int chunks = p.head_dim / 4, groups = THREADS / chunks;  // head_dim is a multiple of 8 and at most 4 * THREADS
+  const int c4 = threadIdx.x % chunks, sg = threadIdx.x / chunks;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (sg < groups) {
+    const float* src = p.o_ws + row * p.head_dim + 4 * c4;
+#pragma unroll 4
+    for (int s = sg; s < splits; s += groups) {
+      const float wt = w[s];
+      if (wt != 0.f) {  // empty splits wrote no O
+        const float4 x = *reinterpret_cast<const float4*>(src + s * p.ws_split);
+        acc.x += wt * x.x, acc.y += wt * x.y, acc.z += wt * x.z, acc.w += wt * x.w;
+      }
+    }
+  }
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  if (sg == 0) {
+    for (int gg = 1; gg < groups; ++gg) {
+      const float4 x = part[gg * chunks + c4];
+      acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+    }
+    T* out = (T*)p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh + 4 * c4;
+    if (nan) acc = make_float4(nan_f(), nan_f(), nan_f(), nan_f());
+    out[0] = from_float<T>(acc.x), out[1] = from_float<T>(acc.y), out[2] = from_float<T>(acc.z), out[3] = from_float<T>(acc.w);
+  }
+  if (threadIdx.x == 0 && p.lse) p.lse[lse_row] = lse;
 }

@@ -7,7 +7,8 @@
 // STAGES-deep cp.async ring of BCW-key tiles with no barrier but __syncwarp; the CTA's warps share the Q tile.
 // A warp's result is a partial O (divided by its own l) and a partial lse in float32; decode_combine merges them
 // (and adds the sink) once every split is done. The policy is the general one at run time: bottom-right causal
-// masks and windows per packed row, soft-capping, ALiBi per head; BlockInfo reads the page table.
+// masks and windows per packed row, soft-capping, ALiBi per head; BlockInfo locates the keys and reads the page
+// table (one division per tile).
 #pragma once
 #include "block_info.cuh"
 #include "policy.cuh"
@@ -17,31 +18,22 @@
 namespace rf {
 
 // Keys k0 .. k0 + nk - 1 of this sequence into two BCW x D tiles (K_j and V_j), zero past the last key: cp.async
-// by the warp's 32 lanes, one 16-byte chunk of K and one of V per lane and step. Each row's offset is computed
-// once for both tiles; a paged cache divides once per tile (k0's page) and carries into the next pages from there.
+// by the warp's 32 lanes, one 16-byte chunk of K and one of V per lane and step. BlockInfo locates the keys: one
+// page division per tile (page_pos), then each row's offsets for both tiles with a carry (key_offsets). The split's
+// pages were checked before its first tile (BlockInfo::pages_inside).
 template <typename T, int ROWS, int D, class Info>
 __device__ __forceinline__ void load_kv_warp(const Tile<T, ROWS, D>& sk, const Tile<T, ROWS, D>& sv,
                                              const FwdParams& p, const Info& bi, int k0, int nk) {
   using TL = Tile<T, ROWS, D>;
-  const int page0 = p.block_table ? k0 / p.page_size : 0, in_page0 = k0 - page0 * p.page_size;
+  const typename Info::PagePos pos = bi.page_pos(p, k0);
 #pragma unroll
   for (int idx = lane_id(); idx < ROWS * TL::C; idx += 32) {
     const int row = idx / TL::C, col = (idx % TL::C) * TL::CHUNK;
     const bool valid = row < nk && col < p.head_dim;
     long long ko = 0, vo = 0;
     if (valid) {
-      long long slot, at;  // the cache's "batch" entry (sequence or page) and the row in it
-      if (p.block_table) {
-        int page = page0, in_page = in_page0 + row;
-        while (in_page >= p.page_size) in_page -= p.page_size, ++page;
-        slot = p.block_table[bi.b * p.block_table_sb + page];
-        at = in_page;
-      } else {
-        slot = bi.b;
-        at = bi.k_row0 + k0 + row;
-      }
-      ko = slot * p.k_sb + at * p.k_ss + bi.hk * p.k_sh + col;
-      vo = slot * p.v_sb + at * p.v_ss + bi.hk * p.v_sh + col;
+      bi.key_offsets(p, pos, row, ko, vo);
+      ko += col, vo += col;
     }
     cp_async16(sk.saddr(row, col), (const T*)p.k + ko, valid);
     cp_async16(sv.saddr(row, col), (const T*)p.v + vo, valid);
@@ -57,11 +49,11 @@ template <typename T_, int D, int MT, int BCW, int STAGES, int WARPS_> struct Ma
   static constexpr int SMEM_BYTES = Q_BYTES + WARPS * STAGES * 2 * KV_BYTES;  // Q tile; per warp, STAGES x (K_j, V_j)
   static_assert(BCW % 16 == 0 && STAGES >= 2, "whole 16-key steps; at least double buffering");
 
-  // The split of one warp: keys [k_begin, k_end) of its sequence, rows [r0, r0 + nrows) of the packed tile.
-  // Returns the partial O (normalised) and lse through the per-row values written by store().
-  __device__ __forceinline__ static void run(const FwdParams& p, const Info& bi, const Pol& pol, int group, int r0,
-                                             int nrows, int k_begin, int k_end, const Tile<T, ROWS, D>& sQ,
-                                             char* warp_smem, Acc<MT, NO>& o, OnlineSoftmax<2 * MT>& sm) {
+  // The split of one warp: keys [k_begin, k_end) of its sequence, rows [r0, r0 + nrows) of the packed tile, into
+  // the running O and softmax state. Returns the key tiles it read (0: an empty split).
+  __device__ __forceinline__ static int run(const FwdParams& p, const Info& bi, const Pol& pol, int group, int r0,
+                                            int nrows, int k_begin, int k_end, const Tile<T, ROWS, D>& sQ,
+                                            char* warp_smem, Acc<MT, NO>& o, OnlineSoftmax<2 * MT>& sm) {
     auto sK = [&](int t) { return Tile<T, BCW, D>{(T*)(warp_smem + (t % STAGES) * 2 * KV_BYTES)}; };
     auto sV = [&](int t) { return Tile<T, BCW, D>{(T*)(warp_smem + (t % STAGES) * 2 * KV_BYTES + KV_BYTES)}; };
     // Packed rows r0 + r: query (r0 + r) / group of head hk * group + (r0 + r) % group.
@@ -127,6 +119,7 @@ template <typename T_, int D, int MT, int BCW, int STAGES, int WARPS_> struct Ma
       gemm_rb<MT, NO, NT / 2>(o, s, sV(t), 0, 0);
     }
     cp_async_wait<0>();
+    return n;
   }
 };
 

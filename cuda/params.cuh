@@ -40,7 +40,9 @@ struct FwdParams {
   float scale, scale_log2;   // softmax scale, and the same times log2(e)
   float softcap;             // 0: off; else scores become softcap * tanh(score / softcap)
   int new_keys;              // decode: rows of k_new / v_new per sequence
-  int split_keys;            // split-KV: keys per split (a multiple of the decode block)
+  int cache_capacity;        // decode: keys one sequence's cache holds (capacity, or page_size x max_pages)
+  int num_pages;             // decode, paged: pages of the cache (valid block_table entries are 0 .. num_pages - 1)
+  int cache_len;             // decode: cache_seqlens of every sequence when seqused_k is nullptr (an int was given)
   int pad_;
 };
 

@@ -327,12 +327,17 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
         Contiguous: (batch, capacity, kv_heads, head_dim). Paged (with ``block_table``): (num_pages, page_size,
         kv_heads, head_dim), any page_size >= 1.
     cache_seqlens : int or int32 array (batch,)
-        Keys already in each sequence's cache (on the device or the host; a device array is copied to the host once
-        to check it against the capacity). It is left as given: after an append the caller adds seqlen_new.
+        Keys already in each sequence's cache, on q's device or the host. It is left as given: after an append the
+        caller adds seqlen_new. An int or a host array is checked here (ValueError); a device array is never
+        copied to the host, so the call does not synchronise: the kernels check it, and a sequence whose
+        cache_seqlens + seqlen_new is outside [0, capacity] (or whose used block_table entries are outside the
+        cache's pages) gets NaN out and lse and no append, and nothing outside the cache is read or written.
     k_new, v_new : arrays (batch, seqlen_new, kv_heads, head_dim), optional
         Keys and values appended before attending (both or neither).
     block_table : int32 array (batch, max_pages), optional
-        Paged cache: key j of sequence b is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
+        Paged cache: key j of sequence b is row ``j % page_size`` of page ``block_table[b, j // page_size]``;
+        entries past a sequence's keys are never read. Checked like cache_seqlens (on the host when both are host
+        values, else on the device).
     causal : bool
         Query i sees key j iff j <= i + keys - seqlen_q (bottom-right, as in the forward): the new rows are the
         sequence's last ones. True by default (what decoding means; flash-attn's ``flash_attn_with_kvcache``
@@ -340,10 +345,14 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
     scale, window, softcap, alibi_slopes, sinks
         As in :func:`forward` (the window and ALiBi distances are measured from each sequence's own last key).
     num_splits : int, optional
-        Chunks of the keys (default: enough to fill the GPU twice over, at least 4 key tiles each).
+        Chunks each sequence's keys are cut into (whole key tiles each; chunks past a sequence's keys are empty).
+        Default: ``forms.decode_splits``, a model of the split pass planned from the cache's capacity and the GPU's
+        multiprocessors (full waves of CTAs, enough warps in flight, little partial traffic); ``rawflash explain
+        --decode`` shows its choice.
     return_lse : bool
         Also return lse (batch, heads, seqlen_q) float32.
-    backend : {'cupy', 'reference'}
+    backend : {'cupy', 'numba', 'reference'}
+        'numba': the Numba twins of the kernels (on a GPU, or Numba's CPU simulator).
 
     Returns
     -------
@@ -363,21 +372,31 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
                                    or not 1 <= num_splits <= forms.MAX_SPLITS):
         raise ValueError(f"num_splits must be None or an int between 1 and {forms.MAX_SPLITS}, got {num_splits!r}")
     p, to_numpy = c.problem, c.kind == "numpy"
-    lens = c.extras["seqused_k"]
+    lens = c.extras.get("seqused_k", c.extras.get("cache_len"))  # an array, or the int of every sequence
     if backend == "reference":
-        out, lse = reference.decode(q, k_cache, v_cache, lens, k_new=k_new, v_new=v_new, block_table=block_table,
+        host_lens = np.broadcast_to(np.asarray(reference._host(lens)).astype(np.int64), (p.batch,))
+        out, lse = reference.decode(q, k_cache, v_cache, host_lens, k_new=k_new, v_new=v_new, block_table=block_table,
                                     causal=p.causal, scale=c.scale, window=p.window, softcap=p.softcap,
                                     alibi_slopes=feats.alibi_slopes, sinks=feats.sinks)
         out, lse = _host_result(out.astype(q.dtype), to_numpy), _host_result(lse.astype(np.float32), to_numpy)
-        _append_in_place(k_cache, v_cache, lens, k_new, v_new, block_table)
+        _append_in_place(k_cache, v_cache, host_lens, k_new, v_new, block_table)
         return (out, lse) if return_lse else out
     _require_gpu(backend)
-    from . import cupy_backend
-
     with _device(c):
-        out, lse = cupy_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras, env)
-    if to_numpy and p.new_keys:  # the device appended to copies of NumPy caches: append to the caller's too
-        _append_in_place(k_cache, v_cache, lens, k_new, v_new, block_table)
+        if backend == "numba":
+            from . import numba_backend
+
+            out, lse = numba_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras)
+            if p.new_keys and numba_backend.copies_caches(k_cache):  # the twins appended to copies: the caller's too
+                _append_in_place(k_cache, v_cache, np.broadcast_to(np.asarray(reference._host(lens)), (p.batch,)),
+                                 k_new, v_new, block_table)
+        else:
+            from . import cupy_backend
+
+            out, lse = cupy_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras, env)
+            if to_numpy and p.new_keys:  # the device appended to copies of NumPy caches: append to the caller's too
+                _append_in_place(k_cache, v_cache, np.broadcast_to(np.asarray(lens), (p.batch,)), k_new, v_new,
+                                 block_table)
     out, lse = arrays.export(out, to_numpy), arrays.export(lse, to_numpy)
     return (out, lse) if return_lse else out
 

@@ -5,8 +5,15 @@ bytes of K and V read (plus q and out) over the time, next to what a device-to-d
 in the same run. Every implementation is validated first (flash-attn's rule against the float64 reference, on a
 reduced case of the same kind: dtype, head_dim, group, page size, query rows); an implementation that fails is
 reported, not timed. Times are medians of CUDA-event timings with L2 flushed before every timed call (a model's
-layers each read their own cache, so a step never finds it in L2). Peers: PyTorch's SDPA flash and cuDNN backends
-on the same contiguous cache (they do not append and cannot read pages; their time is the attention alone).
+layers each read their own cache, so a step never finds it in L2). Peers: PyTorch's SDPA flash, cuDNN and
+memory-efficient backends on the same contiguous cache (they do not append and cannot read pages; their time is the
+attention alone; a paged case is compared with the peers' time on its contiguous twin).
+
+The sweep (``sweep_cases``): batch 1, 8, 64 x context 1k, 8k, 32k, 128k x GQA 32/8, 64/8 and MQA 32/1 x contiguous and
+paged (page 16, 64, 256), d = 128, bf16, plus speculative decoding (4 query rows) at every contiguous GQA 32/8
+shape. Its largest cache, b64 x 128k x 8 kv heads, is 34 GB (K and V), which fits an H200 (141 GB) with its
+float32 fill buffer; a case whose cache does not fit the free memory is reported as skipped. ``quick_cases`` is a
+subset of 12 cases (about 2 minutes of an H200 with 10 repeats).
 """
 from __future__ import annotations
 
@@ -17,7 +24,8 @@ import numpy as np
 from . import reference
 from .bench import _torch, time_ms
 
-IMPLS = ("rawflash", "torch-flash", "torch-cudnn")
+IMPLS = ("rawflash", "torch-flash", "torch-cudnn", "torch-efficient")
+FILL_CHUNK = 1 << 28  # random fill in chunks of 256 MB of float32 (a 34 GB cache needs no 68 GB float32 copy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,21 +46,63 @@ class DecodeCase:
         return (f"b{self.batch} N{self.cache} h{self.heads}/{self.kv_heads} d{self.head_dim} sq{self.sq} "
                 f"{layout}")
 
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
     def bytes_moved(self) -> int:
         """K and V of every used key read once, q read and out written once."""
-        item = 4 if self.dtype == "float32" else 2
         keys = self.cache + self.new
-        return item * (2 * self.batch * keys * self.kv_heads * self.head_dim
-                       + 2 * self.batch * self.sq * self.heads * self.head_dim)
+        return self.itemsize * (2 * self.batch * keys * self.kv_heads * self.head_dim
+                                + 2 * self.batch * self.sq * self.heads * self.head_dim)
+
+    def cache_bytes(self) -> int:
+        """Device memory of the two caches (whole pages when paged)."""
+        cap = self.cache + self.new
+        rows = -(-cap // self.page) * self.page if self.page else cap
+        return 2 * self.batch * rows * self.kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def contiguous(self) -> "DecodeCase":
+        return dataclasses.replace(self, page=0)
+
+
+GROUPS = ((32, 8), (64, 8), (32, 1))  # GQA 32/8 (Llama 3 8B), 64/8 (Llama 3 70B), MQA
+
+
+def sweep_cases() -> list[DecodeCase]:
+    """The issue's sweep: batch x context x group x layout at d = 128, bf16; then 4 query rows (GQA 32/8)."""
+    out = [DecodeCase(b, n, h, hk, page=page) for b in (1, 8, 64) for n in (1024, 8192, 32768, 131072)
+           for h, hk in GROUPS for page in (0, 16, 64, 256)]
+    out += [DecodeCase(b, n, sq=4) for b in (1, 8, 64) for n in (1024, 8192, 32768, 131072)]
+    return out
+
+
+def quick_cases() -> list[DecodeCase]:
+    """A subset that still shows every regime: small grids (b1, MQA), full waves (b8 / b64 long), each page size,
+    the 64/8 group and speculative decoding."""
+    return [DecodeCase(1, 32768), DecodeCase(1, 131072), DecodeCase(8, 8192), DecodeCase(8, 32768),
+            DecodeCase(8, 32768, page=16), DecodeCase(8, 32768, page=64), DecodeCase(8, 32768, page=256),
+            DecodeCase(64, 4096), DecodeCase(64, 8192, page=64), DecodeCase(8, 32768, 32, 1),
+            DecodeCase(8, 32768, 64, 8), DecodeCase(8, 32768, sq=4)]
 
 
 def decode_cases() -> list[DecodeCase]:
+    """Session 3's cases (kept for comparison with bench-decode-bf16.json)."""
     out = [DecodeCase(b, n) for b, n in ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (64, 4096),
                                          (64, 8192))]
     out += [DecodeCase(8, 32768, page=16), DecodeCase(8, 32768, page=256), DecodeCase(8, 32768, sq=4),
             DecodeCase(8, 8192, heads=16, kv_heads=16, head_dim=64), DecodeCase(8, 8192, heads=8, kv_heads=1),
             DecodeCase(8, 32768, dtype="float16")]
     return out
+
+
+def _fill(x, rng) -> None:
+    """x (any shape, a 16-bit or float32 CuPy array) filled with N(0, 1) draws, FILL_CHUNK float32 at a time."""
+    flat = x.reshape(-1)
+    for start in range(0, flat.size, FILL_CHUNK):
+        stop = min(flat.size, start + FILL_CHUNK)
+        flat[start:stop] = rng.standard_normal(stop - start, dtype=np.float32).astype(x.dtype)
 
 
 def _inputs(case: DecodeCase, seed: int = 0):
@@ -65,7 +115,9 @@ def _inputs(case: DecodeCase, seed: int = 0):
     cap = case.cache + case.new
 
     def rand(*shape):
-        return rng.standard_normal(shape, dtype=cupy.float32).astype(dt)
+        x = cupy.empty(shape, dtype=dt)
+        _fill(x, rng)
+        return x
 
     q = rand(case.batch, case.sq, case.heads, case.head_dim)
     table = None
@@ -100,7 +152,8 @@ def _torch_call(impl: str, case: DecodeCase, q, kc, vc):
     torch = _torch()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
+    backend = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION,
+               "torch-efficient": SDPBackend.EFFICIENT_ATTENTION}[impl]
     n = case.cache + case.new
     tq = torch.from_dlpack(q).transpose(1, 2)
     tk, tv = (torch.from_dlpack(x)[:, :n].transpose(1, 2) for x in (kc, vc))
@@ -162,18 +215,40 @@ def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def run_decode(repeats: int = 20, impls: tuple[str, ...] = IMPLS) -> dict:
-    """Validate, then time every case; rows of (case, impl, ms, GB/s, share of the copy bandwidth)."""
+def _fits(case: DecodeCase) -> str | None:
+    """None when the case's caches (and a float32 fill chunk, the L2 flush, the copies the peers make) fit the
+    device's free memory, else why not."""
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    need = case.cache_bytes() + 4 * FILL_CHUNK + (1 << 30)
+    if need > 0.9 * free:
+        return f"skipped: needs about {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+    return None
+
+
+def run_decode(repeats: int = 20, impls: tuple[str, ...] = IMPLS, cases: list[DecodeCase] | None = None) -> dict:
+    """Validate, then time every case (default: ``sweep_cases``); rows of (case, impl, ms, GB/s, share of the copy
+    bandwidth), and for rawflash its ratio to every peer and to the fastest one (a paged case: the peers' times
+    on its contiguous twin)."""
     import cupy
 
     have_torch = _torch() is not None
     impls = tuple(i for i in impls if i == "rawflash" or have_torch)
+    cases = sweep_cases() if cases is None else cases
     roof = copy_bandwidth()
     rows, checked = [], {}
-    for case in decode_cases():
+    for case in cases:
         kind = (case.dtype, case.head_dim, case.heads // case.kv_heads, case.page, case.sq)
+        skip = _fits(case)
         for impl in impls:
             row = {"case": case.name, "impl": impl}
+            if impl != "rawflash" and case.page:
+                continue  # SDPA reads no pages: compared on the contiguous twin below
+            if skip:
+                rows.append({**row, "status": skip})
+                continue
             key = (impl, kind)
             if key not in checked:
                 try:
@@ -182,10 +257,11 @@ def run_decode(repeats: int = 20, impls: tuple[str, ...] = IMPLS) -> dict:
                     checked[key] = (False, f"{type(err).__name__}: {str(err).splitlines()[0][:100]}")
             ok, why = checked[key]
             if not ok:
-                rows.append({**row, "status": f"invalid: {why}" if why != "no paged cache" else why})
+                rows.append({**row, "status": f"invalid: {why}"})
                 continue
-            q, kc, vc, kn, vn, lens, table = _inputs(case)
+            q = kc = vc = kn = vn = lens = table = None
             try:
+                q, kc, vc, kn, vn, lens, table = _inputs(case)
                 if impl == "rawflash":
                     bound, public = _rawflash(case, q, kc, vc, kn, vn, lens, table)
                     row["kernel_ms"] = time_ms(bound.launch, repeats=repeats)
@@ -202,12 +278,26 @@ def run_decode(repeats: int = 20, impls: tuple[str, ...] = IMPLS) -> dict:
             rows.append(row)
             del q, kc, vc, kn, vn, lens, table
             cupy.get_default_memory_pool().free_all_blocks()
-    by = {(r["case"], r["impl"]): r for r in rows}
-    for r in rows:
-        if r["impl"] == "rawflash" and r.get("status") == "ok":
-            for peer in impls[1:]:
-                other = by.get((r["case"], peer))
-                if other and other.get("status") == "ok":  # peer time / ours: > 1 is faster than the peer
-                    r[f"vs {peer}"] = other["ms"] / r["kernel_ms"]
-                    r[f"vs {peer} (public call)"] = other["ms"] / r["ms"]
+    _ratios(rows, cases, impls[1:])
     return {"copy_GBps": roof, "rows": rows}
+
+
+def _ratios(rows: list[dict], cases: list[DecodeCase], peers: tuple[str, ...]) -> None:
+    """Each rawflash row gets peer time / its time (> 1: faster than the peer), for the kernels and the public call,
+    per peer and for the fastest peer (on the case's contiguous twin for paged cases, when the sweep timed it)."""
+    by = {(r["case"], r["impl"]): r for r in rows}
+    for case in cases:
+        r = by.get((case.name, "rawflash"))
+        if not r or r.get("status") != "ok":
+            continue
+        timed = {}
+        for peer in peers:
+            other = by.get((case.contiguous.name, peer))
+            if other and other.get("status") == "ok":
+                timed[peer] = other["ms"]
+                r[f"vs {peer}"] = other["ms"] / r["kernel_ms"]
+        if timed:
+            best = min(timed, key=timed.get)
+            r["fastest peer"] = best + (" (contiguous)" if case.page else "")
+            r["vs fastest"] = timed[best] / r["kernel_ms"]
+            r["vs fastest (public call)"] = timed[best] / r["ms"]

@@ -432,18 +432,35 @@ def _measure(p: launch.Problem, rows: list[dict]) -> str | None:
 @click.option("--scale", type=float, default=None, help="Softmax scale  [default: 1/sqrt(head_dim)]")
 @click.option("--direction", type=DIRECTIONS, default="both", show_default=True)
 @click.option("--deterministic", is_flag=True)
-@target_options()
+@click.option("--decode", is_flag=True,
+              help="Explain rawflash.decode instead: --seqlen-q query rows per sequence against caches of --seqlen-k "
+                   "keys each (its num_splits and split plan included).")
+@click.option("--page-size", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --decode: a paged cache of this page size (0: contiguous).")
+@click.option("--new-keys", type=click.IntRange(min=0), default=1, show_default=True,
+              help="With --decode: keys appended before attending (k_new / v_new rows).")
+@click.option("--num-splits", type=click.IntRange(min=1), default=None,
+              help="With --decode: the split count asked for  [default: the heuristic's]")
+@target_options(sms=True)
 @json_option
 @click.pass_context
-def explain(ctx, spec, kernel, backend, scale, direction, deterministic, gpu, arch, sms, as_json):
+def explain(ctx, spec, kernel, backend, scale, direction, deterministic, decode, page_size, new_keys, num_splits, gpu,
+            arch, sms, as_json):
     """Dry run of a call on the target: the API's verdict (or its exact error), variant, launches (the CUDA C
-    kernels', the Numba twins' with --backend numba, none with --backend reference), bytes, time bound.
+    kernels', the Numba twins' with --backend numba, none with --backend reference), bytes, time bound. With
+    --decode: rawflash.decode's launches and split plan (num_splits).
 
     Nothing is launched and no GPU is needed. Exits 2 when the API would refuse the call.
     """
     tgt = _target(gpu, arch, sms)
-    report = introspect.explain(spec, kernel=kernel, backend=backend, scale=scale, direction=direction,
-                                deterministic=deterministic, tgt=tgt)
+    if decode:
+        report = introspect.explain_decode(spec, page_size=page_size, new_keys=new_keys, num_splits=num_splits,
+                                           backend=backend, scale=scale, tgt=tgt)
+    else:
+        if page_size or num_splits is not None:
+            raise click.UsageError("--page-size and --num-splits go with --decode")
+        report = introspect.explain(spec, kernel=kernel, backend=backend, scale=scale, direction=direction,
+                                    deterministic=deterministic, tgt=tgt)
     _emit(report, as_json)
     if not report["valid"]:
         ctx.exit(EXIT_INVALID)
@@ -668,17 +685,22 @@ def demo(ctx, gpu, arch, sms, as_json):
               help="Time the features instead (windows, varlen, soft-capping, ALiBi, sinks: bf16, d = 128, each "
                    "beside the case its target compares with).")
 @click.option("--decode", is_flag=True,
-              help="Time decode instead (a KV-cache step: bandwidth beside a device copy and PyTorch's SDPA).")
+              help="Time decode instead (a KV-cache step: bandwidth beside a device copy and PyTorch's SDPA): "
+                   "batch 1/8/64 x context 1k-128k x GQA 32/8, 64/8, MQA x contiguous and paged 16/64/256.")
+@click.option("--quick", is_flag=True, help="With --decode: a subset of 12 cases (about 2 minutes on an H200).")
 @json_option
 def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
-          features, decode, as_json):
+          features, decode, quick, as_json):
     """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
     only. The rawflash rows also give the kernels' own time (kernel_tflops: the launches alone, CUDA events)."""
+    if quick and not decode:
+        raise click.UsageError("--quick goes with --decode")
     _require_gpu("bench", "'rawflash io' and 'rawflash explain' give the predicted numbers without one")
     if decode or features:  # the decode sweep or the feature cases instead of the FA2 sweep
         from . import bench_decode
 
-        name, result = ("decode", bench_decode.run_decode(repeats)) if decode else \
+        cases = bench_decode.quick_cases() if quick else None
+        name, result = ("decode", bench_decode.run_decode(repeats, cases=cases)) if decode else \
             ("features", bench_mod.run_features(repeats))
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ parameter structs from ``params.py``; this module only binds arrays to them.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -258,13 +259,40 @@ def _cache_ready(x, name: str, chunk: int, in_place: bool):
     return ready
 
 
+WORKSPACES = 8  # decode's cached (o_ws, m_ws) pairs, the least recently used dropped first
+_workspaces: collections.OrderedDict = collections.OrderedDict()
+
+
+def decode_workspace(num_splits: int, q_shape: tuple, lse_shape: tuple):
+    """decode's float32 work buffers (partial O: num_splits x q's shape; partial lse: num_splits x lse's shape),
+    cached per (device, stream, shape): a decode step of a serving loop allocates nothing. A buffer is shared only
+    by calls on one stream, which run one after another, so no call sees another's partials."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr, num_splits, tuple(q_shape), tuple(lse_shape))
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = (cupy.empty((num_splits,) + tuple(q_shape), dtype=cupy.float32),
+              cupy.empty((num_splits,) + tuple(lse_shape), dtype=cupy.float32))
+        _workspaces[key] = ws
+        while len(_workspaces) > WORKSPACES:
+            _workspaces.popitem(last=False)
+    else:
+        _workspaces.move_to_end(key)
+    return ws
+
+
 def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,
                 extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None) -> Bound:
     """Bind a decode call: the append (k_new / v_new into the caches, in place), the split-KV pass into float32 work
-    buffers (num_splits x the output) and the combine into out and lse (batch, heads, seqlen_q)."""
+    buffers (num_splits x the output, cached per shape and stream) and the combine into out and lse (batch, heads,
+    seqlen_q). Nothing here reads a device value: the plan comes from the shapes (``forms.decode_plan``)."""
     import cupy
 
-    prep = prepare(p, extras or {}, env, q)  # head_dim is a multiple of 8 (checked): nothing is padded
+    extras = dict(extras or {})
+    cache_len = extras.pop("cache_len", 0)
+    prep = prepare(p, extras, env, q)  # head_dim is a multiple of 8 (checked): nothing is padded
     pr, (q,) = prep.problem, prep.arrays
     chunk = 16 // q.dtype.itemsize
     appends = k_new is not None
@@ -273,13 +301,14 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
     new = tuple(kernel_ready(cupy.asarray(x), chunk) for x in (k_new, v_new)) if appends else (None, None)
     plan = forms.decode_plan(pr, num_splits, _sms(), override)
     out = cupy.empty(q.shape, dtype=q.dtype)
-    lse = cupy.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=cupy.float32)
-    o_ws = cupy.empty((plan.num_splits,) + q.shape, dtype=cupy.float32)
-    m_ws = cupy.empty((plan.num_splits, pr.batch, pr.heads, pr.seqlen_q), dtype=cupy.float32)
+    lse_shape = (pr.batch, pr.heads, pr.seqlen_q)
+    lse = cupy.empty(lse_shape, dtype=cupy.float32)
+    o_ws, m_ws = decode_workspace(plan.num_splits, q.shape, lse_shape)
     rec = params.fwd_params(pr, q, k_cache, v_cache, out, lse, scale, o_ws=o_ws, m_ws=m_ws,
-                            num_splits=plan.num_splits, k_new=new[0], v_new=new[1], split_keys=plan.split_keys,
+                            num_splits=plan.num_splits, k_new=new[0], v_new=new[1], decode=True, cache_len=cache_len,
                             **prep.extras)
-    bound = Bound(plan.launches, [(lau, (rec,)) for lau in plan.launches], (out, lse), env)
+    launches = plan.launches
+    bound = Bound(list(launches), [(lau, (rec,)) for lau in launches], (out, lse), env)
     bound.keep = (q, k_cache, v_cache, new, o_ws, m_ws, prep.extras)
     bound.plan_info = plan
     return bound
@@ -294,6 +323,7 @@ def _sms() -> int:
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
+    """Multiprocessors of a device (asked once: Device.attributes queries every attribute)."""
     import cupy
 
     return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))

@@ -7,6 +7,7 @@ occupancy report and the compile tests read the same plans, so what they show is
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from . import configs, launch, registry
 from .configs import TileConfig
@@ -169,48 +170,112 @@ def backward_plan(p: Problem, deterministic: bool = False, settings: Settings = 
 
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
-    """A decode call's launches and its split of the keys: num_splits chunks of split_keys keys."""
+    """A decode call's launches and its split count; sequence b's keys are cut on the device into num_splits
+    runs of cdiv(cdiv(keys_b, bc), num_splits) tiles (the host never reads cache_seqlens)."""
 
-    launches: list
+    launches: tuple
     num_splits: int
-    split_keys: int
 
 
-MAX_SPLITS = 256
+MAX_SPLITS = launch.DECODE_MAX_SPLITS
+# The split model's two constants (H200, bf16; bench/results/NOTES.md, decode session 4): the HBM read rate a
+# full grid reaches, and the time one warp waits for each tile it has in flight when the grid is too small to
+# be bandwidth-bound (a loaded round trip plus the tile's own work).
+DECODE_BYTES_PER_US = 4.0e6
+DECODE_TILE_WAIT_US = 2.0
 
 
-def decode_splits(p: Problem, cfg: TileConfig, sms: int = 132) -> tuple[int, int]:
-    """How many splits decode cuts the keys into, and how many keys each (a multiple of cfg.bc).
-
-    Enough warps for two waves of the GPU (``sms`` multiprocessors, as many CTAs per SM as shared memory allows)
-    over the (batch, kv head, row group) pairs, but at least four key tiles per split and at most 256 splits.
-    The longest sequence (``p.seqlen_k``: cache_seqlens + new keys) sets the chunk.
-    """
+def decode_ctas_per_sm(p: Problem, cfg: TileConfig) -> int:
+    """CTAs of decode_split one SM holds: by shared memory (227 KB per SM, 1 KB reserved per CTA), threads (2048)
+    and registers (assumed <= 128 per thread, which ptxas reports for the 16-bit rows), at most 32."""
     smem = launch.smem_decode_split(cfg, p.padded_head_dim, p.itemsize)
-    ctas_per_sm = max(1, min(32, 233472 // (smem + 1024)))
+    return max(1, min(32, 233472 // (smem + 1024), 2048 // cfg.threads, 65536 // (cfg.threads * 128)))
+
+
+def decode_split_cost(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) -> float:
+    """Modelled microseconds of a decode call's split pass and combine with ``splits`` splits (the heuristic's
+    objective; only its ordering matters).
+
+    The (batch, kv head, row group) pairs each run cdiv(splits, warps) CTAs of up to ``warps`` splits, every split
+    cdiv(tiles, splits) key tiles of the cache's capacity. CTAs run in waves of ``sms x ctas per SM``; a wave takes
+    the longer of its bytes over the HBM rate and its splits' latency chain (each warp keeps stages - 1 tiles in
+    flight and waits DECODE_TILE_WAIT_US for them). The partial results add their bytes (written and read back,
+    float32), and the combine a latency chain of one wait per 4 splits each of its threads sums.
+    """
+    rows, groups = launch.decode_rows(p, cfg)
+    pairs = p.batch * p.kv_heads * groups
+    tiles = launch.cdiv(max(1, p.seqlen_k), cfg.bc)
+    per_split = launch.cdiv(tiles, splits)
+    per_pair = launch.cdiv(splits, cfg.warps)
+    ctas, slots = pairs * per_pair, sms * decode_ctas_per_sm(p, cfg)
+    tile_bytes = 2 * cfg.bc * p.padded_head_dim * p.itemsize
+    cta_bytes = splits / per_pair * per_split * tile_bytes
+    chain = per_split * DECODE_TILE_WAIT_US / max(1, cfg.stages - 1)
+    full, rest = divmod(ctas, slots)
+    t = full * max(chain, slots * cta_bytes / DECODE_BYTES_PER_US)
+    if rest:
+        t += max(chain, rest * cta_bytes / DECODE_BYTES_PER_US)
+    if splits > 1:
+        out_rows = p.batch * p.seqlen_q * p.heads
+        t += 2 * out_rows * splits * (p.head_dim + 1) * 4 / DECODE_BYTES_PER_US
+        split_groups = max(1, launch.DECODE_COMBINE_THREADS // max(1, p.head_dim // 4))
+        t += DECODE_TILE_WAIT_US * launch.cdiv(launch.cdiv(splits, split_groups), 4)
+    return t
+
+
+def decode_occupancy(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) -> float:
+    """The share of the warp slots of decode_split's waves (whole waves of ``sms`` x CTAs per SM) that hold a split:
+    1 for full waves of full CTAs (the heuristic's tie-break)."""
     pairs = p.batch * p.kv_heads * launch.decode_rows(p, cfg)[1]
-    want = launch.cdiv(2 * sms * ctas_per_sm * cfg.warps, max(1, pairs))
-    most = max(1, launch.cdiv(p.seqlen_k, 4 * cfg.bc))
-    return _splits_of(p, cfg, max(1, min(want, most, MAX_SPLITS)))
+    per_pair = launch.cdiv(splits, cfg.warps)
+    ctas, slots = pairs * per_pair, sms * decode_ctas_per_sm(p, cfg)
+    return ctas / (launch.cdiv(ctas, slots) * slots) * splits / (per_pair * cfg.warps)
 
 
-def _splits_of(p: Problem, cfg: TileConfig, splits: int) -> tuple[int, int]:
-    """(splits, keys per split) when the longest sequence is cut into at most ``splits`` chunks of whole tiles."""
-    split_keys = launch.cdiv(launch.cdiv(max(1, p.seqlen_k), splits), cfg.bc) * cfg.bc
-    return launch.cdiv(max(1, p.seqlen_k), split_keys), split_keys
+@functools.lru_cache(maxsize=4096)
+def _best_splits(p: Problem, cfg: TileConfig, sms: int) -> int:
+    tiles = launch.cdiv(max(1, p.seqlen_k), cfg.bc)
+    costs = [(decode_split_cost(p, cfg, s, sms), s) for s in range(1, min(MAX_SPLITS, tiles) + 1)]
+    best = min(c for c, _ in costs)
+    near = [s for c, s in costs if c <= 1.02 * best]
+    # within 2 % of the best: the fullest waves (the model is optimistic where a small grid just reaches the
+    # bandwidth), then the fewest splits
+    return min(near, key=lambda s: (-round(decode_occupancy(p, cfg, s, sms), 3), s))
+
+
+def decode_splits(p: Problem, cfg: TileConfig, sms: int = 132) -> int:
+    """How many splits decode cuts every sequence's keys into when the caller does not say (``num_splits=None``).
+
+    The split count from 1 to min(256, key tiles of the capacity) that minimises ``decode_split_cost``; among
+    those within 2 % of the best, the one whose waves are fullest (``decode_occupancy``), then the fewest. What the model trades: more splits give more CTAs (a small batch or
+    few kv heads cannot fill ``sms`` multiprocessors otherwise, and one warp alone is latency-bound) and shorter
+    latency chains, but waves must come out near whole (a last wave of a few CTAs costs as long as a full one),
+    and every split adds its float32 partial O to write and read and a step to the combine. Planned from the
+    cache's capacity (``p.seqlen_k``), never from cache_seqlens, so the plan needs no device-to-host copy.
+    """
+    return _best_splits(dataclasses.replace(p, lengths=()), cfg, sms)
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_plan(p: Problem, num_splits: int | None, sms: int) -> DecodePlan:
+    cfg = _config("decode_split", p, None)
+    return _make_decode_plan(p, cfg, num_splits, sms)
+
+
+def _make_decode_plan(p: Problem, cfg: TileConfig, num_splits: int | None, sms: int) -> DecodePlan:
+    splits = decode_splits(p, cfg, sms) if num_splits is None else num_splits
+    launches = ([launch.decode_append(p)] if p.new_keys else []) + [launch.decode_split(p, cfg, splits),
+                                                                   launch.decode_combine(p)]
+    return DecodePlan(tuple(launches), splits)
 
 
 def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
                 override: Override | None = None) -> DecodePlan:
-    """The append (when new keys come), the split-KV pass and the combine of one decode call."""
-    cfg = _config("decode_split", p, override)
-    if num_splits is None:
-        num_splits, split_keys = decode_splits(p, cfg, sms)
-    else:  # as asked (the kernels' grid has num_splits splits; trailing ones may be empty)
-        split_keys = _splits_of(p, cfg, num_splits)[1]
-    launches = ([launch.decode_append(p)] if p.new_keys else []) + [launch.decode_split(p, cfg, num_splits),
-                                                                   launch.decode_combine(p)]
-    return DecodePlan(launches, num_splits, split_keys)
+    """The append (when new keys come), the split-KV pass and the combine of one decode call; ``num_splits`` as
+    asked (splits past a sequence's keys are empty), or ``decode_splits``'s choice. Cached per problem."""
+    if override:
+        return _make_decode_plan(p, _config("decode_split", p, override), num_splits, sms)
+    return _decode_plan(dataclasses.replace(p, lengths=()), num_splits, sms)
 
 
 def _variants_of(p: Problem) -> list[Problem]:

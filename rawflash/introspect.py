@@ -601,6 +601,93 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
     return notes
 
 
+# ---------------------------------------------------------------- explain --decode: a dry run of rawflash.decode
+def decode_placeholders(spec: ShapeSpec, page_size: int, new_keys: int) -> dict:
+    """rawflash.decode's arguments for a spec as zero-stride NumPy arrays: q (batch, seqlen_q, heads, d), caches
+    holding seqlen_k (the cache_seqlens, an int) + new_keys keys, contiguous or in pages of ``page_size``."""
+    dt = accuracy.DTYPES[spec.dtype]
+    one = np.zeros((), dt)
+    hk = spec.heads if spec.kv_heads is None else spec.kv_heads
+    cache = spec.seqlen_q if spec.seqlen_k is None else spec.seqlen_k
+    cap = cache + new_keys
+    out = {"q": np.broadcast_to(one, (spec.batch, spec.seqlen_q, spec.heads, spec.head_dim)), "cache_seqlens": cache,
+           "block_table": None, "k_new": None, "v_new": None}
+    if page_size:
+        per = max(1, -(-cap // page_size))
+        kv = (spec.batch * per, page_size, hk, spec.head_dim)
+        out["block_table"] = np.arange(spec.batch * per, dtype=np.int32).reshape(spec.batch, per)
+    else:
+        kv = (spec.batch, max(1, cap), hk, spec.head_dim)
+    out["k_cache"] = out["v_cache"] = np.broadcast_to(one, kv)
+    if new_keys:
+        out["k_new"] = out["v_new"] = np.broadcast_to(one, (spec.batch, new_keys, hk, spec.head_dim))
+    return out
+
+
+def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits: int | None, backend: str, scale,
+                   tgt: Target) -> dict:
+    """What ``rawflash.decode`` would do on ``tgt`` for the spec (seqlen_q query rows against caches of seqlen_k
+    keys each, new_keys appended), or the API's exact error; nothing is launched."""
+    x = decode_placeholders(spec, page_size, new_keys)
+    layout = f"pages of {page_size}" if page_size else "contiguous"
+    report = {"call": [f"rawflash.decode(q{list(x['q'].shape)}, k_cache{list(x['k_cache'].shape)}, v_cache, "
+                       f"cache_seqlens={x['cache_seqlens']}, k_new={'[...]' if new_keys else None}, "
+                       f"block_table={'[...]' if page_size else None}, causal={spec.causal}, num_splits={num_splits}, "
+                       f"backend={backend!r})  # {spec.dtype}, {layout}"], "target": tgt.description}
+    try:
+        if spec.varlen:
+            raise ValueError("decode takes no packed sequences (--varlen): its sequences are the batch")
+        if num_splits is not None and not 1 <= num_splits <= forms.MAX_SPLITS:
+            raise ValueError(f"num_splits must be None or an int between 1 and {forms.MAX_SPLITS}, got {num_splits}")
+        checked = validation.check_decode(x["q"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["k_new"],
+                                          x["v_new"], x["block_table"], spec.causal, scale, backend, spec.features())
+    except (TypeError, ValueError) as err:
+        return {**report, "valid": False, "error": f"{type(err).__name__}: {err}",
+                "launched": "nothing: the API refuses this call before any launch"}
+    p = dataclasses.replace(checked.problem, arch=tgt.arch)
+    summary = _problem_summary(p, checked.scale)
+    summary.update({"seqlen_k": f"{x['cache_seqlens']} cached + {new_keys} appended",
+                    "cache capacity per sequence": p.seqlen_k, "layout": layout})
+    report.update(valid=True, problem=summary, variants=[_variant_summary(registry.get("decode"))])
+    if backend == "reference":
+        return {**report, "launched": "nothing: backend 'reference' computes in float64 NumPy on the host"}
+    kp = kernel_problem(p)
+    plan = forms.decode_plan(kp, num_splits, tgt.sms)
+    cfg = plan.launches[-2].config
+    report["launches"] = []
+    roles = {"decode_append": "elementwise: k_new / v_new into the cache",
+             "decode_split": "tiles: one split of whole key tiles per warp (split plan)",
+             "decode_combine": "one CTA per (batch, query, head) row: the splits merged by their lse"}
+    for lau in plan.launches:
+        row = launch_row(kp, "decode", lau)
+        row.pop("note", None)
+        row["tiles"] = row["skipped"] = None
+        report["launches"].append(add_note(row, roles[lau.kernel], fit_problem(row["smem"], tgt.arch)))
+    tiles = launch.cdiv(max(1, kp.seqlen_k), cfg.bc)
+    cache_bytes = 2 * p.batch * (x["cache_seqlens"] + new_keys) * p.kv_heads * p.head_dim * p.itemsize
+    report["split plan"] = {
+        "num_splits": plan.num_splits,
+        "chosen by": "you (num_splits)" if num_splits is not None else
+                     f"forms.decode_splits (model of {tgt.sms} SMs, planned from the capacity)",
+        "key tiles per split": f"cdiv(cdiv(keys_b, {cfg.bc}), {plan.num_splits}) per sequence; at full capacity "
+                               f"{launch.cdiv(tiles, plan.num_splits)}",
+        "waves filled": round(forms.decode_occupancy(kp, cfg, plan.num_splits, tgt.sms), 3),
+        "modelled split + combine us": round(forms.decode_split_cost(kp, cfg, plan.num_splits, tgt.sms), 1),
+        "cache MB read": round(cache_bytes / 1e6, 3),
+        "partials MB (written, read)": round(p.batch * p.seqlen_q * p.heads * (p.head_dim + 1) * 4 *
+                                             plan.num_splits / 1e6, 3) if plan.num_splits > 1 else 0,
+    }
+    if tgt.peaks is not None:
+        report["split plan"]["cache read at the HBM peak, us"] = round(cache_bytes / (tgt.peaks.hbm_tbps * 1e6), 1)
+    report["notes"] = [
+        "cache_seqlens and block_table are never read on the host: the plan comes from the shapes (the capacity), "
+        "and each sequence's keys are cut on the device into num_splits runs of whole tiles",
+        "the split count's model (forms.decode_split_cost) is a heuristic: whole waves of CTAs, enough warps with "
+        "tiles in flight, little partial traffic; its microseconds order the choices, they are no measurement",
+    ]
+    return report
+
+
 # ---------------------------------------------------------------- how long Numba's CPU simulator takes
 SIM_SECONDS_PER_THREAD = 4e-4
 """Simulator cost of one CUDA thread of one CTA: an OS thread started, joined and woken at each barrier."""

@@ -56,7 +56,7 @@ class Problem:
     total_k: int = 0
     seqused_k: bool = False
     lengths: tuple = ()  # (seqlen_q, seqlen_k) of every packed sequence, when known on the host (introspection)
-    new_keys: int = 0    # decode: rows of k_new / v_new appended to the cache (seqlen_k counts them)
+    new_keys: int = 0    # decode: rows of k_new / v_new appended to the cache (seqlen_k is the cache's capacity)
     page_size: int = 0   # decode: a paged cache's page size (0: contiguous)
     sms: int = 132       # multiprocessors of the GPU (an H200's by default): persistent grids and split counts
 
@@ -386,10 +386,22 @@ def decode_append(p: Problem) -> Launch:
     return _elementwise("decode_append", "decode.cu", p.dtype, p.batch * p.new_keys * p.kv_heads * cdiv(p.head_dim, 8))
 
 
+DECODE_COMBINE_THREADS = 256  # one CTA per (batch, query, head) row; lanes over splits, then 4-column chunks
+DECODE_MAX_SPLITS = 256       # the combine's shared weights (one float per split); forms.MAX_SPLITS
+
+
 def decode_combine(p: Problem) -> Launch:
-    """One warp per (batch, query, head), 8 warps per CTA."""
-    blocks = max(1, cdiv(p.batch * p.seqlen_q * p.heads, 8))
-    return Launch("decode_combine", "decode.cu", (CUDA_TYPES[p.dtype],), (blocks, 1, 1), (256, 1, 1), 0)
+    """One CTA of DECODE_COMBINE_THREADS per (batch, query, head) row: the splits' lse reduced across the threads,
+    then each thread sums 4 columns over every (threads / (head_dim / 4))-th split."""
+    rows = p.batch * p.seqlen_q * p.heads
+    smem = smem_decode_combine(DECODE_COMBINE_THREADS, DECODE_MAX_SPLITS)
+    args = (CUDA_TYPES[p.dtype], DECODE_COMBINE_THREADS, DECODE_MAX_SPLITS, smem)
+    return Launch("decode_combine", "decode.cu", args, (max(1, rows), 1, 1), (DECODE_COMBINE_THREADS, 1, 1), smem)
+
+
+def smem_decode_combine(threads: int, max_splits: int) -> int:
+    """A float4 partial sum per thread, a weight per split, a float per warp."""
+    return threads * 16 + max_splits * 4 + threads // 32 * 4
 
 
 def fa2_bwd_convert_dq(p: Problem) -> Launch:

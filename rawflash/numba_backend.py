@@ -31,8 +31,8 @@ from numba import config as numba_config
 from . import forms, launch, registry
 from .cupy_backend import run_head_dim
 from .launch import Launch, Problem
-from .numba_kernels import Twin, fa1_fwd, fa2_bwd, fa2_fwd  # noqa: F401  (applies the numpy shim first)
-from .numba_kernels.params import BwdParams, FwdParams
+from .numba_kernels import Twin, decode as _decode, fa1_fwd, fa2_bwd, fa2_fwd  # noqa: F401  (applies the numpy shim first)
+from .numba_kernels.params import BwdParams, DecodeParams, FwdParams
 from .settings import Settings
 
 SIMULATOR = bool(numba_config.ENABLE_CUDASIM)
@@ -316,6 +316,52 @@ def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: b
     if not sinks:
         return grads
     return (*grads, (-dsink_ws.sum(axis=(0, 2), dtype=np.float64)).astype(np.float32))
+
+
+# ---------------------------------------------------------------- decode
+def copies_caches(k_cache) -> bool:
+    """Whether ``decode`` runs on copies of the caller's caches (the simulator, NumPy caches on a GPU, bfloat16
+    upcast), so that the caller's caches need the append done again by the API."""
+    return SIMULATOR or isinstance(k_cache, np.ndarray) or _is_bfloat16(k_cache.dtype)
+
+
+def _sm_count() -> int:
+    """Multiprocessors the split heuristic plans for: the GPU's, or an H200's (132) on the simulator."""
+    if SIMULATOR:
+        return 132
+    from numba import cuda
+
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,
+           extras: dict | None = None):
+    """out like q and lse (batch, heads, seqlen_q) float32 through the decode twins (same signature and semantics as
+    ``cupy_backend.decode``; the caches receive the append unless ``copies_caches``)."""
+    extras = dict(extras or {})
+    cache_len = int(extras.pop("cache_len", 0))
+    table = extras.pop("block_table", None)
+    pr = run_problem(p)
+    plan = forms.decode_plan(pr, num_splits, _sm_count())
+    resolved = _resolve(list(plan.launches), "decode")
+    xp = _xp()
+    prep = prepare(p, extras, q, k_cache, v_cache)
+    q, kc, vc = prep.arrays
+    if p.new_keys:
+        kn, vn = (_kernel_dtype(_on_device(x)) for x in (k_new, v_new))
+    else:
+        kn = vn = xp.zeros((1, 1, 1, 1), kc.dtype)
+    tab = xp.ascontiguousarray(_on_device(table).astype(np.int32)) if table is not None else xp.zeros((1, 1), np.int32)
+    out = xp.empty(q.shape, dtype=q.dtype)
+    lse = xp.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=np.float32)
+    o_ws = xp.zeros((plan.num_splits,) + q.shape, np.float32)
+    m_ws = xp.zeros((plan.num_splits, pr.batch, pr.heads, pr.seqlen_q), np.float32)
+    params = _params(DecodeParams, pr, scale, extras, has_table=table is not None, page_size=pr.page_size,
+                     num_splits=plan.num_splits, new_keys=pr.new_keys, cache_capacity=pr.seqlen_k,
+                     num_pages=int(kc.shape[0]) if table is not None else 0, cache_len=cache_len)
+    cu_q, cu_k, used_k, slopes, sinks = prep.features
+    _run_plan(resolved, (params, q, kc, vc, kn, vn, out, lse, cu_q, cu_k, used_k, slopes, sinks, tab, o_ws, m_ws))
+    return _result(out, p.dtype), lse
 
 
 # ---------------------------------------------------------------- the simulator: one launch at a time

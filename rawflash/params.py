@@ -31,7 +31,7 @@ FWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
     ("head_dim", "i32"), ("window_left", "i32"), ("window_right", "i32"), ("page_size", "i32"),
     ("num_splits", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("new_keys", "i32"),
-    ("split_keys", "i32"), ("pad_", "i32"),
+    ("cache_capacity", "i32"), ("num_pages", "i32"), ("cache_len", "i32"), ("pad_", "i32"),
 )
 BWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("dout", "ptr"), ("dq", "ptr"), ("dk", "ptr"),
@@ -85,12 +85,13 @@ def _common(rec, p: Problem, scale: float, extras: dict) -> None:
     rec["alibi_sb"] = p.heads if slopes is not None and slopes.ndim == 2 else 0
 
 
-def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=None, split_keys: int = 0,
-               **extras) -> np.ndarray:
+def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=None, decode: bool = False,
+               cache_len: int = 0, **extras) -> np.ndarray:
     """FwdParams for one forward (or decode) call. ``extras``: cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks
     (CuPy arrays or None), block_table (its page size is ``p.page_size``), o_ws / m_ws / l_ws (float32 work
-    buffers), num_splits. Decode: k_new / v_new (appended, ``p.new_keys`` rows each) and split_keys (keys per
-    split); a split's partial O is o's size apart in o_ws."""
+    buffers), num_splits. ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the cache's capacity per
+    sequence (``p.seqlen_k``) and pages (k's first axis when paged), cache_len (every sequence's cache_seqlens
+    when seqused_k is None); a split's partial O is o's size apart in o_ws."""
     rec = np.zeros(1, FWD_DTYPE)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
         rec[name] = ptr(x)
@@ -108,8 +109,10 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
         rec[name] = ptr(x)
         if x is not None:
             _set_strides(rec, prefix, x, False)
-    rec["new_keys"], rec["split_keys"] = p.new_keys, split_keys
-    rec["ws_split"] = o.size if split_keys else 0
+    if decode:
+        rec["new_keys"], rec["cache_capacity"], rec["cache_len"] = p.new_keys, p.seqlen_k, cache_len
+        rec["num_pages"] = k.shape[0] if extras.get("block_table") is not None else 0
+        rec["ws_split"] = o.size
     return rec
 
 

@@ -158,10 +158,9 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
             supports=COMMON + FEATURES[1:] + ("deterministic=True (bitwise repeatable)",)),
     Variant("decode", "decode", "decode", "Flash-Decoding: split-KV attention of a few query rows against a KV cache",
             "one split of the keys per warp; the GQA group's query heads and rows packed into one tile",
-            (Form("decode_split", "decode.cu", "mainloop_decode.cuh", "sm_80", ALL_DTYPES, None,
-                  "no twin yet: the GPU tests check it against reference.decode (float64) instead"),),
-            (Helper("decode_append", "decode.cu", "k_new / v_new into the cache (contiguous or paged)", None),
-             Helper("decode_combine", "decode.cu", "the splits merged by their lse, the sink added", None)),
+            (Form("decode_split", "decode.cu", "mainloop_decode.cuh", "sm_80", ALL_DTYPES, "decode"),),
+            (Helper("decode_append", "decode.cu", "k_new / v_new into the cache (contiguous or paged)", "decode"),
+             Helper("decode_combine", "decode.cu", "the splits merged by their lse, the sink added", "decode")),
             supports=COMMON + ("window", "softcap", "alibi_slopes", "sinks", "paged KV cache", "in-place append")),
 )}
 

@@ -336,7 +336,7 @@ def check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backen
     return checked
 
 
-DECODE_BACKENDS = ("cupy", "reference")
+DECODE_BACKENDS = ("cupy", "numba", "reference")
 
 
 def _same(x, name: str, dtype: str, device) -> None:
@@ -348,8 +348,10 @@ def _same(x, name: str, dtype: str, device) -> None:
         raise ValueError(f"{name} must be on q's device ({device}), got {where}")
 
 
-def _check_cache_seqlens(cache_seqlens, batch: int, device) -> tuple[object, np.ndarray]:
-    """(int32 array or None, host values) of cache_seqlens: an int for every sequence, or an int32 (batch,) array."""
+def _check_cache_seqlens(cache_seqlens, batch: int, device) -> tuple[object, np.ndarray | None]:
+    """(the int32 array, or None for an int; its values when they are on the host, else None) of cache_seqlens: an
+    int for every sequence, or an int32 (batch,) array on q's device or the host. A device array's values are never
+    copied to the host (decode's kernels check them)."""
     if isinstance(cache_seqlens, (bool, np.bool_)):
         raise TypeError(f"cache_seqlens must be an int or an int32 array (batch,), got {cache_seqlens!r}")
     if isinstance(cache_seqlens, numbers.Integral):
@@ -362,17 +364,18 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device) -> tuple[object, np.
     if kind != "numpy" and device_of(cache_seqlens, kind) != device:
         raise ValueError(f"cache_seqlens must be on q's device ({device}) or on the host, got "
                          f"{device_of(cache_seqlens, kind)}")
-    return cache_seqlens, _host_ints(cache_seqlens).astype(np.int64)
+    return cache_seqlens, (np.asarray(cache_seqlens).astype(np.int64) if kind == "numpy" else None)
 
 
 def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend: str,
                  features: Features) -> Checked:
     """Validate a decode call (``rawflash.decode``); raises before anything is launched or appended.
 
-    The problem's seqlen_k is the longest sequence after the append, new_keys the appended rows, page_size the
-    paged cache's page (0: contiguous); extras hold cache_seqlens (as seqused_k), block_table, alibi_slopes and
-    sinks. Host values of cache_seqlens (and of the used block_table entries) are checked: a device array costs
-    one copy to the host.
+    The problem's seqlen_k is the cache's capacity per sequence (what the launch is planned from), new_keys the
+    appended rows, page_size the paged cache's page (0: contiguous); extras hold cache_seqlens (as seqused_k, or
+    ``cache_len`` for an int), block_table, alibi_slopes and sinks. Values on the host (an int, NumPy arrays) are
+    checked here; those of device arrays are never copied to the host (no synchronisation): the kernels check
+    them and give an out-of-range sequence NaN results without reading or writing outside the cache.
     """
     check_choice(backend, "backend", DECODE_BACKENDS)
     causal = check_flag(causal, "causal")
@@ -432,18 +435,26 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
             raise ValueError(f"block_table must be on q's device ({device}), got {device_of(block_table, kind)}")
         page = rows
         capacity = page * int(block_table.shape[1])
-    if np.any(lens < 0) or np.any(lens + new > capacity):
+    if new > capacity:
+        where = "k_cache.shape[1]" if block_table is None else "page_size x block_table.shape[1]"
+        raise ValueError(f"seqlen_new ({new}) must fit the cache's capacity per sequence ({where} = {capacity})")
+    if capacity >= 2 ** 31 or slots >= 2 ** 31:
+        raise ValueError(f"the cache's capacity per sequence ({capacity}) and its first axis ({slots}) must be below "
+                         "2**31")
+    if lens is not None and (np.any(lens < 0) or np.any(lens + new > capacity)):
         where = "k_cache.shape[1]" if block_table is None else "page_size x block_table.shape[1]"
         raise ValueError(f"cache_seqlens + seqlen_new ({new}) must be between 0 and the cache's capacity per sequence "
                          f"({where} = {capacity}), got cache_seqlens {lens.tolist()}")
-    if block_table is not None:
-        table = _host_ints(block_table).astype(np.int64)
+    if block_table is not None and lens is not None and isinstance(block_table, np.ndarray):
+        table = block_table.astype(np.int64)  # host values are free to check; a device table is checked there
         for b in range(batch):
             used = table[b, : -(-int(lens[b] + new) // page)]
             if np.any(used < 0) or np.any(used >= slots):
                 raise ValueError(f"block_table[{b}] must hold page indices between 0 and {slots - 1} (k_cache's "
                                  f"pages) for the pages its {int(lens[b] + new)} keys use, got {used.tolist()}")
-    extras = {"seqused_k": seqlens if seqlens is not None else lens.astype(np.int32)}
+    extras = {} if seqlens is None else {"seqused_k": seqlens}
+    if seqlens is None:
+        extras["cache_len"] = int(lens[0])
     if block_table is not None:
         extras["block_table"] = block_table
     if features.alibi_slopes is not None:
@@ -451,9 +462,7 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
                                                 device)
     if features.sinks is not None:
         extras["sinks"] = _feature_array(features.sinks, "sinks", [(h,)], "float32", device)
-    keys = int((lens + new).max())
-    lengths = tuple((sq, int(n)) for n in lens + new)
-    problem = Problem(batch, sq, keys, h, hk, d, dtype, causal, window=window, softcap=softcap,
-                      alibi="alibi_slopes" in extras, sinks="sinks" in extras, seqused_k=True, lengths=lengths,
-                      new_keys=new, page_size=page)
+    problem = Problem(batch, sq, capacity, h, hk, d, dtype, causal, window=window, softcap=softcap,
+                      alibi="alibi_slopes" in extras, sinks="sinks" in extras, seqused_k=True, new_keys=new,
+                      page_size=page)
     return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)

@@ -8,6 +8,9 @@ every feature alone and combined; the caches after the call must hold exactly th
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import numpy as np
 import pytest
 
@@ -15,6 +18,7 @@ import rawflash
 from rawflash import forms, launch, reference
 from rawflash.configs import tile_config
 from conftest import DTYPES
+from test_numba_gpu import PTX_CHECK as _FWD_PTX_CHECK
 
 RNG_SCALE = 1.0
 
@@ -112,7 +116,7 @@ BAD = [
     (dict(causal=1), TypeError, "causal must be a bool"),
     (dict(num_splits=0), ValueError, "num_splits"),
     (dict(num_splits=1000), ValueError, "num_splits"),
-    (dict(backend="numba"), ValueError, "backend must be one of"),
+    (dict(backend="torch"), ValueError, "backend must be one of"),
     (dict(window=(-2, 0)), ValueError, "window"),
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(return_lse="yes"), TypeError, "return_lse"),
@@ -156,25 +160,113 @@ def test_decode_rejects_bad_pages():
 
 @pytest.mark.parametrize("seqlen,group,sq", [(1, 1, 1), (100, 4, 1), (5000, 8, 1), (100000, 1, 4), (64, 16, 8)])
 def test_split_heuristic(seqlen, group, sq):
-    """Splits are whole key tiles, cover every key, stay within MAX_SPLITS, and a short cache is not over-split."""
+    """Between 1 and min(MAX_SPLITS, key tiles of the capacity); the cost model's best within 2 %."""
     p = launch.Problem(2, sq, seqlen, 8 * group, 8, 128, "bfloat16", False, seqused_k=True, new_keys=1)
     cfg = tile_config("decode_split", 128, "bfloat16", "sm_90")
-    n, keys = forms.decode_splits(p, cfg)
-    assert keys % cfg.bc == 0 and 1 <= n <= forms.MAX_SPLITS
-    assert n * keys >= seqlen and (n - 1) * keys < max(1, seqlen)
-    assert keys >= min(seqlen, 4 * cfg.bc) or n == 1
+    n = forms.decode_splits(p, cfg)
+    tiles = -(-seqlen // cfg.bc)
+    assert 1 <= n <= min(forms.MAX_SPLITS, tiles)
+    best = min(forms.decode_split_cost(p, cfg, s) for s in range(1, min(forms.MAX_SPLITS, tiles) + 1))
+    assert forms.decode_split_cost(p, cfg, n) <= 1.02 * best
+
+
+def _sweep_problem(batch, cache, heads=32, kv_heads=8, sq=1):
+    return launch.Problem(batch, sq, cache + 1, heads, kv_heads, 128, "bfloat16", sq > 1, seqused_k=True, new_keys=1)
+
+
+@pytest.mark.parametrize("batch,cache", [(8, 32768), (64, 4096), (64, 8192), (8, 131072)])
+def test_split_heuristic_fills_whole_waves(batch, cache):
+    """Large caches: waves of CTAs come out nearly whole (session 3's 50 splits at b8 N32768 made 2.1 waves, 0.7 of
+    the bandwidth's time wasted in the last one), with full CTAs."""
+    p = _sweep_problem(batch, cache)
+    cfg = tile_config("decode_split", 128, "bfloat16", "sm_90")
+    n = forms.decode_splits(p, cfg)
+    assert forms.decode_occupancy(p, cfg, n) >= 0.9, n
+    assert n % cfg.warps == 0
+
+
+@pytest.mark.parametrize("batch,cache,kv_heads", [(1, 32768, 8), (1, 131072, 8), (8, 8192, 1)])
+def test_split_heuristic_small_grids_split_more(batch, cache, kv_heads):
+    """Few (batch, kv head) pairs: enough splits for a hundred CTAs or more, each split several tiles long."""
+    p = _sweep_problem(batch, cache, heads=8 * kv_heads if kv_heads == 1 else 32, kv_heads=kv_heads)
+    cfg = tile_config("decode_split", 128, "bfloat16", "sm_90")
+    n = forms.decode_splits(p, cfg)
+    ctas = batch * kv_heads * -(-n // cfg.warps)
+    assert ctas >= 100 and -(-p.seqlen_k // cfg.bc) // n >= 4, (n, ctas)
+
+
+def test_split_plan_is_cached_and_ignores_lengths():
+    p = _sweep_problem(8, 4096)
+    a = forms.decode_plan(p)
+    assert forms.decode_plan(dataclasses.replace(p, lengths=((1, 5),) * 8)) is a  # the plan never sees lengths
+    assert forms.decode_plan(p, 7).num_splits == 7
 
 
 def test_decode_plan_launches():
     p = launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True, new_keys=1)
     plan = forms.decode_plan(p, 16)
     assert [lau.kernel for lau in plan.launches] == ["decode_append", "decode_split", "decode_combine"]
-    assert plan.num_splits == 16 and plan.split_keys * 16 >= 4096
-    split = plan.launches[1]
+    assert plan.num_splits == 16
+    split, combine = plan.launches[1], plan.launches[2]
     cfg = tile_config("decode_split", 128, "float16", "sm_90")
     assert split.grid == (-(-16 // cfg.warps), 8 * -(-4 // cfg.br), 2)
+    assert combine.grid == (2 * 32, 1, 1) and combine.block == (launch.DECODE_COMBINE_THREADS, 1, 1)
+    assert combine.template_args[2] == forms.MAX_SPLITS and combine.smem == combine.template_args[3]
     no_new = forms.decode_plan(launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True), 16)
     assert [lau.kernel for lau in no_new.launches] == ["decode_split", "decode_combine"]
+
+
+def test_check_decode_plans_from_the_capacity():
+    """seqlen_k is the cache's capacity (what the launch is planned from), whatever cache_seqlens holds; an int
+    cache_seqlens travels as cache_len (no array, nothing to copy)."""
+    from rawflash import validation
+
+    args, _ = _case(dtype="float32", lens=(37, 0, 300), new=2, page=16)
+    c = validation.check_decode(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"], args["k_new"],
+                                args["v_new"], args["block_table"], True, None, "cupy", validation.Features())
+    assert c.problem.seqlen_k == 16 * args["block_table"].shape[1] and c.problem.page_size == 16
+    c = validation.check_decode(args["q"], args["k_cache"], args["v_cache"], 40, args["k_new"], args["v_new"],
+                                args["block_table"], True, None, "cupy", validation.Features())
+    assert "seqused_k" not in c.extras and c.extras["cache_len"] == 40
+
+
+def test_decode_refuses_appends_larger_than_the_cache():
+    args, _ = _case(dtype="float32", lens=(0, 0, 0), new=2)
+    small = dict(args, k_cache=args["k_cache"][:, :1], v_cache=args["v_cache"][:, :1])
+    with pytest.raises(ValueError, match="seqlen_new"):
+        rawflash.decode(**small, backend="reference")
+
+
+def _explain(*args, code=0):
+    import json
+
+    from click.testing import CliRunner
+
+    from rawflash import cli
+
+    result = CliRunner().invoke(cli.main, ["explain", "--decode", *map(str, args), "--json"])
+    assert result.exit_code == code, result.output
+    return json.loads(result.stdout)
+
+
+def test_explain_decode_shows_the_split_plan():
+    got = _explain("--batch", 8, "--seqlen-q", 1, "--seqlen-k", 32768, "--heads", 32, "--kv-heads", 8,
+                   "--page-size", 64)
+    assert got["valid"] and [r["kernel"] for r in got["launches"]] == ["decode_append", "decode_split",
+                                                                      "decode_combine"]
+    plan = got["split plan"]
+    want = forms.decode_plan(launch.Problem(8, 1, got["problem"]["cache capacity per sequence"], 32, 8, 128,
+                                            "bfloat16", False, seqused_k=True, new_keys=1, page_size=64))
+    assert plan["num_splits"] == want.num_splits
+    split = next(r for r in got["launches"] if r["kernel"] == "decode_split")
+    assert split["grid"] == "x".join(map(str, want.launches[1].grid))
+    asked = _explain("--batch", 2, "--seqlen-q", 4, "--seqlen-k", 1000, "--num-splits", 7)
+    assert asked["split plan"]["num_splits"] == 7 and "you" in asked["split plan"]["chosen by"]
+
+
+def test_explain_decode_refuses_what_decode_refuses():
+    got = _explain("--batch", 2, "--seqlen-q", 1, "--seqlen-k", 100, "--head-dim", 60, code=2)
+    assert not got["valid"] and "head_dim a multiple of 8" in got["error"]
 
 
 # ---------------------------------------------------------------- GPU: the kernels against the reference
@@ -272,3 +364,223 @@ def test_decode_gpu_int_cache_seqlens_and_repeat_steps():
     final = rawflash.decode(dev["q"], dev["k_cache"], dev["v_cache"], cache_seqlens=43)
     ref, _ = reference.decode(args["q"], dev["k_cache"].get(), dev["v_cache"].get(), np.full(3, 43, np.int32))
     assert np.abs(final.get().astype(np.float64) - ref).max() < 2e-3
+
+
+@pytest.mark.gpu
+def test_decode_gpu_device_lengths_out_of_range_give_nan_rows():
+    """Device cache_seqlens are never read by the host: an out-of-range one makes that sequence's out and lse NaN
+    and skips its append; the other sequences are right and nothing outside the cache changes."""
+    import cupy
+
+    args, _ = _case(batch=3, dtype="float16", lens=(10, 0, 20), new=1, d=128)
+    cap = args["k_cache"].shape[1]
+    dev = {n: (None if x is None else cupy.asarray(x)) for n, x in args.items()}
+    dev["cache_seqlens"] = cupy.asarray(np.array([10, cap, -1], np.int32))
+    out, lse = rawflash.decode(**dev, return_lse=True, causal=False)
+    out, lse = out.get().astype(np.float64), lse.get()
+    assert np.isnan(out[1:]).all() and np.isnan(lse[1:]).all()
+    ref, _ = reference.decode(args["q"][:1], args["k_cache"][:1], args["v_cache"][:1], np.array([10], np.int32),
+                              k_new=args["k_new"][:1], v_new=args["v_new"][:1], causal=False)
+    assert np.abs(out[:1] - ref).max() < 2e-3
+    kc = reference.append_kv(args["k_cache"][:1], args["v_cache"][:1], np.array([10]), args["k_new"][:1],
+                             args["v_new"][:1])[0]
+    np.testing.assert_array_equal(dev["k_cache"].get()[:1], kc)
+    np.testing.assert_array_equal(dev["k_cache"].get()[1:], args["k_cache"][1:])  # no append for bad lengths
+
+
+@pytest.mark.gpu
+def test_decode_gpu_device_pages_outside_the_cache_give_nan_rows():
+    import cupy
+
+    args, _ = _case(batch=2, dtype="bfloat16", lens=(10, 40), new=1, page=16, d=128)
+    table = args["block_table"].copy()
+    table[1, 1] = args["k_cache"].shape[0]  # a page sequence 1 reads lies past the cache
+    table[0, 2] = -7                         # an entry sequence 0 never uses
+    dev = {n: (None if x is None else cupy.asarray(x)) for n, x in dict(args, block_table=table).items()}
+    out, lse = rawflash.decode(**dev, return_lse=True, causal=False)
+    out, lse = out.get().astype(np.float64), lse.get()
+    assert np.isnan(out[1]).all() and np.isnan(lse[1]).all() and np.isfinite(out[0]).all()
+
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+}
+"""
+
+
+@pytest.mark.gpu
+def test_decode_gpu_public_call_does_not_synchronise():
+    """With device cache_seqlens and block_table, the call returns while earlier work on the stream still runs
+    (a spin kernel of 10^9 cycles queued first): nothing is copied to the host."""
+    import time
+
+    import cupy
+
+    args, _ = _case(batch=4, dtype="bfloat16", lens=(100, 7, 300, 64), new=1, page=16, d=128)
+    dev = {n: (None if x is None else cupy.asarray(x)) for n, x in args.items()}
+    rawflash.decode(**dev)  # compile and plan first
+    cupy.cuda.get_current_stream().synchronize()
+    spin = cupy.RawKernel(_SPIN, "spin")
+    spin((1,), (1,), (np.int64(10 ** 9),))  # about 0.5 s at the H200's 1.98 GHz
+    t0 = time.perf_counter()
+    rawflash.decode(**dev)
+    host = time.perf_counter() - t0
+    cupy.cuda.get_current_stream().synchronize()
+    assert host < 0.2, f"the call took {host:.3f} s of host time behind a long kernel: it synchronised"
+
+
+@pytest.mark.gpu
+def test_decode_gpu_work_buffers_are_reused():
+    import cupy
+
+    from rawflash import cupy_backend
+
+    a = cupy_backend.decode_workspace(5, (2, 1, 8, 64), (2, 8, 1))
+    assert cupy_backend.decode_workspace(5, (2, 1, 8, 64), (2, 8, 1))[0] is a[0]
+    with cupy.cuda.Stream():
+        assert cupy_backend.decode_workspace(5, (2, 1, 8, 64), (2, 8, 1))[0] is not a[0]  # another stream: its own
+
+
+# ---------------------------------------------------------------- the Numba twins on the simulator (CPU)
+# Run with the simulator switched on before numba is imported (tools/test.sh does):
+#     NUMBA_ENABLE_CUDASIM=1 python -m pytest -m sim tests/test_decode.py
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+sim = [pytest.mark.sim, pytest.mark.skipif(not SIMULATOR, reason="needs NUMBA_ENABLE_CUDASIM=1 set before numba is "
+                                                                  "imported (a process of its own)")]
+
+SIM_CASES = [
+    # (id, case kwargs, decode kwargs): tiny shapes (d = 32 or 40, a few tiles per sequence)
+    ("gqa-f32", dict(batch=2, h=4, hk=2, d=32, lens=(37, 0), new=1), {}),
+    ("gqa-f32-splits-3-causal-sq2", dict(batch=2, h=4, hk=2, d=32, lens=(70, 5), new=2, sq=2),
+     dict(num_splits=3, causal=True)),
+    ("splits-many-past-the-keys", dict(batch=2, h=2, hk=1, d=32, lens=(40, 3), new=1), dict(num_splits=40)),
+    ("splits-1", dict(batch=2, h=2, hk=2, d=32, lens=(60, 17), new=0), dict(num_splits=1)),
+    ("mqa-sq3-causal", dict(batch=1, h=4, hk=1, d=32, lens=(45,), new=3, sq=3), dict(causal=True, num_splits=2)),
+    ("page-16-append-crosses", dict(batch=3, h=2, hk=1, d=32, lens=(15, 0, 31), new=2, page=16), dict(num_splits=2)),
+    ("page-3", dict(batch=2, h=2, hk=1, d=32, lens=(20, 7), new=2, page=3), dict(num_splits=3)),
+    ("page-1", dict(batch=2, h=2, hk=2, d=32, lens=(9, 0), new=1, page=1), {}),
+    ("d40-padded", dict(batch=1, h=2, hk=1, d=40, lens=(33,), new=1), dict(num_splits=2)),
+    ("features-paged", dict(batch=2, h=4, hk=2, d=32, lens=(60, 2), new=2, sq=2, page=16,
+                            feats=("window", "softcap", "alibi", "sinks")), dict(causal=True, num_splits=3)),
+    ("sinks-empty", dict(batch=2, h=2, hk=1, d=32, lens=(0, 5), new=0, feats=("sinks",)), dict(num_splits=2)),
+]
+
+
+def _sim_check(kw, extra, dtype):
+    args, opts = _case(dtype=dtype, **kw)
+    lens = args["cache_seqlens"].copy()
+    ref_args = dict(k_new=args["k_new"], v_new=args["v_new"], block_table=args["block_table"], **opts,
+                    causal=extra.get("causal", False))
+    ref_out, ref_lse = reference.decode(args["q"], args["k_cache"], args["v_cache"], lens, **ref_args)
+    base_out, _ = reference.decode(args["q"], args["k_cache"], args["v_cache"], lens, upcast=False, **ref_args)
+    kc, vc = reference.append_kv(args["k_cache"], args["v_cache"], lens, args["k_new"], args["v_new"],
+                                 args["block_table"])
+    out, lse = rawflash.decode(**args, **opts, **{"causal": False, **extra}, return_lse=True, backend="numba")
+    assert out.shape == args["q"].shape and out.dtype == args["q"].dtype
+    ok, err, base, bound = reference.error_ratio_ok(out, ref_out, base_out, dtype, 2.0)
+    assert ok, f"max error {err:.3g} > {bound:.3g} (naive {base:.3g})"
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=0, atol=2e-3 if dtype != "float32" else 2e-5)
+    np.testing.assert_array_equal(args["k_cache"], kc)  # exactly the appended rows changed
+    np.testing.assert_array_equal(args["v_cache"], vc)
+
+
+@pytest.mark.parametrize("name,kw,extra", SIM_CASES, ids=[c[0] for c in SIM_CASES])
+@pytest.mark.parametrize("", [pytest.param(marks=sim)])
+def test_decode_twin_float32(name, kw, extra):
+    _sim_check(kw, extra, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("", [pytest.param(marks=sim)])
+def test_decode_twin_16bit(dtype):
+    _sim_check(dict(batch=2, h=4, hk=2, d=32, lens=(50, 1), new=2, sq=2, page=16), dict(causal=True, num_splits=2),
+               dtype)
+
+
+def _twin_call(args, lens, table=None, splits=2):
+    """The twin backend called past the validation (which would refuse these lengths and tables)."""
+    from rawflash import numba_backend, validation
+
+    ok_lens = np.zeros_like(lens)
+    c = validation.check_decode(args["q"], args["k_cache"], args["v_cache"], ok_lens, args["k_new"], args["v_new"],
+                                args["block_table"], False, None, "numba", validation.Features())
+    extras = dict(c.extras, seqused_k=lens, **({} if table is None else {"block_table": table}))
+    return numba_backend.decode(c.problem, args["q"], args["k_cache"], args["v_cache"], args["k_new"], args["v_new"],
+                                c.scale, splits, extras)
+
+
+@pytest.mark.parametrize("", [pytest.param(marks=sim)])
+def test_decode_twin_out_of_range_lengths_give_nan_rows():
+    """cache_seqlens outside [0, capacity - new] (device values the host never reads): that sequence's out and lse
+    are NaN, the others are right; nothing is appended for it."""
+    args, _ = _case(batch=3, h=2, hk=1, d=32, dtype="float32", lens=(10, 0, 20), new=1)
+    cap = args["k_cache"].shape[1]
+    lens = np.array([10, cap, -1], np.int32)  # cap: one past the last slot for the new key; -1: negative
+    out, lse = _twin_call(args, lens)
+    assert np.isnan(out[1:]).all() and np.isnan(lse[1:]).all()
+    ref, _ = reference.decode(args["q"][:1], args["k_cache"][:1], args["v_cache"][:1], lens[:1],
+                              k_new=args["k_new"][:1], v_new=args["v_new"][:1], causal=False)
+    assert np.abs(out[:1] - ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("", [pytest.param(marks=sim)])
+def test_decode_twin_pages_outside_the_cache_give_nan_rows():
+    args, _ = _case(batch=2, h=2, hk=1, d=32, dtype="float32", lens=(10, 20), new=0, page=16)
+    table = args["block_table"].copy()
+    table[1, 1] = args["k_cache"].shape[0]  # the second page of sequence 1 is past the cache
+    table[0, 1] = -5                         # an entry sequence 0 never uses: ignored
+    out, lse = _twin_call(args, args["cache_seqlens"], table)
+    assert np.isnan(out[1]).all() and np.isnan(lse[1]).all() and np.isfinite(out[0]).all()
+
+
+# the forward twins' check up to their signature: NVVM present, no GPU needed (sm_90), arr()
+DECODE_PTX_CHECK = _FWD_PTX_CHECK[:_FWD_PTX_CHECK.index("def signature")] + r"""
+from rawflash.numba_kernels.params import DecodeParams
+
+def signature(dtype):  # p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws
+    p = Problem(1, 1, 64, 2, 1, 32, "float32", False, seqused_k=True, new_keys=1, page_size=16)
+    params = nb._params(DecodeParams, p, 0.5, {}, has_table=True, page_size=16, num_splits=2, new_keys=1,
+                        cache_capacity=64, num_pages=4, cache_len=0)
+    x, i1, f1 = arr(dtype, 4), arr(np.int32, 1), arr(np.float32, 1)
+    return (typeof(params), x, x, x, x, x, x, arr(np.float32, 3), i1, i1, i1, f1, f1, arr(np.int32, 2),
+            arr(np.float32, 5), arr(np.float32, 4))
+
+failed, done = [], 0
+for dtype in ("float16", "float32"):
+    for d in (32, 64, 128, 256):
+        for lau in forms.decode_plan(Problem(2, 1, 4096, 8, 2, d, dtype, False, seqused_k=True, new_keys=1), 8).launches:
+            try:
+                cuda.compile_ptx(nb.twin_of(lau, "decode").kernel.py_func, signature(np.dtype(dtype)), cc=(9, 0))
+                done += 1
+            except Exception as err:
+                failed.append(f"{lau.name_expression} ({dtype} arrays): {type(err).__name__}: {err}"[:2000])
+print(json.dumps({"compiled": done, "failed": failed}))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_decode_twins_compile_to_ptx():
+    """The simulator types nothing: the decode twins (append, split at four head dims, combine; float16 and float32
+    arrays) go through Numba's nopython typing and NVVM to PTX for sm_90 in a child process without the simulator,
+    with the argument types numba_backend.decode passes."""
+    import json
+    import subprocess
+    import sys
+
+    from rawflash import sysinfo
+
+    env = sysinfo.child_env()
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    done = subprocess.run([sys.executable, "-c", DECODE_PTX_CHECK], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    assert not got["failed"], "\n".join(got["failed"])
+    assert got["compiled"] == 24

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The one command that checks rawflash on a GPU machine: precompile, GPU tests, compute-sanitizer, benchmark.
-#   tools/gpu_run.sh [tests] [tests-mma] [hopper] [hopper-cp-async] [sanitize] [bench-decode] [bench-features] [SCRIPT.py] [bench ARGS...]
+#   tools/gpu_run.sh [tests] [tests-mma] [hopper] [hopper-cp-async] [sanitize] [bench-decode] [bench-decode-quick] [bench-features] [SCRIPT.py] [bench ARGS...]
 #   (no argument: tests, sanitize; bench takes every argument after it, so it comes last)
 #     tests      every GPU test (the default forward path: wgmma on an H200 where it applies)
 #     tests-mma  the kernel tests again with RAWFLASH_WGMMA=0 (the mma.sync forward on the same GPU)
 #     hopper     only tests/test_gpu_hopper.py and tests/test_gpu_fa3.py (the wgmma and FA3 forms)
 #     hopper-cp-async  tests/test_gpu_hopper.py with RAWFLASH_FA3=0 (the backward's cp.async wgmma form too)
 #     bench-decode / bench-features   rawflash bench --decode / --features (DECODE_REPEATS, FEATURE_REPEATS)
+#     bench-decode-quick              rawflash bench --decode --quick (12 cases, about 2 minutes)
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
 # TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
 # (float16 bfloat16 float32) the sanitizer step (SANITIZE_ONLY=decode, splitk or fa3: that part of its workload alone); TAR_TO=path packs every log into one archive at the end (for
@@ -46,6 +47,9 @@ while [ $i -lt ${#steps[@]} ]; do
     bench-decode)
       python3 -m rawflash.cli bench --decode --repeats ${DECODE_REPEATS:-20} --out "$OUT" 2>&1 | tee "$OUT/bench_decode.log" \
         | tail -60 || status=1 ;;
+    bench-decode-quick)
+      python3 -m rawflash.cli bench --decode --quick --repeats ${DECODE_REPEATS:-10} --out "$OUT" --tag quick 2>&1 \
+        | tee "$OUT/bench_decode_quick.log" | tail -40 || status=1 ;;
     bench-features)
       python3 -m rawflash.cli bench --features --repeats ${FEATURE_REPEATS:-10} --out "$OUT" 2>&1 \
         | tee "$OUT/bench_features.log" | tail -60 || status=1 ;;

@@ -54,7 +54,7 @@ def _varlen(q, k, v):
 
 def _decode(dtype: str) -> None:
     """decode: contiguous and paged caches (pages of 16 and 3), appends crossing a page, an empty sequence, several
-    query rows, the features, one and many splits."""
+    query rows, the features, one and many splits, and out-of-range device lengths and pages."""
     rng = np.random.default_rng(1)
     dt = random_qkv(1, 1, 1, 1, 1, 8, dtype)[0].dtype
     for d, (h, hk), page, sq in ((64, (4, 2), 0, 1), (128, (4, 1), 16, 3), (256, (2, 2), 3, 1), (96, (8, 2), 0, 2)):
@@ -74,6 +74,14 @@ def _decode(dtype: str) -> None:
                             causal=True, num_splits=splits)
         rawflash.decode(q, kc, vc, cache_seqlens=5, block_table=table, window=(4, 0), softcap=3.0,
                         alibi_slopes=cupy.full((h,), 0.1, cupy.float32), sinks=cupy.zeros(h, cupy.float32))
+        # device values the host never checks: lengths past the capacity and below 0, pages outside the cache
+        # (NaN rows; memcheck proves nothing outside the cache is read or written)
+        bad_lens = cupy.asarray(np.array([cap + 100, -3, 37], np.int32))
+        bad_table = None if table is None else table.copy()
+        if bad_table is not None:
+            bad_table[2, 1], bad_table[2, 0] = kc.shape[0] + 7, -1
+        rawflash.decode(q, kc, vc, cache_seqlens=bad_lens, k_new=kn, v_new=kn.copy(), block_table=bad_table,
+                        num_splits=3)
 
 
 def _splitk(dtype: str) -> None:

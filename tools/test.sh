@@ -11,5 +11,5 @@ run() {
 }
 status=0
 run python -m pytest -q "$@" || status=1
-NUMBA_ENABLE_CUDASIM=1 run python -m pytest -q -m sim tests/test_numba_sim.py || status=1
+NUMBA_ENABLE_CUDASIM=1 run python -m pytest -q -m sim tests/test_numba_sim.py tests/test_decode.py || status=1
 exit $status

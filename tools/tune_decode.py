@@ -19,14 +19,17 @@ from rawflash.bench import _torch, time_ms  # noqa: E402
 from rawflash.configs import TileConfig, tile_config  # noqa: E402
 
 CANDIDATES = {
-    (128, "bfloat16"): [TileConfig(16, 32, 4, stages=3), TileConfig(16, 16, 4, stages=2), TileConfig(16, 16, 4, stages=3),
-                        TileConfig(16, 32, 4, stages=2), TileConfig(16, 16, 2, stages=2), TileConfig(16, 32, 2, stages=3),
-                        TileConfig(16, 32, 1, stages=3), TileConfig(16, 16, 8, stages=2)],
+    # session 4: the 3-stage rows keep two tiles in flight per warp (16 x 16 x 4 x 3: 100 KB, 2 CTAs per SM; x 2 warps:
+    # 52 KB, 4 CTAs); the split count follows each row (forms.decode_splits models its stages and CTAs per SM)
+    (128, "bfloat16"): [TileConfig(16, 16, 4, stages=2), TileConfig(16, 16, 4, stages=3), TileConfig(16, 16, 2, stages=3),
+                        TileConfig(16, 16, 2, stages=4), TileConfig(16, 32, 2, stages=3), TileConfig(16, 32, 4, stages=3),
+                        TileConfig(16, 16, 2, stages=2), TileConfig(16, 16, 8, stages=2)],
     (64, "bfloat16"): [TileConfig(32, 32, 4, stages=3), TileConfig(16, 32, 4, stages=2), TileConfig(16, 16, 4, stages=2),
                        TileConfig(32, 16, 4, stages=2), TileConfig(16, 32, 2, stages=3)],
 }
 SHAPES = {128: [bd.DecodeCase(8, 32768), bd.DecodeCase(1, 32768), bd.DecodeCase(64, 4096),
-                bd.DecodeCase(8, 32768, page=16), bd.DecodeCase(8, 32768, sq=4)],
+                bd.DecodeCase(8, 32768, page=16), bd.DecodeCase(8, 32768, page=64), bd.DecodeCase(8, 32768, sq=4),
+                bd.DecodeCase(8, 32768, 32, 1)],
           64: [bd.DecodeCase(8, 8192, heads=16, kv_heads=16, head_dim=64), bd.DecodeCase(8, 32768, head_dim=64)]}
 
 

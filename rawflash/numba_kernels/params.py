@@ -24,6 +24,11 @@ _FLAGS = ("has_cu", "has_seqused", "has_alibi", "has_sinks")
 # makes the arrays' batch index 0 (the CUDA C's batch stride 0 of packed tensors).
 FwdParams = collections.namedtuple("FwdParams", (*_SHARED, "window_left", "window_right", "scale", "scale_log2",
                                                  "softcap", "alibi_sb", *_FLAGS))
+# decode (cuda/decode.cu): the forward's scalars plus the cache's (has_table stands for block_table's null test).
+DecodeParams = collections.namedtuple("DecodeParams", (*_SHARED, "window_left", "window_right", "scale", "scale_log2",
+                                                       "softcap", "alibi_sb", *_FLAGS, "has_table", "page_size",
+                                                       "num_splits", "new_keys", "cache_capacity", "num_pages",
+                                                       "cache_len"))
 BwdParams = collections.namedtuple("BwdParams", (*_SHARED, "rows_batch", "rows_seqlen", "window_left",
                                                  "window_right", "scale", "scale_log2", "softcap", "alibi_sb",
                                                  *_FLAGS))
@@ -35,6 +40,11 @@ BwdParams = collections.namedtuple("BwdParams", (*_SHARED, "rows_batch", "rows_s
 # kernel of a direction takes the whole struct).
 FwdArrays = collections.namedtuple("FwdArrays", ["q", "k", "v", "o", "lse", "cu_q", "cu_k", "used_k", "slopes",
                                                  "sinks", "o_ws", "m_ws", "l_ws"])
+# decode's arrays: q, the caches (k, v: contiguous (batch, capacity, kv_heads, d) or paged (pages, page_size, kv_heads,
+# d)), k_new / v_new, out, lse, the feature arrays, block_table (batch, max_pages) and the split buffers o_ws
+# (splits, batch, seqlen_q, heads, d) and m_ws (splits, batch, heads, seqlen_q).
+DecodeArrays = collections.namedtuple("DecodeArrays", ["q", "k", "v", "k_new", "v_new", "o", "lse", "cu_q", "cu_k",
+                                                       "used_k", "slopes", "sinks", "table", "o_ws", "m_ws"])
 BwdArrays = collections.namedtuple("BwdArrays", ["q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse2",
                                                  "delta", "dq_ws", "dsink_ws", "cu_q", "cu_k", "used_k", "slopes",
                                                  "sinks"])

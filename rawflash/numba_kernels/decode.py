@@ -1,0 +1,193 @@
+"""decode twin: KV-cache attention for inference (Flash-Decoding), mirroring ``cuda/decode.cu``.
+
+decode_append writes k_new / v_new into the cache (contiguous or paged) at cache_seqlens[b] + t; decode_split runs
+one split of the keys per "warp" (mainloop_decode.py) for the GQA-packed query rows of one kv head into float32
+partial O and lse; decode_combine merges the splits by their lse and adds the sink. The launch never depends on
+cache_seqlens: sequence b's keys are cut into num_splits runs of cdiv(tiles_b, num_splits) tiles, splits past its
+keys are empty. A sequence whose cache_seqlens + new keys lies outside [0, cache_capacity], or whose used pages lie
+outside the cache, gets NaN out and lse and no append.
+
+Every kernel takes ``(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws)``:
+params.py's DecodeParams and the arrays of DecodeArrays.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from .block_info import BlockInfo, block_info, key_index, page_pos, page_slot, pages_inside, slot_inside
+from .common import NEG_INF, ZERO, Twin, cdiv, is_float32
+from .mainloop_decode import make_mainloop_decode, smem_bytes, threads, tile_range
+from .params import DecodeArrays
+from .policy import WINDOW, make_policy
+from .softmax import finalize_row
+
+NAN = float32(np.nan)
+COMBINE_THREADS = 32
+
+
+@cuda.jit(device=True)
+def cache_len(p, g, b):
+    """cache_seqlens[b] as given (used_k; cache_len when an int was given for every sequence)."""
+    return g.used_k[b] if p.has_seqused else p.cache_len
+
+
+@cuda.jit(device=True)
+def len_ok(p, n):
+    """Whether a sequence's lengths fit its cache: 0 <= cache_seqlens[b] <= capacity - new keys."""
+    return n >= 0 and n <= p.cache_capacity - p.new_keys
+
+
+@functools.lru_cache(maxsize=None)
+def make_decode_append(T: str) -> Twin:
+    """The twin of ``decode_append<T>``: one thread per 8 columns of one new key, with the Launch's grid and block."""
+
+    @cuda.jit
+    def decode_append(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
+        g = DecodeArrays(q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws)
+        # ---- [decode:append] one thread per 8 columns of one new key (K and V): into its row (or page) of the cache ----
+        c8 = p.head_dim // 8
+        n = p.batch * p.new_keys * p.kv_heads * c8
+        for x in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n, cuda.gridDim.x * cuda.blockDim.x):
+            c = (x % c8) * 8
+            hk = (x // c8) % p.kv_heads
+            t = (x // c8 // p.kv_heads) % p.new_keys
+            b = x // (c8 * p.kv_heads * p.new_keys)
+            length = cache_len(p, g, b)
+            if not len_ok(p, length):
+                continue  # out of the cache: nothing written (decode_split makes b's rows NaN)
+            bi = block_info(True, p, g, b, hk * (p.heads // p.kv_heads))
+            page, row = page_pos(p, bi, length + t)
+            if not slot_inside(p, page_slot(p, g, bi, page)):
+                continue  # the page lies outside the cache
+            slot, at = key_index(p, g, bi, page, row, 0)
+            for e in range(8):
+                g.k[slot, at, hk, c + e] = g.k_new[b, t, hk, c + e]
+                g.v[slot, at, hk, c + e] = g.v_new[b, t, hk, c + e]
+
+    return Twin(decode_append, None, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int, SMEM_BYTES: int) -> Twin:
+    """The twin of ``decode_split<...>``, taking the CUDA template's arguments in order (``Launch.template_args``);
+    launched with the Launch's grid, ``Twin.threads`` threads (WARPS splits of 16 MT packed rows) and ``Twin.smem``
+    bytes (float32 tiles, one stage)."""
+    ROWS = 16 * MT
+    STATE = D + 2  # the row's O, m, l (the CUDA C's accumulator fragments and OnlineSoftmax)
+    EXACT = is_float32(T)
+    run = make_mainloop_decode(T, D, MT, BCW, STAGES, WARPS)
+
+    @cuda.jit
+    def decode_split(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
+        g = DecodeArrays(q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws)
+        # MIRROR: one dynamic float32 array carved like the CUDA C's extern __shared__ smem.
+        smem = cuda.shared.array(0, float32)
+        st = cuda.local.array(STATE, float32)
+        # ---- [decode:schedule] split s of kv head hk's packed rows [r0, r0 + ROWS) of sequence b ----
+        group = p.heads // p.kv_heads
+        m_rows = group * p.seqlen_q
+        row_groups = cdiv(m_rows, ROWS)
+        hk = cuda.blockIdx.y // row_groups
+        r0 = (cuda.blockIdx.y % row_groups) * ROWS
+        b = cuda.blockIdx.z
+        w = cuda.threadIdx.x // ROWS
+        row = cuda.threadIdx.x % ROWS
+        s = cuda.blockIdx.x * WARPS + w
+        nrows = min(ROWS, m_rows - r0)
+        # ---- [decode:setup] the sequence (its keys after the append, checked against the cache) and the policy ----
+        length = cache_len(p, g, b)
+        ok = len_ok(p, length)
+        bi0 = block_info(True, p, g, b, hk * group)
+        # MIRROR: a new namedtuple with the decode lengths where the CUDA C assigns bi.seqlen_q / seqlen_k.
+        bi = BlockInfo(bi0.b, bi0.ab, bi0.h, bi0.hk, p.seqlen_q, length + p.new_keys if ok else 0, 0, 0)
+        pol = make_policy(WINDOW, True, EXACT, p, g, bi)
+        # ---- [decode:load_q] the packed Q tile (row r: query r / group, head hk * group + r % group), shared by the warps ----
+        sQ = smem[0:ROWS * D].reshape((ROWS, D))
+        for idx in range(cuda.threadIdx.x, ROWS * D, cuda.blockDim.x):
+            rr = idx // D
+            c = idx % D
+            r = r0 + rr
+            sQ[rr, c] = float32(g.q[b, r // group, hk * group + r % group, c]) if rr < nrows and c < p.head_dim \
+                else ZERO
+        cuda.syncthreads()  # the Q tile is visible to every thread
+        # ---- [decode:mainloop] this warp's split: the s-th run of cdiv(tiles, num_splits) key tiles of the sequence ----
+        per = cdiv(cdiv(bi.seqlen_k, BCW), p.num_splits) * BCW
+        # MIRROR: splits past num_splits stay (as empty splits) where the CUDA C's warps return, and every thread
+        # finds the CTA's longest split: the twin's barriers are the whole CTA's.
+        steps = 0
+        for ww in range(WARPS):
+            sw = cuda.blockIdx.x * WARPS + ww
+            sb = sw * per
+            se = min(bi.seqlen_k, sb + per)
+            if sw < p.num_splits and pages_inside(p, g, bi, sb, se):
+                steps = max(steps, tile_range(pol, group, r0, nrows, sb, se, BCW)[2])
+        active = s < p.num_splits
+        k_begin = s * per if active else 0
+        k_end = min(bi.seqlen_k, k_begin + per) if active else 0
+        wrong = not ok or not pages_inside(p, g, bi, k_begin, k_end)  # the split's pages, once
+        tiles = run(p, g, bi, pol, group, r0, nrows, k_begin, k_begin if wrong else k_end, steps, w, row, smem, st)
+        # ---- [decode:epilogue] partial O (divided by this split's l) and partial lse, float32; empty: lse -inf only ----
+        if active and row < nrows:
+            f, row_lse = finalize_row(st[D], st[D + 1], NEG_INF, False)
+            r = r0 + row
+            i = r // group
+            h = hk * group + r % group
+            if tiles > 0 and not wrong:  # the combine reads a split's O only where its lse is finite
+                for c in range(p.head_dim):
+                    g.o_ws[s, b, i, h, c] = st[c] * f
+            g.m_ws[s, b, h, i] = NAN if wrong else row_lse
+
+    return Twin(decode_split, threads(ROWS, WARPS), smem_bytes(D, ROWS, BCW, WARPS))
+
+
+@functools.lru_cache(maxsize=None)
+def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int, SMEM_BYTES: int) -> Twin:
+    """The twin of ``decode_combine<T, THREADS, MAX_SPLITS, SMEM_BYTES>``: one CTA per (b, i, h) row,
+    COMBINE_THREADS threads."""
+
+    @cuda.jit
+    def decode_combine(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
+        # MIRROR: static shared arrays (a weight per split, the row's lse and NaN flag); the CUDA C carves its
+        # dynamic shared memory into a partial sum per thread, the weights and a value per warp.
+        w = cuda.shared.array(MAX_SPLITS, float32)
+        red = cuda.shared.array(2, float32)
+        # ---- [decode:combine] row (b, i, h): lse = log(sum_s e^lse_s + e^sink), out = sum_s e^(lse_s - lse) O_s ----
+        # MIRROR: thread 0 reduces the lse alone and each thread sums whole columns over every split; the CUDA C
+        # reduces over its threads and splits the splits among groups of threads. math.exp for every dtype.
+        row = cuda.blockIdx.x
+        h = row % p.heads
+        i = (row // p.heads) % p.seqlen_q
+        b = row // (p.heads * p.seqlen_q)
+        splits = min(p.num_splits, MAX_SPLITS)
+        for s in range(cuda.threadIdx.x, splits, cuda.blockDim.x):
+            w[s] = m_ws[s, b, h, i]
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            m = sinks[h] if p.has_sinks else NEG_INF
+            nan = False
+            for s in range(splits):
+                nan = nan or math.isnan(w[s])
+                m = max(m, w[s])
+            m_use = ZERO if m == NEG_INF else m
+            denom = float32(math.exp(sinks[h] - m_use)) if p.has_sinks else ZERO
+            for s in range(splits):
+                denom += float32(math.exp(w[s] - m_use))
+            red[0] = NAN if nan else (m_use + float32(math.log(denom)) if denom > ZERO else NEG_INF)
+            red[1] = float32(1.0) if nan else ZERO
+        cuda.syncthreads()
+        row_lse = red[0]
+        nan = red[1] != ZERO
+        for c in range(cuda.threadIdx.x, p.head_dim, cuda.blockDim.x):
+            acc = ZERO
+            for s in range(splits):
+                if w[s] != NEG_INF and not nan:
+                    acc += float32(math.exp(w[s] - row_lse)) * o_ws[s, b, i, h, c]
+            o[b, i, h, c] = NAN if nan else acc
+        if cuda.threadIdx.x == 0:
+            lse[b, h, i] = row_lse
+
+    return Twin(decode_combine, COMBINE_THREADS, 0)
