@@ -115,6 +115,29 @@ __device__ __forceinline__ void accumulate_dq(const BwdParams& p, const Info& bh
     }
 }
 
+// Alg.2 l.10 and l.13 on a warpgroup's S^T and dP^T (rows keys k_row.., columns queries q0..), both committed
+// in that order and still running: P^T and dS^T = P^T * (dP^T - D_i) in place. The plain policy forms P^T while
+// dP^T is still running; the general one needs both (its transform's derivative scales dS).
+template <typename T, class Pol, int NT>
+__device__ __forceinline__ void probs_sm90(const Pol& pol, Acc<1, NT>& s, Acc<1, NT>& dp, int q0, int k_row,
+                                           const float* sL, const float* sDelta, bool edge) {
+  if constexpr (Pol::GENERAL) {
+    wgmma_wait<0>();
+    fence_operand(s);
+    fence_operand(dp);
+    pol.template backward_tile<T, true>(s, dp, q0, k_row, sL, sDelta, edge);
+  } else {
+    wgmma_wait<1>();
+    fence_operand(s);
+    if (edge) pol.mask_t(s, k_row, q0);
+    const float scale = pol.scale_log2;
+    for_each_col(s, [&](float& x, int col) { x = exp2_<T>(fmaf(x, scale, -sL[col])); });
+    wgmma_wait<0>();
+    fence_operand(dp);
+    for_each2(s, dp, [&](float& x, float& y, int, int col) { y = x * (y - sDelta[col]); });
+  }
+}
+
 template <typename T_, int D, int BR_, int BC_, class Pol_> struct MainloopBwdSm90 {
   using T = T_;
   using Pol = Pol_;
@@ -147,21 +170,7 @@ template <typename T_, int D, int BR_, int BC_, class Pol_> struct MainloopBwdSm
       wg_gemm_abt(dp, sm.sV, kw, sdO, 0, false);
       wgmma_commit();
       // ---- [mainloop_bwd_sm90:probs] Alg.2 l.10 and l.13: P^T and dS^T = P^T * (dP^T - D_i) ----
-      if constexpr (Pol::GENERAL) {                                          // the transform needs S and dP together
-        wgmma_wait<0>();
-        fence_operand(s);
-        fence_operand(dp);
-        pol.template backward_tile<T, true>(s, dp, q0, k0 + wk, sL, sDelta, edge);
-      } else {                                                               // P^T while dP^T is still running
-        wgmma_wait<1>();
-        fence_operand(s);
-        if (edge) pol.mask_t(s, k0 + wk, q0);
-        const float scale = pol.scale_log2;
-        for_each_col(s, [&](float& x, int col) { x = exp2_<T>(fmaf(x, scale, -sL[col])); });
-        wgmma_wait<0>();
-        fence_operand(dp);
-        for_each2(s, dp, [&](float& x, float& y, int, int col) { y = x * (y - sDelta[col]); });
-      }
+      probs_sm90<T>(pol, s, dp, q0, k0 + wk, sL, sDelta, edge);
       u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
       to_a_operand<T>(p_a, s);
       to_a_operand<T>(ds_a, dp);

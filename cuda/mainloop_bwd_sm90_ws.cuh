@@ -195,23 +195,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wg_gemm_abt(dp, sV, kw, sdO, 0, false);
       wgmma_commit();
       // ---- [mainloop_bwd_sm90_ws:probs] Alg.2 l.10 and l.13: P^T and dS^T = P^T * (dP^T - D_i) ----
-      if constexpr (Pol::GENERAL) {
-        wgmma_wait<0>();
-        fence_operand(sc);
-        fence_operand(dp);
-        for_each2(sc, dp, [&](float& x, float& y, int row, int col) {
-          pol.template backward<T>(x, y, q0 + col, k0 + wk + row, sL[col], sDelta[col], edge);
-        });
-      } else {
-        wgmma_wait<1>();
-        fence_operand(sc);
-        if (edge) pol.mask_t(sc, k0 + wk, q0);
-        const float scale = pol.scale_log2;
-        for_each_col(sc, [&](float& x, int col) { x = exp2_<T>(fmaf(x, scale, -sL[col])); });
-        wgmma_wait<0>();
-        fence_operand(dp);
-        for_each2(sc, dp, [&](float& x, float& y, int, int col) { y = x * (y - sDelta[col]); });
-      }
+      probs_sm90<T>(pol, sc, dp, q0, k0 + wk, sL, sDelta, edge);
       // Rows past the sequence: the copies may have read a packed neighbour's rows (not zeros), so P = dS = 0.
       if (q0 + BR > bh.seqlen_q) {
         const int nq = bh.seqlen_q - q0;
