@@ -138,7 +138,7 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
         except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: every thread copies instead
             if switches.warp_specialize:
                 raise
-            plan = forms.forward_plan(pr, kernel, dataclasses.replace(switches, warp_specialize=False), env, override)
+            plan = forms.forward_plan_without_tma(pr, kernel, switches, env, override)
     bound = Bound(plan, [(lau, args) for lau in plan], (_Trimmed(out, prep.head_dim), lse), env)
     bound.keep = (q, k, v, prep.extras, ws)  # the parameter struct holds their addresses
     return bound

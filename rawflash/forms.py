@@ -126,6 +126,17 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
                           split_q=sw.split_q)
 
 
+def forward_plan_without_tma(p: Problem, kernel: str = "fa2", switches: Switches = Switches(),
+                             settings: Settings = Settings(), override: Override | None = None) -> list[Launch]:
+    """The plan of the same forward call without FA3's form, for inputs TMA cannot describe (an empty tensor, a
+    stride off the 16-byte grid): the cp.async wgmma form where it runs, else the mma.sync form."""
+    try:
+        return forward_plan(p, kernel, dataclasses.replace(switches, warp_specialize=False), settings, override)
+    except ValueError:
+        return forward_plan(p, kernel, dataclasses.replace(switches, warp_specialize=None, wgmma=False), settings,
+                            override)
+
+
 def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, settings: Settings = Settings(),
                       override: Override | None = None, warp_specialize: bool | None = None) -> Launch:
     """The backward's main pass: for the atomic-dQ pass on Hopper FA3's warp-specialised form where it fits (head_dim

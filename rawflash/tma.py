@@ -67,6 +67,8 @@ def layout_4d(x, packed: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if x.strides[-1] != item and d > 1:
         raise TmaUnavailable("head_dim is not contiguous")
     dims = (d, rows, heads, batch)
+    if min(dims) == 0:
+        raise TmaUnavailable(f"an empty tensor (dims {dims})")
     strides = []
     for extent, stride in ((rows, s_row), (heads, s_head), (batch, s_batch)):
         if extent == 1:
@@ -112,6 +114,8 @@ def encode_rows_f32(x, box_rows: int) -> np.ndarray:
     if x.dtype != np.float32 or not x.flags.c_contiguous or x.shape[-1] % 4:
         raise TmaUnavailable("dQ rows must be contiguous float32 with head_dim a multiple of 4")
     d = x.shape[-1]
+    if x.size == 0:
+        raise TmaUnavailable("no dQ rows")
     return _encode(x.data.ptr, FLOAT32, (d, x.size // d), (d * 4,), (32, box_rows), SWIZZLE_128B)
 
 

@@ -71,3 +71,18 @@ def test_float32_and_oversized_boxes_are_refused_before_the_driver():
         tma.encode(FakeArray((1, 8, 1, 64), "float32"), 64, False)
     with pytest.raises(tma.TmaUnavailable, match="at most 256"):
         tma.encode(FakeArray((1, 8, 1, 64)), 512, False)
+
+
+def test_empty_tensors_are_refused_before_the_driver():
+    with pytest.raises(tma.TmaUnavailable, match="empty"):
+        tma.layout_4d(FakeArray((1, 0, 2, 96)), packed=False)
+
+
+@pytest.mark.parametrize("d,expected", [(128, "fa2_fwd_sm90"), (96, "fa2_fwd"), (40, "fa2_fwd_sm90")])
+def test_a_call_tma_cannot_describe_runs_another_form(d, expected):
+    from rawflash import forms
+    from rawflash.launch import Problem
+
+    p = Problem(1, 4, 0, 2, 2, d, "float16", False, "sm_90")
+    assert forms.forward_plan(p)[0].kernel == "fa3_fwd_sm90"
+    assert forms.forward_plan_without_tma(p)[0].kernel == expected
