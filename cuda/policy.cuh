@@ -12,7 +12,12 @@
 // the last.
 // Score transform, GENERAL = true (natural units, then times log2(e) for the exp2-based softmax):
 //     s = softcap > 0 ? softcap * tanh(scale * q.k / softcap) : scale * q.k;   s -= slope * |i + diag - j| (ALiBi)
-// GENERAL = false: s = scale * q.k, and the scale is folded into the softmax's exponent (softmax_scale()).
+// GENERAL = false, and GENERAL = true on a head with neither soft-capping nor ALiBi (transforms() is false: a
+// window or packed lengths alone): s = scale * q.k, and the scale is folded into the softmax's exponent
+// (softmax_scale()), so those calls do no per-score work beyond plain attention's. Where the transform runs, its
+// parts are chosen once per tile by branches uniform over the CTA (not per score), and ALiBi's distance
+// |i + diag - j| is a per-thread float base plus a compile-time offset per register (no integer conversion per
+// score: conversions run at the special-function unit's rate, like the exponential).
 // Sinks: sink_log2() is the sink logit of a head in log2 units (-inf without sinks); it only changes the
 // softmax's denominator (OnlineSoftmax::finalize), so the backward needs nothing beyond an lse that includes it.
 #pragma once
@@ -133,13 +138,27 @@ template <int MASK_, bool GENERAL_> struct Policy {
   }
 
   // ---------------------------------------------------------------- score transform
+  // Whether this head's scores go through transform() (soft-capping or ALiBi); uniform over the CTA.
+  __device__ __forceinline__ bool transforms() const { return GENERAL_ && (cap_in > 0.f || slope_nat != 0.f); }
   // The factor the softmax multiplies raw scores by: the scale (in log2 units) when nothing else touches the
   // scores, else 1 (transform() has already produced log2 units).
-  __device__ __forceinline__ float softmax_scale() const { return GENERAL_ ? 1.f : scale_log2; }
+  __device__ __forceinline__ float softmax_scale() const { return transforms() ? 1.f : scale_log2; }
   // The same folded into the scores themselves, each product rounded once (no contraction with what follows):
   // the mma.sync forms do this, so their float32 results round like a naive float32 softmax.
   template <int MT, int NT> __device__ __forceinline__ void prescale(Acc<MT, NT>& s) const {
-    if constexpr (!GENERAL_) for_each_row(s, [&](float& x, int) { x = __fmul_rn(x, scale_log2); });
+    if (!transforms()) for_each_row(s, [&](float& x, int) { x = __fmul_rn(x, scale_log2); });
+  }
+  // |i + diag - j| of element v[i][j][e] of a tile as a float, in two parts: this thread's base (one conversion
+  // per tile) and a compile-time offset per register, so a score pays one add (conversions run at the
+  // special-function unit's rate). Rows of the tile are queries r0.., columns keys c0..; TRANSPOSED: rows are keys
+  // r0.., columns queries c0... Exact: distances are far below 2^24.
+  template <bool TRANSPOSED> __device__ __forceinline__ float distance_base(int r0, int c0) const {
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+    return TRANSPOSED ? (float)(c0 + 2 * t + diag - r0 - g) : (float)(r0 + g + diag - c0 - 2 * t);
+  }
+  template <bool TRANSPOSED> __device__ __forceinline__ static float distance(float base, int i, int j, int e) {
+    const int off = 16 * i + 8 * (e >> 1) - 8 * j - (e & 1);  // the row part minus the column part
+    return fabsf(base + (float)(TRANSPOSED ? -off : off));
   }
 
   // The ALiBi slope (natural units) of query head hk * group + hh of the block's sequence: decode's packed rows
@@ -189,11 +208,17 @@ template <int MASK_, bool GENERAL_> struct Policy {
   template <typename T, bool TRANSPOSED, int MT, int NT>
   __device__ __forceinline__ void backward_tile(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, const float* L,
                                                 const float* D, bool edge) const {
-    if constexpr (GENERAL_) {
+    if constexpr (GENERAL_ && sizeof(T) == 4) {  // float32, the accuracy path: every element through score()
       for_each2(s, dp, [&](float& x, float& y, int row, int col) {
         const int r = TRANSPOSED ? col : row;
         backward<T>(x, y, q0 + r, k0 + (TRANSPOSED ? row : col), L[r], D[r], edge);
       });
+    } else if constexpr (GENERAL_) {  // the transform's parts chosen once per tile
+      const bool cap = cap_in > 0.f, alibi = slope_nat != 0.f;
+      if (cap && alibi) backward_general<T, TRANSPOSED, true, true>(s, dp, q0, k0, L, D, edge);
+      else if (cap) backward_general<T, TRANSPOSED, true, false>(s, dp, q0, k0, L, D, edge);
+      else if (alibi) backward_general<T, TRANSPOSED, false, true>(s, dp, q0, k0, L, D, edge);
+      else backward_general<T, TRANSPOSED, false, false>(s, dp, q0, k0, L, D, edge);
     } else {
       if (edge) {
         if constexpr (TRANSPOSED) mask_t(s, k0, q0);
@@ -206,9 +231,46 @@ template <int MASK_, bool GENERAL_> struct Policy {
       });
     }
   }
-  // Scores of a tile (rows queries r0.., columns keys c0..) into log2 units (GENERAL only).
+  // P and dS of every element of a 16-bit tile (hidden elements of edge blocks 0), soft-capping (CAP) and ALiBi
+  // compiled in or out.
+  template <typename T, bool TRANSPOSED, bool CAP, bool ALIBI, int MT, int NT>
+  __device__ __forceinline__ void backward_general(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, const float* L,
+                                                   const float* D, bool edge) const {
+    const float slope = slope_nat * LOG2E, base = distance_base<TRANSPOSED>(TRANSPOSED ? k0 : q0, TRANSPOSED ? q0 : k0);
+    for_each_index<MT, NT>([&](int i, int j, int e, int row, int col) {
+      float &x = s.v[i][j][e], &y = dp.v[i][j][e];
+      const int r = TRANSPOSED ? col : row;
+      float dz = 1.f, sc;
+      if constexpr (CAP) {
+        const float th = tanh_<T>(x * cap_in);
+        dz = 1.f - th * th;
+        sc = th * cap_out;
+      } else {
+        sc = __fmul_rn(x, scale_log2);
+      }
+      if constexpr (ALIBI) sc = fmaf(-slope, distance<TRANSPOSED>(base, i, j, e), sc);
+      x = (edge && !visible(q0 + r, k0 + (TRANSPOSED ? row : col))) ? 0.f : exp2_<T>(sc - L[r]);
+      y = x * (y - D[r]) * dz;
+    });
+  }
+  // Scores of a tile (rows queries r0.., columns keys c0..) into log2 units (GENERAL only, and only on heads that
+  // transforms(); the others are scaled by the softmax like plain scores).
   template <typename T, int MT, int NT> __device__ __forceinline__ void transform(Acc<MT, NT>& s, int r0, int c0) const {
-    if constexpr (GENERAL_) for_each(s, [&](float& x, int row, int col) { x = score<T>(x, r0 + row, c0 + col); });
+    if constexpr (GENERAL_) {
+      if (!transforms()) return;
+      if constexpr (sizeof(T) == 4) {  // float32, the accuracy path: score() rounds the ALiBi sum once
+        for_each(s, [&](float& x, int row, int col) { x = score<T>(x, r0 + row, c0 + col); });
+      } else {
+        if (cap_in > 0.f) for_each_row(s, [&](float& x, int) { x = tanh_<T>(x * cap_in) * cap_out; });
+        else for_each_row(s, [&](float& x, int) { x *= scale_log2; });
+        if (slope_nat != 0.f) {
+          const float slope = slope_nat * LOG2E, base = distance_base<false>(r0, c0);
+          for_each_index<MT, NT>([&](int i, int j, int e, int, int) {
+            s.v[i][j][e] = fmaf(-slope, distance<false>(base, i, j, e), s.v[i][j][e]);
+          });
+        }
+      }
+    }
   }
 };
 

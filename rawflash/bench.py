@@ -428,11 +428,33 @@ def run_features(repeats: int = 10) -> list[dict]:
             out, lse = rawflash.forward(q, k, v, causal=case.causal, **feats)
             public = lambda: rawflash.backward(dout, q, k, v, out, lse, causal=case.causal, **feats)  # noqa: E731
         ms = time_ms(public, repeats=repeats)
-        rows.append({"case": case.name, "direction": case.direction, "kernel_ms": kernel_ms, "ms": ms,
-                     "kernel_tflops": case.flops / (kernel_ms * 1e-3) / 1e12, "tflops": case.flops / (ms * 1e-3) / 1e12})
+        row = {"case": case.name, "direction": case.direction, "kernel_ms": kernel_ms, "ms": ms,
+               "kernel_tflops": case.flops / (kernel_ms * 1e-3) / 1e12, "tflops": case.flops / (ms * 1e-3) / 1e12}
+        if case.lengths and _torch() is not None:  # the peer a PyTorch user has for packed sequences
+            torch_ms = time_ms(_torch_per_sequence(case, q, k, v), repeats=repeats)
+            row.update({"torch-flash per sequence ms": torch_ms, "x torch-flash per sequence": torch_ms / ms})
+        rows.append(row)
         del q, k, v, dout, feats, bound
         cupy.get_default_memory_pool().free_all_blocks()
     return _feature_ratios(rows)
+
+
+def _torch_per_sequence(case: FeatureCase, q, k, v):
+    """PyTorch SDPA's flash backend called once per packed sequence (it takes no cu_seqlens), forward."""
+    torch = _torch()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    bounds = np.cumsum((0,) + case.lengths)
+    # (1, heads, n, d) views of each sequence, made once: the timed loop is the calls alone
+    seqs = [tuple(t[a:b].transpose(0, 1).unsqueeze(0) for t in (tq, tk, tv)) for a, b in zip(bounds, bounds[1:])]
+
+    def run():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for sq, sk, sv in seqs:
+                torch.nn.functional.scaled_dot_product_attention(sq, sk, sv, is_causal=case.causal)
+
+    return run
 
 
 def _feature_ratios(rows: list[dict]) -> list[dict]:

@@ -73,8 +73,9 @@ def persistent_default(p: Problem) -> bool:
     """FA3's persistent grid by default only when every tile has the same work (no mask): its static schedule
     (tile t on CTA t % grid) leaves CTAs idle when causal tiles differ in length, where the hardware's own
     dispatch of one CTA per tile balances them (H200, bf16, d = 128, N = 16384 causal: 442 persistent vs
-    676 TFLOP/s; non-causal N = 1024: 523 vs 486; bench/results/NOTES.md, session 4)."""
-    return p.mask == launch.NO_MASK
+    676 TFLOP/s; non-causal N = 1024: 523 vs 486; bench/results/NOTES.md, session 4). Packed sequences of
+    different lengths (and ``seqused_k``) have unequal tiles even without a mask, so they run one CTA per tile."""
+    return p.mask == launch.NO_MASK and not p.varlen and not p.seqused_k
 
 
 def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:

@@ -4,6 +4,7 @@ and picks the variant policy (plain or general, the mask mode) from the call's f
 wrappers are up to date with their generator, and the registry agrees with the tile table and the sources."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,10 @@ def test_persistent_by_default_only_without_a_mask():
     assert forms.fa2_forward(_problem()).template_args[9] is True
     assert forms.fa2_forward(_problem(causal=True)).template_args[9] is False
     assert forms.fa2_forward(_problem(window=(8, 8))).template_args[9] is False
+    assert forms.fa2_forward(_problem(softcap=5.0)).template_args[9] is True, "equal tiles: a transform is no mask"
+    packed = Problem(4, 512, 512, 4, 4, 128, "bfloat16", False, "sm_90", varlen=True, total_q=900, total_k=900)
+    assert forms.fa2_forward(packed).template_args[9] is False, "packed lengths make tiles unequal"
+    assert forms.fa2_forward(dataclasses.replace(_problem(), seqused_k=True)).template_args[9] is False
     assert forms.fa2_forward(_problem(causal=True), Switches(persistent=True)).template_args[9] is True
     big = Problem(8, 4096, 4096, 16, 16, 128, "bfloat16", False, "sm_90", sms=132)
     assert forms.fa2_forward(big).grid == (132, 1, 1)
