@@ -156,7 +156,7 @@ struct MainloopFwdSm90Ws {
       const int k0 = kv.block(step) * BC;
       pol.template transform<T>(s, q0 + wq, k0);
       if (kv.is_edge(step)) pol.mask(s, q0 + wq, k0);
-      st.sm.template update<T>(s, pol.softmax_scale(), fo);
+      st.sm.template update<T>(s, pol.template softmax_scale<T>(), fo);
     };
     mbar_wait(sm.q_full(), pipes.q.parity());
     pipes.q.advance();

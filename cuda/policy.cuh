@@ -12,12 +12,14 @@
 // the last.
 // Score transform, GENERAL = true (natural units, then times log2(e) for the exp2-based softmax):
 //     s = softcap > 0 ? softcap * tanh(scale * q.k / softcap) : scale * q.k;   s -= slope * |i + diag - j| (ALiBi)
-// GENERAL = false, and GENERAL = true on a head with neither soft-capping nor ALiBi (transforms() is false: a
-// window or packed lengths alone): s = scale * q.k, and the scale is folded into the softmax's exponent
-// (softmax_scale()), so those calls do no per-score work beyond plain attention's. Where the transform runs, its
-// parts are chosen once per tile by branches uniform over the CTA (not per score), and ALiBi's distance
+// GENERAL = false, and in 16-bit GENERAL = true on a head with neither soft-capping nor ALiBi (transforms() is
+// false: a window or packed lengths alone; float32's general policy takes every score through score(), exactly): s = scale * q.k, and the scale is folded into the softmax's exponent
+// (softmax_scale<T>()), so those calls do no per-score work beyond plain attention's. Where the transform runs, its
+// parts are chosen once per tile by branches uniform over the CTA (not per score), ALiBi's distance
 // |i + diag - j| is a per-thread float base plus a compile-time offset per register (no integer conversion per
-// score: conversions run at the special-function unit's rate, like the exponential).
+// score: conversions run at the special-function unit's rate, like the exponential), and in 16-bit the scores
+// stay in the units of their last step (tanh values with soft-capping, q.k with ALiBi alone) for the softmax's
+// exponent to scale (softmax_scale<T>()), so neither pays a multiply per score of its own.
 // Sinks: sink_log2() is the sink logit of a head in log2 units (-inf without sinks); it only changes the
 // softmax's denominator (OnlineSoftmax::finalize), so the backward needs nothing beyond an lse that includes it.
 #pragma once
@@ -140,13 +142,20 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // ---------------------------------------------------------------- score transform
   // Whether this head's scores go through transform() (soft-capping or ALiBi); uniform over the CTA.
   __device__ __forceinline__ bool transforms() const { return GENERAL_ && (cap_in > 0.f || slope_nat != 0.f); }
-  // The factor the softmax multiplies raw scores by: the scale (in log2 units) when nothing else touches the
-  // scores, else 1 (transform() has already produced log2 units).
-  __device__ __forceinline__ float softmax_scale() const { return transforms() ? 1.f : scale_log2; }
+  // The factor the softmax multiplies transform()'s output by to reach log2 units: the scale (log2 units) where
+  // the scores are q.k, softcap * log2(e) where they are tanh values (16-bit soft-capping: ALiBi's bias is then
+  // divided by it in transform(), so no score pays a multiply of its own), 1 where transform() has produced log2
+  // units itself (float32's general policy: every score goes through score(), the exact path).
+  template <typename T> __device__ __forceinline__ float softmax_scale() const {
+    if constexpr (GENERAL_ && sizeof(T) == 4) return 1.f;
+    return GENERAL_ && cap_in > 0.f ? cap_out : scale_log2;
+  }
   // The same folded into the scores themselves, each product rounded once (no contraction with what follows):
   // the mma.sync forms do this, so their float32 results round like a naive float32 softmax.
-  template <int MT, int NT> __device__ __forceinline__ void prescale(Acc<MT, NT>& s) const {
-    if (!transforms()) for_each_row(s, [&](float& x, int) { x = __fmul_rn(x, scale_log2); });
+  template <typename T, int MT, int NT> __device__ __forceinline__ void prescale(Acc<MT, NT>& s) const {
+    if constexpr (GENERAL_ && sizeof(T) == 4) return;
+    const float f = softmax_scale<T>();
+    for_each_row(s, [&](float& x, int) { x = __fmul_rn(x, f); });
   }
   // |i + diag - j| of element v[i][j][e] of a tile as a float, in two parts: this thread's base (one conversion
   // per tile) and a compile-time offset per register, so a score pays one add (conversions run at the
@@ -253,18 +262,17 @@ template <int MASK_, bool GENERAL_> struct Policy {
       y = x * (y - D[r]) * dz;
     });
   }
-  // Scores of a tile (rows queries r0.., columns keys c0..) into log2 units (GENERAL only, and only on heads that
-  // transforms(); the others are scaled by the softmax like plain scores).
+  // Scores of a tile (rows queries r0.., columns keys c0..) through soft-capping and ALiBi (GENERAL only, and only
+  // on heads that transforms()), in the units softmax_scale<T>() turns into log2 units.
   template <typename T, int MT, int NT> __device__ __forceinline__ void transform(Acc<MT, NT>& s, int r0, int c0) const {
     if constexpr (GENERAL_) {
-      if (!transforms()) return;
-      if constexpr (sizeof(T) == 4) {  // float32, the accuracy path: score() rounds the ALiBi sum once
-        for_each(s, [&](float& x, int row, int col) { x = score<T>(x, r0 + row, c0 + col); });
+      if constexpr (sizeof(T) == 4) {  // float32, the accuracy path: every score through score(), which rounds the
+        for_each(s, [&](float& x, int row, int col) { x = score<T>(x, r0 + row, c0 + col); });  // ALiBi sum once
       } else {
-        if (cap_in > 0.f) for_each_row(s, [&](float& x, int) { x = tanh_<T>(x * cap_in) * cap_out; });
-        else for_each_row(s, [&](float& x, int) { x *= scale_log2; });
-        if (slope_nat != 0.f) {
-          const float slope = slope_nat * LOG2E, base = distance_base<false>(r0, c0);
+        if (!transforms()) return;
+        if (cap_in > 0.f) for_each_row(s, [&](float& x, int) { x = tanh_<T>(x * cap_in); });
+        if (slope_nat != 0.f) {  // in the units softmax_scale() multiplies
+          const float slope = slope_nat * LOG2E / softmax_scale<T>(), base = distance_base<false>(r0, c0);
           for_each_index<MT, NT>([&](int i, int j, int e, int, int) {
             s.v[i][j][e] = fmaf(-slope, distance<false>(base, i, j, e), s.v[i][j][e]);
           });

@@ -329,6 +329,7 @@ class FeatureCase:
     causal: bool
     opts: tuple = ()              # (name, value) pairs: window, softcap, alibi, sinks
     lengths: tuple = ()           # packed sequences (varlen): batch and seqlen do not apply
+    switches: tuple = ()          # (name, value) pairs of forms.Switches other than the defaults (forward only)
 
     @property
     def flops(self) -> float:
@@ -352,7 +353,10 @@ def feature_cases(head_dim: int = 128) -> list[FeatureCase]:
     lengths = varlen_lengths()
     even = sum(lengths) // len(lengths)
     h = 2048 // head_dim
-    cases = [FeatureCase("window (1024, 0), N 16384", "fwd", 1, 16384, h, head_dim, True, (("window", (1024, 0)),)),
+    window = (("window", (1024, 0)),)
+    cases = [FeatureCase("window (1024, 0), N 16384", "fwd", 1, 16384, h, head_dim, True, window),
+             FeatureCase("window (1024, 0), N 16384, persistent", "fwd", 1, 16384, h, head_dim, True, window,
+                         switches=(("persistent", True),)),
              FeatureCase("dense causal, N 2048", "fwd", 8, 2048, h, head_dim, True)]
     for causal in (False, True):
         cases += [FeatureCase(f"varlen x16{' causal' if causal else ''}", "fwd", len(lengths), 0, h, head_dim, causal,
@@ -397,7 +401,7 @@ def feature_bound(case: FeatureCase, q, k, v, dout, feats):
     the host, is timed beside it)."""
     import rawflash
 
-    from . import cupy_backend, settings, validation
+    from . import cupy_backend, forms, settings, validation
 
     f = validation.Features(**{n: feats.get(n, d) for n, d in (("window", (-1, -1)), ("softcap", 0.0),
                                                                   ("alibi_slopes", None), ("sinks", None),
@@ -405,7 +409,8 @@ def feature_bound(case: FeatureCase, q, k, v, dout, feats):
     env = settings.load()
     if case.direction == "fwd":
         c = validation.check_forward(q, k, v, case.causal, None, "fa2", "cupy", f)
-        return cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", extras=c.extras, env=env)
+        return cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", forms.Switches(**dict(case.switches)),
+                                         extras=c.extras, env=env)
     out, lse = rawflash.forward(q, k, v, causal=case.causal, **feats)
     c = validation.check_backward(dout, q, k, v, out, lse, case.causal, None, False, "cupy", f)
     return cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, False, c.extras, env)
@@ -423,7 +428,7 @@ def run_features(repeats: int = 10) -> list[dict]:
         bound = feature_bound(case, q, k, v, dout, feats)
         kernel_ms = time_ms(bound.launch, repeats=repeats)
         if case.direction == "fwd":
-            public = lambda: rawflash.forward(q, k, v, causal=case.causal, **feats)  # noqa: E731
+            public = lambda: rawflash.forward(q, k, v, causal=case.causal, **feats, **dict(case.switches))  # noqa: E731
         else:
             out, lse = rawflash.forward(q, k, v, causal=case.causal, **feats)
             public = lambda: rawflash.backward(dout, q, k, v, out, lse, causal=case.causal, **feats)  # noqa: E731
