@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(VT_THREADS)
 template <typename T, bool ROTATE, int PASS>
 __global__ void __launch_bounds__(256)
     fp8_quantize(const T* __restrict__ x, long long sb, long long ss, long long sh, int batch, int seqlen, int heads,
-                 int head_dim, int group, bool per_head, const float* __restrict__ signs,
+                 int head_dim, int group, int per_head, const float* __restrict__ signs,
                  unsigned int* __restrict__ amax, unsigned char* __restrict__ out) {
   using namespace rf;
   constexpr int E = 8;  // elements per lane (head_dim <= 256): lane l holds columns l * e_n .. l * e_n + e_n - 1
