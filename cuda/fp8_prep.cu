@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(VT_THREADS)
     fp8_vt_permute(const unsigned char* __restrict__ v, long long v_sb, long long v_ss, long long v_sh, int seqlen_k,
                    int head_dim, int kv_heads, unsigned char* __restrict__ vt, int nk_pad) {
   using namespace rf;
-  __shared__ unsigned int tile[VT_KEYS * (256 + 4) / 4];  // 64 keys x head_dim bytes, rows padded by 4 bytes
+  extern __shared__ unsigned int tile[];  // VT_KEYS keys x head_dim bytes, rows padded by 4 bytes (launch.py)
   const int rs = head_dim + 4, k0 = blockIdx.x * VT_KEYS, hk = blockIdx.y, b = blockIdx.z;
   unsigned char* t8 = reinterpret_cast<unsigned char*>(tile);
   // load: 64 keys of V, 16 bytes per thread and step, zeros past seqlen_k

@@ -172,7 +172,8 @@ def bind_forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switche
     out = cupy.empty(tuple(q.shape), dtype=np.dtype(pr.out_dtype) if pr.out_dtype != "bfloat16"
                      else cupy.dtype("bfloat16"))
     lse = cupy.empty(_rows(pr), dtype=cupy.float32)
-    named = [x if x is not None else cupy.ones(1, cupy.float32) for x in ds]
+    shape = next((x.shape for x in ds if x is not None), (1,))  # a missing descale is 1 in the others' layout
+    named = [x if x is not None else cupy.ones(shape, cupy.float32) for x in ds]
     rec = params.fwd_params(pr, q8, k8, v8, out, lse, scale, descales=tuple(named), **feats)
     maps = tma.fwd_maps_fp8(q8, k8, vt, cfg.br, cfg.bc, launch.fp8_head_dim(pr))
     sv = [np.int64(s) for s in v8.strides[:3]]

@@ -329,7 +329,8 @@ VT_KEYS, VT_THREADS = 64, 256  # fp8_prep.cu's fp8_vt_permute: keys per CTA, thr
 def fp8_vt_permute(p: Problem, bc: int) -> Launch:
     """The FP8 forward's pre-pass: V^T of every (batch, kv head) with the fragment order of its keys."""
     grid = _check_grid((vt_keys(p, bc) // VT_KEYS, p.kv_heads, p.batch), "fp8_vt_permute")
-    return Launch("fp8_vt_permute", "fp8_prep.cu", (VT_KEYS,), grid, (VT_THREADS, 1, 1), 0)
+    smem = VT_KEYS * (p.head_dim + 4)  # the tile of V in shared memory, rows padded by 4 bytes against conflicts
+    return Launch("fp8_vt_permute", "fp8_prep.cu", (VT_KEYS,), grid, (VT_THREADS, 1, 1), smem)
 
 
 def fp8_quantize(p: Problem, rows: int, in_dtype: str, rotate: bool, pass_: int) -> Launch:
