@@ -2,7 +2,10 @@
 // (mainloop_fwd_sm90_ws.cuh: TMA copies by a producer warpgroup, BR/64 consumer warpgroups on wgmma, 16-bit,
 // sm_90a). A 1-d grid of query tiles (LinearTileScheduler), persistent or one tile per CTA; MASK / GENERAL select
 // the variant policy, OVERLAP is FA3's intra-warpgroup overlap, PINGPONG its inter-warpgroup schedule.
+// fa3_fwd_sm90_fp8 is the same skeleton with the FP8 mainloop (mainloop_fwd_sm90_fp8.cuh): e4m3 inputs, the
+// output in OutT (bfloat16 or float16), the plain policy only.
 #include "fwd.cuh"
+#include "mainloop_fwd_sm90_fp8.cuh"
 #include "mainloop_fwd_sm90_ws.cuh"
 
 namespace rf {
@@ -54,4 +57,14 @@ __global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
   using Mainloop = MainloopFwdSm90Ws<T, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>>;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
   fwd_kernel_ws<Mainloop, LinearTileScheduler<BR, PERSISTENT, GENERAL>>(p, tma);
+}
+
+template <typename OutT, int D, int BR, int BC, int STAGES, int MASK, bool OVERLAP, bool PINGPONG, bool PERSISTENT,
+          int SMEM_BYTES>
+__global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
+    fa3_fwd_sm90_fp8(const __grid_constant__ rf::FwdParams p, const __grid_constant__ rf::TmaFwd tma) {
+  using namespace rf;
+  using Mainloop = MainloopFwdSm90Fp8<OutT, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, false>>;
+  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
+  fwd_kernel_ws<Mainloop, LinearTileScheduler<BR, PERSISTENT, false>>(p, tma);
 }

@@ -49,6 +49,19 @@ template <typename T, int ROWS, int COLS> struct Sw128 {
   }
 };
 
+// An 8-bit tile (FP8 e4m3, as bytes) in the same 128-byte-swizzled layout: panels of 128 columns (128 bytes), a
+// panel ROWS rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8). Only K-major reads exist for
+// 8-bit wgmma operands, so only desc_k; a k-step of 32 columns is +32 bytes inside a panel, as for 16-bit tiles.
+template <int ROWS, int COLS> struct Sw128x8 {
+  static_assert(COLS % 128 == 0 && ROWS % 8 == 0, "whole 128-column panels of whole 8-row swizzle atoms");
+  static constexpr int PANEL_BYTES = ROWS * 128;
+  static constexpr int BYTES = ROWS * COLS;
+  u32 base;  // shared-memory address, 1024-byte aligned
+  __device__ __forceinline__ u64 desc_k(int r0, int k0) const {
+    return make_desc(base + (k0 >> 7) * PANEL_BYTES + r0 * 128 + (k0 & 127), 16, 1024);
+  }
+};
+
 // Copy rows [0, ROWS) of a tile whose row r starts at g + r*row_stride into an Sw128 tile (cp.async, 16 bytes
 // per thread and step, consecutive threads on consecutive chunks of a row); rows >= rows_valid and columns
 // >= cols_valid are zero-filled. Where the chunks of a row divide the threads, each thread keeps one column chunk

@@ -34,6 +34,10 @@ struct FwdParams {
   const void* v_new;
   long long kn_sb, kn_ss, kn_sh, vn_sb, vn_ss, vn_sh;
   long long ws_split;        // split-KV: elements between two splits' partial O (their lse: ws_split / head_dim)
+  const float* q_descale;    // FP8: float32 factors of the e4m3 inputs (nullptr: 1), per tensor or per
+  const float* k_descale;    // (batch, kv head) at [b * descale_sb + hk * descale_sh]
+  const float* v_descale;
+  long long descale_sb, descale_sh;
   int batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim;
   int window_left, window_right;  // -1: unbounded on that side; causal is (-1, 0)
   int page_size, num_splits;

@@ -37,8 +37,9 @@ template <int ROWS> struct OnlineSoftmax {
   // rowsum(P); fo[r] receives e^(m_old - m_new), the factor the running O must be multiplied by.
   // NORMALIZE (FA1's per-step normalisation, the defer_norm=false ablation) also divides P by the new l and turns
   // fo into l_old e^(m_old - m_new) / l_new, so the running O stays normalised.
+  // p_log2 (FP8's P scale): P comes out times 2^p_log2 (and so does l), which cancels in O / l.
   template <typename T, bool NORMALIZE = false, int MT, int NT>
-  __device__ __forceinline__ void update(Acc<MT, NT>& s, float scale, float (&fo)[ROWS]) {
+  __device__ __forceinline__ void update(Acc<MT, NT>& s, float scale, float (&fo)[ROWS], float p_log2 = 0.f) {
     static_assert(2 * MT == ROWS, "one softmax row per accumulator row");
     float mx[ROWS], rs[ROWS];
     row_max(mx, s);
@@ -48,6 +49,7 @@ template <int ROWS> struct OnlineSoftmax {
       mx[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet keeps P = 0
       fo[r] = exp2_<T>(m[r] - mx[r]);
       m[r] = m_new;
+      mx[r] -= p_log2;
     }
     for_each_row(s, [&](float& x, int r) { x = exp2_<T>(fmaf(x, scale, -mx[r])); });
     row_sum(rs, s);

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, forms, reference, settings, validation
+from . import arrays, configs, forms, reference, settings, validation
 from .validation import Checked, Features
 
 Array = Any  # a CuPy array, a NumPy array, or any object with __dlpack__ / __cuda_array_interface__
@@ -62,6 +62,8 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
             window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Array | None = None,
             sinks: Array | None = None, cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, seqused_k: Array | None = None,
+            q_descale: Array | None = None, k_descale: Array | None = None, v_descale: Array | None = None,
+            out_dtype: str | None = None, fp8: bool = False, incoherent: bool = False,
             kernel: str = "fa2", backend: str = "cupy", **switches: bool) -> tuple[Array, Array]:
     """Exact attention, forward.
 
@@ -92,6 +94,16 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         The longest sequences (computed from the offsets when not given; must not be below any length).
     seqused_k : array (batch,), int32, optional
         Keys actually used per sequence (the first seqused_k[b] of its keys); causal alignment uses it.
+    q_descale, k_descale, v_descale : arrays (1,) or (batch, kv_heads), float32, optional
+        FP8 (q, k, v float8_e4m3fn, Hopper, FA3's form): the factors the e4m3 values are multiplied by
+        (``rawflash.fp8.quantize`` returns them); default 1. Plain or causal attention, GQA and sinks.
+    out_dtype : {'bfloat16', 'float16'}, optional
+        FP8: the output's dtype (default bfloat16; with ``fp8`` / ``incoherent``, q's 16-bit dtype).
+    fp8 : bool
+        16-bit or float32 q, k, v: quantise them to e4m3 per (batch, kv head) on the device and run the FP8 form.
+    incoherent : bool
+        As ``fp8``, with q and k rotated by the same random Hadamard matrix first (FlashAttention-3's incoherent
+        processing: Q K^T is unchanged, outlier channels are spread before the cast).
     kernel : {'fa2', 'fa1', 'naive'}
         fa1 and naive run plain attention (naive also windows); every feature needs fa2.
     backend : {'cupy', 'numba', 'reference'}
@@ -120,6 +132,13 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       seqused_k)
     c = validation.check_forward(q, k, v, causal, scale, kernel, backend, feats)
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if c.problem.dtype == configs.FP8 or fp8 is True or incoherent is True:
+        from . import fp8_forward
+
+        return fp8_forward.forward(q, k, v, c, feats, descales, out_dtype, fp8, incoherent, kernel, backend,
+                                   _check_switches(kernel, switches, c), env)
+    validation.check_fp8_options(descales, out_dtype, incoherent, fp8)
     sw = _check_switches(kernel, switches, c)
     to_numpy = c.kind == "numpy"
     if backend == "reference":

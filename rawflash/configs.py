@@ -16,7 +16,8 @@ import dataclasses
 SPECIALISED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = SPECIALISED_HEAD_DIMS[-1]
 DTYPES = ("float16", "bfloat16", "float32")
-KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_fwd_sm90", "fa3_fwd_sm90", "fa2_bwd", "fa3_bwd_sm90", "fa2_bwd_sm90", "fa2_bwd_dq",
+FP8 = "float8_e4m3fn"  # the FP8 forward's input dtype (fa3_fwd_sm90_fp8 rows only; not in DTYPES)
+KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_fwd_sm90", "fa3_fwd_sm90", "fa3_fwd_sm90_fp8", "fa2_bwd", "fa3_bwd_sm90", "fa2_bwd_sm90", "fa2_bwd_dq",
            "decode_split")
 
 
@@ -111,6 +112,14 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa3_fwd_sm90", (192,), _16BIT, TileConfig(128, 96, 12, stages=2, why="FA3's shape at d = 192; not tuned"))
     put("fa3_fwd_sm90", (256,), _16BIT, TileConfig(128, 80, 12, stages=2, why="622/477/700/624 vs 128x64: "
                                                                           "604/454/671/583; 226 KB"))
+    # fa3_fwd_sm90_fp8 (FA3's form on e4m3 inputs): tiles are bytes in 128-column panels, so head_dim runs as 128
+    # or 256 (d <= 128 computes 128 columns: d = 64 pays for 128) and the key block is 128 (V^T tiles of whole
+    # panels). Two consumer warpgroups at 240 registers: O (d / 2), S (64), P (32 registers of e4m3). 128 x 128 is
+    # FA3's FP8 shape at d = 256; three consumer warpgroups (160 registers) spill 288 B at d = 128 (offline).
+    put("fa3_fwd_sm90_fp8", (32, 64, 96, 128), (FP8,), TileConfig(128, 128, 12, stages=2,
+                                                                  why="untuned guess (not measured): 81 KB"))
+    put("fa3_fwd_sm90_fp8", (192, 256), (FP8,), TileConfig(128, 128, 12, stages=2,
+                                                           why="untuned guess (not measured): 161 KB"))
     # fa3_bwd_sm90 (TMA + warp specialisation, sm_90a): 2 consumer warpgroups x 64 keys and a producer warpgroup;
     # 64 query rows per step, `stages` stages of Q_i, dO_i, L_i, D_i. The shape of fa2_bwd_sm90's d <= 128 row.
     put("fa3_bwd_sm90", (32, 64, 96, 128), _16BIT, TileConfig(64, 128, 12, stages=2, why="fa2_bwd_sm90's shape; "

@@ -144,6 +144,53 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
     return bound
 
 
+def _bytes(x):
+    """An e4m3 array (CuPy, or NumPy copied to the device) as a kernel-ready uint8 CuPy array."""
+    import cupy
+
+    u8 = cupy.asarray(x.view(np.uint8)) if isinstance(x, np.ndarray) else x.view(cupy.uint8)
+    return kernel_ready(u8, 16)
+
+
+def bind_forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switches: forms.Switches = forms.Switches(),
+                     extras: dict | None = None, env: Settings = Settings(),
+                     override: forms.Override | None = None) -> Bound:
+    """The FP8 forward (float8_e4m3fn q, k, v): V^T written by fp8_vt_permute, then FA3's FP8 form; out in
+    ``p.out_dtype``, lse float32."""
+    import cupy
+
+    from . import launch
+
+    pr = dataclasses.replace(p, arch=device_arch(env), sms=_sms())
+    plan = forms.forward_plan(pr, "fa2", switches, env, override)
+    q8, k8, v8 = (_bytes(x) for x in (q, k, v))
+    feats = {name: cupy.ascontiguousarray(cupy.asarray(x), dtype=np.float32) for name, x in (extras or {}).items()}
+    ds = tuple(None if x is None else cupy.ascontiguousarray(cupy.asarray(x), dtype=cupy.float32) for x in descales)
+    cfg = plan[1].config
+    nk = launch.vt_keys(pr, cfg.bc)
+    vt = cupy.empty((pr.batch, pr.kv_heads, pr.head_dim, nk), dtype=cupy.uint8)
+    out = cupy.empty(tuple(q.shape), dtype=np.dtype(pr.out_dtype) if pr.out_dtype != "bfloat16"
+                     else cupy.dtype("bfloat16"))
+    lse = cupy.empty(_rows(pr), dtype=cupy.float32)
+    shape = next((x.shape for x in ds if x is not None), (1,))  # a missing descale is 1 in the others' layout
+    named = [x if x is not None else cupy.ones(shape, cupy.float32) for x in ds]
+    rec = params.fwd_params(pr, q8, k8, v8, out, lse, scale, descales=tuple(named), **feats)
+    maps = tma.fwd_maps_fp8(q8, k8, vt, cfg.br, cfg.bc, launch.fp8_head_dim(pr))
+    sv = [np.int64(s) for s in v8.strides[:3]]
+    vt_args = (v8, *sv, np.int32(pr.seqlen_k), np.int32(pr.head_dim), np.int32(pr.kv_heads), vt, np.int32(nk))
+    bound = Bound(plan, [(plan[0], vt_args), (plan[1], (rec, maps))], (out, lse), env)
+    bound.keep = (q8, k8, v8, vt, feats, named)  # the parameter struct and the maps hold their addresses
+    return bound
+
+
+def forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switches: forms.Switches = forms.Switches(),
+                extras: dict | None = None, env: Settings = Settings()):
+    """out (q's shape, ``p.out_dtype``) and lse (batch, heads, seqlen_q) float32 of the FP8 forward."""
+    bound = bind_forward_fp8(p, q, k, v, scale, descales, switches, extras, env)
+    bound.launch()
+    return bound.result()
+
+
 class _Trimmed:
     """An output to be cut back to the caller's head_dim when the call returns."""
 

@@ -102,6 +102,23 @@ def _use_wgmma(wgmma: bool | None, eligible: bool, kernel: str, also: str, got: 
     return wgmma
 
 
+def fp8_forward(p: Problem, sw: Switches = Switches(), override: Override | None = None) -> list[Launch]:
+    """The FP8 forward's launches: the V^T pre-pass, then FA3's form on e4m3 (sm_90 only, every FA3 switch but
+    warp_specialize=False and wgmma=False, which have no FP8 form)."""
+    if p.arch != "sm_90" or not configs.has_row("fa3_fwd_sm90_fp8", p.head_dim, p.dtype):
+        raise ValueError(f"float8_e4m3fn inputs need an sm_90 GPU (Hopper) and head_dim <= {configs.MAX_HEAD_DIM}; "
+                         f"got arch {p.arch}, head_dim {p.head_dim}")
+    off = [name for name in ("wgmma", "warp_specialize", "defer_norm", "seq_parallel", "split_q")
+           if getattr(sw, name) is False]
+    if off:
+        raise ValueError(f"{off[0]}=False has no FP8 form (float8_e4m3fn runs FA3's form only); got {off[0]}=False "
+                         "with float8_e4m3fn inputs")
+    cfg = _config("fa3_fwd_sm90_fp8", p, override)
+    main = launch.fa3_fwd_sm90_fp8(p, cfg, p.out_dtype or "bfloat16", overlap=sw.overlap, pingpong=sw.pingpong,
+                                   persistent=persistent_default(p) if sw.persistent is None else sw.persistent)
+    return [launch.fp8_vt_permute(p, cfg.bc), main]
+
+
 def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Settings(),
                 override: Override | None = None) -> Launch:
     """The fa2 forward launch: its wgmma form where the switches and the GPU allow it, else the mma.sync form."""
@@ -161,6 +178,8 @@ def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, se
 def forward_plan(p: Problem, kernel: str = "fa2", switches: Switches = Switches(), settings: Settings = Settings(),
                  override: Override | None = None) -> list[Launch]:
     """Every launch a forward call makes, in order (the naive kernel's matrix products are cuBLAS calls, not listed)."""
+    if kernel == "fa2" and p.dtype == configs.FP8:
+        return fp8_forward(p, switches, override)
     if kernel == "fa2":
         return [fa2_forward(p, switches, settings, override)]
     if kernel == "fa1":
@@ -326,4 +345,24 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     launches += decode_plan(dataclasses.replace(p, seqlen_k=4096, new_keys=1), 8).launches
                 for lau in launches:
                     out.setdefault(lau.name_expression, lau)
+    if arch == "sm_90":
+        for lau in fp8_instantiations():
+            out.setdefault(lau.name_expression, lau)
     return list(out.values())
+
+
+def fp8_instantiations() -> list[Launch]:
+    """The FP8 forward's instantiations: both output dtypes, without and with the causal mask, at head_dim 128 and
+    256, with FA3's ablation switches at 128; the pre-passes for every input dtype, with and without rotation."""
+    out = []
+    for d in (128, 256):
+        for out_dtype in ("bfloat16", "float16"):
+            for causal in (False, True):
+                p = Problem(1, 1, 1, 1, 1, d, configs.FP8, causal, "sm_90", out_dtype=out_dtype)
+                out += fp8_forward(p)
+                if d == 128 and out_dtype == "bfloat16":
+                    out += [fp8_forward(p, sw)[1] for sw in ABLATIONS.values() if sw.warp_specialize]
+    p = Problem(1, 1, 1, 1, 1, 128, "bfloat16", False, "sm_90")
+    out += [launch.fp8_quantize(p, 1, dt, rotate, pass_) for dt in configs.DTYPES for rotate in (False, True)
+            for pass_ in (0, 1)]
+    return out

@@ -377,8 +377,10 @@ def instantiations(dtype: str, causal: bool, arch: str = "sm_90") -> list[Launch
     kernels included). The mask mode of a tiled kernel is its first int template argument after the tile sizes
     (pinned by tests/test_cli.py)."""
     ctype = launch.CUDA_TYPES[dtype]
+    typed = set(launch.CUDA_TYPES.values())
     return [lau for lau in forms.all_instantiations(arch)
-            if lau.template_args[0] == ctype and causal_flag(lau) in (None, causal) and not general_flag(lau)]
+            if (lau.template_args[0] == ctype or lau.template_args[0] not in typed)  # untyped kernels: every slice
+            and causal_flag(lau) in (None, causal) and not general_flag(lau)]
 
 
 def causal_flag(lau: Launch) -> bool | None:
@@ -391,7 +393,7 @@ def general_flag(lau: Launch) -> bool:
     """Whether a tiled launch runs the general policy (the bool after its mask mode)."""
     i = _mask_index(lau)
     return i is not None and i + 1 < len(lau.template_args) and lau.template_args[i + 1] is True and \
-        lau.kernel != "fa1_fwd"
+        lau.kernel not in ("fa1_fwd", "fa3_fwd_sm90_fp8")  # plain policy only: the bool there is another switch
 
 
 def _mask_index(lau: Launch) -> int | None:

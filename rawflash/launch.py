@@ -14,14 +14,14 @@ from . import configs
 from .configs import TileConfig
 
 CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 132 * 16  # grid-stride loops: enough CTAs to fill an H200 several times over
 MAX_GRID_YZ = 65535
 NO_MASK, CAUSAL, WINDOW = 0, 1, 2  # policy.cuh's Mask: the compile-time mask mode of a kernel
 # Where each tiled kernel's template arguments hold its mask mode (the general-policy bool follows it, except in
 # fa1_fwd, which has only the plain policy): the formulas below build them in this order.
-MASK_ARG = {"fa2_fwd": 7, "fa2_fwd_sm90": 5, "fa3_fwd_sm90": 5, "fa3_bwd_sm90": 5, "fa2_bwd": 8, "fa2_bwd_sm90": 5, "fa2_bwd_dq": 7, "fa1_fwd": 6}
+MASK_ARG = {"fa2_fwd": 7, "fa2_fwd_sm90": 5, "fa3_fwd_sm90": 5, "fa3_fwd_sm90_fp8": 5, "fa3_bwd_sm90": 5, "fa2_bwd": 8, "fa2_bwd_sm90": 5, "fa2_bwd_dq": 7, "fa1_fwd": 6}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -59,6 +59,7 @@ class Problem:
     new_keys: int = 0    # decode: rows of k_new / v_new appended to the cache (seqlen_k is the cache's capacity)
     page_size: int = 0   # decode: a paged cache's page size (0: contiguous)
     sms: int = 132       # multiprocessors of the GPU (an H200's by default): persistent grids and split counts
+    out_dtype: str = ""  # FP8: the output's dtype (bfloat16 or float16); "" for the 16-bit and float32 forms
 
     @property
     def padded_head_dim(self) -> int:
@@ -197,6 +198,12 @@ def smem_fa3_fwd_sm90(cfg: TileConfig, d: int) -> int:
     return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d * 2 + 8 * (2 + 4 * cfg.stages)
 
 
+def smem_fa3_fwd_sm90_fp8(cfg: TileConfig, d: int) -> int:
+    """mainloop_fwd_sm90_fp8.cuh SMEM_BYTES: the same as FA3's 16-bit forward with 1-byte elements (Q_i, `stages`
+    stages of K_j and V_j^T)."""
+    return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d + 8 * (2 + 4 * cfg.stages)
+
+
 def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
     """mainloop_bwd_sm90_ws.cuh SMEM_BYTES: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i); two dS^T; two
     float32 dQ_i tiles (all warpgroups' slices); `stages` x (L_i, D_i) float32; 1 + 2 stages mbarriers."""
@@ -294,6 +301,42 @@ def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong:
             smem)
     return Launch("fa3_fwd_sm90", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+
+
+def fp8_head_dim(p: Problem) -> int:
+    """The head_dim the FP8 form is compiled for: whole 128-byte panels (128 or 256)."""
+    return cdiv(p.padded_head_dim, 128) * 128
+
+
+def vt_keys(p: Problem, bc: int) -> int:
+    """Keys per (batch, kv head) row of the FP8 form's V^T workspace: seqlen_k padded to the key block."""
+    return cdiv(max(1, p.seqlen_k), bc) * bc
+
+
+def fa3_fwd_sm90_fp8(p: Problem, cfg: TileConfig, out_dtype: str = "bfloat16", *, overlap: bool = True,
+                     pingpong: bool = True, persistent: bool = True) -> Launch:
+    """FA3 forward on e4m3 inputs (sm_90a), output in ``out_dtype``; the switches as for :func:`fa3_fwd_sm90`."""
+    d = fp8_head_dim(p)
+    smem = smem_fa3_fwd_sm90_fp8(cfg, d)
+    args = (CUDA_TYPES[out_dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, overlap, pingpong, persistent, smem)
+    return Launch("fa3_fwd_sm90_fp8", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
+                  (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+
+
+VT_KEYS, VT_THREADS = 64, 256  # fp8_prep.cu's fp8_vt_permute: keys per CTA, threads
+
+
+def fp8_vt_permute(p: Problem, bc: int) -> Launch:
+    """The FP8 forward's pre-pass: V^T of every (batch, kv head) with the fragment order of its keys."""
+    grid = _check_grid((vt_keys(p, bc) // VT_KEYS, p.kv_heads, p.batch), "fp8_vt_permute")
+    smem = VT_KEYS * (p.head_dim + 4)  # the tile of V in shared memory, rows padded by 4 bytes against conflicts
+    return Launch("fp8_vt_permute", "fp8_prep.cu", (VT_KEYS,), grid, (VT_THREADS, 1, 1), smem)
+
+
+def fp8_quantize(p: Problem, rows: int, in_dtype: str, rotate: bool, pass_: int) -> Launch:
+    """fp8_prep.cu's fp8_quantize over ``rows`` rows of head_dim (one warp each): PASS 0 the amax, 1 the bytes."""
+    args = (CUDA_TYPES[in_dtype], rotate, pass_)
+    return Launch("fp8_quantize", "fp8_prep.cu", args, (max(1, cdiv(rows, 8)), 1, 1), (256, 1, 1), 0)
 
 
 def fa1_fwd(p: Problem, cfg: TileConfig, sms: int | None = None) -> Launch:

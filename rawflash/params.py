@@ -28,6 +28,7 @@ FWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("block_table_sb", "i64"), ("alibi_slopes", "ptr"), ("alibi_sb", "i64"), ("sinks", "ptr"),
     ("o_ws", "ptr"), ("m_ws", "ptr"), ("l_ws", "ptr"), ("k_new", "ptr"), ("v_new", "ptr"),
     *_strides("kn"), *_strides("vn"), ("ws_split", "i64"),
+    ("q_descale", "ptr"), ("k_descale", "ptr"), ("v_descale", "ptr"), ("descale_sb", "i64"), ("descale_sh", "i64"),
     ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
     ("head_dim", "i32"), ("window_left", "i32"), ("window_right", "i32"), ("page_size", "i32"),
     ("num_splits", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("new_keys", "i32"),
@@ -86,10 +87,10 @@ def _common(rec, p: Problem, scale: float, extras: dict) -> None:
 
 
 def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=None, decode: bool = False,
-               cache_len: int = 0, **extras) -> np.ndarray:
+               cache_len: int = 0, descales: tuple = (), **extras) -> np.ndarray:
     """FwdParams for one forward (or decode) call. ``extras``: cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks
     (CuPy arrays or None), block_table (its page size is ``p.page_size``), o_ws / m_ws / l_ws (float32 work
-    buffers), num_splits. ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the cache's capacity per
+    buffers), num_splits; ``descales`` (FP8) the (q, k, v) descale arrays. ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the cache's capacity per
     sequence (``p.seqlen_k``) and pages (k's first axis when paged), cache_len (every sequence's cache_seqlens
     when seqused_k is None); a split's partial O is o's size apart in o_ws."""
     rec = np.zeros(1, FWD_DTYPE)
@@ -105,6 +106,11 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
     for name in ("o_ws", "m_ws", "l_ws"):
         rec[name] = ptr(extras.get(name))
     rec["num_splits"] = extras.get("num_splits", 1)
+    if descales:  # FP8: (q, k, v) float32 descales, each (1,) or (batch, kv_heads)
+        for name, x in zip(("q_descale", "k_descale", "v_descale"), descales):
+            rec[name] = ptr(x)
+        per_head = descales[0].size > 1
+        rec["descale_sb"], rec["descale_sh"] = (p.kv_heads, 1) if per_head else (0, 0)
     for name, prefix, x in (("k_new", "kn", k_new), ("v_new", "vn", v_new)):
         rec[name] = ptr(x)
         if x is not None:

@@ -141,9 +141,16 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
              Form("fa2_fwd_sm90", "fa2_fwd_sm90.cu", "mainloop_fwd_sm90.cuh", "sm_90", HALF_DTYPES, None,
                   _NO_TWIN_SM90),
              Form("fa3_fwd_sm90", "fa3_fwd_sm90.cu", "mainloop_fwd_sm90_ws.cuh", "sm_90", HALF_DTYPES, None,
-                  _NO_TWIN_SM90)),
+                  _NO_TWIN_SM90),
+             Form("fa3_fwd_sm90_fp8", "fa3_fwd_sm90.cu", "mainloop_fwd_sm90_fp8.cuh", "sm_90", (configs.FP8,), None,
+                  "FP8 wgmma has no Numba counterpart (nor do e4m3 numbers); the reference backend dequantises the "
+                  "inputs and computes what it should")),
+            (Helper("fp8_vt_permute", "fp8_prep.cu", "FP8: V^T with the fragment order of the keys", None),
+             Helper("fp8_quantize", "fp8_prep.cu", "FP8: inputs to e4m3 with descales (and the Hadamard rotation)",
+                    None)),
             supports=COMMON + FEATURES[1:] + ("ablation switches: defer_norm, seq_parallel, split_q; wgmma, overlap; "
-                                              "warp_specialize, pingpong, persistent",)),
+                                              "warp_specialize, pingpong, persistent",
+                                              "float8_e4m3fn on sm_90 (FA3's form; causal, GQA, sinks)")),
     Variant("fa2_bwd", "bwd", "fa2", "FlashAttention-2 backward (FA2 paper, Algorithm 2)",
             "warps split the Bc keys (and with wc > 1 the head_dim columns of dK, dV)",
             (Form("fa2_bwd", "fa2_bwd.cu", "mainloop_bwd_sm80.cuh", "sm_80", ALL_DTYPES, "fa2_bwd"),

@@ -128,6 +128,25 @@ def fwd_maps(q, k, v, br: int, bc: int, packed: bool) -> np.ndarray:
     return rec
 
 
+UINT8 = 0  # CU_TENSOR_MAP_DATA_TYPE_UINT8: e4m3 bytes
+BOX_BYTES = 128
+
+
+def fwd_maps_fp8(q, k, vt, br: int, bc: int, d: int) -> np.ndarray:
+    """The FP8 forward's ``TmaFwd``: q and k (uint8 views of e4m3, 4-d as ``layout_4d``) in boxes of 128 columns by
+    br / bc rows; the V^T workspace (batch, kv_heads, head_dim, keys) as (keys, head_dim, kv_heads, batch) in boxes
+    of 128 keys by ``d`` rows (the compiled head_dim: rows past the caller's are zero-filled)."""
+    rec = np.zeros(1, FWD_DTYPE)
+    for name, x, rows in (("q", q, br), ("k", k, bc)):
+        if x.data.ptr % 16:
+            raise TmaUnavailable(f"{name}'s base address is not 16-byte aligned")
+        dims, strides = layout_4d(x, False)
+        rec[name] = _encode(x.data.ptr, UINT8, dims, strides, (BOX_BYTES, rows, 1, 1), SWIZZLE_128B)
+    dims, strides = layout_4d(vt.transpose(0, 2, 1, 3), False)
+    rec["v"] = _encode(vt.data.ptr, UINT8, dims, strides, (BOX_BYTES, d, 1, 1), SWIZZLE_128B)
+    return rec
+
+
 def bwd_maps(q, k, v, dout, dq_ws, br: int, bc: int, packed: bool) -> np.ndarray:
     """The backward's ``TmaBwd`` parameter: q and dout in boxes of br rows, k and v in boxes of bc rows, and the
     float32 dQ rows dq_ws for the reduce-add."""

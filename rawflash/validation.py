@@ -107,13 +107,20 @@ def _shape(x, name: str, ndim: int = 4) -> tuple[int, ...]:
     return shape
 
 
-def _dtype(x, name: str) -> str:
+def _dtype(x, name: str, fp8: str = "") -> str:
+    """x's dtype name; float8_e4m3fn only where ``fp8`` is 'ok', else refused naming the call (``fp8``)."""
     try:
         dt = dtype_name(x.dtype)
     except TypeError:
         dt = str(x.dtype)
+    if dt == configs.FP8 and fp8 == "ok":
+        return dt
+    if dt == configs.FP8:
+        raise TypeError(f"{name} has dtype float8_e4m3fn, which only rawflash.forward / attention take (the FP8 path "
+                        f"is forward-only, kernel='fa2' on Hopper); got it in {fp8 or 'this call'}")
     if dt not in configs.DTYPES:
-        raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {dt}")
+        raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {dt} (forward also takes "
+                        "float8_e4m3fn)")
     return dt
 
 
@@ -229,8 +236,9 @@ def _check_seqused(seqused, batch: int, key_lengths: np.ndarray, device) -> obje
 
 
 def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "cupy",
-                  features: Features = Features()) -> Checked:
-    """Validate a forward call and describe it; raises before anything is launched."""
+                  features: Features = Features(), fp8: str = "ok") -> Checked:
+    """Validate a forward call and describe it; raises before anything is launched. ``fp8``: 'ok' where
+    float8_e4m3fn inputs are allowed (then :func:`check_fp8` adds their rules), else the caller's name."""
     check_choice(kernel, "kernel", KERNELS)
     check_choice(backend, "backend", BACKENDS)
     causal = check_flag(causal, "causal")
@@ -242,7 +250,7 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     ndim = 3 if varlen else 4
     kinds = {name: array_kind(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
     shapes = {"q": _shape(q, "q", ndim), "k": _shape(k, "k", ndim), "v": _shape(v, "v", ndim)}
-    dtypes = {"q": _dtype(q, "q"), "k": _dtype(k, "k"), "v": _dtype(v, "v")}
+    dtypes = {"q": _dtype(q, "q", fp8), "k": _dtype(k, "k", fp8), "v": _dtype(v, "v", fp8)}
     if len(set(dtypes.values())) > 1:
         given = ", ".join(f"{n} {d}" for n, d in dtypes.items())
         raise TypeError(f"q, k and v must share one dtype, got {given}")
@@ -313,7 +321,7 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
 def check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backend: str = "cupy",
                    features: Features = Features()) -> Checked:
     """Validate a backward call: the forward checks plus dout, out and lse against q."""
-    checked = check_forward(q, k, v, causal, scale, "fa2", backend, features)
+    checked = check_forward(q, k, v, causal, scale, "fa2", backend, features, fp8="rawflash.backward")
     check_flag(deterministic, "deterministic")
     p = checked.problem
     for name, x in (("dout", dout), ("out", out)):
@@ -466,3 +474,57 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
                       alibi="alibi_slopes" in extras, sinks="sinks" in extras, seqused_k=True, new_keys=new,
                       page_size=page)
     return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)
+
+
+OUT_DTYPES = ("bfloat16", "float16")
+FP8_REFUSED = ("window", "softcap", "alibi_slopes", "cu_seqlens_q", "seqused_k")
+
+
+def check_fp8(c: Checked, kernel: str, backend: str, features: Features, descales: dict, out_dtype,
+              incoherent) -> tuple[Checked, tuple]:
+    """The FP8 forward's rules on top of :func:`check_forward` (q, k, v float8_e4m3fn): kernel='fa2' on the cupy or
+    reference backend, plain or causal attention (sinks allowed; windows, soft-capping, ALiBi, packed sequences and
+    seqused_k are refused), head_dim a multiple of 16 (TMA rows of 16-byte chunks), descales float32 of shape (1,)
+    or (batch, kv_heads), all the same shape, on q's device; out_dtype bfloat16 (default) or float16. Returns the
+    checked call (its problem's out_dtype set) and the descales (None for 1)."""
+    p = c.problem
+    if kernel != "fa2":
+        raise ValueError(f"float8_e4m3fn inputs run kernel='fa2' (FA3's form on Hopper) only, got kernel={kernel!r}")
+    if backend == "numba":
+        raise ValueError("float8_e4m3fn inputs have no Numba twin: use backend='cupy' or 'reference', got "
+                         "backend='numba'")
+    given = [g for g in features.given() if g in FP8_REFUSED]
+    if given:
+        raise ValueError(f"the FP8 forward runs plain or causal attention (with sinks); {given[0]} is not supported "
+                         f"with float8_e4m3fn inputs")
+    if check_flag(incoherent, "incoherent"):
+        raise ValueError("incoherent=True rotates Q and K before they are quantised: give float16 / bfloat16 / "
+                         "float32 q, k, v with incoherent=True (rawflash quantises them), or rotate with "
+                         "rawflash.fp8.quantize(..., incoherent=True) yourself; got float8_e4m3fn q, k, v")
+    if p.head_dim % 16:
+        raise ValueError(f"float8_e4m3fn inputs need head_dim a multiple of 16 (TMA copies 16-byte chunks), got "
+                         f"{p.head_dim}")
+    out = "bfloat16" if out_dtype is None else (dtype_name(out_dtype) if not isinstance(out_dtype, str) else out_dtype)
+    if out not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be 'bfloat16' or 'float16' for float8_e4m3fn inputs, got {out_dtype!r}")
+    shapes = [(1,), (p.batch, p.kv_heads)]
+    checked = {name: None if x is None else _feature_array(x, name, shapes, "float32", c.device)
+               for name, x in descales.items()}
+    got = {tuple(int(n) for n in x.shape) for x in checked.values() if x is not None}
+    if len(got) > 1:
+        raise ValueError(f"q_descale, k_descale and v_descale must share one shape ((1,) or (batch, kv_heads)), got "
+                         f"{sorted(got)}")
+    problem = dataclasses.replace(p, out_dtype=out)
+    return dataclasses.replace(c, problem=problem), tuple(checked[n] for n in ("q_descale", "k_descale", "v_descale"))
+
+
+def check_fp8_options(descales: dict, out_dtype, incoherent, fp8) -> None:
+    """16-bit / float32 inputs: the FP8 options apply only with fp8=True or incoherent=True (quantised inside)."""
+    on = check_flag(fp8, "fp8") or check_flag(incoherent, "incoherent")
+    extra = [n for n, x in descales.items() if x is not None]
+    if extra:
+        raise ValueError(f"{extra[0]} goes with float8_e4m3fn q, k, v (rawflash computes the descales itself with "
+                         f"fp8=True / incoherent=True); got {extra[0]} with 16-bit or float32 inputs")
+    if out_dtype is not None and not on:
+        raise ValueError("out_dtype goes with the FP8 forward (float8_e4m3fn inputs, fp8=True or incoherent=True); "
+                         f"got out_dtype={out_dtype!r} without it")

@@ -126,12 +126,29 @@ def _fa3(dtype: str) -> None:
             rawflash.backward(cupy.ones_like(q), q, k, v, out, lse, causal=causal)
 
 
+def _fp8(dtype: str) -> None:
+    """The FP8 forward (sm_90 only): quantised inside (fp8=True, incoherent=True) and from e4m3 inputs with per-head
+    descales, ragged shapes, GQA, causal both ways, every FA3 switch."""
+    from rawflash import cupy_backend, fp8
+
+    if dtype == "float32" or cupy_backend.device_arch() != "sm_90":
+        return
+    for b, sq, sk, h, hk, d in ((1, 203, 113, 4, 2, 64), (2, 300, 1029, 4, 1, 128), (1, 129, 257, 2, 2, 256)):
+        for causal in (False, True):
+            q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
+            rawflash.forward(q, k, v, causal=causal, fp8=True)
+            rawflash.forward(q, k, v, causal=causal, incoherent=True)
+            (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x, "head", kv_heads=hk) for x in (q, k, v))
+            for sw in ({}, {"pingpong": False}, {"overlap": False}, {"persistent": not causal}):
+                rawflash.forward(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **sw)
+
+
 def main() -> None:
     dtypes = sys.argv[1:] or ["float16", "bfloat16", "float32"]
-    only = os.environ.get("SANITIZE_ONLY")  # 'decode', 'splitk' or 'fa3': that part alone (racecheck is slow)
+    only = os.environ.get("SANITIZE_ONLY")  # 'decode', 'splitk', 'fa3' or 'fp8': that part alone (racecheck is slow)
     if only:
         for dtype in dtypes:
-            {"decode": _decode, "splitk": _splitk, "fa3": _fa3}[only](dtype)
+            {"decode": _decode, "splitk": _splitk, "fa3": _fa3, "fp8": _fp8}[only](dtype)
             cupy.cuda.Device().synchronize()
             print(f"sanitize workload done: {only} {dtype}", flush=True)
         return
@@ -164,6 +181,7 @@ def main() -> None:
                         rawflash.backward(do, qq, kk, vv, o, l, causal=causal, deterministic=det, **feats)
                 cupy.cuda.Device().synchronize()
         _decode(dtype)
+        _fp8(dtype)
         print(f"sanitize workload done: {dtype}", flush=True)
     os.environ["RAWFLASH_FA3"] = "0"  # this script's own process: the cp.async wgmma backward too
     q, k, v = (cupy.asarray(x) for x in random_qkv(1, 70, 33, 2, 1, 128, "bfloat16"))
