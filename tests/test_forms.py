@@ -46,7 +46,8 @@ def test_head_dims_off_the_64_grid_run_fa3_with_zero_filled_panels(d):
 def test_persistent_by_default_only_without_a_mask():
     assert forms.fa2_forward(_problem()).template_args[9] is True
     assert forms.fa2_forward(_problem(causal=True)).template_args[9] is False
-    assert forms.fa2_forward(_problem(window=(8, 8))).template_args[9] is False
+    assert forms.fa2_forward(_problem(window=(8, 8))).template_args[9] is True, "a window's tiles are equal"
+    assert forms.fa2_forward(_problem(window=(-1, 8))).template_args[9] is False, "unbounded left: causal-like"
     assert forms.fa2_forward(_problem(softcap=5.0)).template_args[9] is True, "equal tiles: a transform is no mask"
     packed = Problem(4, 512, 512, 4, 4, 128, "bfloat16", False, "sm_90", varlen=True, total_q=900, total_k=900)
     assert forms.fa2_forward(packed).template_args[9] is False, "packed lengths make tiles unequal"
