@@ -6,6 +6,12 @@ implementation is first checked by flash-attn's rule on a reduced problem with t
 (same dtype, head_dim and causal flag) and an implementation that fails is reported, not timed.
 Peers: ``torch-flash`` and ``torch-cudnn`` (PyTorch SDPA backends, only when PyTorch is importable; never a
 dependency) and ``cupy-naive`` (the matmul-softmax-matmul a CuPy user writes today).
+
+``float8_e4m3fn`` (the FP8 forward): rawflash-fa2's forward only, on inputs drawn like the others and quantised per
+(batch, kv head) by ``rawflash.fp8.quantize``; validated against the float64 reference of the dequantised inputs by
+the FP8 forward's documented bounds (``FP8_BOUNDS``), and compared with rawflash-fa2's bfloat16 row of the same
+shape when the run has one. PyTorch's SDPA has no FP8 path to call, so the peers' FP8 figures are the published
+ones (``FP8_PUBLISHED``).
 """
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ RAWFLASH_IMPLS = {"rawflash-fa2": ("fa2", {}), "rawflash-fa2-wgmma": ("fa2", {"w
                   "rawflash-fa1": ("fa1", {}), "rawflash-naive": ("naive", {})}
 FORWARD_ONLY = ("rawflash-fa2-wgmma", "rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive", "cupy-naive")
 FLUSH_BYTES = 256 << 20  # larger than the H200's 60 MB L2
+FP8 = "float8_e4m3fn"
+FP8_BOUNDS = {"rmse": 0.02, "max": 0.25}  # unit-normal inputs: the FP8 forward's error budget (README, tests)
+FP8_PUBLISHED = "cuDNN 9.19 FP8 forward 1062 TFLOP/s (H200, d = 128, N = 16384); FA3 FP8 1171 (H100, d = 256)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +97,8 @@ def sweep_cases(impls, directions, dtypes, head_dims, seqlens, causals, tokens=1
             for dtype in dtypes:
                 if impl == "cupy-naive" and dtype != "float16":
                     continue  # CuPy has no bfloat16 matmul: the plain-CuPy peer runs in float16
+                if dtype == FP8 and (impl != "rawflash-fa2" or direction != "fwd"):
+                    continue  # FP8 is rawflash's forward alone (no FP8 backward; no peer to call)
                 for d in head_dims:
                     for n in seqlens:
                         for causal in causals:
@@ -145,12 +156,17 @@ def make_inputs(case: Case, seed: int = 0):
 
     from .validation import check_choice
 
-    check_choice(case.dtype, "dtype", ("float16", "bfloat16", "float32"))
+    check_choice(case.dtype, "dtype", ("float16", "bfloat16", "float32", FP8))
     rng = cupy.random.default_rng(seed)
-    dt = np.dtype(ml_dtypes.bfloat16) if case.dtype == "bfloat16" else np.dtype(case.dtype)
+    dt = np.dtype(ml_dtypes.bfloat16) if case.dtype in ("bfloat16", FP8) else np.dtype(case.dtype)
     shape_q = (case.batch, case.seqlen, case.heads, case.head_dim)
     shape_k = (case.batch, case.seqlen, case.kv_heads, case.head_dim)
     q, k, v = (rng.standard_normal(s, dtype=cupy.float32).astype(dt) for s in (shape_q, shape_k, shape_k))
+    if case.dtype == FP8:  # the fourth value is then the descales (an FP8 case is a forward)
+        from . import fp8
+
+        (q, qd), (k, kd), (v, vd) = (fp8.quantize(x, "head", kv_heads=case.kv_heads) for x in (q, k, v))
+        return q, k, v, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
     dout = rng.standard_normal(shape_q, dtype=cupy.float32).astype(dt)
     return q, k, v, dout
 
@@ -165,6 +181,11 @@ def bound_call(case: Case, q, k, v, dout, override=None):
 
     kernel, switches = RAWFLASH_IMPLS[case.impl]
     env = settings.load()
+    if case.dtype == FP8:  # dout holds the descales (make_inputs)
+        c = validation.check_forward(q, k, v, case.causal, None, kernel)
+        c, ds = validation.check_fp8(c, kernel, "cupy", validation.Features(), dout, None, False)
+        return cupy_backend.bind_forward_fp8(c.problem, q, k, v, c.scale, ds, forms.Switches(**switches), c.extras,
+                                             env, override)
     if case.direction == "fwd":
         c = validation.check_forward(q, k, v, case.causal, None, kernel)
         bound = cupy_backend.bind_forward(c.problem, q, k, v, c.scale, kernel, forms.Switches(**switches), c.extras,
@@ -183,6 +204,8 @@ def runner(case: Case, q, k, v, dout):
 
     if case.impl in RAWFLASH_IMPLS:
         kernel, switches = RAWFLASH_IMPLS[case.impl]
+        if case.dtype == FP8:  # dout holds the descales (make_inputs)
+            return lambda: rawflash.forward(q, k, v, causal=case.causal, kernel=kernel, **dout, **switches)
         if case.direction == "fwd":
             return lambda: rawflash.forward(q, k, v, causal=case.causal, kernel=kernel, **switches)
         out, lse = rawflash.forward(q, k, v, causal=case.causal)
@@ -240,6 +263,8 @@ def validate(case: Case, seqlen_cap: int = 512) -> tuple[bool, str]:
     q, k, v, dout = make_inputs(small, seed=11)
     fn = runner(small, q, k, v, dout)
     got = fn()
+    if case.dtype == FP8:
+        return _validate_fp8(small, q, k, v, dout, got)
     hq, hk, hv, hdo = (cupy.asnumpy(x) for x in (q, k, v, dout))
     if case.direction == "fwd":
         got = got[0] if isinstance(got, tuple) else got
@@ -259,9 +284,25 @@ def validate(case: Case, seqlen_cap: int = 512) -> tuple[bool, str]:
     return True, "ok"
 
 
+def _validate_fp8(case: Case, q, k, v, descales: dict, got) -> tuple[bool, str]:
+    """The FP8 forward against the float64 reference of its dequantised inputs, by ``FP8_BOUNDS``."""
+    import cupy
+
+    from . import fp8
+
+    qf, kf, vf = (fp8.dequantize(x, descales[f"{n}_descale"], kv_heads=case.kv_heads) for x, n in
+                  ((q, "q"), (k, "k"), (v, "v")))
+    ref = reference.forward(qf, kf, vf, causal=case.causal)[0]
+    err = cupy.asnumpy(got[0]).astype(np.float64) - ref
+    rmse, worst = float(np.sqrt(np.mean(err ** 2))), float(np.abs(err).max())
+    if rmse > FP8_BOUNDS["rmse"] or worst > FP8_BOUNDS["max"]:
+        return False, f"out RMSE {rmse:.3g} / max {worst:.3g} > {FP8_BOUNDS['rmse']} / {FP8_BOUNDS['max']}"
+    return True, "ok"
+
+
 def fits(case: Case, free_bytes: int) -> bool:
     """Whether the case's buffers (and the O(N^2) score matrices of the naive implementations) fit in memory."""
-    item = 2 if case.dtype != "float32" else 4
+    item = {"float32": 4, FP8: 1}.get(case.dtype, 2)
     tokens = case.batch * case.seqlen
     need = tokens * (case.heads * 3 + case.kv_heads * 4) * case.head_dim * item + FLUSH_BYTES
     if case.impl in ("cupy-naive", "rawflash-naive"):
@@ -311,6 +352,12 @@ def ratios(records: list[Record], impl: str = "rawflash-fa2") -> list[dict]:
             other = index.get((peer, r.direction, r.dtype, r.seqlen, r.head_dim, r.causal, r.kv_heads))
             if peer != impl and other is not None and other.tflops:
                 row[f"x {peer}"] = r.tflops / other.tflops
+        if r.dtype == FP8:  # FP8 against the same implementation's bfloat16 (the target's ratio)
+            other = index.get((impl, r.direction, "bfloat16", r.seqlen, r.head_dim, r.causal, r.kv_heads))
+            if other is not None and other.tflops:
+                row[f"x {impl} bfloat16"] = r.tflops / other.tflops
+                if r.kernel_tflops and other.kernel_tflops:
+                    row[f"kernels x {impl} bfloat16"] = r.kernel_tflops / other.kernel_tflops
         rows.append(row)
     return rows
 

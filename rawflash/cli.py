@@ -667,7 +667,8 @@ def demo(ctx, gpu, arch, sms, as_json):
 @click.option("--impl", "impls", multiple=True, type=click.Choice(bench_mod.IMPLS),
               help="Implementations to time (default: every one available here).")
 @click.option("--direction", "directions", multiple=True, type=click.Choice(["fwd", "bwd"]), default=("fwd", "bwd"))
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["bfloat16", "float16", "float32"]),
+@click.option("--dtype", "dtypes", multiple=True,
+              type=click.Choice(["bfloat16", "float16", "float32", "float8_e4m3fn"]),
               default=("bfloat16",))
 @click.option("--head-dims", default="64,128,256", show_default=True, callback=_csv_ints)
 @click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True, callback=_csv_ints)
@@ -733,10 +734,13 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, token
     wrote = [str(out / f"{stem}.json"), str(out / f"{stem}.csv"),
              str(plot_path) if plot_path else "no plot: matplotlib is not installed"]
     if as_json:
-        _emit({"cases": rows, "not timed": bad, "ratios": bench_mod.ratios(records), "wrote": wrote}, True)
+        extra = {"fp8 published": bench_mod.FP8_PUBLISHED} if bench_mod.FP8 in dtypes else {}
+        _emit({"cases": rows, "not timed": bad, "ratios": bench_mod.ratios(records), "wrote": wrote, **extra}, True)
         return
     click.echo(report_mod.table(bad) if bad else "every case validated and timed")
     click.echo(report_mod.table(bench_mod.ratios(records)))
+    if bench_mod.FP8 in dtypes:
+        click.echo(f"FP8 peers (PyTorch's SDPA has no FP8 path to call), published: {bench_mod.FP8_PUBLISHED}")
     click.echo("wrote " + ", ".join(wrote))
 
 

@@ -37,3 +37,29 @@ def test_feature_ratios_pair_each_case_with_its_target():
     assert out[("varlen x16 causal", "fwd")]["vs"].endswith("causal")
     assert out[("softcap 30, N 4096", "bwd")]["vs"] == "plain, N 4096"
     assert "vs" not in out[("plain, N 4096", "fwd")]
+
+
+def test_fp8_cases_are_rawflash_forwards_only():
+    cases = bench.sweep_cases(bench.IMPLS, ("fwd", "bwd"), ("bfloat16", bench.FP8), (128,), (4096,), (False,))
+    fp8 = [c for c in cases if c.dtype == bench.FP8]
+    assert [(c.impl, c.direction) for c in fp8] == [("rawflash-fa2", "fwd")]
+    assert any(c.dtype == "bfloat16" and c.impl == "rawflash-fa2" and c.direction == "fwd" for c in cases)
+
+
+def test_fp8_rows_are_compared_with_bfloat16():
+    shape = dict(direction="fwd", batch=4, heads=16, kv_heads=16, seqlen=4096, head_dim=128, causal=False)
+    bf = bench.Record(impl="rawflash-fa2", dtype="bfloat16", ms=2.0, tflops=600.0, kernel_ms=2.0, **shape)
+    f8 = bench.Record(impl="rawflash-fa2", dtype=bench.FP8, ms=1.0, tflops=900.0, kernel_ms=1.0, **shape)
+    row = next(r for r in bench.ratios([bf, f8]) if r["dtype"] == bench.FP8)
+    assert row["x rawflash-fa2 bfloat16"] == 1.5 and row["kernels x rawflash-fa2 bfloat16"] == 2.0
+
+
+def test_bench_takes_the_fp8_dtype():
+    from click.testing import CliRunner
+
+    from rawflash import cli, sysinfo
+
+    result = CliRunner().invoke(cli.main, ["bench", "--dtype", "float8_e4m3fn", "--head-dims", "128"])
+    if not sysinfo.gpu_available():
+        assert result.exit_code != 2 or "Invalid value" not in result.output, result.output
+        assert "GPU" in result.output
