@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The one command that checks rawflash on a GPU machine: precompile, GPU tests, compute-sanitizer, benchmark.
-#   tools/gpu_run.sh [tests] [tests-mma] [hopper] [hopper-cp-async] [sanitize] [bench-decode] [bench-decode-quick] [bench-features] [SCRIPT.py] [bench ARGS...]
+#   tools/gpu_run.sh [tests] [tests-mma] [hopper] [hopper-cp-async] [fp8] [sanitize] [bench-decode] [bench-decode-quick] [bench-features] [SCRIPT.py] [bench ARGS...]
 #   (no argument: tests, sanitize; bench takes every argument after it, so it comes last)
 #     tests      every GPU test (the default forward path: wgmma on an H200 where it applies)
 #     tests-mma  the kernel tests again with RAWFLASH_WGMMA=0 (the mma.sync forward on the same GPU)
 #     hopper     only tests/test_gpu_hopper.py and tests/test_gpu_fa3.py (the wgmma and FA3 forms)
 #     hopper-cp-async  tests/test_gpu_hopper.py with RAWFLASH_FA3=0 (the backward's cp.async wgmma form too)
+#     fp8        tests/test_gpu_fp8.py, then rawflash bench of the FP8 forward beside bf16 (d 128 / 256, N 4k / 16k)
 #     bench-decode / bench-features   rawflash bench --decode / --features (DECODE_REPEATS, FEATURE_REPEATS)
 #     bench-decode-quick              rawflash bench --decode --quick (12 cases, about 2 minutes)
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
@@ -44,6 +45,12 @@ while [ $i -lt ${#steps[@]} ]; do
         tail -3 "$OUT/sanitize_$tool.log"
         [ $rc -eq 0 ] || status=1
       done ;;
+    fp8)
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_fp8.py -s 2>&1 | tee "$OUT/gpu_fp8.log" \
+        | tail -12 || status=1
+      python3 -m rawflash.cli bench --impl rawflash-fa2 --direction fwd --dtype bfloat16 --dtype float8_e4m3fn \
+        --head-dims 128,256 --seqlens 4096,16384 --repeats ${FP8_REPEATS:-10} --out "$OUT" --tag fp8 2>&1 \
+        | tee "$OUT/bench_fp8.log" | tail -20 || status=1 ;;
     bench-decode)
       python3 -m rawflash.cli bench --decode --repeats ${DECODE_REPEATS:-20} --out "$OUT" 2>&1 | tee "$OUT/bench_decode.log" \
         | tail -60 || status=1 ;;
