@@ -2,11 +2,11 @@
 // (mainloop_fwd_sm90_ws.cuh: TMA copies by a producer warpgroup, BR/64 consumer warpgroups on wgmma, 16-bit,
 // sm_90a). A 1-d grid of query tiles (LinearTileScheduler), persistent or one tile per CTA; MASK / GENERAL select
 // the variant policy, OVERLAP is FA3's intra-warpgroup overlap, PINGPONG its inter-warpgroup schedule.
-// fa3_fwd_sm90_fp8 is the same skeleton with the FP8 mainloop (mainloop_fwd_sm90_fp8.cuh): e4m3 inputs, the
-// output in OutT (bfloat16 or float16), the plain policy only.
+// fa3_fwd_sm90_fp8 is the same skeleton with the FP8 mainloop (mainloop_fwd_sm90_fp8.cuh, on the same pipeline):
+// e4m3 inputs, the output in OutT (bfloat16 or float16), the plain policy only.
 #include "fwd.cuh"
-#include "mainloop_fwd_sm90_fp8.cuh"
 #include "mainloop_fwd_sm90_ws.cuh"
+#include "mainloop_fwd_sm90_fp8.cuh"
 
 namespace rf {
 

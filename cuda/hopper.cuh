@@ -27,6 +27,7 @@ __device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
 template <typename T, int ROWS, int COLS> struct Sw128 {
   static_assert(sizeof(T) == 2, "wgmma tiles hold float16 / bfloat16");
   static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "whole 64-column panels of whole 8-row swizzle atoms");
+  static constexpr int PANEL_COLS = 64, PANELS = COLS / 64;
   static constexpr int PANEL_BYTES = ROWS * 128;
   static constexpr int BYTES = ROWS * COLS * 2;
   u32 base;  // shared-memory address, 1024-byte aligned (the swizzle repeats every 8 rows of 128 bytes)
@@ -54,6 +55,7 @@ template <typename T, int ROWS, int COLS> struct Sw128 {
 // 8-bit wgmma operands, so only desc_k; a k-step of 32 columns is +32 bytes inside a panel, as for 16-bit tiles.
 template <int ROWS, int COLS> struct Sw128x8 {
   static_assert(COLS % 128 == 0 && ROWS % 8 == 0, "whole 128-column panels of whole 8-row swizzle atoms");
+  static constexpr int PANEL_COLS = 128, PANELS = COLS / 128;
   static constexpr int PANEL_BYTES = ROWS * 128;
   static constexpr int BYTES = ROWS * COLS;
   u32 base;  // shared-memory address, 1024-byte aligned

@@ -1,7 +1,8 @@
-// mainloop_fwd_sm90_fp8: FlashAttention-3's forward mainloop (mainloop_fwd_sm90_ws.cuh) for FP8 e4m3 inputs on
-// sm_90a: the same producer / consumer warpgroups, rings, ping-pong and overlap, with the products on
-// wgmma.m64nNk32.e4m3 (twice the 16-bit rate). No Numba twin (the 16-bit FA3 form has none either); the
-// reference backend dequantises the inputs and is the judge.
+// mainloop_fwd_sm90_fp8: FlashAttention-3's forward mainloop for FP8 e4m3 inputs on sm_90a, with the products on
+// wgmma.m64nNk32.e4m3 (twice the 16-bit rate). The producer / consumer warpgroups, rings, ping-pong, overlap and
+// the walk over key blocks are mainloop_fwd_sm90_ws.cuh's Fa3FwdPipeline, which the 16-bit form shares; this
+// file holds only what FP8 does otherwise. No Numba twin (the 16-bit FA3 form has none either); the reference
+// backend dequantises the inputs and is the judge.
 //
 // What differs from the 16-bit mainloop:
 //   - tiles are bytes (Sw128x8: panels of 128 columns); the head_dim D is a multiple of 128, columns past the
@@ -23,11 +24,7 @@
 //     and it cancels at the end (rawflash/fp8.py's p_underflow measures what each choice loses);
 //   - descales: q_descale * k_descale of the (batch, kv head) multiply the softmax scale, v_descale the output.
 #pragma once
-#include "epilogue.cuh"
-#include "hopper.cuh"
-#include "policy.cuh"
-#include "softmax.cuh"
-#include "tma.cuh"
+#include "mainloop_fwd_sm90_ws.cuh"
 
 namespace rf {
 
@@ -54,231 +51,58 @@ __device__ __forceinline__ void to_a_operand_e4m3(u32 (&pa)[NT / 4][4], const Ac
   }
 }
 
+// Registers after the hand-over: FA3's split for two consumer warpgroups (24 / 240): at d = 256 O (128), S (64)
+// and P (32) need the 240.
 template <typename OutT, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_>
-struct MainloopFwdSm90Fp8 {
-  using T = OutT;  // what the softmax's exp2 and the epilogue's stores are instantiated for
-  using Pol = Pol_;
-  static constexpr int BR = BR_, NC = BR_ / 64, NTHREADS = (NC + 1) * 128, NT = BC / 8, NO = D / 8;
-  static constexpr int ALIGN = 1024, Q_BYTES = BR_ * D, KV_BYTES = BC * D;
-  static constexpr int BARRIERS = 2 + 4 * STAGES;
-  static constexpr int SMEM_BYTES = ALIGN + Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS;
-  // FA3's split for two consumer warpgroups (24 / 240): at d = 256 O (128), S (64) and P (32) need the 240.
-  static constexpr int PRODUCER_REGS = NC == 2 ? 24 : 32, CONSUMER_REGS = NC == 2 ? 240 : 160;
-  static constexpr float P_LOG2 = 8.f;  // P in [0, 256] before its cast (e4m3's largest finite value is 448)
-  static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
+struct MainloopFwdSm90Fp8
+    : Fa3FwdPipeline<MainloopFwdSm90Fp8<OutT, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_>, OutT, Sw128x8<BR_, D>,
+                     Sw128x8<BC, D>, Sw128x8<D, BC>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
+                     BR_ / 64 == 2 ? 24 : 32, BR_ / 64 == 2 ? 240 : 160> {
+  using Base = typename MainloopFwdSm90Fp8::Fa3FwdPipeline;
+  using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;
   static_assert(BC % 128 == 0 && BC <= 256 && D % 128 == 0 && D <= 256, "whole 128-byte panels; wgmma N <= 256");
   static_assert(!Pol_::GENERAL, "the FP8 form runs the plain policy (its scale folded with the descales)");
-  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NC <= 65536, "the register file");
+  static constexpr bool PACKED = false;  // fixed lengths only: the copies read batch b
+  static constexpr float P_LOG2 = 8.f;  // P in [0, 256] before its cast (e4m3's largest finite value is 448)
+  using PA = u32[BC / 32][4];  // P's A fragments, one per 32 keys
 
-  struct State {
-    Acc<1, NO> o;
-    OnlineSoftmax<2> sm;
-  };
-  struct Pipes {
-    PipeState<1> q;
-    PipeState<STAGES> kv;
-  };
-  // Shared memory: Q_i (BR x D), STAGES stages of K_j (BC x D) and of V_j^T (D x BC), the mbarriers.
-  struct Smem {
-    u32 base;
-    __device__ __forceinline__ explicit Smem(char* smem)
-        : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {}
-    __device__ __forceinline__ Sw128x8<BR_, D> q() const { return {base}; }
-    __device__ __forceinline__ Sw128x8<BC, D> k(int s) const { return {base + Q_BYTES + s * KV_BYTES}; }
-    __device__ __forceinline__ Sw128x8<D, BC> vt(int s) const {
-      return {base + Q_BYTES + (STAGES + s) * KV_BYTES};
-    }
-    __device__ __forceinline__ u32 bar(int i) const { return base + Q_BYTES + 2 * STAGES * KV_BYTES + 8 * i; }
-    __device__ __forceinline__ u32 q_full() const { return bar(0); }
-    __device__ __forceinline__ u32 q_empty() const { return bar(1); }
-    __device__ __forceinline__ u32 k_full(int s) const { return bar(2 + s); }
-    __device__ __forceinline__ u32 k_empty(int s) const { return bar(2 + STAGES + s); }
-    __device__ __forceinline__ u32 v_full(int s) const { return bar(2 + 2 * STAGES + s); }
-    __device__ __forceinline__ u32 v_empty(int s) const { return bar(2 + 3 * STAGES + s); }
-    __device__ __forceinline__ void init() const {
-      for (int i = 0; i < BARRIERS; ++i) {
-        const bool full = i == 0 || (i >= 2 && i < 2 + STAGES) || (i >= 2 + 2 * STAGES && i < 2 + 3 * STAGES);
-        mbar_init(bar(i), full ? 1 : NC * 128);
-      }
-      mbar_init_fence();
-    }
-  };
-
-  __device__ __forceinline__ static bool is_producer() { return warpgroup_id() == NC; }
-  __device__ __forceinline__ static int warp_row() { return 16 * warp_id(); }
-
-  // ---------------------------------------------------------------- producer
-  __device__ __forceinline__ static bool producer_start(const TmaFwd& tma) {
-    regs_release<PRODUCER_REGS>();
-    if (warp_id() != 4 * NC) return false;
-    if (lane_id() == 0) {
-      tma_prefetch_desc(tma.q);
-      tma_prefetch_desc(tma.k);
-      tma_prefetch_desc(tma.v);
-    }
-    return true;
+  // ---- [mainloop_fwd_sm90_fp8:load_vt] V_j^T: the workspace as (key, head_dim row, kv head, batch) ----
+  // Q and K maps are (column, row, head, batch) of the e4m3 tensors in boxes of 128 columns, as 16-bit ones; the
+  // V map describes the V^T workspace, boxes of 128 keys by D rows.
+  __device__ __forceinline__ static void load_v(const TmaFwd& tma, const Sw128x8<D, BC>& vt, u32 bar, int k0, int row,
+                                                int hk, int bk) {
+    tma_load_tile(tma.v, vt, bar, k0, 0, hk, bk);
   }
-  // Q and K maps: (column, row, head, batch) of the e4m3 tensors, boxes of 128 columns; the V map describes the
-  // V^T workspace as (key, head_dim row, kv head, batch), boxes of 128 keys by D rows.
-  __device__ __forceinline__ static void produce(const FwdParams& p, const TmaFwd& tma, const typename Pol::Info& bi,
-                                                 const Pol& pol, int q0, const Smem& sm, Pipes& pipes) {
-    const int nrows = min(BR, bi.seqlen_q - q0);
-    const BlockRange kv = pol.kv_blocks(q0, nrows, BC);
-    const int n = kv.n();
-    if (lane_id() != 0) return;
-    // ---- [mainloop_fwd_sm90_fp8:load_q] Q_i, once the consumers are done with the previous tile's ----
-    mbar_wait(sm.q_empty(), pipes.q.parity() ^ 1);
-    mbar_expect_tx(sm.q_full(), Q_BYTES);
-#pragma unroll
-    for (int c = 0; c < D; c += 128)
-      tma_load_4d(tma.q, sm.q().base + c / 128 * Sw128x8<BR_, D>::PANEL_BYTES, sm.q_full(), c, bi.q_row0 + q0, bi.h,
-                  bi.b);
-    pipes.q.advance();
-    // ---- [mainloop_fwd_sm90_fp8:load_kv] K_j, then V_j^T, into the next free stage ----
-#pragma unroll 1
-    for (int step = 0; step < n; ++step) {
-      const int s = pipes.kv.stage(), free = pipes.kv.parity() ^ 1, row = kv.block(step) * BC;
-      mbar_wait(sm.k_empty(s), free);
-      mbar_expect_tx(sm.k_full(s), KV_BYTES);
-#pragma unroll
-      for (int c = 0; c < D; c += 128)
-        tma_load_4d(tma.k, sm.k(s).base + c / 128 * Sw128x8<BC, D>::PANEL_BYTES, sm.k_full(s), c, bi.k_row0 + row,
-                    bi.hk, bi.b);
-      mbar_wait(sm.v_empty(s), free);
-      mbar_expect_tx(sm.v_full(s), KV_BYTES);
-#pragma unroll
-      for (int c = 0; c < BC; c += 128)
-        tma_load_4d(tma.v, sm.vt(s).base + c / 128 * Sw128x8<D, BC>::PANEL_BYTES, sm.v_full(s), row + c, 0, bi.hk,
-                    bi.b);
-      pipes.kv.advance();
-    }
-  }
-
-  // ---------------------------------------------------------------- consumers
-  __device__ __forceinline__ static void turn_wait() {
-    if (PINGPONG) named_sync(1 + warpgroup_id(), 256);
-  }
-  __device__ __forceinline__ static void turn_pass() {
-    if (PINGPONG) named_arrive(1 + (warpgroup_id() + 1) % NC, 256);
-  }
-  __device__ __forceinline__ static void consumer_start() {
-    regs_claim<CONSUMER_REGS>();
-    if (PINGPONG && warpgroup_id() == NC - 1) named_arrive(1, 256);
-  }
-  __device__ __forceinline__ static void consumer_finish() {
-    if (PINGPONG && warpgroup_id() == 0) named_sync(1, 256);
-  }
-  // The descale of (batch, kv head) of one of q / k / v: per tensor (strides 0) or per (batch, kv head).
-  __device__ __forceinline__ static float descale(const FwdParams& p, const float* x, const typename Pol::Info& bi) {
-    return x ? x[bi.b * p.descale_sb + bi.hk * p.descale_sh] : 1.f;
-  }
-
-  // S = Q_i K^T over D / 32 k-steps; O += P V^T over BC / 32 k-steps.
+  // ---- [mainloop_fwd_sm90_fp8:products] S = Q_i K^T over D / 32 k-steps; O += P V^T over BC / 32 k-steps ----
   template <class SQ, class SK>
-  __device__ __forceinline__ static void gemm_qk(Acc<1, NT>& s, const SQ& sq, int r0, const SK& sk) {
+  __device__ __forceinline__ static void gemm_qk(Acc<1, BC / 8>& s, const SQ& sq, int r0, const SK& sk) {
 #pragma unroll
     for (int k = 0; k < D; k += 32) WgmmaE4m3<BC>::ss(s.v[0], sq.desc_k(r0, k), sk.desc_k(0, k), k > 0 ? 1 : 0);
   }
-  template <class SV>
-  __device__ __forceinline__ static void gemm_pv(Acc<1, NO>& o, const u32 (&pa)[NT / 4][4], const SV& svt) {
+  template <class SV> __device__ __forceinline__ static void gemm_pv(Acc<1, D / 8>& o, const PA& pa, const SV& svt) {
 #pragma unroll
-    for (int kk = 0; kk < NT / 4; ++kk) WgmmaE4m3<D>::rs(o.v[0], pa[kk], svt.desc_k(0, 32 * kk), 1);
+    for (int kk = 0; kk < BC / 32; ++kk) WgmmaE4m3<D>::rs(o.v[0], pa[kk], svt.desc_k(0, 32 * kk), 1);
   }
+  __device__ __forceinline__ static void pack_p(PA& pa, const Acc<1, BC / 8>& s) { to_a_operand_e4m3(pa, s); }
 
-  __device__ __forceinline__ static void consume(const FwdParams& p, const typename Pol::Info& bi, const Pol& pol_in,
-                                                 int q0, const Smem& sm, Pipes& pipes, State& st) {
-    Pol pol = pol_in;
+  // ---- [mainloop_fwd_sm90_fp8:descales] folded into the softmax scale (q, k) and O's factor (v) ----
+  // The descale of (batch, kv head) of one of q / k / v: per tensor (strides 0) or per (batch, kv head).
+  __device__ __forceinline__ static float descale(const FwdParams& p, const float* x, const Info& bi) {
+    return x ? x[bi.b * p.descale_sb + bi.hk * p.descale_sh] : 1.f;
+  }
+  __device__ __forceinline__ static void consume(const FwdParams& p, const Info& bi, const Pol_& pol_in, int q0,
+                                                 const Smem& sm, Pipes& pipes, State& st) {
+    Pol_ pol = pol_in;
     pol.scale_log2 *= descale(p, p.q_descale, bi) * descale(p, p.k_descale, bi);  // S = descales x (Q8 K8^T)
-    const int nrows = min(BR, bi.seqlen_q - q0), wg_row = 64 * warpgroup_id(), wq = warp_row();
-    const BlockRange kv = pol.kv_blocks(q0, nrows, BC);
-    const int n = kv.n();
-    const auto sQ = sm.q();
-    // ---- [mainloop_fwd_sm90_fp8:init] Alg.1 l.5: O = 0, l = 0, m = -inf; Q_i has landed ----
-    Acc<1, NT> s;
-    u32 pa[NT / 4][4];
-    float fo[2];
-    zero(st.o);
-    st.sm.init();
-    auto softmax = [&](int step) {
-      const int k0 = kv.block(step) * BC;
-      if (kv.is_edge(step)) pol.mask(s, q0 + wq, k0);
-      st.sm.template update<T>(s, pol.template softmax_scale<T>(), fo, P_LOG2);
-    };
-    mbar_wait(sm.q_full(), pipes.q.parity());
-    pipes.q.advance();
-    if (n > 0) {
-      // ---- [mainloop_fwd_sm90_fp8:first_scores] S_0 = Q_i K_0^T and its softmax ----
-      const int s0 = pipes.kv.stage();
-      mbar_wait(sm.k_full(s0), pipes.kv.parity());
-      turn_wait();
-      wgmma_fence();
-      gemm_qk(s, sQ, wg_row, sm.k(s0));
-      wgmma_commit();
-      turn_pass();
-      wgmma_wait<0>();
-      mbar_arrive(sm.k_empty(s0));
-      softmax(0);
-      to_a_operand_e4m3(pa, s);
-    }
-    int prev = pipes.kv.stage(), prev_parity = pipes.kv.parity();
-    if (n > 0) pipes.kv.advance();
-#pragma unroll 1
-    for (int j = 1; j < n; ++j) {
-      // ---- [mainloop_fwd_sm90_fp8:issue] S_j = Q_i K_j^T and O += P_{j-1} V_{j-1} ----
-      const int sj = pipes.kv.stage();
-      mbar_wait(sm.k_full(sj), pipes.kv.parity());
-      mbar_wait(sm.v_full(prev), prev_parity);
-      turn_wait();
-      fence_operand(st.o);
-      wgmma_fence();
-      if (OVERLAP) {
-        gemm_qk(s, sQ, wg_row, sm.k(sj));
-        wgmma_commit();
-      }
-      gemm_pv(st.o, pa, sm.vt(prev));
-      wgmma_commit();
-      if (!OVERLAP) {
-        gemm_qk(s, sQ, wg_row, sm.k(sj));
-        wgmma_commit();
-      }
-      turn_pass();
-      // ---- [mainloop_fwd_sm90_fp8:softmax] Alg.1 l.9 for block j while P_{j-1} V_{j-1} runs, then the rescale ----
-      if (OVERLAP) wgmma_wait<1>();
-      else wgmma_wait<0>();
-      fence_operand(s);
-      mbar_arrive(sm.k_empty(sj));
-      softmax(j);
-      wgmma_wait<0>();
-      fence_operand(st.o);
-      mbar_arrive(sm.v_empty(prev));
-      scale_rows(st.o, fo);
-      to_a_operand_e4m3(pa, s);
-      prev = sj;
-      prev_parity = pipes.kv.parity();
-      pipes.kv.advance();
-    }
-    mbar_arrive(sm.q_empty());
-    if (n > 0) {
-      // ---- [mainloop_fwd_sm90_fp8:last_pv] the last key block: O += P V alone ----
-      mbar_wait(sm.v_full(prev), prev_parity);
-      turn_wait();
-      fence_operand(st.o);
-      wgmma_fence();
-      gemm_pv(st.o, pa, sm.vt(prev));
-      wgmma_commit();
-      turn_pass();
-      wgmma_wait<0>();
-      fence_operand(st.o);
-      mbar_arrive(sm.v_empty(prev));
-    }
+    Base::walk(bi, pol, q0, sm, pipes, st);
     // l carries P's 2^P_LOG2 (so does O): take it out of l here, out of O in store (an exact power of two).
     st.sm.l[0] *= exp2f(-P_LOG2);
     st.sm.l[1] *= exp2f(-P_LOG2);
   }
-
-  __device__ __forceinline__ static void store(const FwdParams& p, const typename Pol::Info& bi, const Pol& pol,
-                                               int q0, const State& st) {
-    epilogue_fwd<T, false>(p, bi, pol, st.o, st.sm, q0 + warp_row(), descale(p, p.v_descale, bi) * exp2f(-P_LOG2));
+  __device__ __forceinline__ static void store(const FwdParams& p, const Info& bi, const Pol_& pol, int q0,
+                                               const State& st) {
+    epilogue_fwd<OutT, false>(p, bi, pol, st.o, st.sm, q0 + Base::warp_row(),
+                              descale(p, p.v_descale, bi) * exp2f(-P_LOG2));
   }
 };
 

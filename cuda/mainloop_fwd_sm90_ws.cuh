@@ -1,6 +1,7 @@
 // mainloop_fwd_sm90_ws: FlashAttention-3's forward mainloop (Shah et al. 2024, Alg.1 with warp specialisation)
-// for float16 / bfloat16 on sm_90a. No Numba twin: TMA, mbarriers and warp specialisation have no counterpart
-// there; the twin of mainloop_fwd_sm80 computes the same results.
+// on sm_90a: the pipeline every FA3 forward shares (Fa3FwdPipeline) and its 16-bit form for float16 / bfloat16
+// (MainloopFwdSm90Ws); mainloop_fwd_sm90_fp8.cuh is its FP8 form. No Numba twin: TMA, mbarriers and warp
+// specialisation have no counterpart there; the twin of mainloop_fwd_sm80 computes the same results.
 //
 // A CTA has NC = BR / 64 consumer warpgroups and one producer warpgroup (the last one):
 //   - the producer's first warp issues TMA copies (tma.cuh): Q_i once per tile, then K_j and V_j of every
@@ -24,19 +25,29 @@
 
 namespace rf {
 
-template <typename T_, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_>
-struct MainloopFwdSm90Ws {
-  using T = T_;
+// The FA3 forward pipeline: rings, roles, ping-pong turns and the walk over key blocks, for any element type.
+// The mainloop that derives from it (CRTP: Derived) says what depends on the element type:
+//   - TQ, TK, TV: the shared-memory tiles of Q_i, K_j and V_j (TV may hold V_j^T); their BYTES size the rings;
+//   - PACKED: whether packed sequences reach it (their copies read "batch" 0 from the sequence's first row);
+//   - load_v(tma, tile, bar, k0, row, hk, bk): the copy of V_j, keys k0.. of the sequence at rows row.. of the
+//     tensor (V is addressed by rows, V^T by keys);
+//   - gemm_qk(s, sq, r0, sk): S = Q K^T; gemm_pv(o, pa, sv): O += P V; pack_p(pa, s): S's registers -> P's
+//     A fragments of type PA; P_LOG2: the power of two P is scaled by before its cast (0: none);
+//   - consume (walk plus what surrounds it) and store (the epilogue).
+// PRODUCER_REGS / CONSUMER_REGS: registers per thread after the hand-over (launch bounds give every thread
+// 65536 / NTHREADS rounded down to 8 before it).
+template <class Derived, typename T_, class TQ, class TK, class TV, int D, int BR_, int BC, int STAGES, bool OVERLAP,
+          bool PINGPONG, class Pol_, int PRODUCER_REGS, int CONSUMER_REGS>
+struct Fa3FwdPipeline {
+  using T = T_;  // what the softmax's exp2 and the epilogue's stores are instantiated for
   using Pol = Pol_;
+  using Info = typename Pol_::Info;
   static constexpr int BR = BR_, NC = BR_ / 64, NTHREADS = (NC + 1) * 128, NT = BC / 8, NO = D / 8;
-  static constexpr int ALIGN = 1024, Q_BYTES = BR_ * D * 2, KV_BYTES = BC * D * 2;
+  static constexpr int ALIGN = 1024, Q_BYTES = TQ::BYTES, KV_BYTES = TK::BYTES;
   static constexpr int BARRIERS = 2 + 4 * STAGES;  // Q full / empty; K full / empty and V full / empty per stage
   static constexpr int SMEM_BYTES = ALIGN + Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS;
-  // Registers per thread after the hand-over: the producer keeps what its loop needs, the consumers the rest
-  // of the 64K (launch bounds give every thread 65536 / NTHREADS rounded down to 8 before it).
-  static constexpr int PRODUCER_REGS = NC == 2 ? 40 : 32, CONSUMER_REGS = NC == 2 ? 232 : 160;
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
-  static_assert(BC % 16 == 0 && BC <= 256 && D % 64 == 0, "a wgmma N of at most 256; panels of 64 columns");
+  static_assert(TV::BYTES == KV_BYTES, "a stage holds K_j and V_j in halves of one size");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NC <= 65536, "the register file");
 
   struct State {
@@ -53,11 +64,9 @@ struct MainloopFwdSm90Ws {
     u32 base;
     __device__ __forceinline__ explicit Smem(char* smem)
         : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {}
-    __device__ __forceinline__ Sw128<T, BR_, D> q() const { return {base}; }
-    __device__ __forceinline__ Sw128<T, BC, D> k(int s) const { return {base + Q_BYTES + s * KV_BYTES}; }
-    __device__ __forceinline__ Sw128<T, BC, D> v(int s) const {
-      return {base + Q_BYTES + (STAGES + s) * KV_BYTES};
-    }
+    __device__ __forceinline__ TQ q() const { return {base}; }
+    __device__ __forceinline__ TK k(int s) const { return {base + Q_BYTES + s * KV_BYTES}; }
+    __device__ __forceinline__ TV v(int s) const { return {base + Q_BYTES + (STAGES + s) * KV_BYTES}; }
     __device__ __forceinline__ u32 bar(int i) const { return base + Q_BYTES + 2 * STAGES * KV_BYTES + 8 * i; }
     __device__ __forceinline__ u32 q_full() const { return bar(0); }
     __device__ __forceinline__ u32 q_empty() const { return bar(1); }
@@ -92,33 +101,28 @@ struct MainloopFwdSm90Ws {
   }
   // The copies of one tile. Coordinates are (column, row, head, batch); packed sequences are one "batch" whose
   // rows start at the sequence's first row.
-  __device__ __forceinline__ static void produce(const FwdParams& p, const TmaFwd& tma, const typename Pol::Info& bi,
-                                                 const Pol& pol, int q0, const Smem& sm, Pipes& pipes) {
+  __device__ __forceinline__ static void produce(const FwdParams& p, const TmaFwd& tma, const Info& bi, const Pol& pol,
+                                                 int q0, const Smem& sm, Pipes& pipes) {
     const int nrows = min(BR, bi.seqlen_q - q0);
     const BlockRange kv = pol.kv_blocks(q0, nrows, BC);
-    const int n = kv.n(), bq = p.cu_seqlens_q ? 0 : bi.b, bk = p.cu_seqlens_k ? 0 : bi.b;
+    const int n = kv.n(), bq = Derived::PACKED && p.cu_seqlens_q ? 0 : bi.b,
+              bk = Derived::PACKED && p.cu_seqlens_k ? 0 : bi.b;
     if (lane_id() != 0) return;
     // ---- [mainloop_fwd_sm90_ws:load_q] Q_i, once the consumers are done with the previous tile's ----
     mbar_wait(sm.q_empty(), pipes.q.parity() ^ 1);
     mbar_expect_tx(sm.q_full(), Q_BYTES);
-#pragma unroll
-    for (int c = 0; c < D; c += 64)
-      tma_load_4d(tma.q, sm.q().base + c / 64 * Sw128<T, BR_, D>::PANEL_BYTES, sm.q_full(), c, bi.q_row0 + q0, bi.h, bq);
+    tma_load_tile(tma.q, sm.q(), sm.q_full(), 0, bi.q_row0 + q0, bi.h, bq);
     pipes.q.advance();
     // ---- [mainloop_fwd_sm90_ws:load_kv] K_j, then V_j, into the next free stage ----
 #pragma unroll 1
     for (int step = 0; step < n; ++step) {
-      const int s = pipes.kv.stage(), free = pipes.kv.parity() ^ 1, row = bi.k_row0 + kv.block(step) * BC;
+      const int s = pipes.kv.stage(), free = pipes.kv.parity() ^ 1, k0 = kv.block(step) * BC, row = bi.k_row0 + k0;
       mbar_wait(sm.k_empty(s), free);
       mbar_expect_tx(sm.k_full(s), KV_BYTES);
-#pragma unroll
-      for (int c = 0; c < D; c += 64)
-        tma_load_4d(tma.k, sm.k(s).base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.k_full(s), c, row, bi.hk, bk);
+      tma_load_tile(tma.k, sm.k(s), sm.k_full(s), 0, row, bi.hk, bk);
       mbar_wait(sm.v_empty(s), free);
       mbar_expect_tx(sm.v_full(s), KV_BYTES);
-#pragma unroll
-      for (int c = 0; c < D; c += 64)
-        tma_load_4d(tma.v, sm.v(s).base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.v_full(s), c, row, bi.hk, bk);
+      Derived::load_v(tma, sm.v(s), sm.v_full(s), k0, row, bi.hk, bk);
       pipes.kv.advance();
     }
   }
@@ -140,15 +144,16 @@ struct MainloopFwdSm90Ws {
     if (PINGPONG && warpgroup_id() == 0) named_sync(1, 256);                 // the last turn passed to it
   }
 
-  __device__ __forceinline__ static void consume(const FwdParams& p, const typename Pol::Info& bi, const Pol& pol,
-                                                 int q0, const Smem& sm, Pipes& pipes, State& st) {
+  // Alg.1 l.5-11 for one tile: every visible key block through the ring, O and the softmax state left in st.
+  __device__ __forceinline__ static void walk(const Info& bi, const Pol& pol, int q0, const Smem& sm, Pipes& pipes,
+                                              State& st) {
     const int nrows = min(BR, bi.seqlen_q - q0), wg_row = 64 * warpgroup_id(), wq = warp_row();
     const BlockRange kv = pol.kv_blocks(q0, nrows, BC);
     const int n = kv.n();
     const auto sQ = sm.q();
     // ---- [mainloop_fwd_sm90_ws:init] Alg.1 l.5: O = 0, l = 0, m = -inf; Q_i has landed ----
     Acc<1, NT> s;
-    u32 pa[NT / 2][4];
+    typename Derived::PA pa;
     float fo[2];
     zero(st.o);
     st.sm.init();
@@ -156,7 +161,7 @@ struct MainloopFwdSm90Ws {
       const int k0 = kv.block(step) * BC;
       pol.template transform<T>(s, q0 + wq, k0);
       if (kv.is_edge(step)) pol.mask(s, q0 + wq, k0);
-      st.sm.template update<T>(s, pol.template softmax_scale<T>(), fo);
+      st.sm.template update<T>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2);
     };
     mbar_wait(sm.q_full(), pipes.q.parity());
     pipes.q.advance();
@@ -166,13 +171,13 @@ struct MainloopFwdSm90Ws {
       mbar_wait(sm.k_full(s0), pipes.kv.parity());
       turn_wait();
       wgmma_fence();
-      wg_gemm_abt(s, sQ, wg_row, sm.k(s0), 0, false);
+      Derived::gemm_qk(s, sQ, wg_row, sm.k(s0));
       wgmma_commit();
       turn_pass();
       wgmma_wait<0>();
       mbar_arrive(sm.k_empty(s0));
       softmax(0);
-      to_a_operand<T>(pa, s);
+      Derived::pack_p(pa, s);
     }
     int prev = pipes.kv.stage(), prev_parity = pipes.kv.parity();           // the stage of block j - 1
     if (n > 0) pipes.kv.advance();
@@ -186,13 +191,13 @@ struct MainloopFwdSm90Ws {
       fence_operand(st.o);
       wgmma_fence();
       if (OVERLAP) {
-        wg_gemm_abt(s, sQ, wg_row, sm.k(sj), 0, false);
+        Derived::gemm_qk(s, sQ, wg_row, sm.k(sj));
         wgmma_commit();
       }
-      wg_gemm_rb(st.o, pa, sm.v(prev), 0, 0);
+      Derived::gemm_pv(st.o, pa, sm.v(prev));
       wgmma_commit();
       if (!OVERLAP) {
-        wg_gemm_abt(s, sQ, wg_row, sm.k(sj), 0, false);
+        Derived::gemm_qk(s, sQ, wg_row, sm.k(sj));
         wgmma_commit();
       }
       turn_pass();
@@ -206,7 +211,7 @@ struct MainloopFwdSm90Ws {
       fence_operand(st.o);
       mbar_arrive(sm.v_empty(prev));
       scale_rows(st.o, fo);                                                  // Alg.1 l.10: diag(e^(m_old - m_new)) O
-      to_a_operand<T>(pa, s);
+      Derived::pack_p(pa, s);
       prev = sj;
       prev_parity = pipes.kv.parity();
       pipes.kv.advance();
@@ -219,7 +224,7 @@ struct MainloopFwdSm90Ws {
       turn_wait();
       fence_operand(st.o);
       wgmma_fence();
-      wg_gemm_rb(st.o, pa, sm.v(prev), 0, 0);
+      Derived::gemm_pv(st.o, pa, sm.v(prev));
       wgmma_commit();
       turn_pass();
       wgmma_wait<0>();
@@ -227,10 +232,44 @@ struct MainloopFwdSm90Ws {
       mbar_arrive(sm.v_empty(prev));
     }
   }
+};
 
-  __device__ __forceinline__ static void store(const FwdParams& p, const typename Pol::Info& bi, const Pol& pol,
-                                               int q0, const State& st) {
-    epilogue_fwd<T, false>(p, bi, pol, st.o, st.sm, q0 + warp_row());
+// ---------------------------------------------------------------- the 16-bit form
+// Tiles of 64-column panels (Sw128); V_j is read MN-major as it lies, so O += P V needs no transpose; P goes
+// into the A operand as pairs of 16-bit values (to_a_operand). Registers after the hand-over: the producer keeps
+// what its loop needs, the consumers the rest of the 64K.
+template <typename T_, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_>
+struct MainloopFwdSm90Ws
+    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_>, T_, Sw128<T_, BR_, D>,
+                     Sw128<T_, BC, D>, Sw128<T_, BC, D>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
+                     BR_ / 64 == 2 ? 40 : 32, BR_ / 64 == 2 ? 232 : 160> {
+  using Base = typename MainloopFwdSm90Ws::Fa3FwdPipeline;
+  using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;
+  static_assert(BC % 16 == 0 && BC <= 256 && D % 64 == 0, "a wgmma N of at most 256; panels of 64 columns");
+  static constexpr bool PACKED = true;   // the general policy brings packed sequences
+  static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
+  using PA = u32[BC / 16][4];  // P's A fragments, one per 16 keys
+
+  __device__ __forceinline__ static void load_v(const TmaFwd& tma, const Sw128<T_, BC, D>& v, u32 bar, int k0, int row,
+                                                int hk, int bk) {
+    tma_load_tile(tma.v, v, bar, 0, row, hk, bk);
+  }
+  template <class SQ, class SK>
+  __device__ __forceinline__ static void gemm_qk(Acc<1, BC / 8>& s, const SQ& sq, int r0, const SK& sk) {
+    wg_gemm_abt(s, sq, r0, sk, 0, false);
+  }
+  template <class SV> __device__ __forceinline__ static void gemm_pv(Acc<1, D / 8>& o, const PA& pa, const SV& sv) {
+    wg_gemm_rb(o, pa, sv, 0, 0);
+  }
+  __device__ __forceinline__ static void pack_p(PA& pa, const Acc<1, BC / 8>& s) { to_a_operand<T_>(pa, s); }
+
+  __device__ __forceinline__ static void consume(const FwdParams& p, const Info& bi, const Pol_& pol, int q0,
+                                                 const Smem& sm, Pipes& pipes, State& st) {
+    Base::walk(bi, pol, q0, sm, pipes, st);
+  }
+  __device__ __forceinline__ static void store(const FwdParams& p, const Info& bi, const Pol_& pol, int q0,
+                                               const State& st) {
+    epilogue_fwd<T_, false>(p, bi, pol, st.o, st.sm, q0 + Base::warp_row());
   }
 };
 

@@ -193,14 +193,14 @@ def smem_fa2_fwd_sm90(cfg: TileConfig, d: int) -> int:
 
 
 def smem_fa3_fwd_sm90(cfg: TileConfig, d: int) -> int:
-    """mainloop_fwd_sm90_ws.cuh SMEM_BYTES: 1024 B of alignment slack, Q_i, `stages` stages each of K_j and V_j
-    (16-bit), and 2 + 4 stages mbarriers of 8 B."""
+    """mainloop_fwd_sm90_ws.cuh Fa3FwdPipeline::SMEM_BYTES: 1024 B of alignment slack, Q_i, `stages` stages each of
+    K_j and V_j (16-bit), and 2 + 4 stages mbarriers of 8 B."""
     return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d * 2 + 8 * (2 + 4 * cfg.stages)
 
 
 def smem_fa3_fwd_sm90_fp8(cfg: TileConfig, d: int) -> int:
-    """mainloop_fwd_sm90_fp8.cuh SMEM_BYTES: the same as FA3's 16-bit forward with 1-byte elements (Q_i, `stages`
-    stages of K_j and V_j^T)."""
+    """Fa3FwdPipeline::SMEM_BYTES of mainloop_fwd_sm90_fp8.cuh: the same as FA3's 16-bit forward with 1-byte
+    elements (Q_i, `stages` stages of K_j and V_j^T)."""
     return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d + 8 * (2 + 4 * cfg.stages)
 
 
