@@ -1,7 +1,7 @@
 // fa3_bwd_sm90: the backward skeleton of bwd.cuh split by warpgroup role (FA3's warp specialisation) with
 // mainloop_bwd_sm90_ws.cuh: a producer warpgroup copies (TMA), two consumer warpgroups of 64 keys each compute
-// (wgmma, 16-bit, sm_90a, dQ by TMA reduce-add; DETERMINISTIC: in a fixed order per query block, by the producer
-// warpgroup's second warp). fa2_bwd_preprocess runs before it and fa2_bwd_convert_dq after it.
+// (wgmma, 16-bit, sm_90a, dQ by TMA reduce-add; DETERMINISTIC: in a fixed order per query block, by two warps of
+// the producer warpgroup). fa2_bwd_preprocess runs before it and fa2_bwd_convert_dq after it.
 #include "mainloop_bwd_sm90_ws.cuh"
 
 namespace rf {

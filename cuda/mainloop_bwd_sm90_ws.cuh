@@ -13,11 +13,12 @@
 //
 // DET (deterministic=True): the key blocks of one (sequence, query head) add into each query block's dQ rows in a
 // fixed order (FlashAttention-3's ordered dQ accumulation), so float32's non-associative sums come out bitwise the
-// same every run. The consumers leave the reduce-add to the producer warpgroup's second warp, the dQ writer
-// (write_dq): per step it takes both warpgroups' slices (named barriers DQ_FULL / DQ_EMPTY per warpgroup and
-// buffer), waits until the query block's int32 semaphore (p.dq_semaphore, zeroed before the launch) equals this
+// same every run. The consumers leave the reduce-add to two warps of the producer warpgroup, the dQ writers
+// (write_dq), one per dQ buffer (even and odd steps): per step a writer takes both warpgroups' slices (named
+// barriers DQ_FULL / DQ_EMPTY per warpgroup and buffer), waits until the query block's int32 semaphore (p.dq_semaphore, zeroed before the launch) equals this
 // key block's rank (Policy::dq_rank), adds, waits for the additions to be complete in global memory and stores
-// rank + 1. The waiting is the writer's alone: the consumers run up to two steps ahead of it (the double buffer).
+// rank + 1. The waiting is the writers' alone: the consumers run up to two steps ahead (the double buffer), and
+// with a writer per buffer one step's wait for its additions to land overlaps the next step's.
 // Each head walks its query blocks in ascending order (QIterAscending) and, under a mask bounded on the right,
 // the key tiles are dispatched last-first (KTileScheduler's reverse): the rank order is then the order in which
 // the key blocks reach a query block, and a CTA waits only on CTAs dispatched before it.
@@ -106,7 +107,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   __device__ __forceinline__ static int key_row() { return 64 * warpgroup_id() + 16 * warp_in_group(); }
 
   // ---------------------------------------------------------------- producer
-  __device__ __forceinline__ static bool is_dq_writer() { return DET && warp_id() == 4 * NWG + 1; }
+  // DET: warps 1 and 2 of the producer warpgroup write dQ, of the even and the odd steps (dQ buffer 0 and 1)
+  __device__ __forceinline__ static bool is_dq_writer() { return DET && (warp_id() == 4 * NWG + 1 || warp_id() == 4 * NWG + 2); }
   __device__ __forceinline__ static bool producer_start(const TmaBwd& tma) {
     regs_release<PRODUCER_REGS>();
     if (warp_id() != 4 * NWG) return false;
@@ -179,14 +181,14 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // its own semaphores, so the groups never wait on one another.
   __device__ __forceinline__ static void write_dq(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
                                                   const Pol& pol, int k0, const Walk& walk, const Smem& sm) {
-    const int j = k0 / BC_;
+    const int j = k0 / BC_, buf = warp_id() - (4 * NWG + 1);  // this writer's dQ buffer: steps buf, buf + 2, ...
     typename Pol::Info bh = bi;
-    for (int it = 0; it < min(2, walk.total); ++it)  // both dQ buffers start empty
+    if (buf < walk.total)  // the buffer starts empty
 #pragma unroll
-      for (int w = 0; w < NWG; ++w) named_arrive(DQ_EMPTY + 2 * w + it, DQ_PAIR);
+      for (int w = 0; w < NWG; ++w) named_arrive(DQ_EMPTY + 2 * w + buf, DQ_PAIR);
 #pragma unroll 1
-    for (int it = 0; it < walk.total; ++it) {
-      const int q0 = walk.block(it) * BR_, buf = it & 1;
+    for (int it = buf; it < walk.total; it += 2) {
+      const int q0 = walk.block(it) * BR_;
       bh.set_head(p, walk.head(it));
       int* sem = semaphore(p, bh, q0);
       const int rank = pol.dq_rank(q0, BR_, BC_, j);
