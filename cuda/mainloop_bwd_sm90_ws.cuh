@@ -54,9 +54,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   static constexpr int DQ_FULL = 4, DQ_EMPTY = 4 + 2 * NWG, DQ_PAIR = 128 + 32;
   static_assert(DQ_EMPTY + 2 * NWG <= 16, "16 named barriers");
   // DET: a writer that spins this often has waited on a rank nobody will store (a broken invariant, not a slow
-  // neighbour: one read is ~1 us, 2^28 of them minutes, while a CTA waits at most for its predecessors' walks);
-  // it traps, so the launch fails with an error instead of hanging the GPU.
-  static constexpr long long SPIN_LIMIT = 1ll << 28;
+  // neighbour: a read takes about 0.5 us, so 2^26 of them take half a minute, while a CTA waits at most for its
+  // predecessors' walks of the same query block, milliseconds); it traps, so the launch fails with an error (an
+  // illegal instruction) instead of hanging the GPU.
+  static constexpr long long SPIN_LIMIT = 1ll << 26;
   static_assert(NWG == 2 && BR_ == 64 && D % 64 == 0 && DQN % 32 == 0, "2 x 64 keys; dQ_i is one 64-row wgmma");
   static_assert(DQN % 64 == 0 || 64 % DQN == 0, "column slices within panels");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= 65536, "the register file");
