@@ -31,6 +31,30 @@ struct QIter {
   }
 };
 
+// The same walk with each head's query blocks in ascending order, the edges where they fall: the deterministic
+// backward's order (the key blocks then reach a query block in the order of their ranks, Policy::dq_rank).
+struct QIterAscending : QIter {
+  using QIter::QIter;
+  __device__ __forceinline__ int block(int it) const { return qb.lo + it % n; }
+  __device__ __forceinline__ bool edge(int it) const {
+    const int i = block(it);
+    return i < qb.lo_full || i >= qb.hi_full;
+  }
+  template <int BR, class Pol>
+  __device__ __forceinline__ int enter(const BwdParams& p, int it, typename Pol::Info& bh, Pol& pol) const {
+    bh.set_head(p, head(it));
+    if constexpr (Pol::GENERAL) pol.set_head(p, bh);
+    return block(it) * BR;
+  }
+};
+
+template <bool ASCENDING> struct QWalk {
+  using type = QIter;
+};
+template <> struct QWalk<true> {
+  using type = QIterAscending;
+};
+
 // The verbs every backward mainloop shares (mma.sync and wgmma alike: load_tile and store_rows take either tile).
 // Alg.2 l.6-7: K_j, V_j of the key block at k0 into shared memory, one cp.async group.
 template <int NTHREADS, int BC, typename T, class Info, class KTile>

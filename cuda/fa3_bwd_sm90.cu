@@ -1,6 +1,7 @@
 // fa3_bwd_sm90: the backward skeleton of bwd.cuh split by warpgroup role (FA3's warp specialisation) with
 // mainloop_bwd_sm90_ws.cuh: a producer warpgroup copies (TMA), two consumer warpgroups of 64 keys each compute
-// (wgmma, 16-bit, sm_90a, atomic dQ). fa2_bwd_preprocess runs before it and fa2_bwd_convert_dq after it.
+// (wgmma, 16-bit, sm_90a, dQ by TMA reduce-add; DETERMINISTIC: in a fixed order per query block, by two warps of
+// the producer warpgroup). fa2_bwd_preprocess runs before it and fa2_bwd_convert_dq after it.
 #include "mainloop_bwd_sm90_ws.cuh"
 
 namespace rf {
@@ -15,16 +16,18 @@ template <class Mainloop> __device__ __forceinline__ void bwd_kernel_ws(const Bw
   if (threadIdx.x == 0) sm.init();
   __syncthreads();  // the last CTA-wide barrier
   KTileScheduler<Mainloop::BC, Pol::GENERAL> tile;
-  if (!tile.start(p)) return;
+  if (!tile.start(p, Mainloop::DET && Pol::bounded_right(p))) return;  // DET: see write_dq
   const int group = p.heads / p.kv_heads;
   typename Pol::Info bi(p, tile.b, tile.hk * group);
   const int k0 = tile.j * Mainloop::BC;
   if (k0 >= bi.seqlen_k) return;
   Pol pol(p, bi);
-  const QIter walk(pol.q_blocks(k0, Mainloop::BC, Mainloop::BR, cdiv(bi.seqlen_q, Mainloop::BR)), tile.hk, group);
+  const typename Mainloop::Walk walk(pol.q_blocks(k0, Mainloop::BC, Mainloop::BR, cdiv(bi.seqlen_q, Mainloop::BR)), tile.hk, group);
   if (Mainloop::is_producer()) {
     // ---- [fa3_bwd_sm90:producer] K_j, V_j, then Q_i, dO_i, L_i, D_i of every step ----
     if (Mainloop::producer_start(tma)) Mainloop::produce(p, tma, bi, k0, walk, sm);
+    // ---- [fa3_bwd_sm90:dq_writer] DETERMINISTIC: dQ_i of every step into the float32 rows, in rank order ----
+    else if (Mainloop::is_dq_writer()) Mainloop::write_dq(p, tma, bi, pol, k0, walk, sm);
     return;
   }
   // ---- [fa3_bwd_sm90:consumers] Alg.2 l.6-17: dK_j, dV_j over every (h, i), dQ_i on the way, then dK_j, dV_j out ----
@@ -36,11 +39,11 @@ template <class Mainloop> __device__ __forceinline__ void bwd_kernel_ws(const Bw
 
 }  // namespace rf
 
-template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, int SMEM_BYTES>
+template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, bool DETERMINISTIC, int SMEM_BYTES>
 __global__ void __launch_bounds__((BC / 64 + 1) * 128, 1)
     fa3_bwd_sm90(const __grid_constant__ rf::BwdParams p, const __grid_constant__ rf::TmaBwd tma) {
   using namespace rf;
-  using Mainloop = MainloopBwdSm90Ws<T, D, BR, BC, STAGES, Policy<MASK, GENERAL>>;
+  using Mainloop = MainloopBwdSm90Ws<T, D, BR, BC, STAGES, Policy<MASK, GENERAL>, DETERMINISTIC>;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
   bwd_kernel_ws<Mainloop>(p, tma);
 }

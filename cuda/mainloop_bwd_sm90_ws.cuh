@@ -10,6 +10,18 @@
 // written), double-buffered so the next step's dS^T cannot overwrite one still being read. Each warpgroup's slice
 // of dQ_i goes to shared memory (float32, double-buffered) and one thread adds it into the float32 dQ rows with a
 // TMA reduce-add, so the consumers issue no atomics of their own.
+//
+// DET (deterministic=True): the key blocks of one (sequence, query head) add into each query block's dQ rows in a
+// fixed order (FlashAttention-3's ordered dQ accumulation), so float32's non-associative sums come out bitwise the
+// same every run. The consumers leave the reduce-add to two warps of the producer warpgroup, the dQ writers
+// (write_dq), one per dQ buffer (even and odd steps): per step a writer takes both warpgroups' slices (named
+// barriers DQ_FULL / DQ_EMPTY per warpgroup and buffer), waits until the query block's int32 semaphore (p.dq_semaphore, zeroed before the launch) equals this
+// key block's rank (Policy::dq_rank), adds, waits for the additions to be complete in global memory and stores
+// rank + 1. The waiting is the writers' alone: the consumers run up to two steps ahead (the double buffer), and
+// with a writer per buffer one step's wait for its additions to land overlaps the next step's.
+// Each head walks its query blocks in ascending order (QIterAscending) and, under a mask bounded on the right,
+// the key tiles are dispatched last-first (KTileScheduler's reverse): the rank order is then the order in which
+// the key blocks reach a query block, and a CTA waits only on CTAs dispatched before it.
 #pragma once
 #include "mainloop_bwd_sm90.cuh"
 #include "tma.cuh"
@@ -22,9 +34,11 @@ struct TmaBwd {
   TmaDesc q, k, v, dout, dq;
 };
 
-template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct MainloopBwdSm90Ws {
+template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET_ = false> struct MainloopBwdSm90Ws {
   using T = T_;
   using Pol = Pol_;
+  static constexpr bool DET = DET_;
+  using Walk = typename QWalk<DET_>::type;
   static constexpr int BR = BR_, BC = BC_, NWG = BC_ / 64, NTHREADS = (NWG + 1) * 128, NQ = BR_ / 8, DQN = D / NWG;
   static constexpr int NO = D / 8;
   static constexpr int ALIGN = 1024, KV = BC_ * D * 2, QB = BR_ * D * 2, DS = BC_ * BR_ * 2, DQB = BR_ * DQN * 4;
@@ -35,6 +49,15 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
   static constexpr int DS_BARRIER = 1;  // named barrier of the consumer warpgroups: every dS^T is in shared memory
   static constexpr int DQ_BARRIER = 2;  // + w: warpgroup w's dQ_i slice is in shared memory
+  // DET: + 2 w + buffer, over warpgroup w and the dQ writer warp: the slice is in shared memory (full) / the
+  // writer's reduce-add has read it (empty).
+  static constexpr int DQ_FULL = 4, DQ_EMPTY = 4 + 2 * NWG, DQ_PAIR = 128 + 32;
+  static_assert(DQ_EMPTY + 2 * NWG <= 16, "16 named barriers");
+  // DET: a writer that spins this often has waited on a rank nobody will store (a broken invariant, not a slow
+  // neighbour: a read takes about 0.5 us, so 2^26 of them take half a minute, while a CTA waits at most for its
+  // predecessors' walks of the same query block, milliseconds); it traps, so the launch fails with an error (an
+  // illegal instruction) instead of hanging the GPU.
+  static constexpr long long SPIN_LIMIT = 1ll << 26;
   static_assert(NWG == 2 && BR_ == 64 && D % 64 == 0 && DQN % 32 == 0, "2 x 64 keys; dQ_i is one 64-row wgmma");
   static_assert(DQN % 64 == 0 || 64 % DQN == 0, "column slices within panels");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= 65536, "the register file");
@@ -85,6 +108,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   __device__ __forceinline__ static int key_row() { return 64 * warpgroup_id() + 16 * warp_in_group(); }
 
   // ---------------------------------------------------------------- producer
+  // DET: warps 1 and 2 of the producer warpgroup write dQ, of the even and the odd steps (dQ buffer 0 and 1)
+  __device__ __forceinline__ static bool is_dq_writer() { return DET && (warp_id() == 4 * NWG + 1 || warp_id() == 4 * NWG + 2); }
   __device__ __forceinline__ static bool producer_start(const TmaBwd& tma) {
     regs_release<PRODUCER_REGS>();
     if (warp_id() != 4 * NWG) return false;
@@ -98,7 +123,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     return true;
   }
   __device__ __forceinline__ static void produce(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
-                                                 int k0, const QIter& walk, const Smem& sm) {
+                                                 int k0, const Walk& walk, const Smem& sm) {
     const int bq = p.cu_seqlens_q ? 0 : bi.b, bk = p.cu_seqlens_k ? 0 : bi.b;
     // ---- [mainloop_bwd_sm90_ws:load_kv] Alg.2 l.6: K_j, V_j, once ----
     if (lane_id() == 0) {
@@ -137,6 +162,66 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     }
   }
 
+  // ---------------------------------------------------------------- the dQ writer (DET)
+  // dQ's semaphore of the query block at q0 of bh: (row0 + q0) / BR + (the (sequence, head)'s index in row order).
+  // Query blocks are numbered in the order of their first rows, which grow by BR within a (sequence, head) and by
+  // more from one to the next, so these are distinct and below cdiv(all rows, BR) + sequences x heads
+  // (launch.dq_semaphores).
+  __device__ __forceinline__ static int* semaphore(const BwdParams& p, const typename Pol::Info& bh, int q0) {
+    const bool packed = Pol::GENERAL && p.cu_seqlens_q;
+    const long long seq = packed ? (long long)bh.h * p.batch + bh.b : (long long)bh.b * p.heads + bh.h;
+    return p.dq_semaphore + (bh.row0 + q0) / BR_ + seq;
+  }
+  // Why this cannot deadlock: a CTA waits only on the CTAs of the same (sequence, kv head) with a lower rank for
+  // that query block, which (ranks follow key blocks, and the grid's x, key tiles fastest, is mapped to key blocks
+  // in rank order: KTileScheduler) have a lower block index. CTAs are dispatched in block-index order, so the
+  // unfinished CTA of lowest index is resident and everything it waits on has finished; it finishes; by induction
+  // all do. Every lower rank is stored: the key blocks that see a query block are exactly those ranked 0, 1, ...
+  // (Policy::dq_rank), each visits it once per query head and stores its rank + 1 after its own addition. GQA: the
+  // CTA walks every query head of its kv head's group in the same order as its neighbours, and each query head has
+  // its own semaphores, so the groups never wait on one another.
+  __device__ __forceinline__ static void write_dq(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
+                                                  const Pol& pol, int k0, const Walk& walk, const Smem& sm) {
+    const int j = k0 / BC_, buf = warp_id() - (4 * NWG + 1);  // this writer's dQ buffer: steps buf, buf + 2, ...
+    typename Pol::Info bh = bi;
+    if (buf < walk.total)  // the buffer starts empty
+#pragma unroll
+      for (int w = 0; w < NWG; ++w) named_arrive(DQ_EMPTY + 2 * w + buf, DQ_PAIR);
+#pragma unroll 1
+    for (int it = buf; it < walk.total; it += 2) {
+      const int q0 = walk.block(it) * BR_;
+      bh.set_head(p, walk.head(it));
+      int* sem = semaphore(p, bh, q0);
+      const int rank = pol.dq_rank(q0, BR_, BC_, j);
+#pragma unroll
+      for (int w = 0; w < NWG; ++w) named_sync(DQ_FULL + 2 * w + buf, DQ_PAIR);
+      if (lane_id() == 0) {
+        // ---- [mainloop_bwd_sm90_ws:dq_order] wait for rank; add; wait until the additions are done; rank + 1 ----
+        long long spins = 0;
+        while (ld_acquire(sem) != rank)
+          if (++spins == SPIN_LIMIT) __trap();
+        fence_async_global();  // the acquire, carried over to the TMA unit's accesses
+#pragma unroll
+        for (int w = 0; w < NWG; ++w)
+#pragma unroll
+          for (int c = 0; c < DQN; c += 32)
+            tma_reduce_add_2d(tma.dq, sm.dq(w, it) + c / 32 * (BR_ * 128), w * DQN + c, (int)(bh.row0 + q0));
+        bulk_commit();
+        bulk_wait_read<0>();
+      }
+      __syncwarp();
+      if (it + 2 < walk.total)
+#pragma unroll
+        for (int w = 0; w < NWG; ++w) named_arrive(DQ_EMPTY + 2 * w + buf, DQ_PAIR);
+      if (lane_id() == 0) {
+        bulk_wait<0>();        // complete: every addition has landed in global memory (not only read: #2244)
+        fence_async_global();  // ... and is ordered before the release below
+        st_release(sem, rank + 1);
+      }
+      __syncwarp();
+    }
+  }
+
   // ---------------------------------------------------------------- consumers
   __device__ __forceinline__ static void consumer_start() { regs_claim<CONSUMER_REGS>(); }
 
@@ -150,6 +235,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
                                                        int it) {
     const int w = warpgroup_id(), g = lane_id() >> 2, t = lane_id() & 3, qr = 16 * warp_in_group();
     const u32 tile = sm.dq(w, it);
+    if constexpr (DET) named_sync(DQ_EMPTY + 2 * w + (it & 1), DQ_PAIR);  // the writer has read this buffer
 #pragma unroll
     for (int y = 0; y < NT; ++y)
 #pragma unroll
@@ -160,6 +246,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
                      "f"(p.scale * dq.v[0][y][2 * hh + 1]) : "memory");
       }
     fence_async_smem();
+    if constexpr (DET) {  // the dQ writer adds it, in its turn (write_dq)
+      named_arrive(DQ_FULL + 2 * w + (it & 1), DQ_PAIR);
+      return;
+    }
     named_sync(DQ_BARRIER + w, 128);
     if ((threadIdx.x & 127) == 0) {
 #pragma unroll
@@ -169,7 +259,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   }
 
   __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
-                                                 Pol& pol, int k0, const QIter& walk, const Smem& sm, State& st) {
+                                                 Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
     const int w = warpgroup_id(), kw = 64 * w, wk = key_row();
     const auto sK = sm.k(), sV = sm.v();
     typename Pol::Info bh = bi;
@@ -218,7 +308,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wgmma_commit();
       // ---- [mainloop_bwd_sm90_ws:dq] Alg.2 l.14: dQ_i += scale * dS K_j, columns w*D/NWG.. from every dS^T ----
       // (the reduce-add of two steps ago has read its dQ tile before anyone passes the barrier and rewrites it)
-      if ((threadIdx.x & 127) == 0) bulk_wait_read<1>();
+      if (!DET && (threadIdx.x & 127) == 0) bulk_wait_read<1>();
       named_sync(DS_BARRIER, NWG * 128);
       Acc<1, DQN / 8> dq;
       wg_gemm_atb<BC>(dq, sdS, 0, sK, w * DQN, false);
@@ -230,7 +320,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       mbar_arrive(sm.empty(s));  // Q_i, dO_i, L_i, D_i of this stage are no longer read
       reduce_dq_tma(p, tma, sm, bh, dq, q0, it);
     }
-    if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();  // shared memory outlives the last reduce-add's reads
+    if (!DET && (threadIdx.x & 127) == 0) bulk_wait_read<0>();  // shared memory outlives the last reduce-add's reads
   }
 
   __device__ __forceinline__ static void store(const BwdParams& p, const typename Pol::Info& bi, int k0,

@@ -64,6 +64,8 @@ struct BwdParams {
   float* delta;              // D = rowsum(dO * O)
   float* dq_ws;              // float32 dQ accumulator rows (atomic dQ), already scaled
   float* dsink_ws;           // per-row terms of the sink gradient: exp(sink - lse) * D
+  int* dq_semaphore;         // deterministic FA3 backward: per query block, how many key blocks have added into
+                             // its dQ rows (zeroed before the launch; launch.dq_semaphores counts them)
   long long q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh, do_sb, do_ss, do_sh;
   long long dq_sb, dq_ss, dq_sh, dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh;
   long long lse_sb, lse_sh;

@@ -85,6 +85,10 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // Keys j in [row_start(i), row_end(i)) are visible to query i.
   __device__ __forceinline__ bool bounded_left() const { return MASK_ == WINDOW && left >= 0; }
   __device__ __forceinline__ bool bounded_right() const { return MASK_ == CAUSAL || (MASK_ == WINDOW && right >= 0); }
+  // The same from the parameters alone, before a Policy exists (the backward's tile scheduler asks).
+  template <class P> __device__ __forceinline__ static bool bounded_right(const P& p) {
+    return MASK_ == CAUSAL || (MASK_ == WINDOW && p.window_right >= 0);
+  }
   __device__ __forceinline__ int row_start(int i) const { return bounded_left() ? max(0, i + diag - left) : 0; }
   __device__ __forceinline__ int row_end(int i) const {
     return bounded_right() ? min(seqlen_k, max(0, i + diag + (MASK_ == CAUSAL ? 0 : right) + 1)) : seqlen_k;
@@ -114,6 +118,18 @@ template <int MASK_, bool GENERAL_> struct Policy {
     const int lo_full = full_keys ? cdiv(max(full_first, 0), br) : hi;
     const int hi_full = full_keys && full_last >= 0 ? min((full_last + 1) / br, tr) : lo_full;
     return BlockRange::make(lo, lo_full, hi_full, hi);
+  }
+
+  // The deterministic backward's order of the key blocks that add into query block [q0, q0 + br)'s dQ rows: key
+  // block j's rank among them. They are kv_blocks' [lo, hi), exactly the key blocks whose q_blocks hold the query
+  // block (both give the rows / keys that see each other; for a query block with a row that sees a key: a row
+  // that sees none is at the start or the end of the block, where it changes neither bound), so the ranks of the
+  // key blocks that visit a query block are 0, 1, ... with none missing. Under a mask bounded on the right the
+  // last of them goes first (it reaches the query block earliest in its ascending walk; the scheduler dispatches
+  // it first: KTileScheduler's reverse), otherwise the first.
+  __device__ __forceinline__ int dq_rank(int q0, int br, int bc, int j) const {
+    const BlockRange kv = kv_blocks(q0, min(br, seqlen_q - q0), bc);
+    return bounded_right() ? kv.hi - 1 - j : j - kv.lo;
   }
 
   // Hidden scores to -inf; rows of s are queries r0.., columns keys c0.. .

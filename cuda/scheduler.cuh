@@ -98,13 +98,15 @@ template <int BR, bool PERSISTENT, bool VARLEN> struct LinearTileScheduler {
 
 // Key tiles of a backward launch: grid (Tc, kv_heads, batch), or for packed sequences (an upper bound on the key
 // tiles of all sequences, kv_heads, 1). hk is the kv head; the CTA walks the query heads of its group itself.
+// `reverse`: within one (sequence, kv head) the key tiles come last-first (the deterministic backward under a mask
+// bounded on the right: the key blocks that reach a query block first are then also dispatched first).
 template <int BC, bool VARLEN> struct KTileScheduler {
   int b, hk, j;
-  template <class P> __device__ __forceinline__ bool start(const P& p) {
+  template <class P> __device__ __forceinline__ bool start(const P& p, bool reverse = false) {
     hk = blockIdx.y;
-    if (VARLEN && p.cu_seqlens_k) return varlen_tile(p.cu_seqlens_k, p.batch, BC, blockIdx.x, false, b, j);
+    if (VARLEN && p.cu_seqlens_k) return varlen_tile(p.cu_seqlens_k, p.batch, BC, blockIdx.x, reverse, b, j);
     b = blockIdx.z;
-    j = blockIdx.x;
+    j = reverse ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
     return true;
   }
 };

@@ -90,6 +90,25 @@ template <int N> __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
 
+// At most N of this thread's committed bulk groups not yet complete: their writes (a reduce-add's additions into
+// global memory) are done, not only their reads of shared memory (flash-attention issue #2244: a semaphore
+// released after .read alone lets the next adder start before these additions have landed).
+template <int N> __device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Orders this thread's generic-proxy global accesses with its async-proxy (TMA) ones.
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------- semaphores in global memory (gpu scope)
+__device__ __forceinline__ int ld_acquire(const int* at) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(at) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* at, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(at), "r"(v) : "memory");
+}
+
 // ---------------------------------------------------------------- warpgroups
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads: sync waits for all, arrive only counts.
 __device__ __forceinline__ void named_sync(int id, int threads) {

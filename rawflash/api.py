@@ -188,7 +188,8 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
         a whole row's out and lse gives that block's share of the gradients).
     deterministic : bool
         False (default): dQ is accumulated with float32 atomicAdd (fastest; equal only up to rounding from run
-        to run). True: a separate dQ pass without atomics, bitwise repeatable.
+        to run). True: bitwise repeatable; on Hopper (16-bit, head_dim <= 128) FA3's form adds into dQ in a fixed
+        order per query block, elsewhere a separate dQ pass without atomics.
     backend : {'cupy', 'numba', 'reference'}
 
     Returns

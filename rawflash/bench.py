@@ -25,15 +25,20 @@ import numpy as np
 
 from . import iomodel, reference
 
-IMPLS = ("rawflash-fa2", "rawflash-fa2-wgmma", "rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive", "torch-flash", "torch-cudnn",
-         "cupy-naive")
+IMPLS = ("rawflash-fa2", "rawflash-fa2-det", "rawflash-fa2-wgmma", "rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive",
+         "torch-flash", "torch-cudnn", "cupy-naive")
 # rawflash implementations: (kernel=, extra forward switches). rawflash-fa2 is what a user gets (on Hopper FA3's
 # warp-specialised form where it applies); rawflash-fa2-wgmma forces the wgmma form without warp specialisation and
 # rawflash-fa2-mma the mma.sync kernel, to show what each Hopper step is worth.
 RAWFLASH_IMPLS = {"rawflash-fa2": ("fa2", {}), "rawflash-fa2-wgmma": ("fa2", {"warp_specialize": False}),
                   "rawflash-fa2-mma": ("fa2", {"wgmma": False}),
-                  "rawflash-fa1": ("fa1", {}), "rawflash-naive": ("naive", {})}
+                  "rawflash-fa1": ("fa1", {}), "rawflash-naive": ("naive", {}), "rawflash-fa2-det": ("fa2", {})}
 FORWARD_ONLY = ("rawflash-fa2-wgmma", "rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive", "cupy-naive")
+# rawflash-fa2-det: the backward with deterministic=True (on Hopper FA3's form with its dQ reduce-adds in order),
+# timed only when asked (``rawflash bench --deterministic`` or ``--impl rawflash-fa2-det``)
+DETERMINISTIC = ("rawflash-fa2-det",)
+BACKWARD_ONLY = DETERMINISTIC
+OPT_IN = DETERMINISTIC
 FLUSH_BYTES = 256 << 20  # larger than the H200's 60 MB L2
 FP8 = "float8_e4m3fn"
 FP8_BOUNDS = {"rmse": 0.02, "max": 0.25}  # unit-normal inputs: the FP8 forward's error budget (README, tests)
@@ -92,7 +97,7 @@ def sweep_cases(impls, directions, dtypes, head_dims, seqlens, causals, tokens=1
     cases = []
     for impl in impls:
         for direction in directions:
-            if direction == "bwd" and impl in FORWARD_ONLY:
+            if (direction == "bwd" and impl in FORWARD_ONLY) or (direction == "fwd" and impl in BACKWARD_ONLY):
                 continue
             for dtype in dtypes:
                 if impl == "cupy-naive" and dtype != "float16":
@@ -151,6 +156,12 @@ def available_impls() -> list[str]:
     return [i for i in IMPLS if have_torch or not i.startswith("torch")]
 
 
+def default_impls(available: list[str], deterministic: bool = False) -> list[str]:
+    """What ``rawflash bench`` times without --impl: every available implementation but the opt-in ones, and the
+    deterministic backward too with ``deterministic``."""
+    return [i for i in available if i not in OPT_IN or (deterministic and i in DETERMINISTIC)]
+
+
 def make_inputs(case: Case, seed: int = 0):
     import cupy
 
@@ -192,8 +203,9 @@ def bound_call(case: Case, q, k, v, dout, override=None):
                                           env, override)
     else:
         out, lse = rawflash.forward(q, k, v, causal=case.causal)
-        c = validation.check_backward(dout, q, k, v, out, lse, case.causal, None, False)
-        bound = cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, False, c.extras, env,
+        det = case.impl in DETERMINISTIC
+        c = validation.check_backward(dout, q, k, v, out, lse, case.causal, None, det)
+        bound = cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, det, c.extras, env,
                                            override)
     return bound
 
@@ -209,7 +221,8 @@ def runner(case: Case, q, k, v, dout):
         if case.direction == "fwd":
             return lambda: rawflash.forward(q, k, v, causal=case.causal, kernel=kernel, **switches)
         out, lse = rawflash.forward(q, k, v, causal=case.causal)
-        return lambda: rawflash.backward(dout, q, k, v, out, lse, causal=case.causal)
+        det = case.impl in DETERMINISTIC
+        return lambda: rawflash.backward(dout, q, k, v, out, lse, causal=case.causal, deterministic=det)
     if case.impl == "cupy-naive":
         return lambda: cupy_naive(q, k, v, case.causal)
     return _torch_runner(case, q, k, v, dout)

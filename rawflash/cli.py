@@ -689,13 +689,17 @@ def demo(ctx, gpu, arch, sms, as_json):
               help="Time decode instead (a KV-cache step: bandwidth beside a device copy and PyTorch's SDPA): "
                    "batch 1/8/64 x context 1k-128k x GQA 32/8, 64/8, MQA x contiguous and paged 16/64/256.")
 @click.option("--quick", is_flag=True, help="With --decode: a subset of 12 cases (about 2 minutes on an H200).")
+@click.option("--deterministic", is_flag=True,
+              help="Also time the backward with deterministic=True (rawflash-fa2-det) beside the default one.")
 @json_option
 def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
-          features, decode, quick, as_json):
+          features, decode, quick, deterministic, as_json):
     """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
     only. The rawflash rows also give the kernels' own time (kernel_tflops: the launches alone, CUDA events)."""
     if quick and not decode:
         raise click.UsageError("--quick goes with --decode")
+    if deterministic and (decode or features):
+        raise click.UsageError("--deterministic goes with the FA2 sweep (not --decode or --features)")
     _require_gpu("bench", "'rawflash io' and 'rawflash explain' give the predicted numbers without one")
     if decode or features:  # the decode sweep or the feature cases instead of the FA2 sweep
         from . import bench_decode
@@ -708,7 +712,9 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, token
         (out / f"bench-{name}{('-' + tag) if tag else ''}.json").write_text(json.dumps(result, indent=1))
         _emit({name: result}, as_json)
         return
-    impls = list(impls) or bench_mod.available_impls()
+    impls = list(impls) or bench_mod.default_impls(bench_mod.available_impls(), deterministic)
+    if deterministic and not impls.count("rawflash-fa2-det"):
+        impls.append("rawflash-fa2-det")
     missing = [i for i in impls if i not in bench_mod.available_impls()]
     if missing:
         raise click.ClickException(f"not available here: {', '.join(missing)} (PyTorch with CUDA is needed)")
@@ -733,12 +739,16 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, token
            if r["status"] != "ok"]
     wrote = [str(out / f"{stem}.json"), str(out / f"{stem}.csv"),
              str(plot_path) if plot_path else "no plot: matplotlib is not installed"]
+    det = bench_mod.ratios(records, "rawflash-fa2-det")  # its "x rawflash-fa2": deterministic over default
     if as_json:
         extra = {"fp8 published": bench_mod.FP8_PUBLISHED} if bench_mod.FP8 in dtypes else {}
-        _emit({"cases": rows, "not timed": bad, "ratios": bench_mod.ratios(records), "wrote": wrote, **extra}, True)
+        _emit({"cases": rows, "not timed": bad, "ratios": bench_mod.ratios(records), "ratios_deterministic": det,
+               "wrote": wrote, **extra}, True)
         return
     click.echo(report_mod.table(bad) if bad else "every case validated and timed")
     click.echo(report_mod.table(bench_mod.ratios(records)))
+    if det:
+        click.echo(report_mod.table(det))
     if bench_mod.FP8 in dtypes:
         click.echo(f"FP8 peers (PyTorch's SDPA has no FP8 path to call), published: {bench_mod.FP8_PUBLISHED}")
     click.echo("wrote " + ", ".join(wrote))

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from . import _compile, forms, params, tma
+from . import _compile, forms, launch, params, tma
 from .arrays import kernel_ready, pad_head_dim
 from .launch import Launch, Problem
 from .settings import Settings
@@ -159,7 +159,6 @@ def bind_forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switche
     ``p.out_dtype``, lse float32."""
     import cupy
 
-    from . import launch
 
     pr = dataclasses.replace(p, arch=device_arch(env), sms=_sms())
     plan = forms.forward_plan(pr, "fa2", switches, env, override)
@@ -264,21 +263,30 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
     dk, dv = alloc(k.shape, dtype=q.dtype), alloc(v.shape, dtype=q.dtype)
     sinks = "sinks" in prep.extras
     dsink_ws = cupy.empty(_rows(pr), dtype=f32) if sinks else None
-    dq_ws = None if deterministic else cupy.empty(_rows(pr, pr.head_dim), dtype=f32)
+    main = plan[1]
+    # FA3's deterministic form adds into the float32 dQ rows like the default one, in an order its int32
+    # semaphores keep (one per query block of every (sequence, head)); both buffers are zeroed by every launch()
+    ordered = deterministic and main.kernel == "fa3_bwd_sm90"
+    dq_ws = None if deterministic and not ordered else cupy.empty(_rows(pr, pr.head_dim), dtype=f32)
+    dq_sem = cupy.empty(launch.dq_semaphores(pr, main.config.br), dtype=cupy.int32) if ordered else None
     rec = params.bwd_params(pr, q, k, v, out, do, lse, scale, dq=dq, dk=dk, dv=dv, lse2=lse2, delta=delta,
-                            dq_ws=dq_ws, dsink_ws=dsink_ws, **prep.extras)
+                            dq_ws=dq_ws, dsink_ws=dsink_ws, dq_semaphore=dq_sem, **prep.extras)
     hd = prep.head_dim
     outputs = (_Trimmed(dq, hd), _Trimmed(dk, hd), _Trimmed(dv, hd))
     launches = [(lau, (rec,)) for lau in plan]
-    main = plan[1]
+    reset = [x for x in (dq_ws, dq_sem) if x is not None]
     if main.kernel == "fa3_bwd_sm90":
         try:
             launches[1] = (main, (rec, tma.bwd_maps(q, k, v, do, dq_ws, main.config.br, main.config.bc, pr.varlen)))
         except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: the wgmma form whose threads all copy
-            main = forms.fa2_backward_main(pr, True, settings=env, override=override, warp_specialize=False)
-            plan[1] = main
-            launches[1] = (main, (rec,))
-    bound = Bound(plan, launches, outputs, env, reset=[] if dq_ws is None else [dq_ws])
+            if ordered:  # ... which has no ordered dQ: the deterministic plan without FA3's form
+                plan = forms.deterministic_without_fa3(pr, settings=env, override=override)
+                launches, reset = [(lau, (rec,)) for lau in plan], []
+            else:
+                main = forms.fa2_backward_main(pr, True, settings=env, override=override, warp_specialize=False)
+                plan[1] = main
+                launches[1] = (main, (rec,))
+    bound = Bound(plan, launches, outputs, env, reset=reset)
     bound.keep = (q, k, v, do, out, lse, lse2, delta, prep.extras)
     if sinks:
         axes = (1,) if pr.varlen else (0, 2)

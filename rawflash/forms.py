@@ -194,12 +194,24 @@ def forward_plan(p: Problem, kernel: str = "fa2", switches: Switches = Switches(
 
 def backward_plan(p: Problem, deterministic: bool = False, settings: Settings = Settings(),
                   override: Override | None = None, wgmma: bool | None = None) -> list[Launch]:
-    """Every launch a backward call makes, in order."""
+    """Every launch a backward call makes, in order. ``deterministic``: where the default main pass is FA3's form
+    (Hopper, 16-bit, head_dim <= 128), that form with its dQ reduce-adds in a fixed order and the same convert
+    pass; elsewhere the main pass without atomic dQ and a separate dQ pass (fa2_bwd_dq)."""
     pre = launch.fa2_bwd_preprocess(p)
     if deterministic:
-        return [pre, fa2_backward_main(p, False, wgmma, settings, override),
-                launch.fa2_bwd_dq(p, _config("fa2_bwd_dq", p, override))]
+        main = fa2_backward_main(p, True, wgmma, settings, override) if hopper_form_fits("fa3_bwd_sm90", p) else None
+        if main is not None and main.kernel == "fa3_bwd_sm90":
+            return [pre, launch.fa3_bwd_sm90(p, main.config, deterministic=True), launch.fa2_bwd_convert_dq(p)]
+        return deterministic_without_fa3(p, wgmma, settings, override)
     return [pre, fa2_backward_main(p, True, wgmma, settings, override), launch.fa2_bwd_convert_dq(p)]
+
+
+def deterministic_without_fa3(p: Problem, wgmma: bool | None = None, settings: Settings = Settings(),
+                              override: Override | None = None) -> list[Launch]:
+    """The deterministic backward without FA3's form (other GPUs and dtypes, ``warp_specialize`` off, or inputs
+    TMA cannot describe): the main pass without atomic dQ, then fa2_bwd_dq."""
+    return [launch.fa2_bwd_preprocess(p), fa2_backward_main(p, False, wgmma, settings, override),
+            launch.fa2_bwd_dq(p, _config("fa2_bwd_dq", p, override))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,7 +352,8 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                 if hopper_form_fits("fa2_bwd_sm90", p):
                     launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=False))
                 if hopper_form_fits("fa3_bwd_sm90", p):
-                    launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=True))
+                    fa3 = fa2_backward_main(p, True, wgmma=True, warp_specialize=True)
+                    launches += [fa3, launch.fa3_bwd_sm90(p, fa3.config, deterministic=True)]
                 if not p.general:  # the teaching kernels and the ablation run the plain policy only
                     launches += [*forward_plan(p, "fa1"), *forward_plan(p, "naive")]
                     if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures

@@ -525,6 +525,8 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
         report["launches"] = [launch_row(p, d, lau) for d, lau in launches(p, kernel, direction, deterministic)]
         for row in report["launches"]:
             add_note(row, fit_problem(row["smem"], tgt.arch))
+            if row["kernel"] == "fa3_bwd_sm90" and deterministic:
+                add_note(row, "deterministic: dQ reduce-adds in a fixed order per query block (int32 semaphores)")
     report["predicted"] = [_brief_io(io_row(p, kernel if d == "fwd" else "fa2", d, tgt)) for d in dirs]
     report["notes"] = _explain_notes(p, kernel, backend, tgt)
     return report

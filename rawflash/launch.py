@@ -385,14 +385,24 @@ def fa2_bwd_sm90(p: Problem, cfg: TileConfig) -> Launch:
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
 
-def fa3_bwd_sm90(p: Problem, cfg: TileConfig) -> Launch:
-    """FA3's backward main pass (sm_90a, atomic dQ): a TMA producer warpgroup and bc / 64 consumer warpgroups, one
-    CTA per (key block, kv head, batch)."""
+def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> Launch:
+    """FA3's backward main pass (sm_90a, dQ by TMA reduce-add): a TMA producer warpgroup and bc / 64 consumer
+    warpgroups, one CTA per (key block, kv head, batch). ``deterministic``: the reduce-adds into each query
+    block's dQ rows in a fixed order (``dq_semaphores`` int32 counters, zeroed before the launch); the grid is the
+    same, its key tiles taken last-first under a mask bounded on the right (scheduler.cuh's KTileScheduler)."""
     d = tma_head_dim(p)
     smem = smem_fa3_bwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, deterministic, smem)
     return Launch("fa3_bwd_sm90", "fa3_bwd_sm90.cu", args, key_tile_grid(p, cfg.bc, "fa3_bwd_sm90"),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+
+
+def dq_semaphores(p: Problem, br: int) -> int:
+    """How many int32 semaphores the deterministic fa3_bwd_sm90 indexes (mainloop_bwd_sm90_ws.cuh's semaphore():
+    (first row + row of the block) / br + the (sequence, head)'s index): every query block of every (sequence,
+    head) has its own below cdiv(all rows, br) + sequences x heads."""
+    b, s = p.rows
+    return cdiv(b * p.heads * s, br) + p.batch * p.heads
 
 
 def fa2_bwd_dq(p: Problem, cfg: TileConfig) -> Launch:

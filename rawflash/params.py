@@ -37,7 +37,7 @@ FWD_FIELDS: tuple[tuple[str, str], ...] = (
 BWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("dout", "ptr"), ("dq", "ptr"), ("dk", "ptr"),
     ("dv", "ptr"), ("lse", "ptr"), ("lse2", "ptr"), ("delta", "ptr"), ("dq_ws", "ptr"), ("dsink_ws", "ptr"),
-    *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"), *_strides("do"), *_strides("dq"),
+    ("dq_semaphore", "ptr"), *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"), *_strides("do"), *_strides("dq"),
     *_strides("dk"), *_strides("dv"), ("lse_sb", "i64"), ("lse_sh", "i64"),
     ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"), ("seqused_k", "ptr"), ("alibi_slopes", "ptr"),
     ("alibi_sb", "i64"), ("sinks", "ptr"),
@@ -123,15 +123,17 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
 
 
 def bwd_params(p: Problem, q, k, v, out, dout, lse, scale: float, *, dq, dk, dv, lse2, delta, dq_ws=None,
-               dsink_ws=None, **extras) -> np.ndarray:
-    """BwdParams for one backward call (every pass of it). ``extras`` as for :func:`fwd_params`."""
+               dsink_ws=None, dq_semaphore=None, **extras) -> np.ndarray:
+    """BwdParams for one backward call (every pass of it). ``extras`` as for :func:`fwd_params`; ``dq_semaphore``:
+    the deterministic FA3 backward's int32 counters (``launch.dq_semaphores`` of them, zeroed)."""
     rec = np.zeros(1, BWD_DTYPE)
     named = (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("out", out, "o"), ("dout", dout, "do"), ("dq", dq, "dq"),
              ("dk", dk, "dk"), ("dv", dv, "dv"))
     for name, x, prefix in named:
         rec[name] = ptr(x)
         _set_strides(rec, prefix, x, p.varlen)
-    for name, x in (("lse", lse), ("lse2", lse2), ("delta", delta), ("dq_ws", dq_ws), ("dsink_ws", dsink_ws)):
+    for name, x in (("lse", lse), ("lse2", lse2), ("delta", delta), ("dq_ws", dq_ws), ("dsink_ws", dsink_ws),
+                    ("dq_semaphore", dq_semaphore)):
         rec[name] = ptr(x)
     _common(rec, p, scale, extras)
     rec["rows_batch"], rec["rows_seqlen"] = p.rows

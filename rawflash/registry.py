@@ -162,7 +162,8 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
              Helper("fa2_bwd_convert_dq", "fa2_bwd.cu", "float32 dQ to the input dtype (atomic dQ)", "fa2_bwd"),
              Helper("fa2_bwd_dq", "fa2_bwd.cu", "dQ without atomics, one CTA per Q block (deterministic=True)",
                     "fa2_bwd")),
-            supports=COMMON + FEATURES[1:] + ("deterministic=True (bitwise repeatable)",)),
+            supports=COMMON + FEATURES[1:] + ("deterministic=True (bitwise repeatable; fa3_bwd_sm90 in order on "
+                                              "Hopper, else the fa2_bwd_dq pass)",)),
     Variant("decode", "decode", "decode", "Flash-Decoding: split-KV attention of a few query rows against a KV cache",
             "one split of the keys per warp; the GQA group's query heads and rows packed into one tile",
             (Form("decode_split", "decode.cu", "mainloop_decode.cuh", "sm_80", ALL_DTYPES, "decode"),),

@@ -63,3 +63,22 @@ def test_bench_takes_the_fp8_dtype():
     if not sysinfo.gpu_available():
         assert result.exit_code != 2 or "Invalid value" not in result.output, result.output
         assert "GPU" in result.output
+
+
+def test_deterministic_backward_rows_only_when_asked():
+    """rawflash-fa2-det (the backward with deterministic=True) is opt-in: --deterministic adds it beside the
+    default rows, backward only, on the same shapes, and its ratio row reads deterministic over default."""
+    available = list(bench.IMPLS)
+    assert "rawflash-fa2-det" not in bench.default_impls(available)
+    with_det = bench.default_impls(available, deterministic=True)
+    assert "rawflash-fa2-det" in with_det and set(with_det) - {"rawflash-fa2-det"} == set(bench.default_impls(available))
+    cases = bench.sweep_cases(["rawflash-fa2", "rawflash-fa2-det"], ("fwd", "bwd"), ("bfloat16",), (64, 128),
+                              (2048, 4096), (False, True))
+    det = [c for c in cases if c.impl == "rawflash-fa2-det"]
+    default_bwd = [c for c in cases if c.impl == "rawflash-fa2" and c.direction == "bwd"]
+    assert det and all(c.direction == "bwd" for c in det)
+    strip = lambda c: (c.dtype, c.batch, c.heads, c.kv_heads, c.seqlen, c.head_dim, c.causal)  # noqa: E731
+    assert [strip(c) for c in det] == [strip(c) for c in default_bwd]
+    records = [bench.Record.of(c, 2.0 if c.impl == "rawflash-fa2-det" else 1.6) for c in default_bwd + det]
+    rows = bench.ratios(records, "rawflash-fa2-det")
+    assert len(rows) == len(det) and all(abs(r["x rawflash-fa2"] - 0.8) < 1e-12 for r in rows)

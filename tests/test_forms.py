@@ -116,7 +116,7 @@ def test_features_choose_the_policy(features, mask, general):
     p = _problem(causal=causal, **features)
     assert (p.mask, p.general) == (mask, general)
     for lau in (forms.fa2_forward(p), forms.fa2_forward(p, Switches(wgmma=False)), forms.backward_plan(p)[1],
-                forms.backward_plan(p, deterministic=True)[2]):
+                forms.backward_plan(p, deterministic=True)[1], forms.deterministic_without_fa3(p)[2]):
         i = launch.MASK_ARG[lau.kernel]
         assert lau.template_args[i] == mask and lau.template_args[i + 1] is general, lau.name_expression
 
@@ -148,7 +148,9 @@ def test_api_refuses_bad_wgmma_switch_before_launch():
 
 @pytest.mark.parametrize("d,dtype,arch,deterministic,expected", [
     (128, "bfloat16", "sm_90", False, "fa3_bwd_sm90"), (40, "float16", "sm_90", False, "fa3_bwd_sm90"),
-    (128, "bfloat16", "sm_90", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa2_bwd_sm90"),
+    (128, "bfloat16", "sm_90", True, "fa3_bwd_sm90"), (64, "float16", "sm_90", True, "fa3_bwd_sm90"),
+    (256, "bfloat16", "sm_90", True, "fa2_bwd"), (128, "float32", "sm_90", True, "fa2_bwd"),
+    (128, "bfloat16", "sm_80", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa2_bwd_sm90"),
     (96, "bfloat16", "sm_90", False, "fa3_bwd_sm90"), (32, "float16", "sm_90", False, "fa3_bwd_sm90"),
     (192, "bfloat16", "sm_90", False, "fa2_bwd"),
     (128, "float32", "sm_90", False, "fa2_bwd"), (128, "bfloat16", "sm_80", False, "fa2_bwd")])
@@ -156,8 +158,59 @@ def test_backward_form_choice(d, dtype, arch, deterministic, expected):
     assert forms.backward_plan(_problem(d, dtype, arch), deterministic)[1].kernel == expected
     assert forms.backward_plan(_problem(d, dtype, arch), deterministic, NO_WGMMA)[1].kernel == "fa2_bwd"
     no_fa3 = forms.backward_plan(_problem(d, dtype, arch), deterministic, Settings(warp_specialize=False))[1].kernel
-    cp_async = "fa2_bwd_sm90" if forms.hopper_form_fits("fa2_bwd_sm90", _problem(d, dtype, arch)) else "fa2_bwd"
+    fits = forms.hopper_form_fits("fa2_bwd_sm90", _problem(d, dtype, arch)) and not deterministic
+    cp_async = "fa2_bwd_sm90" if fits else "fa2_bwd"
     assert no_fa3 == (cp_async if expected == "fa3_bwd_sm90" else expected)
+
+
+@pytest.mark.parametrize("features", [{}, {"causal": True}, {"window": (64, 32)}, {"softcap": 5.0},
+                                      {"varlen": True, "total_q": 700, "total_k": 500}])
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_backward_on_hopper_is_fa3_in_order(d, features):
+    """deterministic=True on sm_90, 16-bit, head_dim <= 128: FA3's form with DETERMINISTIC=true and the default
+    path's convert pass (no fa2_bwd_dq pass); the same grid, shared memory and tile row as the default form."""
+    causal = features.pop("causal", False)
+    p = _problem(d, causal=causal, **features)
+    default, det = forms.backward_plan(p), forms.backward_plan(p, deterministic=True)
+    assert [lau.kernel for lau in det] == ["fa2_bwd_preprocess", "fa3_bwd_sm90", "fa2_bwd_convert_dq"]
+    i = launch.MASK_ARG["fa3_bwd_sm90"] + 2  # DETERMINISTIC follows the mask mode and the general policy
+    assert det[1].template_args[i] is True and default[1].template_args[i] is False
+    assert det[1].template_args[:i] == default[1].template_args[:i]
+    assert (det[1].grid, det[1].block, det[1].smem, det[1].config) == \
+        (default[1].grid, default[1].block, default[1].smem, default[1].config)
+    assert det[1].name_expression in {lau.name_expression for lau in forms.all_instantiations("sm_90")}
+    # without warp specialisation (or off Hopper) the deterministic plan keeps its separate dQ pass
+    off = forms.backward_plan(p, deterministic=True, settings=Settings(warp_specialize=False))
+    assert [lau.kernel for lau in off] == ["fa2_bwd_preprocess", "fa2_bwd", "fa2_bwd_dq"]
+    assert [lau.kernel for lau in forms.backward_plan(p, True, NO_WGMMA)] == [lau.kernel for lau in off]
+
+
+def test_dq_semaphores_cover_every_query_block():
+    """mainloop_bwd_sm90_ws.cuh's semaphore(): (row0 + q0) / br + the (sequence, head)'s index is distinct for
+    every query block and below launch.dq_semaphores, fixed lengths and packed ones (lengths 0 .. 3 br)."""
+    import random
+
+    rng = random.Random(3)
+    br = 64
+    for trial in range(200):
+        batch, heads = rng.randint(1, 5), rng.randint(1, 4)
+        if trial % 2:
+            lens = [rng.choice([0, 1, br - 1, br, br + 1, rng.randint(0, 3 * br)]) for _ in range(batch)]
+            total = sum(lens)
+            p = Problem(batch, max(lens), max(lens), heads, 1, 64, "bfloat16", False, varlen=True, total_q=total,
+                        total_k=total)
+            starts = [sum(lens[:b]) for b in range(batch)]
+            row0 = {(b, h): h * total + starts[b] for b in range(batch) for h in range(heads)}
+            seq = {(b, h): h * batch + b for b in range(batch) for h in range(heads)}
+        else:
+            s = rng.randint(1, 3 * br)
+            lens = [s] * batch
+            p = Problem(batch, s, s, heads, 1, 64, "bfloat16", False)
+            row0 = {(b, h): (b * heads + h) * s for b in range(batch) for h in range(heads)}
+            seq = {(b, h): b * heads + h for b in range(batch) for h in range(heads)}
+        slots = [(row0[b, h] + q0) // br + seq[b, h] for b in range(batch) for h in range(heads)
+                 for q0 in range(0, lens[b], br)]
+        assert len(set(slots)) == len(slots) and all(0 <= x < launch.dq_semaphores(p, br) for x in slots)
 
 
 def test_demanding_wgmma_backward_where_it_cannot_run_is_refused():

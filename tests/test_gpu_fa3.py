@@ -118,3 +118,84 @@ def test_fa3_backward(sq, sk, h, hk, d, dtype, causal):
 def test_fa3_backward_long_gqa_causal(d):
     """Many query blocks per key block and 4 query heads per kv head: a long walk through the stages."""
     check_backward(1, 1000, 1500, 8, 2, d, "bfloat16", True, False, seed=3)
+
+
+# ---------------------------------------------------------------- deterministic=True: FA3's ordered dQ
+DET_CASES = [  # (sq, sk, h, hk, d, dtype, causal): ragged, seqlen_q != seqlen_k both ways, MHA / GQA / MQA
+    (203, 113, 4, 2, 64, "bfloat16", True), (113, 203, 4, 4, 128, "float16", False),
+    (640, 129, 4, 1, 96, "bfloat16", False), (129, 640, 4, 2, 40, "float16", True),
+    (1023, 1024, 8, 2, 128, "bfloat16", True), (1, 1, 2, 1, 64, "float16", False),
+]
+
+
+def _det_plan(sq, sk, h, hk, d, dtype, causal, **features):
+    from rawflash import cupy_backend
+
+    p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch(), **features)
+    main = forms.backward_plan(p, deterministic=True)[1]
+    assert main.kernel == "fa3_bwd_sm90" and main.template_args[launch.MASK_ARG[main.kernel] + 2] is True
+    return main
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", DET_CASES,
+                         ids=[f"{c[5]}-{'causal' if c[6] else 'full'}-{c[0]}x{c[1]}-d{c[4]}-h{c[2]}/{c[3]}"
+                              for c in DET_CASES])
+def test_fa3_deterministic_backward(sq, sk, h, hk, d, dtype, causal):
+    """deterministic=True on FA3's form, by flash-attn's rule against the float64 reference."""
+    _det_plan(sq, sk, h, hk, d, dtype, causal)
+    check_backward(2, sq, sk, h, hk, d, dtype, causal, True, seed=11)
+
+
+DET_FEATURES = [  # the general policy: windows bounded on either side or both, packed lengths, seqused_k
+    ("window-two-sided", dict(window=(64, 17)), 128, "bfloat16"),
+    ("window-right-only", dict(window=(-1, 40)), 64, "float16"),
+    ("window-left-only", dict(window=(70, -1)), 64, "bfloat16"),
+    ("varlen-causal", dict(varlen=True, causal=True), 128, "float16"),
+    ("varlen+window+sinks+causal", dict(varlen=True, window=(40, 0), causal=True, sinks="random"), 64, "bfloat16"),
+    ("seqused", dict(seqused=True, causal=True), 128, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("name,opts,d,dtype", DET_FEATURES, ids=[c[0] for c in DET_FEATURES])
+def test_fa3_deterministic_features(name, opts, d, dtype):
+    from test_gpu_features import check_feature
+
+    check_feature(203, 113, 4, 2, d, dtype, opts, seed=5, deterministic=True)
+
+
+def _twenty_runs(dout, q, k, v, out, lse, **kw):
+    first = rawflash.backward(dout, q, k, v, out, lse, deterministic=True, **kw)
+    for run in range(19):
+        again = rawflash.backward(dout, q, k, v, out, lse, deterministic=True, **kw)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert a.tobytes() == b.tobytes(), f"{name} differs in run {run + 2}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fa3_deterministic_bitwise_equal_20_runs(d, causal):
+    """N = 1024: 8 key blocks add into every query block (up to 8 under the mask), with GQA 8 on 2."""
+    import cupy
+
+    from conftest import random_qkv
+
+    _det_plan(1024, 1024, 8, 2, d, "bfloat16", causal)
+    q, k, v = (cupy.asarray(x) for x in random_qkv(2, 1024, 1024, 8, 2, d, "bfloat16", seed=9))
+    dout = cupy.asarray(np.random.default_rng(9).standard_normal(q.shape).astype(q.dtype))
+    out, lse = rawflash.forward(q, k, v, causal=causal)
+    _twenty_runs(dout, q, k, v, out, lse, causal=causal)
+
+
+def test_fa3_deterministic_packed_window_bitwise_equal_20_runs():
+    """Packed sequences with a two-sided window (the general policy; ranks from each sequence's own window)."""
+    import cupy
+
+    from conftest import random_qkv
+
+    lens_q, lens_k = [700, 1, 300, 1024], [900, 64, 1, 1024]
+    q, k, v = (cupy.asarray(x[0]) for x in random_qkv(1, sum(lens_q), sum(lens_k), 4, 2, 128, "bfloat16", seed=2))
+    feats = dict(cu_seqlens_q=cupy.asarray(np.cumsum([0] + lens_q).astype(np.int32)),
+                 cu_seqlens_k=cupy.asarray(np.cumsum([0] + lens_k).astype(np.int32)), window=(300, 100))
+    dout = cupy.asarray(np.random.default_rng(2).standard_normal(q.shape).astype(q.dtype))
+    out, lse = rawflash.forward(q, k, v, **feats)
+    _twenty_runs(dout, q, k, v, out, lse, **feats)

@@ -367,6 +367,31 @@ def test_block_ranges_visit_exactly_the_visible_blocks(left, right, mask):
                 assert edge or full, (sq, sk, br, bc, j, b)
 
 
+@pytest.mark.parametrize("left, right, mask", WINDOWS + [(4, -1, 2), (0, -1, 2)])
+def test_dq_ranks_order_the_key_blocks_of_every_query_block(left, right, mask):
+    """The deterministic FA3 backward's order (Policy::dq_rank): the key blocks whose walk holds query block i get
+    the ranks 0 .. n - 1, each once (a missing rank would leave its successors waiting); under a mask bounded on
+    the right the ranks run from the last key block down (the scheduler dispatches key tiles last-first there), so
+    in dispatch order every rank comes after the ones it waits for; and in the ascending walk (QIterAscending)
+    a lower rank reaches the query block in no more steps than a higher one."""
+    from rawflash.numba_kernels import policy
+
+    for sq, sk, br, bc in itertools.product((1, 7, 33, 64), (1, 9, 40, 64), (8, 16), (8, 16)):
+        pol = _policy(sq, sk, left, right, mask)
+        tr, tc = -(-sq // br), -(-sk // bc)
+        walks = [policy.q_blocks(pol, j * bc, bc, br, tr) for j in range(tc)]
+        reverse = bool(policy.bounded_right(pol))
+        for i in range(tr):
+            seeing = [j for j in range(tc) if walks[j].lo <= i < walks[j].hi]
+            ranks = {j: policy.dq_rank(pol, i * br, br, bc, j) for j in seeing}
+            where = (sq, sk, br, bc, i, ranks)
+            assert sorted(ranks.values()) == list(range(len(seeing))), where
+            dispatch = sorted(seeing, reverse=reverse)  # the order of their CTAs' block indices
+            assert [ranks[j] for j in dispatch] == list(range(len(seeing))), where
+            arrival = [i - walks[j].lo for j in dispatch]
+            assert arrival == sorted(arrival), where
+
+
 # ---------------------------------------------------------------- the package
 def test_numpy_row_stack_shim():
     import numpy

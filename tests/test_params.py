@@ -15,7 +15,7 @@ from rawflash import params
 from rawflash.launch import Problem
 
 HEADER = Path(__file__).resolve().parents[1] / "cuda" / "params.cuh"
-CTYPES = {"const void*": "ptr", "void*": "ptr", "float*": "ptr", "const float*": "ptr", "const int*": "ptr",
+CTYPES = {"const void*": "ptr", "void*": "ptr", "float*": "ptr", "const float*": "ptr", "const int*": "ptr", "int*": "ptr",
           "long long": "i64", "int": "i32", "float": "f32"}
 
 

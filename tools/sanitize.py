@@ -114,7 +114,8 @@ def _fa3_forms(q, k, v, causal: bool) -> None:
 
 def _fa3(dtype: str) -> None:
     """FA3's forms alone (racecheck and synccheck of the whole workload are slow): forward with every switch,
-    backward, over ragged shapes, GQA and a grid with more tiles than SMs."""
+    backward (atomic and deterministic, whose dQ writer orders the reduce-adds), over ragged shapes, GQA and a grid
+    with more tiles than SMs; the deterministic backward also with a two-sided window on packed sequences."""
     if dtype == "float32":
         return
     for b, sq, sk, h, hk, d in ((1, 203, 113, 4, 2, 64), (2, 300, 1029, 4, 1, 128), (5, 700, 700, 12, 4, 96),
@@ -123,7 +124,12 @@ def _fa3(dtype: str) -> None:
             q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
             out, lse = rawflash.forward(q, k, v, causal=causal)
             _fa3_forms(q, k, v, causal)
-            rawflash.backward(cupy.ones_like(q), q, k, v, out, lse, causal=causal)
+            for det in (False, True):
+                rawflash.backward(cupy.ones_like(q), q, k, v, out, lse, causal=causal, deterministic=det)
+    q, k, v = (cupy.asarray(x) for x in random_qkv(3, 300, 200, 4, 2, 128, dtype))
+    qq, kk, vv, packed = _varlen(q, k, v)
+    o, l = rawflash.forward(qq, kk, vv, window=(100, 30), **packed)
+    rawflash.backward(cupy.ones_like(qq), qq, kk, vv, o, l, window=(100, 30), deterministic=True, **packed)
 
 
 def _fp8(dtype: str) -> None:

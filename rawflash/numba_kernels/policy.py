@@ -165,6 +165,14 @@ def q_blocks(pol, c0, bc, br, tr):
 
 
 @cuda.jit(device=True)
+def dq_rank(pol, q0, br, bc, j):
+    """Policy::dq_rank: key block j's turn among the key blocks adding into query block [q0, q0 + br)'s dQ rows
+    (the deterministic FA3 backward, which has no twin; tests/test_numba_sim.py checks the order)."""
+    kv = kv_blocks(pol, q0, min(br, pol.seqlen_q - q0), bc)
+    return kv.hi - 1 - j if bounded_right(pol) else j - kv.lo
+
+
+@cuda.jit(device=True)
 def mask(pol, s, row, c0):
     """Hidden scores of query ``row`` to -inf; ``s`` is its row of scores for the keys c0.. ."""
     # MIRROR: one row per thread; the CUDA C masks the C-fragment elements a lane holds.
