@@ -51,23 +51,6 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <typename T> __device__ __forceinline__ float exp2_(float x) { return exp2f(x); }
 template <> __device__ __forceinline__ float exp2_<float>(float x) { return (float)exp2((double)x); }
 
-// 2^x on the FMA and integer pipes, for x <= 0 (a score minus its row max; below -126, and -inf, it is 0): x = n + f
-// with n = round(x) (the float magic 1.5 * 2^23 leaves n in the low mantissa bits of t) and |f| <= 1/2, 2^f by a
-// degree-4 polynomial fitted here for relative error (2.7e-6 at most, below the 16-bit rounding of P), and 2^n
-// added to its exponent bits. About 10 operations and no special-function unit: FA3's forward under the general
-// policy (16-bit), whose scores may pay a tanh each, computes half its exponentials this way
-// (OnlineSoftmax::update, SPLIT_EXP).
-__device__ __forceinline__ float exp2_fma(float x) {
-  const float xc = fmaxf(x, -126.f), t = xc + 12582912.f, n = t - 12582912.f, f = xc - n;
-  float p = 0.009570200927555561f;
-  p = fmaf(p, f, 0.05591787025332451f);
-  p = fmaf(p, f, 0.2402474284172058f);
-  p = fmaf(p, f, 0.6931217908859253f);
-  p = fmaf(p, f, 0.9999992847442627f);
-  const float y = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-  return x < -126.f ? 0.f : y;
-}
-
 // tanh for soft-capping, one per score on top of the softmax's exponential, so its cost is in the special-function
 // unit's budget (16 operations per clock per SM on sm_90, which the softmax alone uses a third of at 650 TFLOP/s).
 // bfloat16: the hardware tanh.approx.f32 (one operation; relative error 2^-10.99, 8x below bfloat16's own

@@ -161,11 +161,7 @@ struct Fa3FwdPipeline {
       const int k0 = kv.block(step) * BC;
       pol.template transform<T>(s, q0 + wq, k0);
       if (kv.is_edge(step)) pol.mask(s, q0 + wq, k0);
-      // The general policy's 16-bit tiles split their exponentials between the SFU and the FMA pipes (a tanh per
-      // score takes the SFU's other half under soft-capping). Always, not by a run-time test of soft-capping:
-      // two copies of the softmax made ptxas spill 100 - 376 B in these consumers (offline, session 5).
-      constexpr bool SPLIT = Pol::GENERAL && sizeof(T) == 2;
-      st.sm.template update<T, false, SPLIT>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2);
+      st.sm.template update<T>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2);
     };
     mbar_wait(sm.q_full(), pipes.q.parity());
     pipes.q.advance();

@@ -38,9 +38,7 @@ template <int ROWS> struct OnlineSoftmax {
   // NORMALIZE (FA1's per-step normalisation, the defer_norm=false ablation) also divides P by the new l and turns
   // fo into l_old e^(m_old - m_new) / l_new, so the running O stays normalised.
   // p_log2 (FP8's P scale): P comes out times 2^p_log2 (and so does l), which cancels in O / l.
-  // SPLIT_EXP (16-bit): the exponentials of odd column groups on the FMA pipes (exp2_fma), the others on the
-  // special-function unit, so that the two share the load (soft-capping's tanh takes the SFU too).
-  template <typename T, bool NORMALIZE = false, bool SPLIT_EXP = false, int MT, int NT>
+  template <typename T, bool NORMALIZE = false, int MT, int NT>
   __device__ __forceinline__ void update(Acc<MT, NT>& s, float scale, float (&fo)[ROWS], float p_log2 = 0.f) {
     static_assert(2 * MT == ROWS, "one softmax row per accumulator row");
     float mx[ROWS], rs[ROWS];
@@ -53,15 +51,7 @@ template <int ROWS> struct OnlineSoftmax {
       m[r] = m_new;
       mx[r] -= p_log2;
     }
-    if constexpr (SPLIT_EXP) {
-      for_each_index<MT, NT>([&](int i, int j, int e, int, int) {
-        float& x = s.v[i][j][e];
-        const float y = fmaf(x, scale, -mx[2 * i + (e >> 1)]);
-        x = (j & 1) ? exp2_fma(y) : exp2_<T>(y);
-      });
-    } else {
-      for_each_row(s, [&](float& x, int r) { x = exp2_<T>(fmaf(x, scale, -mx[r])); });
-    }
+    for_each_row(s, [&](float& x, int r) { x = exp2_<T>(fmaf(x, scale, -mx[r])); });
     row_sum(rs, s);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
