@@ -9,24 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
-
 
 def _time(fn, repeats: int) -> float:
-    import cupy
+    """rawflash bench's timer (CUDA events, L2 flushed before each repeat, the median)."""
+    from rawflash.bench import time_ms
 
-    flush = cupy.empty(256 * 1024 * 1024, dtype=cupy.uint8)
-    fn()
-    times = []
-    for _ in range(repeats):
-        flush.fill(0)
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return float(np.median(times))
+    return time_ms(fn, repeats=repeats)
 
 
 def main() -> None:
