@@ -1,6 +1,6 @@
 """Time candidate tile configurations on a GPU (the numbers behind rawflash/configs.py).
 
-    python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] [--which fwd,bwd,fwd_sm90,fwd_fa3,bwd_sm90]
+    python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] [--which fwd,bwd,fwd_sm90,fwd_fa3,bwd_sm90,fwd_fp8]
 
 Each candidate is passed as a tile-row override (nothing in configs.TABLE changes), validated on a small problem
 by flash-attn's rule, then its kernels alone are timed (bench.bound_call) on the FA2 paper's shape (B = 16384 / N,
@@ -41,13 +41,18 @@ CANDIDATES = {
                             TileConfig(128, 160, 12, stages=2), TileConfig(128, 112, 12, stages=2),
                             TileConfig(128, 128, 12, stages=3)],
     ("fa3_fwd_sm90", 256): [TileConfig(128, 80, 12, stages=2), TileConfig(128, 64, 12, stages=2)],
+    # FP8: a key block is whole 128-byte panels of V^T (Bc a multiple of 128); 128 x 256 and 192 x 128 spill 288 B
+    # offline (session 5), so at d = 128 the stages are what is left to try.
+    ("fa3_fwd_sm90_fp8", 128): [TileConfig(128, 128, 12, stages=2), TileConfig(128, 128, 12, stages=3)],
+    ("fa3_fwd_sm90_fp8", 256): [TileConfig(128, 128, 12, stages=2)],
     ("fa2_bwd_sm90", 64): [TileConfig(64, 128, 8)],
     ("fa2_bwd_sm90", 128): [TileConfig(64, 128, 8)],
 }
 # --which value -> (tile-row kernel, bench implementation that runs it)
 WHICH = {"fwd": ("fa2_fwd", "rawflash-fa2-mma"), "bwd": ("fa2_bwd", "rawflash-fa2"),
          "fwd_sm90": ("fa2_fwd_sm90", "rawflash-fa2-wgmma"), "fwd_fa3": ("fa3_fwd_sm90", "rawflash-fa2"),
-         "bwd_sm90": ("fa2_bwd_sm90", "rawflash-fa2")}
+         "bwd_sm90": ("fa2_bwd_sm90", "rawflash-fa2"), "fwd_fp8": ("fa3_fwd_sm90_fp8", "rawflash-fa2")}
+DTYPE_OF = {"fwd_fp8": configs.FP8}  # the rows' dtype where it is not --dtype
 
 
 def valid(case: bench.Case, override: dict) -> str:
@@ -57,6 +62,9 @@ def valid(case: bench.Case, override: dict) -> str:
     bound = bench.bound_call(small, q, k, v, dout, override)
     bound.launch()
     got = bound.result()
+    if case.dtype == configs.FP8:  # the FP8 bounds against the reference of the dequantised inputs
+        ok, why = bench._validate_fp8(small, q, k, v, dout, got)
+        return "ok" if ok else f"invalid: {why}"
     hq, hk, hv, hdo = (x.get() for x in (q, k, v, dout))
     if case.direction == "fwd":
         pairs = [(got[0], reference.forward(hq, hk, hv, causal=case.causal)[0],
@@ -83,19 +91,19 @@ def main() -> None:
     dims = [int(x) for x in args.head_dims.split(",")]
     for which in args.which.split(","):
         (kernel, impl), direction = WHICH[which], which.split("_")[0]
+        dtype = DTYPE_OF.get(which, args.dtype)
         for d in dims:
-            key = (kernel, d, args.dtype)
+            key = (kernel, d, dtype)
             default = configs.TABLE.get(key)
             if default is None:
                 continue
             for cand in CANDIDATES.get((kernel, d), []):
                 override = {key: cand}
                 for n, causal in itertools.product((int(x) for x in args.seqlen.split(",")), (False, True)):
-                    case = bench.Case(impl, direction, args.dtype, 16384 // n, 2048 // d, 2048 // d, n, d,
-                                      causal)
+                    case = bench.Case(impl, direction, dtype, 16384 // n, 2048 // d, 2048 // d, n, d, causal)
                     try:
                         status = valid(case, override)
-                        rec = bench.run_case(case, 10, {(case.impl, direction, args.dtype, d, causal): (True, "ok")},
+                        rec = bench.run_case(case, 10, {(case.impl, direction, dtype, d, causal): (True, "ok")},
                                              override) if status == "ok" else None
                         tf = rec.kernel_tflops if rec else None
                         status = rec.status if rec else status
