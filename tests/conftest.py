@@ -19,6 +19,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def skip_unless_sm90(what: str) -> None:
+    """Skip the calling test unless the GPU is sm_90 (Hopper): ``what`` says which sm_90a code it needs."""
+    from rawflash import cupy_backend
+
+    if cupy_backend.device_arch() != "sm_90":
+        pytest.skip(f"{what} is sm_90a code")
+
+
 def random_qkv(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, dtype, seed=0, scale=1.0):
     """Host arrays drawn from N(0, scale^2), rounded to ``dtype`` (never zeros)."""
     rng = np.random.default_rng(seed)

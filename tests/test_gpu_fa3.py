@@ -13,6 +13,7 @@ import pytest
 
 import rawflash
 from rawflash import forms, launch
+from conftest import skip_unless_sm90
 from test_gpu_kernels import check_backward, check_forward
 
 pytestmark = pytest.mark.gpu
@@ -27,10 +28,7 @@ SWITCHES = {"default": {}, "no-pingpong": {"pingpong": False}, "no-overlap": {"o
 
 @pytest.fixture(autouse=True)
 def _needs_sm90():
-    from rawflash import cupy_backend
-
-    if cupy_backend.device_arch() != "sm_90":
-        pytest.skip("FA3's form is sm_90a code")
+    skip_unless_sm90("FA3's form")
 
 
 def _cases():

@@ -13,16 +13,14 @@ import pytest
 
 import rawflash
 from rawflash import fp8, reference
+from conftest import skip_unless_sm90
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _needs_sm90():
-    from rawflash import cupy_backend
-
-    if cupy_backend.device_arch() != "sm_90":
-        pytest.skip("the FP8 form is sm_90a code")
+    skip_unless_sm90("the FP8 form")
 
 
 def _qkv(b, sq, sk, h, hk, d, seed=0, scale=1.0, outliers=False):

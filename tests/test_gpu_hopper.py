@@ -10,6 +10,7 @@ import pytest
 
 import rawflash
 from rawflash import forms, launch
+from conftest import skip_unless_sm90
 from test_gpu_kernels import check_backward, check_forward
 
 pytestmark = pytest.mark.gpu
@@ -22,10 +23,7 @@ HEADS = [(4, 4), (4, 2), (4, 1)]
 
 @pytest.fixture(autouse=True)
 def _needs_sm90():
-    from rawflash import cupy_backend
-
-    if cupy_backend.device_arch() != "sm_90":
-        pytest.skip("the wgmma kernel is sm_90a code")
+    skip_unless_sm90("the wgmma kernel")
 
 
 def _cases():
