@@ -9,6 +9,8 @@
 #     fp8        tests/test_gpu_fp8.py, then rawflash bench of the FP8 forward beside bf16 (d 128 / 256, N 4k / 16k)
 #     bench-decode / bench-features   rawflash bench --decode / --features (DECODE_REPEATS, FEATURE_REPEATS)
 #     bench-decode-quick              rawflash bench --decode --quick (12 cases, about 2 minutes)
+#     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES (default
+#                "softcap fp8 plain decode"), d = 128, N = PROFILE_N (4096); one file ncu_<case>.txt per case
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
 # TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
 # (float16 bfloat16 float32) the sanitizer step (SANITIZE_ONLY=decode, splitk or fa3: that part of its workload alone); TAR_TO=path packs every log into one archive at the end (for
@@ -51,6 +53,20 @@ while [ $i -lt ${#steps[@]} ]; do
       python3 -m rawflash.cli bench --impl rawflash-fa2 --direction fwd --dtype bfloat16 --dtype float8_e4m3fn \
         --head-dims 128,256 --seqlens 4096,16384 --repeats ${FP8_REPEATS:-10} --out "$OUT" --tag fp8 2>&1 \
         | tee "$OUT/bench_fp8.log" | tail -20 || status=1 ;;
+    profile)
+      for case in ${PROFILE_CASES:-softcap fp8 plain decode}; do
+        case $case in
+          fp8) regex='fa3_fwd_sm90_fp8'; skip=2; count=1 ;;
+          decode) regex='decode_'; skip=3; count=3 ;;
+          *) regex='fa3_(fwd|bwd)_sm90'; skip=2; count=2 ;;
+        esac
+        ncu --clock-control none --kernel-name "regex:$regex" --launch-skip $skip --launch-count $count \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section SchedulerStats --section InstructionStats --section Occupancy --section LaunchStats \
+          --section MemoryWorkloadAnalysis python3 tools/profile_kernels.py --case $case --seqlen ${PROFILE_N:-4096} \
+          > "$OUT/ncu_$case.txt" 2>&1 || status=1
+        echo "ncu $case: $(grep -c 'Section: SpeedOfLight\|GPU Speed Of Light' "$OUT/ncu_$case.txt") kernels profiled"
+      done ;;
     bench-decode)
       python3 -m rawflash.cli bench --decode --repeats ${DECODE_REPEATS:-20} --out "$OUT" 2>&1 | tee "$OUT/bench_decode.log" \
         | tail -60 || status=1 ;;

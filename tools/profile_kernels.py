@@ -1,8 +1,13 @@
-"""A workload for Nsight Compute: fa2 forward and backward at one shape, a few times each.
+"""A workload for Nsight Compute: one kind of call at one shape, a few times each (the FA2 sweep's shapes:
+B = 16384 / N, H = 2048 / d, bf16 unless --dtype says otherwise).
 
-    ncu --clock-control none --kernel-name regex:'fa2_(fwd|bwd)(_sm90)?<' --launch-skip 2 --launch-count 2 \
-        --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
-        python3 tools/profile_kernels.py --head-dim 128 --seqlen 4096
+    ncu --clock-control none --kernel-name regex:'fa[23]_(fwd|bwd)' --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        python3 tools/profile_kernels.py --case softcap --head-dim 128 --seqlen 4096
+
+Cases: ``plain`` (forward and backward), ``softcap`` / ``alibi`` (forward and backward with that feature, softcap
+30, slopes 2^-1..2^-H), ``fp8`` (the FP8 forward, per-head descales), ``decode`` (one decode step: batch
+--batch, 32 query heads on 8 kv heads, d 128, N cached keys).
 """
 from __future__ import annotations
 
@@ -15,22 +20,54 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rawflash  # noqa: E402
 from rawflash import bench  # noqa: E402
 
+CASES = ("plain", "softcap", "alibi", "fp8", "decode")
+
+
+def feature_args(name: str, heads: int) -> dict:
+    import cupy
+
+    if name == "softcap":
+        return {"softcap": 30.0}
+    if name == "alibi":
+        return {"alibi_slopes": cupy.asarray([2.0 ** -(i + 1) for i in range(heads)], dtype=cupy.float32)}
+    return {}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--case", choices=CASES, default="plain")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--batch", type=int, default=64, help="decode only: sequences in the batch")
     args = ap.parse_args()
-    case = bench.Case("rawflash-fa2", "bwd", args.dtype, 16384 // args.seqlen, 2048 // args.head_dim,
-                      2048 // args.head_dim, args.seqlen, args.head_dim, args.causal)
-    q, k, v, dout = bench.make_inputs(case)
-    for _ in range(4):
-        out, lse = rawflash.forward(q, k, v, causal=args.causal)
-        rawflash.backward(dout, q, k, v, out, lse, causal=args.causal)
     import cupy
 
+    batch, heads = 16384 // args.seqlen, 2048 // args.head_dim
+    if args.case == "decode":
+        from rawflash import bench_decode
+
+        case = bench_decode.DecodeCase(batch=args.batch, cache=args.seqlen, heads=32, kv_heads=8, head_dim=128)
+        q, kc, vc, kn, vn, lens, table = bench_decode._inputs(case)
+        _, public = bench_decode._rawflash(case, q, kc, vc, kn, vn, lens, table)
+        for _ in range(4):
+            public()
+        cupy.cuda.Device().synchronize()
+        return
+    dtype = bench.FP8 if args.case == "fp8" else args.dtype
+    case = bench.Case("rawflash-fa2", "fwd" if args.case == "fp8" else "bwd", dtype, batch, heads, heads,
+                      args.seqlen, args.head_dim, args.causal)
+    q, k, v, dout = bench.make_inputs(case)
+    for _ in range(4):
+        if args.case == "fp8":
+            rawflash.forward(q, k, v, causal=args.causal, **dout)
+            continue
+        extra = feature_args(args.case, heads)
+        out, lse = rawflash.forward(q, k, v, causal=args.causal, **extra)
+        if not args.forward_only:
+            rawflash.backward(dout, q, k, v, out, lse, causal=args.causal, **extra)
     cupy.cuda.Device().synchronize()
 
 
