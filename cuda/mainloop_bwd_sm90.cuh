@@ -117,7 +117,25 @@ __device__ __forceinline__ void accumulate_dq(const BwdParams& p, const Info& bh
 
 // Alg.2 l.10 and l.13 on a warpgroup's S^T and dP^T (rows keys k_row.., columns queries q0..), both committed
 // in that order and still running: P^T and dS^T = P^T * (dP^T - D_i) in place. The plain policy forms P^T while
-// dP^T is still running; the general one needs both (its transform's derivative scales dS).
+// dP^T is still running (probs_p_sm90, then probs_ds_sm90 once dP^T is done); the general one needs both (its
+// transform's derivative scales dS).
+template <typename T, class Pol, int NT>
+__device__ __forceinline__ void probs_p_sm90(const Pol& pol, Acc<1, NT>& s, int q0, int k_row, const float* sL,
+                                             bool edge) {
+  static_assert(!Pol::GENERAL, "the general policy forms P^T and dS^T together (probs_sm90)");
+  wgmma_wait<1>();
+  fence_operand(s);
+  if (edge) pol.mask_t(s, k_row, q0);
+  const float scale = pol.scale_log2;
+  for_each_col(s, [&](float& x, int col) { x = exp2_<T>(fmaf(x, scale, -sL[col])); });
+}
+// (PENDING: the batches committed after dP^T that may still run)
+template <int PENDING, int NT>
+__device__ __forceinline__ void probs_ds_sm90(Acc<1, NT>& s, Acc<1, NT>& dp, const float* sDelta) {
+  wgmma_wait<PENDING>();
+  fence_operand(dp);
+  for_each2(s, dp, [&](float& x, float& y, int, int col) { y = x * (y - sDelta[col]); });
+}
 template <typename T, class Pol, int NT>
 __device__ __forceinline__ void probs_sm90(const Pol& pol, Acc<1, NT>& s, Acc<1, NT>& dp, int q0, int k_row,
                                            const float* sL, const float* sDelta, bool edge) {
@@ -127,14 +145,8 @@ __device__ __forceinline__ void probs_sm90(const Pol& pol, Acc<1, NT>& s, Acc<1,
     fence_operand(dp);
     pol.template backward_tile<T, true>(s, dp, q0, k_row, sL, sDelta, edge);
   } else {
-    wgmma_wait<1>();
-    fence_operand(s);
-    if (edge) pol.mask_t(s, k_row, q0);
-    const float scale = pol.scale_log2;
-    for_each_col(s, [&](float& x, int col) { x = exp2_<T>(fmaf(x, scale, -sL[col])); });
-    wgmma_wait<0>();
-    fence_operand(dp);
-    for_each2(s, dp, [&](float& x, float& y, int, int col) { y = x * (y - sDelta[col]); });
+    probs_p_sm90<T>(pol, s, q0, k_row, sL, edge);
+    probs_ds_sm90<0>(s, dp, sDelta);
   }
 }
 
