@@ -1,7 +1,8 @@
 // fa3_fwd_sm90: the forward skeleton split by warpgroup role (fwd_kernel_ws) with FlashAttention-3's mainloop
 // (mainloop_fwd_sm90_ws.cuh: TMA copies by a producer warpgroup, BR/64 consumer warpgroups on wgmma, 16-bit,
-// sm_90a). A 1-d grid of query tiles (LinearTileScheduler), persistent or one tile per CTA; MASK / GENERAL select
-// the variant policy, OVERLAP is FA3's intra-warpgroup overlap, PINGPONG its inter-warpgroup schedule.
+// sm_90a). A 1-d grid of query tiles (Fa3Scheduler): one tile per CTA, or persistent with a static or a dynamic
+// schedule; MASK / GENERAL select the variant policy, OVERLAP is FA3's intra-warpgroup overlap, PINGPONG its
+// inter-warpgroup schedule.
 // fa3_fwd_sm90_fp8 is the same skeleton with the FP8 mainloop (mainloop_fwd_sm90_fp8.cuh, on the same pipeline):
 // e4m3 inputs, the output in OutT (bfloat16 or float16), the plain policy only.
 #include "fwd.cuh"
@@ -24,18 +25,24 @@ __device__ __forceinline__ void fwd_kernel_ws(const FwdParams& p, const TmaFwd& 
   Scheduler tiles;
   if (Mainloop::is_producer()) {
     // ---- [fa3_fwd_sm90:producer] Q_i, K_j, V_j of every tile of this CTA, as far ahead as the stages allow ----
-    if (!Mainloop::producer_start(tma) || !tiles.start(p)) return;
-    do {
-      const typename Mainloop::Pol::Info bi(p, tiles.b, tiles.h);
-      const int q0 = tiles.i * Mainloop::BR;
-      if (q0 >= bi.seqlen_q) continue;
-      Mainloop::produce(p, tma, bi, typename Mainloop::Pol(p, bi), q0, sm, pipes);
-    } while (tiles.advance(p));
+    if (!Mainloop::producer_start(tma)) return;
+    if (tiles.start(p)) do {
+        const typename Mainloop::Pol::Info bi(p, tiles.b, tiles.h);
+        const int q0 = tiles.i * Mainloop::BR;
+        if (q0 >= bi.seqlen_q) continue;
+        Mainloop::produce(p, tma, bi, typename Mainloop::Pol(p, bi), q0, tiles.t, sm, pipes);
+      } while (tiles.advance(p));
+    if constexpr (Scheduler::DYNAMIC) Mainloop::produce_end(sm, pipes);
     return;
   }
   // ---- [fa3_fwd_sm90:consumers] Alg.1 l.4-13 on each tile: the mainloop, then the epilogue ----
   Mainloop::consumer_start();
-  if (tiles.start(p)) do {
+  // the next tile: the static schedules compute it, the dynamic one reads what the producer took
+  auto next = [&](bool first) {
+    if constexpr (Scheduler::DYNAMIC) return tiles.take(p, Mainloop::published_tile(sm, pipes));
+    else return first ? tiles.start(p) : tiles.advance(p);
+  };
+  if (next(true)) do {
       const typename Mainloop::Pol::Info bi(p, tiles.b, tiles.h);
       const int q0 = tiles.i * Mainloop::BR;
       if (q0 >= bi.seqlen_q) continue;
@@ -43,28 +50,34 @@ __device__ __forceinline__ void fwd_kernel_ws(const FwdParams& p, const TmaFwd& 
       typename Mainloop::State st;
       Mainloop::consume(p, bi, pol, q0, sm, pipes, st);
       Mainloop::store(p, bi, pol, q0, st);
-    } while (tiles.advance(p));
+    } while (next(false));
   Mainloop::consumer_finish();
 }
+
+// SCHEDULE: 0 one tile per CTA, 1 a persistent grid with the static schedule, 2 a persistent grid taking tiles
+// from a counter (launch.SCHEDULES).
+template <int BR, int SCHEDULE, bool VARLEN>
+using Fa3Scheduler =
+    typename Select<SCHEDULE == 2, DynamicTileScheduler<BR>, LinearTileScheduler<BR, SCHEDULE == 1, VARLEN>>::type;
 
 }  // namespace rf
 
 template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, bool OVERLAP, bool PINGPONG,
-          bool PERSISTENT, int SMEM_BYTES>
+          int SCHEDULE, int SMEM_BYTES>
 __global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
     fa3_fwd_sm90(const __grid_constant__ rf::FwdParams p, const __grid_constant__ rf::TmaFwd tma) {
   using namespace rf;
   using Mainloop = MainloopFwdSm90Ws<T, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>>;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
-  fwd_kernel_ws<Mainloop, LinearTileScheduler<BR, PERSISTENT, GENERAL>>(p, tma);
+  fwd_kernel_ws<Mainloop, Fa3Scheduler<BR, SCHEDULE, GENERAL>>(p, tma);
 }
 
-template <typename OutT, int D, int BR, int BC, int STAGES, int MASK, bool OVERLAP, bool PINGPONG, bool PERSISTENT,
+template <typename OutT, int D, int BR, int BC, int STAGES, int MASK, bool OVERLAP, bool PINGPONG, int SCHEDULE,
           int SMEM_BYTES>
 __global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
     fa3_fwd_sm90_fp8(const __grid_constant__ rf::FwdParams p, const __grid_constant__ rf::TmaFwd tma) {
   using namespace rf;
   using Mainloop = MainloopFwdSm90Fp8<OutT, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, false>>;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
-  fwd_kernel_ws<Mainloop, LinearTileScheduler<BR, PERSISTENT, false>>(p, tma);
+  fwd_kernel_ws<Mainloop, Fa3Scheduler<BR, SCHEDULE, false>>(p, tma);
 }

@@ -45,7 +45,8 @@ struct Fa3FwdPipeline {
   static constexpr int BR = BR_, NC = BR_ / 64, NTHREADS = (NC + 1) * 128, NT = BC / 8, NO = D / 8;
   static constexpr int ALIGN = 1024, Q_BYTES = TQ::BYTES, KV_BYTES = TK::BYTES;
   static constexpr int BARRIERS = 2 + 4 * STAGES;  // Q full / empty; K full / empty and V full / empty per stage
-  static constexpr int SMEM_BYTES = ALIGN + Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS;
+  // ... and 16 bytes for the index of the tile whose Q_i is (being) copied (the dynamic scheduler's hand-over)
+  static constexpr int SMEM_BYTES = ALIGN + Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS + 16;
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
   static_assert(TV::BYTES == KV_BYTES, "a stage holds K_j and V_j in halves of one size");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NC <= 65536, "the register file");
@@ -59,7 +60,7 @@ struct Fa3FwdPipeline {
     PipeState<1> q;
     PipeState<STAGES> kv;
   };
-  // Shared-memory addresses: Q_i, then STAGES stages of K_j and of V_j, then the mbarriers.
+  // Shared-memory addresses: Q_i, then STAGES stages of K_j and of V_j, then the mbarriers, then the tile index.
   struct Smem {
     u32 base;
     __device__ __forceinline__ explicit Smem(char* smem)
@@ -74,6 +75,7 @@ struct Fa3FwdPipeline {
     __device__ __forceinline__ u32 k_empty(int s) const { return bar(2 + STAGES + s); }
     __device__ __forceinline__ u32 v_full(int s) const { return bar(2 + 2 * STAGES + s); }
     __device__ __forceinline__ u32 v_empty(int s) const { return bar(2 + 3 * STAGES + s); }
+    __device__ __forceinline__ u32 tile() const { return bar(BARRIERS); }
     // One thread: full barriers wait for one arrival (the producer's expect_tx) plus the bytes, empty ones for
     // every consumer thread.
     __device__ __forceinline__ void init() const {
@@ -99,10 +101,10 @@ struct Fa3FwdPipeline {
     }
     return true;
   }
-  // The copies of one tile. Coordinates are (column, row, head, batch); packed sequences are one "batch" whose
-  // rows start at the sequence's first row.
+  // The copies of one tile (the scheduler's index `tile`, published for the consumers with Q_i). Coordinates are
+  // (column, row, head, batch); packed sequences are one "batch" whose rows start at the sequence's first row.
   __device__ __forceinline__ static void produce(const FwdParams& p, const TmaFwd& tma, const Info& bi, const Pol& pol,
-                                                 int q0, const Smem& sm, Pipes& pipes) {
+                                                 int q0, int tile, const Smem& sm, Pipes& pipes) {
     const int nrows = min(BR, bi.seqlen_q - q0);
     const BlockRange kv = pol.kv_blocks(q0, nrows, BC);
     const int n = kv.n(), bq = Derived::PACKED && p.cu_seqlens_q ? 0 : bi.b,
@@ -110,6 +112,7 @@ struct Fa3FwdPipeline {
     if (lane_id() != 0) return;
     // ---- [mainloop_fwd_sm90_ws:load_q] Q_i, once the consumers are done with the previous tile's ----
     mbar_wait(sm.q_empty(), pipes.q.parity() ^ 1);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sm.tile()), "r"(tile) : "memory");  // released by the arrive
     mbar_expect_tx(sm.q_full(), Q_BYTES);
     tma_load_tile(tma.q, sm.q(), sm.q_full(), 0, bi.q_row0 + q0, bi.h, bq);
     pipes.q.advance();
@@ -127,7 +130,23 @@ struct Fa3FwdPipeline {
     }
   }
 
+  // The dynamic scheduler's end: no tile is left, which the consumers learn from Q_i's barrier as for a tile.
+  __device__ __forceinline__ static void produce_end(const Smem& sm, Pipes& pipes) {
+    if (lane_id() != 0) return;
+    mbar_wait(sm.q_empty(), pipes.q.parity() ^ 1);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sm.tile()), "r"(-1) : "memory");
+    mbar_arrive(sm.q_full());
+  }
+
   // ---------------------------------------------------------------- consumers
+  // The index the producer published with the next Q_i (-1: none is left), once its barrier has completed; the
+  // walk's own wait on that barrier then returns at once.
+  __device__ __forceinline__ static int published_tile(const Smem& sm, const Pipes& pipes) {
+    mbar_wait(sm.q_full(), pipes.q.parity());
+    int tile;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(tile) : "r"(sm.tile()) : "memory");
+    return tile;
+  }
   // Ping-pong turns: warpgroup w waits on barrier 1 + w and passes the turn to 1 + (w + 1) % NC; 256 threads
   // meet at each (the waiting warpgroup and the one passing the turn).
   __device__ __forceinline__ static void turn_wait() {

@@ -38,6 +38,8 @@ struct FwdParams {
   const float* k_descale;    // (batch, kv head) at [b * descale_sb + hk * descale_sh]
   const float* v_descale;
   long long descale_sb, descale_sh;
+  int* tile_counter;         // FA3's dynamic persistent grid: {next tile, CTAs done}, zero between launches (the
+                             // last CTA of a launch puts both back to zero)
   int batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim;
   int window_left, window_right;  // -1: unbounded on that side; causal is (-1, 0)
   int page_size, num_splits;

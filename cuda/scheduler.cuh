@@ -67,6 +67,7 @@ template <int BR, bool SERIAL, bool VARLEN> struct QTileScheduler {
 // indices past the last real tile are holes, skipped). PERSISTENT: a grid of about one CTA per SM, each CTA
 // taking t = blockIdx.x, + gridDim.x, ... (a static schedule); otherwise one tile per CTA.
 template <int BR, bool PERSISTENT, bool VARLEN> struct LinearTileScheduler {
+  static constexpr bool DYNAMIC = false;
   int b, h, i, t;
   template <class P> __device__ __forceinline__ bool start(const P& p) {
     t = blockIdx.x;
@@ -93,6 +94,44 @@ template <int BR, bool PERSISTENT, bool VARLEN> struct LinearTileScheduler {
     h = bh % p.heads;
     b = bh / p.heads;
     return true;
+  }
+};
+
+// LinearTileScheduler's tiles handed out at run time (FA3's dynamic persistent grid): a CTA takes the next index
+// from a global counter when it is ready for a tile, so unequal tiles (causal) spread over the CTAs as the
+// hardware's dispatch of one CTA per tile spreads them, while each CTA still overlaps one tile's end with the
+// next one's copies. The producer warp takes the index (start / advance) and publishes it in shared memory
+// before it copies Q_i (Fa3FwdPipeline::produce; -1 when none is left, produce_end); the consumers read it once
+// Q_i's barrier has completed (Fa3FwdPipeline::published_tile, then take). The counters {next, done} are zero
+// at launch: every CTA takes exactly one index past the last tile, then counts itself done, and the last one to
+// do so puts both back to zero for the next launch on the stream (one launch per stream at a time: the backend
+// keeps one pair per stream).
+template <int BR> struct DynamicTileScheduler : LinearTileScheduler<BR, true, false> {
+  using Base = LinearTileScheduler<BR, true, false>;
+  static constexpr bool DYNAMIC = true;
+  // ---- producer warp (all 32 lanes) ----
+  template <class P> __device__ __forceinline__ bool start(const P& p) { return fetch(p); }
+  template <class P> __device__ __forceinline__ bool advance(const P& p) { return fetch(p); }
+  template <class P> __device__ __forceinline__ bool fetch(const P& p) {
+    int next = 0;
+    if (lane_id() == 0) next = atomicAdd(p.tile_counter, 1);
+    this->t = __shfl_sync(0xffffffffu, next, 0);
+    if (this->find(p)) return true;
+    if (lane_id() == 0) {
+      __threadfence();  // this CTA's last take is ordered before its count (the reset must follow every take)
+      if (atomicAdd(p.tile_counter + 1, 1) == (int)gridDim.x - 1) {
+        atomicExch(p.tile_counter, 0);
+        atomicExch(p.tile_counter + 1, 0);
+      }
+    }
+    return false;
+  }
+  // ---- consumers: the index the producer published for the next Q_i (Fa3FwdPipeline::published_tile; -1:
+  // none is left) ----
+  template <class P> __device__ __forceinline__ bool take(const P& p, int published) {
+    if (published < 0) return false;
+    this->t = published;
+    return this->find(p);
   }
 };
 

@@ -16,7 +16,8 @@ from . import arrays, configs, forms, reference, settings, validation
 from .validation import Checked, Features
 
 Array = Any  # a CuPy array, a NumPy array, or any object with __dlpack__ / __cuda_array_interface__
-SWITCHES = ("defer_norm", "seq_parallel", "split_q", "wgmma", "overlap", "warp_specialize", "pingpong", "persistent")
+SWITCHES = ("defer_norm", "seq_parallel", "split_q", "wgmma", "overlap", "warp_specialize", "pingpong", "persistent",
+            "dynamic")
 
 
 def _import(named):
@@ -113,8 +114,9 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         demands wgmma) and ``overlap`` (wgmma forms: FA3's softmax / P V overlap, default True); on Hopper
         ``warp_specialize`` (default: FA3's form, a TMA producer warpgroup feeding consumer warpgroups, where it
         applies; False: the wgmma form whose threads all copy; True demands FA3's form), and in FA3's form
-        ``pingpong`` (consumer warpgroups take turns on the tensor cores) and ``persistent`` (one CTA per SM walks
-        the tiles), both True by default.
+        ``pingpong`` (consumer warpgroups take turns on the tensor cores, default True), ``persistent`` (one CTA
+        per SM walks the tiles; default: where the tiles cost the same) and ``dynamic`` (a persistent grid's CTAs
+        take the next tile from a counter; False: the static schedule; default True).
 
     Returns
     -------

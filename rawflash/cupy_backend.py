@@ -130,6 +130,8 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
     if plan[0].kernel == "fa1_fwd":
         ws = dict(o_ws=cupy.zeros(_rows(pr, pr.head_dim), dtype=cupy.float32),
                   m_ws=cupy.full(_rows(pr), -np.inf, dtype=cupy.float32), l_ws=cupy.zeros(_rows(pr), dtype=cupy.float32))
+    if plan[0].kernel == "fa3_fwd_sm90":
+        ws["tile_counter"] = tile_counter()
     rec = params.fwd_params(pr, q, k, v, out, lse, scale, **prep.extras, **ws)
     args = (rec,)
     if plan[0].kernel == "fa3_fwd_sm90":
@@ -173,7 +175,8 @@ def bind_forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switche
     lse = cupy.empty(_rows(pr), dtype=cupy.float32)
     shape = next((x.shape for x in ds if x is not None), (1,))  # a missing descale is 1 in the others' layout
     named = [x if x is not None else cupy.ones(shape, cupy.float32) for x in ds]
-    rec = params.fwd_params(pr, q8, k8, v8, out, lse, scale, descales=tuple(named), **feats)
+    rec = params.fwd_params(pr, q8, k8, v8, out, lse, scale, descales=tuple(named), tile_counter=tile_counter(),
+                            **feats)
     maps = tma.fwd_maps_fp8(q8, k8, vt, cfg.br, cfg.bc, launch.fp8_head_dim(pr))
     sv = [np.int64(s) for s in v8.strides[:3]]
     vt_args = (v8, *sv, np.int32(pr.seqlen_k), np.int32(pr.head_dim), np.int32(pr.kv_heads), vt, np.int32(nk))
@@ -312,6 +315,23 @@ def _cache_ready(x, name: str, chunk: int, in_place: bool):
                          f"of {chunk} elements for an in-place append (k_new / v_new given), got strides "
                          f"{tuple(x.strides)} bytes")
     return ready
+
+
+_tile_counters: dict = {}
+
+
+def tile_counter():
+    """FA3's dynamic persistent grid's two int32 counters {next tile, CTAs done} (scheduler.cuh's
+    DynamicTileScheduler), one pair per (device, stream): zero when allocated, and the last CTA of every launch
+    puts them back to zero, so the launches of one stream (which run one after another) share a pair and pay for
+    no reset. A launch that faults leaves them set, but its context is then lost with them."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
+    counter = _tile_counters.get(key)
+    if counter is None:
+        counter = _tile_counters[key] = cupy.zeros(2, dtype=cupy.int32)
+    return counter
 
 
 WORKSPACES = 8  # decode's cached (o_ws, m_ws) pairs, the least recently used dropped first

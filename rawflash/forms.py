@@ -27,7 +27,8 @@ class Switches:
     fa3_fwd_sm90) and the wgmma form without it (every thread copies with cp.async, fa2_fwd_sm90).
     ``overlap``: FA3's softmax / P V overlap inside a warpgroup (both wgmma forms); ``pingpong``: its schedule
     between consumer warpgroups and ``persistent``: one CTA per SM walking the tiles (fa3_fwd_sm90 only; None:
-    where every tile costs the same, i.e. no mask; see ``persistent_default``).
+    see ``persistent_default``); ``dynamic``: a persistent grid's CTAs take the next tile from a counter when they
+    are ready for it (False: the static schedule, tile t on CTA t % grid).
     """
 
     defer_norm: bool = True
@@ -38,6 +39,7 @@ class Switches:
     warp_specialize: bool | None = None
     pingpong: bool = True
     persistent: bool | None = None
+    dynamic: bool = True
 
     @property
     def ideas_on(self) -> bool:
@@ -65,6 +67,7 @@ ABLATIONS: dict[str, Switches] = {  # FA2's ideas, measured on the mma.sync form
     "fa3, no ping-pong": Switches(wgmma=True, warp_specialize=True, pingpong=False),
     "fa3, no overlap": Switches(wgmma=True, warp_specialize=True, overlap=False),
     "fa3, persistent": Switches(wgmma=True, warp_specialize=True, persistent=True),
+    "fa3, persistent, static": Switches(wgmma=True, warp_specialize=True, persistent=True, dynamic=False),
     "fa3, not persistent": Switches(wgmma=True, warp_specialize=True, persistent=False),
 }
 
@@ -118,7 +121,8 @@ def fp8_forward(p: Problem, sw: Switches = Switches(), override: Override | None
                          "with float8_e4m3fn inputs")
     cfg = _config("fa3_fwd_sm90_fp8", p, override)
     main = launch.fa3_fwd_sm90_fp8(p, cfg, p.out_dtype or "bfloat16", overlap=sw.overlap, pingpong=sw.pingpong,
-                                   persistent=persistent_default(p) if sw.persistent is None else sw.persistent)
+                                   persistent=persistent_default(p) if sw.persistent is None else sw.persistent,
+                                   dynamic=sw.dynamic)
     return [launch.fp8_vt_permute(p, cfg.bc), main]
 
 
@@ -137,7 +141,8 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
         if use_fa3:
             return launch.fa3_fwd_sm90(p, _config("fa3_fwd_sm90", p, override), overlap=sw.overlap,
                                        pingpong=sw.pingpong,
-                                       persistent=persistent_default(p) if sw.persistent is None else sw.persistent)
+                                       persistent=persistent_default(p) if sw.persistent is None else sw.persistent,
+                                       dynamic=sw.dynamic)
         if not hopper_form_fits("fa2_fwd_sm90", p):
             raise ValueError(f"warp_specialize=False on Hopper runs the cp.async wgmma form, which needs a head_dim "
                              f"that pads to a multiple of 64; got {got}")

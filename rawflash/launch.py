@@ -194,14 +194,14 @@ def smem_fa2_fwd_sm90(cfg: TileConfig, d: int) -> int:
 
 def smem_fa3_fwd_sm90(cfg: TileConfig, d: int) -> int:
     """mainloop_fwd_sm90_ws.cuh Fa3FwdPipeline::SMEM_BYTES: 1024 B of alignment slack, Q_i, `stages` stages each of
-    K_j and V_j (16-bit), and 2 + 4 stages mbarriers of 8 B."""
-    return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d * 2 + 8 * (2 + 4 * cfg.stages)
+    K_j and V_j (16-bit), 2 + 4 stages mbarriers of 8 B and 16 B for the tile index (the dynamic schedule's)."""
+    return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d * 2 + 8 * (2 + 4 * cfg.stages) + 16
 
 
 def smem_fa3_fwd_sm90_fp8(cfg: TileConfig, d: int) -> int:
     """Fa3FwdPipeline::SMEM_BYTES of mainloop_fwd_sm90_fp8.cuh: the same as FA3's 16-bit forward with 1-byte
     elements (Q_i, `stages` stages of K_j and V_j^T)."""
-    return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d + 8 * (2 + 4 * cfg.stages)
+    return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d + 8 * (2 + 4 * cfg.stages) + 16
 
 
 def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
@@ -291,14 +291,24 @@ def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, i
     return (max(1, min(tiles, p.sms) if persistent else tiles), 1, 1)
 
 
+# fa3_fwd_sm90.cu's SCHEDULE: one tile per CTA, or a persistent grid (one CTA per SM) walking the tiles by the
+# static schedule (tile t on CTA t % grid) or taking them from a counter as each CTA gets ready (dynamic).
+SCHEDULES = {"one tile per CTA": 0, "persistent, static": 1, "persistent, dynamic": 2}
+
+
+def fa3_schedule(persistent: bool, dynamic: bool) -> int:
+    return SCHEDULES["persistent, dynamic" if dynamic else "persistent, static"] if persistent else 0
+
+
 def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong: bool = True,
-                 persistent: bool = True) -> Launch:
+                 persistent: bool = True, dynamic: bool = True) -> Launch:
     """FA3 forward (sm_90a): TMA copies by a producer warpgroup, br / 64 consumer warpgroups; ``overlap`` inside a
-    warpgroup, ``pingpong`` between them, ``persistent`` a grid of one CTA per SM walking the tiles."""
+    warpgroup, ``pingpong`` between them, ``persistent`` a grid of one CTA per SM walking the tiles (``dynamic``:
+    each CTA takes the next tile from a counter; else the static schedule)."""
     d = tma_head_dim(p)
     smem = smem_fa3_fwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, overlap, pingpong, persistent,
-            smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, overlap, pingpong,
+            fa3_schedule(persistent, dynamic), smem)
     return Launch("fa3_fwd_sm90", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
@@ -314,11 +324,12 @@ def vt_keys(p: Problem, bc: int) -> int:
 
 
 def fa3_fwd_sm90_fp8(p: Problem, cfg: TileConfig, out_dtype: str = "bfloat16", *, overlap: bool = True,
-                     pingpong: bool = True, persistent: bool = True) -> Launch:
+                     pingpong: bool = True, persistent: bool = True, dynamic: bool = True) -> Launch:
     """FA3 forward on e4m3 inputs (sm_90a), output in ``out_dtype``; the switches as for :func:`fa3_fwd_sm90`."""
     d = fp8_head_dim(p)
     smem = smem_fa3_fwd_sm90_fp8(cfg, d)
-    args = (CUDA_TYPES[out_dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, overlap, pingpong, persistent, smem)
+    args = (CUDA_TYPES[out_dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, overlap, pingpong,
+            fa3_schedule(persistent, dynamic), smem)
     return Launch("fa3_fwd_sm90_fp8", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 

@@ -29,6 +29,7 @@ FWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("o_ws", "ptr"), ("m_ws", "ptr"), ("l_ws", "ptr"), ("k_new", "ptr"), ("v_new", "ptr"),
     *_strides("kn"), *_strides("vn"), ("ws_split", "i64"),
     ("q_descale", "ptr"), ("k_descale", "ptr"), ("v_descale", "ptr"), ("descale_sb", "i64"), ("descale_sh", "i64"),
+    ("tile_counter", "ptr"),
     ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
     ("head_dim", "i32"), ("window_left", "i32"), ("window_right", "i32"), ("page_size", "i32"),
     ("num_splits", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("new_keys", "i32"),
@@ -90,8 +91,9 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
                cache_len: int = 0, descales: tuple = (), **extras) -> np.ndarray:
     """FwdParams for one forward (or decode) call. ``extras``: cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks
     (CuPy arrays or None), block_table (its page size is ``p.page_size``), o_ws / m_ws / l_ws (float32 work
-    buffers), num_splits; ``descales`` (FP8) the (q, k, v) descale arrays. ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the cache's capacity per
-    sequence (``p.seqlen_k``) and pages (k's first axis when paged), cache_len (every sequence's cache_seqlens
+    buffers), num_splits, tile_counter (two int32 zeros: FA3's dynamic persistent grid); ``descales`` (FP8) the
+    (q, k, v) descale arrays. ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the cache's capacity
+    per sequence (``p.seqlen_k``) and pages (k's first axis when paged), cache_len (every sequence's cache_seqlens
     when seqused_k is None); a split's partial O is o's size apart in o_ws."""
     rec = np.zeros(1, FWD_DTYPE)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
@@ -106,6 +108,7 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
     for name in ("o_ws", "m_ws", "l_ws"):
         rec[name] = ptr(extras.get(name))
     rec["num_splits"] = extras.get("num_splits", 1)
+    rec["tile_counter"] = ptr(extras.get("tile_counter"))
     if descales:  # FP8: (q, k, v) float32 descales, each (1,) or (batch, kv_heads)
         for name, x in zip(("q_descale", "k_descale", "v_descale"), descales):
             rec[name] = ptr(x)

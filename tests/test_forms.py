@@ -44,15 +44,19 @@ def test_head_dims_off_the_64_grid_run_fa3_with_zero_filled_panels(d):
 
 
 def test_persistent_by_default_only_without_a_mask():
-    assert forms.fa2_forward(_problem()).template_args[9] is True
-    assert forms.fa2_forward(_problem(causal=True)).template_args[9] is False
-    assert forms.fa2_forward(_problem(window=(8, 8))).template_args[9] is True, "a window's tiles are equal"
-    assert forms.fa2_forward(_problem(window=(-1, 8))).template_args[9] is False, "unbounded left: causal-like"
-    assert forms.fa2_forward(_problem(softcap=5.0)).template_args[9] is True, "equal tiles: a transform is no mask"
+    schedule = lambda p, sw=Switches(): forms.fa2_forward(p, sw).template_args[9]  # noqa: E731
+    dynamic, static, none = (launch.SCHEDULES[k] for k in ("persistent, dynamic", "persistent, static",
+                                                             "one tile per CTA"))
+    assert schedule(_problem()) == dynamic
+    assert schedule(_problem(causal=True)) == none
+    assert schedule(_problem(window=(8, 8))) == dynamic, "a window's tiles are equal"
+    assert schedule(_problem(window=(-1, 8))) == none, "unbounded left: causal-like"
+    assert schedule(_problem(softcap=5.0)) == dynamic, "equal tiles: a transform is no mask"
     packed = Problem(4, 512, 512, 4, 4, 128, "bfloat16", False, "sm_90", varlen=True, total_q=900, total_k=900)
-    assert forms.fa2_forward(packed).template_args[9] is False, "packed lengths make tiles unequal"
-    assert forms.fa2_forward(dataclasses.replace(_problem(), seqused_k=True)).template_args[9] is False
-    assert forms.fa2_forward(_problem(causal=True), Switches(persistent=True)).template_args[9] is True
+    assert schedule(packed) == none, "packed lengths make tiles unequal"
+    assert schedule(dataclasses.replace(_problem(), seqused_k=True)) == none
+    assert schedule(_problem(causal=True), Switches(persistent=True)) == dynamic
+    assert schedule(_problem(causal=True), Switches(persistent=True, dynamic=False)) == static
     big = Problem(8, 4096, 4096, 16, 16, 128, "bfloat16", False, "sm_90", sms=132)
     assert forms.fa2_forward(big).grid == (132, 1, 1)
     assert forms.fa2_forward(big, Switches(persistent=False)).grid == (8 * 16 * 4096 // 128, 1, 1)

@@ -23,7 +23,8 @@ SEQLENS = [(1, 1), (3, 3), (17, 17), (64, 128), (113, 203), (127, 129), (203, 11
 HEAD_DIMS = [40, 64, 80, 96, 112, 128, 160, 192, 224, 256]
 HEADS = [(4, 4), (4, 2), (4, 1)]
 SWITCHES = {"default": {}, "no-pingpong": {"pingpong": False}, "no-overlap": {"overlap": False},
-            "persistent": {"persistent": True}, "not-persistent": {"persistent": False}}
+            "persistent": {"persistent": True}, "not-persistent": {"persistent": False},
+            "static": {"persistent": True, "dynamic": False}}
 
 
 @pytest.fixture(autouse=True)
@@ -54,9 +55,28 @@ def test_fa3_forward(sq, sk, h, hk, d, dtype, causal, sw):
 def test_fa3_more_tiles_than_sms(sw, causal):
     """5 x 12 heads x 9 query tiles = 540 tiles: each persistent CTA walks several, across heads and batches."""
     p = launch.Problem(5, 1100, 1100, 12, 4, 128, "bfloat16", causal, "sm_90")
-    persistent = forms.fa2_forward(p, forms.Switches(**SWITCHES[sw])).template_args[9]
+    persistent = forms.fa2_forward(p, forms.Switches(**SWITCHES[sw])).template_args[9] != 0
     assert forms.fa2_forward(p, forms.Switches(**SWITCHES[sw])).ctas == (132 if persistent else 540)
     check_forward(5, 1100, 1100, 12, 4, 128, "bfloat16", causal, "fa2", warp_specialize=True, **SWITCHES[sw])
+
+
+def test_fa3_dynamic_schedule_counters_return_to_zero():
+    """The dynamic persistent grid's counters are zero again after every launch (so the next launch on the stream
+    takes every tile from the first): launches of different tile counts in a row, causal and not, each equal
+    bitwise to the one-tile-per-CTA grid (the same tiles computed the same way), and the counters read back 0."""
+    import cupy
+
+    from rawflash import cupy_backend
+    from conftest import random_qkv
+
+    for i, (b, n, h, causal) in enumerate([(3, 1100, 12, True), (1, 300, 2, False), (5, 2048, 8, True),
+                                           (2, 129, 4, False)]):
+        q, k, v = (cupy.asarray(x) for x in random_qkv(b, n, n, h, h, 128, "bfloat16", seed=i))
+        ref, lref = rawflash.forward(q, k, v, causal=causal, persistent=False)
+        for _ in range(2):
+            out, lse = rawflash.forward(q, k, v, causal=causal, persistent=True, dynamic=True)
+            assert cupy.array_equal(out, ref) and cupy.array_equal(lse, lref), (b, n, h, causal)
+        assert cupy_backend.tile_counter().get().tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
