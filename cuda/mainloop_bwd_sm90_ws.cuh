@@ -9,9 +9,7 @@
 // dQ_i += dS K_j from dS^T in shared memory); they meet each other only at one named barrier per step (every dS^T
 // written), double-buffered so the next step's dS^T cannot overwrite one still being read. Each warpgroup's slice
 // of dQ_i goes to shared memory (float32, double-buffered) and one thread adds it into the float32 dQ rows with a
-// TMA reduce-add, so the consumers issue no atomics of their own. dQ_i's product is not waited for in its own step:
-// the next step issues its S^T behind it and stores dQ_i while S^T runs, so the tensor cores go on from dK, dV and
-// dQ_i into the next step's products while the warps write dQ_i out.
+// TMA reduce-add, so the consumers issue no atomics of their own.
 //
 // DET (deterministic=True): the key blocks of one (sequence, query head) add into each query block's dQ rows in a
 // fixed order (FlashAttention-3's ordered dQ accumulation), so float32's non-associative sums come out bitwise the
@@ -48,7 +46,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // K_j, V_j; STAGES x (Q_i, dO_i); 2 x dS^T; 2 x NWG dQ_i slices; STAGES x (L_i, D_i); the mbarriers
   static constexpr int SMEM_BYTES =
       ALIGN + 2 * KV + 2 * STAGES * QB + 2 * DS + 2 * NWG * DQB + 2 * STAGES * BR_ * 4 + 8 * BARRIERS;
-  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+  // 24 / 240 (FA3's split for two consumer warpgroups): the plain policy's dV product runs while dS^T is formed, with
+  // P^T (float and A fragments), dP^T, dK and dV live at once; at 232 that spilled 32 B, and the spill code touching
+  // registers of products in flight made ptxas serialise every product.
+  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
   static constexpr int DS_BARRIER = 1;  // named barrier of the consumer warpgroups: every dS^T is in shared memory
   static constexpr int DQ_BARRIER = 2;  // + w: warpgroup w's dQ_i slice is in shared memory
   // DET: + 2 w + buffer, over warpgroup w and the dQ writer warp: the slice is in shared memory (full) / the
@@ -233,7 +234,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // the layout the dq map's box reads, so a warp's stores of a row pair spread over every bank.
   template <int NT>
   __device__ __forceinline__ static void reduce_dq_tma(const BwdParams& p, const TmaBwd& tma, const Smem& sm,
-                                                       const Acc<1, NT>& dq, int row, int it) {
+                                                       const typename Pol::Info& bh, const Acc<1, NT>& dq, int q0,
+                                                       int it) {
     const int w = warpgroup_id(), g = lane_id() >> 2, t = lane_id() & 3, qr = 16 * warp_in_group();
     const u32 tile = sm.dq(w, it);
     if constexpr (DET) named_sync(DQ_EMPTY + 2 * w + (it & 1), DQ_PAIR);  // the writer has read this buffer
@@ -254,7 +256,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
     named_sync(DQ_BARRIER + w, 128);
     if ((threadIdx.x & 127) == 0) {
 #pragma unroll
-      for (int c = 0; c < DQN; c += 32) tma_reduce_add_2d(tma.dq, tile + c / 32 * (BR_ * 128), w * DQN + c, row);
+      for (int c = 0; c < DQN; c += 32) tma_reduce_add_2d(tma.dq, tile + c / 32 * (BR_ * 128), w * DQN + c, (int)(bh.row0 + q0));
       bulk_commit();
     }
   }
@@ -269,10 +271,6 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
     zero(st.dv);
     if (walk.total > 0) mbar_wait(sm.kv_full(), 0);
     PipeState<STAGES> pipe;
-    // dQ_i of the previous step, still running on the tensor cores when this step's S^T is issued behind it (so the
-    // tensor cores are not idle while it is stored), and its first row in the float32 dQ rows.
-    Acc<1, DQN / 8> dq;
-    int dq_row = 0;
 #pragma unroll 1
     for (int it = 0; it < walk.total; ++it, pipe.advance()) {
       const int q0 = walk.block(it) * BR, s = pipe.stage();
@@ -287,18 +285,11 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       wgmma_fence();
       wg_gemm_abt(sc, sK, kw, sQ, 0, false);
       wgmma_commit();
-      // ---- [mainloop_bwd_sm90_ws:dq_out] the previous step's dQ_i is done; it goes out while S^T runs ----
-      // (dP^T is issued after it: S^T, dP^T and dQ_i at once, beside dK_j, dV_j, spill 512 B at 232 or 240 registers)
-      if (it > 0) {
-        wgmma_wait<1>();
-        fence_operand(dq);
-        reduce_dq_tma(p, tma, sm, dq, dq_row, it - 1);
-        wgmma_fence();
-      }
       wg_gemm_abt(dp, sV, kw, sdO, 0, false);
       wgmma_commit();
-      // ---- [mainloop_bwd_sm90_ws:probs] Alg.2 l.10-11 and l.13-15: P^T; dV_w += P^T dO_i; dS^T = P^T * (dP^T - D_i);
-      // dK_w += dS^T Q_i. The plain policy issues dV while dS^T is formed; the general one forms both first. ----
+      // ---- [mainloop_bwd_sm90_ws:probs] Alg.2 l.10-11, l.13 and l.15: P^T; dV_w += P^T dO_i; dS^T = P^T * (dP^T -
+      // D_i); dK_w += dS^T Q_i. The plain policy issues dV once P^T is formed, so it runs while dS^T is formed;
+      // the general one forms both first (its transform's derivative needs both). ----
       // Rows past the sequence: the copies may have read a packed neighbour's rows (not zeros), so P = dS = 0.
       const int nq = bh.seqlen_q - q0;
       u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
@@ -310,7 +301,6 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
         probs_p_sm90<T>(pol, sc, q0, k0 + wk, sL, edge);
         if (nq < BR) for_each_col(sc, [&](float& x, int col) { if (col >= nq) x = 0.f; });
         to_a_operand<T>(p_a, sc);
-        fence_operand(st.dv);
         wgmma_fence();
         wg_gemm_rb(st.dv, p_a, sdO, 0, 0);
         wgmma_commit();
@@ -322,31 +312,24 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       store_acc(sdS, dp, wk, 0);
       fence_async_smem();
       fence_operand(st.dk);
-      fence_operand(st.dv);
+      if constexpr (Pol::GENERAL) fence_operand(st.dv);  // (not while dV runs: ptxas would serialise the products)
       wgmma_fence();
       if constexpr (Pol::GENERAL) wg_gemm_rb(st.dv, p_a, sdO, 0, 0);
       wg_gemm_rb(st.dk, ds_a, sQ, 0, 0);
       wgmma_commit();
       // ---- [mainloop_bwd_sm90_ws:dq] Alg.2 l.14: dQ_i += scale * dS K_j, columns w*D/NWG.. from every dS^T ----
-      // (the reduce-add of dQ_{i-2}, issued in the previous step, has read its tile before anyone passes the barrier;
-      // the next step rewrites that tile with dQ_i)
+      // (the reduce-add of two steps ago has read its dQ tile before anyone passes the barrier and rewrites it)
       if (!DET && (threadIdx.x & 127) == 0) bulk_wait_read<1>();
       named_sync(DS_BARRIER, NWG * 128);
+      Acc<1, DQN / 8> dq;
       wg_gemm_atb<BC>(dq, sdS, 0, sK, w * DQN, false);
       wgmma_commit();
-      // dV, dK done: P^T and dS^T (their A operands) are free again, and Q_i, dO_i, L_i, D_i of this stage are no
-      // longer read (dQ_i, running on behind them, reads dS^T and K_j only)
-      wgmma_wait<1>();
-      fence_operand(st.dk);
-      fence_operand(st.dv);
-      mbar_arrive(sm.empty(s));
-      dq_row = (int)(bh.row0 + q0);
-    }
-    // ---- [mainloop_bwd_sm90_ws:dq_last] the last step's dQ_i ----
-    if (walk.total > 0) {
       wgmma_wait<0>();
       fence_operand(dq);
-      reduce_dq_tma(p, tma, sm, dq, dq_row, walk.total - 1);
+      fence_operand(st.dk);
+      fence_operand(st.dv);
+      mbar_arrive(sm.empty(s));  // Q_i, dO_i, L_i, D_i of this stage are no longer read
+      reduce_dq_tma(p, tma, sm, bh, dq, q0, it);
     }
     if (!DET && (threadIdx.x & 127) == 0) bulk_wait_read<0>();  // shared memory outlives the last reduce-add's reads
   }

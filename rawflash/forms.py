@@ -73,15 +73,20 @@ ABLATIONS: dict[str, Switches] = {  # FA2's ideas, measured on the mma.sync form
 
 
 def persistent_default(p: Problem) -> bool:
-    """FA3's persistent grid by default only when every tile has the same work (no mask): its static schedule
-    (tile t on CTA t % grid) leaves CTAs idle when causal tiles differ in length, where the hardware's own
-    dispatch of one CTA per tile balances them (H200, bf16, d = 128, N = 16384 causal: 442 persistent vs
-    676 TFLOP/s; non-causal N = 1024: 523 vs 486; bench/results/NOTES.md, session 4). Packed sequences of
-    different lengths (and ``seqused_k``) have unequal tiles even without a mask, so they run one CTA per tile.
-    A sliding window bounded on the left gives every tile the same keys but the first few of a head, so it takes
-    the persistent grid too (window (1024, 0) at N = 16384: 400 against 392 TFLOP/s, session 5)."""
-    windowed = p.mask == launch.WINDOW and p.window_bounds[0] >= 0
-    return (p.mask == launch.NO_MASK or windowed) and not p.varlen and not p.seqused_k
+    """FA3's persistent grid by default wherever the sequences have fixed lengths, every mask included: its
+    dynamic schedule (CTAs take the next tile from a counter, ``DynamicTileScheduler``) balances unequal causal
+    tiles as the hardware's dispatch of one CTA per tile does, and overlaps each tile's end with the next one's
+    copies (H200, bf16, d = 128, causal: N = 1024 366 against 323 TFLOP/s one tile per CTA, N = 16384 703 against
+    692; session 4's static schedule had lost there, 442 against 676 at N = 16384; bench/results/NOTES.md,
+    session 6). Packed sequences and ``seqused_k`` run one CTA per tile: their tiles are unequal without a mask,
+    and the dynamic scheduler does not walk packed tiles."""
+    return not p.varlen and not p.seqused_k
+
+
+def fa3_dynamic(p: Problem, sw: Switches) -> bool:
+    """Whether a persistent FA3 grid takes its tiles from the counter: the switch, except for packed sequences,
+    which only the static schedule walks (its holes between sequences)."""
+    return sw.dynamic and not p.varlen
 
 
 def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
@@ -122,7 +127,7 @@ def fp8_forward(p: Problem, sw: Switches = Switches(), override: Override | None
     cfg = _config("fa3_fwd_sm90_fp8", p, override)
     main = launch.fa3_fwd_sm90_fp8(p, cfg, p.out_dtype or "bfloat16", overlap=sw.overlap, pingpong=sw.pingpong,
                                    persistent=persistent_default(p) if sw.persistent is None else sw.persistent,
-                                   dynamic=sw.dynamic)
+                                   dynamic=fa3_dynamic(p, sw))
     return [launch.fp8_vt_permute(p, cfg.bc), main]
 
 
@@ -142,7 +147,7 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
             return launch.fa3_fwd_sm90(p, _config("fa3_fwd_sm90", p, override), overlap=sw.overlap,
                                        pingpong=sw.pingpong,
                                        persistent=persistent_default(p) if sw.persistent is None else sw.persistent,
-                                       dynamic=sw.dynamic)
+                                       dynamic=fa3_dynamic(p, sw))
         if not hopper_form_fits("fa2_fwd_sm90", p):
             raise ValueError(f"warp_specialize=False on Hopper runs the cp.async wgmma form, which needs a head_dim "
                              f"that pads to a multiple of 64; got {got}")
