@@ -1,7 +1,10 @@
 // decode: KV-cache attention for inference (Flash-Decoding): a few query rows per sequence against its cache.
-// decode_append: k_new / v_new written into the cache (contiguous or paged) at cache_seqlens[b] + t, before.
 // decode_split: grid (cdiv(num_splits, WARPS), kv_heads * row_groups, batch), each warp one split of the keys
 //   (mainloop_decode.cuh) for the GQA-packed query rows of one kv head; partial O and lse to float32 buffers.
+//   With one row group (p.split_appends, forms.decode_split_appends) each warp first writes the new keys that fall
+//   in its own range of keys into the cache ([decode:split_append]), so no launch of its own appends them.
+// decode_append: k_new / v_new written into the cache (contiguous or paged) at cache_seqlens[b] + t, before
+//   decode_split, where several row groups read the same keys (their CTAs cannot wait for one another).
 // decode_combine: one CTA per (b, query, head) merges the splits by their lse (lanes over the splits, threads
 //   over the columns), adds the sink to the denominator, writes out (input dtype) and lse.
 //
@@ -41,6 +44,22 @@ template <int THREADS, class Op> __device__ __forceinline__ float block_reduce(f
   return x;
 }
 
+// Columns [c, c + 8) of new key t (K and V) of sequence bi.b, kv head bi.hk, into the cache as key len + t
+// (len = cache_seqlens[b], checked by the caller with decode_len_ok); nothing is written where that key's page
+// lies outside the cache. decode_append's threads and decode_split's warps both append through here.
+template <typename T> __device__ __forceinline__ void append_chunk(const FwdParams& p, const BlockInfo<true>& bi,
+                                                                    int len, int t, int c) {
+  const BlockInfo<true>::PagePos pos = bi.page_pos(p, len + t);
+  if (!BlockInfo<true>::slot_inside(p, bi.page_slot(p, pos.page))) return;  // the page lies outside the cache
+  long long ko, vo;
+  bi.key_offsets(p, pos, 0, ko, vo);
+  float kv[8];
+  load8(kv, (const T*)p.k_new + bi.b * p.kn_sb + t * p.kn_ss + bi.hk * p.kn_sh + c);
+  store8((T*)p.k + ko + c, kv);
+  load8(kv, (const T*)p.v_new + bi.b * p.vn_sb + t * p.vn_ss + bi.hk * p.vn_sh + c);
+  store8((T*)p.v + vo + c, kv);
+}
+
 }  // namespace rf
 
 template <typename T> __global__ void decode_append(const __grid_constant__ rf::FwdParams p) {
@@ -53,16 +72,7 @@ template <typename T> __global__ void decode_append(const __grid_constant__ rf::
     const int b = x / ((long long)c8 * p.kv_heads * p.new_keys);
     const int len = decode_cache_len(p, b);
     if (!decode_len_ok(p, len)) continue;  // out of the cache: nothing written (decode_split makes b's rows NaN)
-    const BlockInfo<true> bi(p, b, hk * (p.heads / p.kv_heads));
-    const BlockInfo<true>::PagePos pos = bi.page_pos(p, len + t);
-    if (!BlockInfo<true>::slot_inside(p, bi.page_slot(p, pos.page))) continue;  // the page lies outside the cache
-    long long ko, vo;
-    bi.key_offsets(p, pos, 0, ko, vo);
-    float kv[8];
-    load8(kv, (const T*)p.k_new + b * p.kn_sb + t * p.kn_ss + hk * p.kn_sh + c);
-    store8((T*)p.k + ko + c, kv);
-    load8(kv, (const T*)p.v_new + b * p.vn_sb + t * p.vn_ss + hk * p.vn_sh + c);
-    store8((T*)p.v + vo + c, kv);
+    append_chunk<T>(p, BlockInfo<true>(p, b, hk * (p.heads / p.kv_heads)), len, t, c);
   }
 }
 
@@ -97,11 +107,35 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   cp_async_wait<0>();
   __syncthreads();  // the Q tile is visible to every warp
   if (s >= p.num_splits) return;
-  // ---- [decode:mainloop] this warp's split: the s-th run of cdiv(tiles, num_splits) key tiles of the sequence ----
-  Acc<MT, D / 8> o;
-  OnlineSoftmax<2 * MT> sm;
+  // ---- [decode:split_append] the split's keys [k_begin, k_end); the new keys among them into the cache ----
+  // The s-th run of cdiv(tiles, num_splits) key tiles of the sequence. The runs of the num_splits splits cover
+  // [0, seqlen_k) whatever the mask, so every new key len .. len + new_keys - 1 of a sequence that fits its cache
+  // is in exactly one split's range, and that split's warp writes it here (per key, only where its page is inside
+  // the cache, as decode_append does), seen by its rows or not: the mask narrows the tiles a warp loads, never
+  // the range it writes. Only this warp reads keys of its range (its tiles lie in [k_begin, k_end)), and with one
+  // row group (the only case the host sets split_appends for) no other CTA reads them either. Ordering: the
+  // stores, then __threadfence() (visible at GPU scope, i.e. in L2, where the ring's cp.async.cg reads; the
+  // CTA-scope order of the barrier alone would do by the memory model, the fence makes it independent of the
+  // cache path), then __syncwarp() (which orders the lanes' memory operations for the warp), then this warp's
+  // cp.async of the tiles: non-bulk cp.async reads its source as an ordinary weak (generic-proxy) load of the
+  // issuing thread, so issued after the barrier it sees the stores. One fence per split that holds new keys.
+  // The __syncwarp() stands outside the branch: inside it, ptxas gave the tile loop up to 38 more registers
+  // (float32 d = 256 spilled 628 B, offline); outside, every instantiation keeps its registers within one of
+  // before but sm_90 float16 d = 32 (148 -> 156, no spill).
   const int per = cdiv(cdiv(bi.seqlen_k, BCW), p.num_splits) * BCW;
   const int k_begin = s * per, k_end = min(bi.seqlen_k, k_begin + per);
+  if (p.split_appends && len_ok) {
+    const int j0 = max(k_begin, len), j1 = min(k_end, len + p.new_keys);
+    if (j1 > j0) {  // uniform over the warp
+      const int c8 = p.head_dim / 8;
+      for (int x = lane_id(); x < (j1 - j0) * c8; x += 32) append_chunk<T>(p, bi, len, j0 - len + x / c8, x % c8 * 8);
+      __threadfence();
+    }
+  }
+  __syncwarp();  // the split's new keys are in the cache before its first tile is read
+  // ---- [decode:mainloop] this warp's split: its key tiles through the ring (mainloop_decode.cuh) ----
+  Acc<MT, D / 8> o;
+  OnlineSoftmax<2 * MT> sm;
   const bool bad = !len_ok || !bi.pages_inside(p, k_begin, k_end);  // the split's pages, once (the warp's lanes)
   const int tiles = Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, bad ? k_begin : k_end, sQ,
                                   smem + Mainloop::Q_BYTES + warp_id() * STAGES * 2 * Mainloop::KV_BYTES, o, sm);
