@@ -5,8 +5,10 @@
 //   in its own range of keys into the cache ([decode:split_append]), so no launch of its own appends them.
 // decode_append: k_new / v_new written into the cache (contiguous or paged) at cache_seqlens[b] + t, before
 //   decode_split, where several row groups read the same keys (their CTAs cannot wait for one another).
-// decode_combine: one CTA per (b, query, head) merges the splits by their lse (lanes over the splits, threads
-//   over the columns), adds the sink to the denominator, writes out (input dtype) and lse.
+// decode_combine_warp (num_splits <= 32): one warp per (b, query, head) row, several rows per CTA: a lane per
+//   split for the lse (shuffles), 4-column chunks per lane for out. decode_combine (more splits): one CTA per row
+//   (lanes over the splits, threads over the columns). Both add the sink to the denominator and write out (input
+//   dtype) and lse; forms.decode_combine chooses.
 //
 // The launch never depends on the values of cache_seqlens (the host does not read them): the grid is planned from
 // the cache's capacity, and sequence b's keys are cut on the device into num_splits runs of whole tiles
@@ -226,4 +228,78 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
     out[0] = from_float<T>(acc.x), out[1] = from_float<T>(acc.y), out[2] = from_float<T>(acc.z), out[3] = from_float<T>(acc.w);
   }
   if (threadIdx.x == 0 && p.lse) p.lse[lse_row] = lse;
+}
+
+template <typename T, int WARPS> __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) decode_combine_warp(
+    const __grid_constant__ rf::FwdParams p) {
+  using namespace rf;
+  constexpr unsigned FULL = 0xffffffffu;
+  constexpr int BATCH = 16;  // independent loads per lane before their sums (12 - 32 splits: one or two round trips)
+  // ---- [decode:combine_warp] row (b, i, h) by one warp (num_splits <= 32), WARPS rows per CTA: decode_combine's math ----
+  // Lane s holds split s's lse: max and sum by xor shuffles (the same tree, hence the same lse, as decode_combine's
+  // block reduction over at most 32 splits), then each lane owns 4-column chunks of out and sums them over the
+  // splits in order, the weights broadcast by shuffles; head dims of fewer than 128 columns split the splits
+  // between groups of lanes (lane = group * chunks + chunk), added by shuffles at the end. No shared memory, no
+  // CTA barrier. Empty splits (lse -inf, weight 0) are not read; a NaN lse (a sequence outside its cache) makes
+  // the row NaN. Each lane issues BATCH loads of its partials before it sums them, so a row costs the lse's round
+  // trip and one or two of the partials'. __launch_bounds__ with 16 / WARPS CTAs: given the thread count alone,
+  // ptxas held this kernel at 40 registers and spilled 28 B (offline, CUDA 13); with 16 warps per SM it keeps the
+  // 16 loads in flight (112 - 118 registers), and 132 SMs hold 2112 rows at once (b = 64 x 32 heads: one wave).
+  const long long row = (long long)blockIdx.x * WARPS + warp_id();  // (b * seqlen_q + i) * heads + h
+  if (row >= (long long)p.batch * p.seqlen_q * p.heads) return;      // the whole warp
+  const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
+  const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / p.head_dim;
+  const int lane = lane_id(), splits = min(p.num_splits, 32);
+  auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
+  const float x = lane < splits ? p.m_ws[lane * lse_split + lse_row] : -INFINITY;
+  const bool nan = __any_sync(FULL, x != x);
+  float m = x;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+  if (p.sinks) m = fmaxf(m, p.sinks[h]);
+  const float m_use = m == -INFINITY ? 0.f : m;
+  float denom = lane < splits ? ex(x - m_use) : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) denom += __shfl_xor_sync(FULL, denom, o);
+  if (p.sinks) denom += ex(p.sinks[h] - m_use);
+  const float lse = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
+  const float wt = lane >= splits || x == -INFINITY || nan ? 0.f : ex(x - lse);
+  // head_dim is a multiple of 8 and at most 256: 2 .. 64 chunks of 4 columns
+  const int chunks = p.head_dim / 4, groups = chunks >= 32 ? 1 : 32 / chunks;
+  const int sg = lane / chunks, c = lane % chunks;
+  const float* src = p.o_ws + row * p.head_dim;
+  T* out = (T*)p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh;
+  for (int c0 = 0; c0 < chunks; c0 += 32) {  // uniform: one pass up to 128 columns, two at 192 and 256
+    const int c4 = c0 + c;
+    const bool mine = sg < groups && c4 < chunks;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < splits; s0 += BATCH * groups) {  // BATCH loads in flight per lane, then their sums
+      float ws[BATCH];
+      float4 y[BATCH];
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u) {
+        const int s = s0 + u * groups + sg;
+        ws[u] = __shfl_sync(FULL, wt, s & 31);
+        if (!mine || s >= splits) ws[u] = 0.f;
+        y[u] = ws[u] != 0.f ? *reinterpret_cast<const float4*>(src + s * p.ws_split + 4 * c4)  // empty splits
+                            : make_float4(0.f, 0.f, 0.f, 0.f);                                 // wrote no O
+      }
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u)
+        acc.x += ws[u] * y[u].x, acc.y += ws[u] * y[u].y, acc.z += ws[u] * y[u].z, acc.w += ws[u] * y[u].w;
+    }
+    for (int gg = 1; gg < groups; ++gg) {  // the groups' sums into group 0, in order
+      const int from = (gg * chunks + c) & 31;
+      const float4 y = make_float4(__shfl_sync(FULL, acc.x, from), __shfl_sync(FULL, acc.y, from),
+                                   __shfl_sync(FULL, acc.z, from), __shfl_sync(FULL, acc.w, from));
+      if (sg == 0) acc.x += y.x, acc.y += y.y, acc.z += y.z, acc.w += y.w;
+    }
+    if (sg == 0 && c4 < chunks) {
+      if (nan) acc = make_float4(nan_f(), nan_f(), nan_f(), nan_f());
+      T* dst = out + 4 * c4;
+      dst[0] = from_float<T>(acc.x), dst[1] = from_float<T>(acc.y), dst[2] = from_float<T>(acc.z),
+      dst[3] = from_float<T>(acc.w);
+    }
+  }
+  if (lane == 0 && p.lse) p.lse[lse_row] = lse;
 }

@@ -323,18 +323,26 @@ def decode_split_appends(p: Problem, cfg: TileConfig) -> bool:
     return p.new_keys > 0 and launch.decode_rows(p, cfg)[1] == 1
 
 
+def decode_combine(p: Problem, num_splits: int) -> Launch:
+    """The combine's form: decode_combine_warp (one warp per output row) up to 32 splits, else decode_combine (a
+    CTA of 256 threads per row, whose lanes and thread groups share out many splits)."""
+    if num_splits <= launch.DECODE_COMBINE_WARP_MAX_SPLITS:
+        return launch.decode_combine_warp(p)
+    return launch.decode_combine(p)
+
+
 def _make_decode_plan(p: Problem, cfg: TileConfig, num_splits: int | None, sms: int) -> DecodePlan:
     splits = decode_splits(p, cfg, sms) if num_splits is None else num_splits
     folded = decode_split_appends(p, cfg)
     launches = ([launch.decode_append(p)] if p.new_keys and not folded else []) + [
-        launch.decode_split(p, cfg, splits), launch.decode_combine(p)]
+        launch.decode_split(p, cfg, splits), decode_combine(p, splits)]
     return DecodePlan(tuple(launches), splits, folded)
 
 
 def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
                 override: Override | None = None) -> DecodePlan:
     """The append (when new keys come and decode_split cannot write them itself: ``decode_split_appends``), the
-    split-KV pass and the combine of one decode call; ``num_splits`` as asked (splits past a
+    split-KV pass and the combine (``decode_combine``) of one decode call; ``num_splits`` as asked (splits past a
     sequence's keys are empty), or ``decode_splits``'s choice. Cached per problem."""
     if override:
         return _make_decode_plan(p, _config("decode_split", p, override), num_splits, sms)
@@ -378,8 +386,8 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                 launches += [launch.fa2_bwd_preprocess(p), launch.fa2_bwd_convert_dq(p)]
                 if not p.general and not p.causal:  # decode has one instantiation per (dtype, head_dim)
                     dp = dataclasses.replace(p, seqlen_k=4096, new_keys=1)
-                    launches += decode_plan(dp, 8).launches  # the append folded into decode_split
-                    launches.append(launch.decode_append(dp))  # and the append of several row groups
+                    launches += decode_plan(dp, 8).launches  # the fold and the warp combine
+                    launches += [launch.decode_append(dp), launch.decode_combine(dp)]  # and the other forms
                 for lau in launches:
                     out.setdefault(lau.name_expression, lau)
     if arch == "sm_90":

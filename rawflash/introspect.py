@@ -664,7 +664,10 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
              "decode_split": "tiles: one split of whole key tiles per warp (split plan)" +
                              ("; each split first writes the new keys of its range into the cache"
                               if plan.split_appends else ""),
-             "decode_combine": "one CTA per (batch, query, head) row: the splits merged by their lse"}
+             "decode_combine_warp": "one warp per (batch, query, head) row, 4 rows per CTA: the splits merged by "
+                                    "their lse (up to 32 splits)",
+             "decode_combine": "one CTA per (batch, query, head) row: the splits merged by their lse (more than 32 "
+                               "splits)"}
     for lau in plan.launches:
         row = launch_row(kp, "decode", lau)
         row.pop("note", None)
@@ -683,6 +686,8 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
                    if plan.split_appends else
                    f"decode_append first: {launch.decode_rows(kp, cfg)[1]} row groups of {cfg.br} packed rows read "
                    "the same keys, and one CTA cannot wait for another's stores"),
+        "combine": ("decode_combine_warp (one warp per row)" if plan.num_splits <= launch.DECODE_COMBINE_WARP_MAX_SPLITS
+                    else "decode_combine (one CTA per row)") + f": {plan.num_splits} splits",
         "waves filled": round(forms.decode_occupancy(kp, cfg, plan.num_splits, tgt.sms), 3),
         "modelled split + combine us": round(forms.decode_split_cost(kp, cfg, plan.num_splits, tgt.sms), 1),
         "cache MB read": round(cache_bytes / 1e6, 3),

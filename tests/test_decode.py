@@ -204,18 +204,25 @@ def test_split_plan_is_cached_and_ignores_lengths():
 
 
 def test_decode_plan_launches():
-    """GQA 32/8 with one new key: decode_split appends it itself (one row group); no new keys, no append either."""
+    """GQA 32/8 with one new key: decode_split appends it itself (one row group) and the warp combine merges 16
+    splits; 33 splits take the CTA combine; no new keys, no append either way."""
     p = launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True, new_keys=1)
     plan = forms.decode_plan(p, 16)
-    assert [lau.kernel for lau in plan.launches] == ["decode_split", "decode_combine"]
+    assert [lau.kernel for lau in plan.launches] == ["decode_split", "decode_combine_warp"]
     assert plan.num_splits == 16 and plan.split_appends
     split, combine = plan.launches
     cfg = tile_config("decode_split", 128, "float16", "sm_90")
     assert split.grid == (-(-16 // cfg.warps), 8 * -(-4 // cfg.br), 2)
-    assert combine.grid == (2 * 32, 1, 1) and combine.block == (launch.DECODE_COMBINE_THREADS, 1, 1)
+    rows = 2 * 32
+    assert combine.grid == (-(-rows // launch.DECODE_COMBINE_WARP_ROWS), 1, 1) and combine.smem == 0
+    assert combine.block == (32 * launch.DECODE_COMBINE_WARP_ROWS, 1, 1)
+    many = forms.decode_plan(p, 33)
+    assert [lau.kernel for lau in many.launches] == ["decode_split", "decode_combine"]
+    combine = many.launches[1]
+    assert combine.grid == (rows, 1, 1) and combine.block == (launch.DECODE_COMBINE_THREADS, 1, 1)
     assert combine.template_args[2] == forms.MAX_SPLITS and combine.smem == combine.template_args[3]
     no_new = forms.decode_plan(launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True), 16)
-    assert [lau.kernel for lau in no_new.launches] == ["decode_split", "decode_combine"]
+    assert [lau.kernel for lau in no_new.launches] == ["decode_split", "decode_combine_warp"]
     assert not no_new.split_appends
 
 
@@ -238,8 +245,8 @@ def test_decode_append_is_folded_exactly_with_one_row_group(heads, kv_heads, sq,
     one_group = (heads // kv_heads) * sq <= cfg.br
     assert plan.split_appends == one_group == forms.decode_split_appends(p, cfg)
     kernels = [lau.kernel for lau in plan.launches]
-    assert kernels == (["decode_split", "decode_combine"] if one_group else
-                       ["decode_append", "decode_split", "decode_combine"])
+    assert kernels == (["decode_split", "decode_combine_warp"] if one_group else
+                       ["decode_append", "decode_split", "decode_combine_warp"])
 
 
 def _split_ranges(keys, splits, bc):
@@ -262,6 +269,14 @@ def test_split_ranges_give_every_new_key_one_writer(bc):
         writers = [[s for s, (a, b) in enumerate(ranges) if a <= j < b] for j in range(length, keys)]
         assert all(len(w) == 1 for w in writers), (length, new, splits)
         assert sum(max(0, b - a) for a, b in ranges) == keys
+
+
+@pytest.mark.parametrize("splits,kernel", [(1, "decode_combine_warp"), (32, "decode_combine_warp"),
+                                           (33, "decode_combine"), (256, "decode_combine")])
+def test_decode_combine_form(splits, kernel):
+    p = launch.Problem(2, 3, 4096, 8, 2, 64, "bfloat16", True, seqused_k=True)
+    assert forms.decode_combine(p, splits).kernel == kernel
+    assert forms.decode_plan(p, splits).launches[-1].kernel == kernel
 
 
 def test_check_decode_plans_from_the_capacity():
@@ -300,9 +315,9 @@ def _explain(*args, code=0):
 def test_explain_decode_shows_the_split_plan():
     got = _explain("--batch", 8, "--seqlen-q", 1, "--seqlen-k", 32768, "--heads", 32, "--kv-heads", 8,
                    "--page-size", 64)
-    assert got["valid"] and [r["kernel"] for r in got["launches"]] == ["decode_split", "decode_combine"]
+    assert got["valid"] and [r["kernel"] for r in got["launches"]] == ["decode_split", "decode_combine_warp"]
     plan = got["split plan"]
-    assert plan["append"].startswith("in decode_split")
+    assert plan["append"].startswith("in decode_split") and plan["combine"].startswith("decode_combine_warp")
     want = forms.decode_plan(launch.Problem(8, 1, got["problem"]["cache capacity per sequence"], 32, 8, 128,
                                             "bfloat16", False, seqused_k=True, new_keys=1, page_size=64))
     assert plan["num_splits"] == want.num_splits
@@ -367,6 +382,12 @@ GPU_CASES = [
      dict(num_splits=2)),
     # several row groups (32 packed rows of MQA 32/1 > 16): decode_append runs before the split pass
     ("row-groups-append-kernel", dict(h=32, hk=1, d=128, new=2, page=16), {}),
+    # the combine's two forms at their edge (32: one warp per row; 33: a CTA per row), and head dims whose 4-column
+    # chunks split a warp's lanes into groups over the splits (d = 16: 8 groups, 40: 3 of 10 lanes, 72: 1 of 18)
+    ("splits-32", dict(lens=(700, 1, 300), new=2), dict(num_splits=32)),
+    ("splits-33", dict(lens=(700, 1, 300), new=2), dict(num_splits=33)),
+    ("d16-splits-5", dict(d=16, lens=(200, 0, 90), new=2), dict(num_splits=5)),
+    ("d40-splits-7", dict(d=40, lens=(300, 5, 90)), dict(num_splits=7)),
 ]
 
 
@@ -479,9 +500,11 @@ def test_decode_gpu_device_pages_outside_the_cache_give_nan_rows():
                                       (dict(lens=(14, 3, 30), new=4, d=128, feats=("window", "sinks"),
                                             window=(1, 0)), dict(num_splits=2))],
                          ids=["pages-sq4", "splits-32", "window-sinks"])
-def test_decode_gpu_fold_matches_the_append_kernel(dtype, kw, extra, monkeypatch):
-    """The same call two ways: as planned (the append in decode_split) and with decode_append launched first:
-    identical out, lse and caches (the same split pass reads the same keys)."""
+def test_decode_gpu_fold_and_warp_combine_match_the_separate_kernels(dtype, kw, extra, monkeypatch):
+    """The same call three ways: as planned (the append in decode_split, the warp combine), with decode_append
+    launched first (identical out, lse and caches: the same split pass reads the same keys), and with the CTA
+    combine on the same partials (the same lse to the bit at <= 32 splits: the same shuffle tree; out to rounding:
+    another order of the float32 sum)."""
     args, opts = _case(dtype=dtype, **kw)
     extra = {**extra, "causal": kw.get("sq", 1) > 1}
 
@@ -500,6 +523,11 @@ def test_decode_gpu_fold_matches_the_append_kernel(dtype, kw, extra, monkeypatch
     np.testing.assert_array_equal(lse2, lse)
     np.testing.assert_array_equal(dev2["k_cache"].get(), dev["k_cache"].get())
     np.testing.assert_array_equal(dev2["v_cache"].get(), dev["v_cache"].get())
+    monkeypatch.setattr(launch, "DECODE_COMBINE_WARP_MAX_SPLITS", 0)
+    _, out3, lse3 = run()
+    np.testing.assert_array_equal(lse3, lse)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(out3.astype(np.float64), out.astype(np.float64), rtol=tol, atol=tol)
 
 
 def dev_problem(args, extra):
@@ -585,6 +613,8 @@ SIM_CASES = [
     ("fold-one-split", dict(batch=2, h=2, hk=1, d=32, lens=(45, 0), new=2, sq=2), dict(causal=True, num_splits=1)),
     ("fold-many-splits", dict(batch=2, h=2, hk=1, d=32, lens=(40, 3), new=3, sq=3, page=16),
      dict(causal=True, num_splits=40)),
+    ("splits-32", dict(batch=1, h=2, hk=1, d=32, lens=(500,), new=1), dict(num_splits=32)),
+    ("splits-33", dict(batch=1, h=2, hk=1, d=32, lens=(520,), new=1), dict(num_splits=33)),
     # a window (1, 0) with one query row sees the last two keys: appended keys 14, 15 of sequence 0 are seen by no
     # row and lie in split 0 (keys [0, 16)), which therefore loads no tile at all, yet must write them; (0, 0)
     # likewise with keys 30, 31 of 34 in split 0 (keys [0, 32)) of a paged cache
@@ -642,12 +672,15 @@ def _sim_plan(kw, extra):
     return forms.decode_plan(numba_backend.run_problem(c.problem), extra.get("num_splits"), 132)
 
 
-def test_sim_cases_run_both_appends():
-    """The twin cases above take each path: the fold and decode_append."""
+def test_sim_cases_run_both_appends_and_both_combines():
+    """The twin cases above take each path: the fold and decode_append, the warp and the CTA combine."""
     plans = {name: _sim_plan(kw, extra) for name, kw, extra in SIM_CASES}
     appends = {name: p.split_appends for name, p in plans.items() if dict(SIM_CASES_KW[name]).get("new", 1)}
     assert not appends["row-groups-append-kernel"] and appends["fold-crosses-splits-sq4"]
     assert all(v for n, v in appends.items() if n.startswith(("fold", "window")))
+    combines = {name: p.launches[-1].kernel for name, p in plans.items()}
+    assert combines["splits-32"] == "decode_combine_warp" and combines["splits-33"] == "decode_combine"
+    assert combines["fold-many-splits"] == "decode_combine"
 
 
 SIM_CASES_KW = {name: kw for name, kw, _ in SIM_CASES}
@@ -734,7 +767,7 @@ failed, done = [], 0
 for dtype in ("float16", "float32"):
     for d in (32, 64, 128, 256):
         p = Problem(2, 1, 4096, 8, 2, d, dtype, False, seqused_k=True, new_keys=1)
-        for lau in (*forms.decode_plan(p, 8).launches, launch.decode_append(p)):
+        for lau in (*forms.decode_plan(p, 8).launches, launch.decode_append(p), launch.decode_combine(p)):
             try:
                 cuda.compile_ptx(nb.twin_of(lau, "decode").kernel.py_func, signature(np.dtype(dtype)), cc=(9, 0))
                 done += 1
@@ -747,7 +780,7 @@ print(json.dumps({"compiled": done, "failed": failed}))
 @pytest.mark.compile
 @pytest.mark.slow
 def test_decode_twins_compile_to_ptx():
-    """The simulator types nothing: the decode twins (append, split at four head dims, combine; float16 and
+    """The simulator types nothing: the decode twins (append, split at four head dims, both combines; float16 and
     float32 arrays) go through Numba's nopython typing and NVVM to PTX for sm_90 in a child process without the simulator,
     with the argument types numba_backend.decode passes."""
     import json
@@ -765,4 +798,4 @@ def test_decode_twins_compile_to_ptx():
     if "skip" in got:
         pytest.skip(got["skip"])
     assert not got["failed"], "\n".join(got["failed"])
-    assert got["compiled"] == 24
+    assert got["compiled"] == 32

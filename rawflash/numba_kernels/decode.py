@@ -3,7 +3,8 @@
 decode_split runs one split of the keys per "warp" (mainloop_decode.py) for the GQA-packed query rows of one kv head
 into float32 partial O and lse, and with one row group (p.split_appends) first writes the new keys of its own range
 into the cache; decode_append writes k_new / v_new into the cache (contiguous or paged) at cache_seqlens[b] + t
-before it otherwise; decode_combine merges the splits by their lse and adds the sink. The launch never depends on
+before it otherwise; decode_combine_warp (up to 32 splits) and decode_combine merge the splits by their lse and add
+the sink. The launch never depends on
 cache_seqlens: sequence b's keys are cut into num_splits runs of cdiv(tiles_b, num_splits) tiles, splits past its
 keys are empty. A sequence whose cache_seqlens + new keys lies outside [0, cache_capacity], or whose used pages lie
 outside the cache, gets NaN out and lse and no append.
@@ -211,3 +212,51 @@ def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int, SMEM_BYTES: int) 
 
     return Twin(decode_combine, COMBINE_THREADS, 0)
 
+
+@functools.lru_cache(maxsize=None)
+def make_decode_combine_warp(T: str, WARPS: int) -> Twin:
+    """The twin of ``decode_combine_warp<T, WARPS>``: WARPS (b, i, h) rows per CTA (num_splits <= 32), one thread
+    per row."""
+
+    @cuda.jit
+    def decode_combine_warp(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
+        # MIRROR: a per-thread array of the row's split lse where the CUDA C keeps one per lane.
+        w = cuda.local.array(32, float32)
+        # ---- [decode:combine_warp] row (b, i, h) by one warp (num_splits <= 32), WARPS rows per CTA: decode_combine's math ----
+        # MIRROR: one thread per row does the lanes' work in turn: the max and the sum over the splits in order
+        # (the CUDA C: xor-shuffle trees), each column summed over every split in order (the CUDA C's order below
+        # 128 columns: groups of lanes over every groups-th split, then the groups in order). math.exp for every
+        # dtype.
+        row = cuda.blockIdx.x * WARPS + cuda.threadIdx.x
+        if row >= p.batch * p.seqlen_q * p.heads:
+            return
+        h = row % p.heads
+        i = (row // p.heads) % p.seqlen_q
+        b = row // (p.heads * p.seqlen_q)
+        splits = min(p.num_splits, 32)
+        nan = False
+        m = NEG_INF
+        for s in range(splits):
+            w[s] = m_ws[s, b, h, i]
+            nan = nan or math.isnan(w[s])
+            m = max(m, w[s])
+        if p.has_sinks:
+            m = max(m, sinks[h])
+        m_use = ZERO if m == NEG_INF else m
+        denom = ZERO
+        for s in range(splits):
+            denom += float32(math.exp(w[s] - m_use))
+        if p.has_sinks:
+            denom += float32(math.exp(sinks[h] - m_use))
+        row_lse = NAN if nan else (m_use + float32(math.log(denom)) if denom > ZERO else NEG_INF)
+        for s in range(splits):
+            w[s] = ZERO if w[s] == NEG_INF or nan else float32(math.exp(w[s] - row_lse))
+        for c in range(p.head_dim):
+            acc = ZERO
+            for s in range(splits):
+                if w[s] != ZERO:  # empty splits wrote no O
+                    acc += w[s] * o_ws[s, b, i, h, c]
+            o[b, i, h, c] = NAN if nan else acc
+        lse[b, h, i] = row_lse
+
+    return Twin(decode_combine_warp, WARPS, 0)
