@@ -279,6 +279,44 @@ def test_decode_combine_form(splits, kernel):
     assert forms.decode_plan(p, splits).launches[-1].kernel == kernel
 
 
+def _combine_warp_reads(head_dim, splits, batch=16):
+    """decode_combine_warp's index arithmetic on the host, lane by lane: {(split, 4-column chunk): how often read
+    into an output lane's sum} after the lanes' groups are added into group 0 (cuda/decode.cu, [decode:combine_warp])."""
+    chunks = head_dim // 4
+    groups = 1 if chunks >= 32 else 32 // chunks
+    summed = {}
+    for c0 in range(0, chunks, 32):
+        reads = {}  # lane -> the (split, chunk) pairs its acc holds
+        for lane in range(32):
+            sg, c = lane // chunks, lane % chunks
+            c4 = c0 + c
+            mine = sg < groups and c4 < chunks
+            got = []
+            for s0 in range(0, splits, batch * groups):
+                for u in range(batch):
+                    s = s0 + u * groups + sg
+                    if mine and s < splits:
+                        got.append((s, c4))
+            reads[lane] = got
+        for lane in range(32):
+            sg, c = lane // chunks, lane % chunks
+            if sg == 0 and c0 + c < chunks:
+                pairs = list(reads[lane]) + [x for gg in range(1, groups) for x in reads[(gg * chunks + c) & 31]]
+                for x in pairs:
+                    summed[x] = summed.get(x, 0) + 1
+    return summed
+
+
+@pytest.mark.parametrize("head_dim", range(8, 257, 8))
+def test_combine_warp_lanes_read_every_split_and_column_once(head_dim):
+    """Without a GPU: every (split, 4-column chunk) of a row reaches exactly one output lane's sum, once, for every
+    head dim (lane groups below 128 columns, two passes above) and split count up to 32."""
+    for splits in (1, 2, 3, 12, 16, 17, 24, 31, 32):
+        summed = _combine_warp_reads(head_dim, splits)
+        want = {(s, c) for s in range(splits) for c in range(head_dim // 4)}
+        assert set(summed) == want and set(summed.values()) == {1}, (head_dim, splits)
+
+
 def test_check_decode_plans_from_the_capacity():
     """seqlen_k is the cache's capacity (what the launch is planned from), whatever cache_seqlens holds; an int
     cache_seqlens travels as cache_len (no array, nothing to copy)."""
