@@ -234,7 +234,7 @@ APPEND_RULE = [(32, 8, 1, 128, "bfloat16"), (32, 8, 4, 128, "bfloat16"), (64, 8,
 
 @pytest.mark.parametrize("heads,kv_heads,sq,d,dtype", APPEND_RULE)
 @pytest.mark.parametrize("window", [(-1, -1), (1, 0), (0, 0)])
-def test_decode_append_is_folded_exactly_with_one_row_group(heads, kv_heads, sq, d, dtype, window):
+def test_decode_append_is_folded_iff_one_row_group(heads, kv_heads, sq, d, dtype, window):
     """decode_split writes the new keys itself iff one row group holds the packed rows (group x seqlen_q <= br);
     else decode_append runs first. Windows (even ones that hide appended keys from every row) change nothing: the
     splits' key ranges do not depend on the mask."""
