@@ -1,9 +1,14 @@
 // decode: KV-cache attention for inference (Flash-Decoding): a few query rows per sequence against its cache.
-// decode_append: k_new / v_new written into the cache (contiguous or paged) at cache_seqlens[b] + t, before.
 // decode_split: grid (cdiv(num_splits, WARPS), kv_heads * row_groups, batch), each warp one split of the keys
 //   (mainloop_decode.cuh) for the GQA-packed query rows of one kv head; partial O and lse to float32 buffers.
-// decode_combine: one CTA per (b, query, head) merges the splits by their lse (lanes over the splits, threads
-//   over the columns), adds the sink to the denominator, writes out (input dtype) and lse.
+//   With one row group (p.split_appends, forms.decode_split_appends) each warp first writes the new keys that fall
+//   in its own range of keys into the cache ([decode:split_append]), so no launch of its own appends them.
+// decode_append: k_new / v_new written into the cache (contiguous or paged) at cache_seqlens[b] + t, before
+//   decode_split, where several row groups read the same keys (their CTAs cannot wait for one another).
+// decode_combine_warp (num_splits <= 32): one warp per (b, query, head) row, several rows per CTA: a lane per
+//   split for the lse (shuffles), 4-column chunks per lane for out. decode_combine (more splits): one CTA per row
+//   (lanes over the splits, threads over the columns). Both add the sink to the denominator and write out (input
+//   dtype) and lse; forms.decode_combine chooses.
 //
 // The launch never depends on the values of cache_seqlens (the host does not read them): the grid is planned from
 // the cache's capacity, and sequence b's keys are cut on the device into num_splits runs of whole tiles
@@ -41,6 +46,22 @@ template <int THREADS, class Op> __device__ __forceinline__ float block_reduce(f
   return x;
 }
 
+// Columns [c, c + 8) of new key t (K and V) of sequence bi.b, kv head bi.hk, into the cache as key len + t
+// (len = cache_seqlens[b], checked by the caller with decode_len_ok); nothing is written where that key's page
+// lies outside the cache. decode_append's threads and decode_split's warps both append through here.
+template <typename T> __device__ __forceinline__ void append_chunk(const FwdParams& p, const BlockInfo<true>& bi,
+                                                                    int len, int t, int c) {
+  const BlockInfo<true>::PagePos pos = bi.page_pos(p, len + t);
+  if (!BlockInfo<true>::slot_inside(p, bi.page_slot(p, pos.page))) return;  // the page lies outside the cache
+  long long ko, vo;
+  bi.key_offsets(p, pos, 0, ko, vo);
+  float kv[8];
+  load8(kv, (const T*)p.k_new + bi.b * p.kn_sb + t * p.kn_ss + bi.hk * p.kn_sh + c);
+  store8((T*)p.k + ko + c, kv);
+  load8(kv, (const T*)p.v_new + bi.b * p.vn_sb + t * p.vn_ss + bi.hk * p.vn_sh + c);
+  store8((T*)p.v + vo + c, kv);
+}
+
 }  // namespace rf
 
 template <typename T> __global__ void decode_append(const __grid_constant__ rf::FwdParams p) {
@@ -53,16 +74,7 @@ template <typename T> __global__ void decode_append(const __grid_constant__ rf::
     const int b = x / ((long long)c8 * p.kv_heads * p.new_keys);
     const int len = decode_cache_len(p, b);
     if (!decode_len_ok(p, len)) continue;  // out of the cache: nothing written (decode_split makes b's rows NaN)
-    const BlockInfo<true> bi(p, b, hk * (p.heads / p.kv_heads));
-    const BlockInfo<true>::PagePos pos = bi.page_pos(p, len + t);
-    if (!BlockInfo<true>::slot_inside(p, bi.page_slot(p, pos.page))) continue;  // the page lies outside the cache
-    long long ko, vo;
-    bi.key_offsets(p, pos, 0, ko, vo);
-    float kv[8];
-    load8(kv, (const T*)p.k_new + b * p.kn_sb + t * p.kn_ss + hk * p.kn_sh + c);
-    store8((T*)p.k + ko + c, kv);
-    load8(kv, (const T*)p.v_new + b * p.vn_sb + t * p.vn_ss + hk * p.vn_sh + c);
-    store8((T*)p.v + vo + c, kv);
+    append_chunk<T>(p, BlockInfo<true>(p, b, hk * (p.heads / p.kv_heads)), len, t, c);
   }
 }
 
@@ -97,11 +109,35 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   cp_async_wait<0>();
   __syncthreads();  // the Q tile is visible to every warp
   if (s >= p.num_splits) return;
-  // ---- [decode:mainloop] this warp's split: the s-th run of cdiv(tiles, num_splits) key tiles of the sequence ----
-  Acc<MT, D / 8> o;
-  OnlineSoftmax<2 * MT> sm;
+  // ---- [decode:split_append] the split's keys [k_begin, k_end); the new keys among them into the cache ----
+  // The s-th run of cdiv(tiles, num_splits) key tiles of the sequence. The runs of the num_splits splits cover
+  // [0, seqlen_k) whatever the mask, so every new key len .. len + new_keys - 1 of a sequence that fits its cache
+  // is in exactly one split's range, and that split's warp writes it here (per key, only where its page is inside
+  // the cache, as decode_append does), seen by its rows or not: the mask narrows the tiles a warp loads, never
+  // the range it writes. Only this warp reads keys of its range (its tiles lie in [k_begin, k_end)), and with one
+  // row group (the only case the host sets split_appends for) no other CTA reads them either. Ordering: the
+  // stores, then __threadfence() (visible at GPU scope, i.e. in L2, where the ring's cp.async.cg reads; the
+  // CTA-scope order of the barrier alone would do by the memory model, the fence makes it independent of the
+  // cache path), then __syncwarp() (which orders the lanes' memory operations for the warp), then this warp's
+  // cp.async of the tiles: non-bulk cp.async reads its source as an ordinary weak (generic-proxy) load of the
+  // issuing thread, so issued after the barrier it sees the stores. One fence per split that holds new keys.
+  // The __syncwarp() stands outside the branch: inside it, ptxas gave the tile loop up to 38 more registers
+  // (float32 d = 256 spilled 628 B, offline); outside, every instantiation keeps its registers within one of
+  // before but sm_90 float16 d = 32 (148 -> 156, no spill).
   const int per = cdiv(cdiv(bi.seqlen_k, BCW), p.num_splits) * BCW;
   const int k_begin = s * per, k_end = min(bi.seqlen_k, k_begin + per);
+  if (p.split_appends && len_ok) {
+    const int j0 = max(k_begin, len), j1 = min(k_end, len + p.new_keys);
+    if (j1 > j0) {  // uniform over the warp
+      const int c8 = p.head_dim / 8;
+      for (int x = lane_id(); x < (j1 - j0) * c8; x += 32) append_chunk<T>(p, bi, len, j0 - len + x / c8, x % c8 * 8);
+      __threadfence();
+    }
+  }
+  __syncwarp();  // the split's new keys are in the cache before its first tile is read
+  // ---- [decode:mainloop] this warp's split: its key tiles through the ring (mainloop_decode.cuh) ----
+  Acc<MT, D / 8> o;
+  OnlineSoftmax<2 * MT> sm;
   const bool bad = !len_ok || !bi.pages_inside(p, k_begin, k_end);  // the split's pages, once (the warp's lanes)
   const int tiles = Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, bad ? k_begin : k_end, sQ,
                                   smem + Mainloop::Q_BYTES + warp_id() * STAGES * 2 * Mainloop::KV_BYTES, o, sm);
@@ -192,4 +228,78 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
     out[0] = from_float<T>(acc.x), out[1] = from_float<T>(acc.y), out[2] = from_float<T>(acc.z), out[3] = from_float<T>(acc.w);
   }
   if (threadIdx.x == 0 && p.lse) p.lse[lse_row] = lse;
+}
+
+template <typename T, int WARPS> __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) decode_combine_warp(
+    const __grid_constant__ rf::FwdParams p) {
+  using namespace rf;
+  constexpr unsigned FULL = 0xffffffffu;
+  constexpr int BATCH = 16;  // independent loads per lane before their sums (12 - 32 splits: one or two round trips)
+  // ---- [decode:combine_warp] row (b, i, h) by one warp (num_splits <= 32), WARPS rows per CTA: decode_combine's math ----
+  // Lane s holds split s's lse: max and sum by xor shuffles (the same tree, hence the same lse, as decode_combine's
+  // block reduction over at most 32 splits), then each lane owns 4-column chunks of out and sums them over the
+  // splits in order, the weights broadcast by shuffles; head dims of fewer than 128 columns split the splits
+  // between groups of lanes (lane = group * chunks + chunk), added by shuffles at the end. No shared memory, no
+  // CTA barrier. Empty splits (lse -inf, weight 0) are not read; a NaN lse (a sequence outside its cache) makes
+  // the row NaN. Each lane issues BATCH loads of its partials before it sums them, so a row costs the lse's round
+  // trip and one or two of the partials'. __launch_bounds__ with 16 / WARPS CTAs: given the thread count alone,
+  // ptxas held this kernel at 40 registers and spilled 28 B (offline, CUDA 13); with 16 warps per SM it keeps the
+  // 16 loads in flight (112 - 118 registers), and 132 SMs hold 2112 rows at once (b = 64 x 32 heads: one wave).
+  const long long row = (long long)blockIdx.x * WARPS + warp_id();  // (b * seqlen_q + i) * heads + h
+  if (row >= (long long)p.batch * p.seqlen_q * p.heads) return;      // the whole warp
+  const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
+  const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / p.head_dim;
+  const int lane = lane_id(), splits = min(p.num_splits, 32);
+  auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
+  const float x = lane < splits ? p.m_ws[lane * lse_split + lse_row] : -INFINITY;
+  const bool nan = __any_sync(FULL, x != x);
+  float m = x;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+  if (p.sinks) m = fmaxf(m, p.sinks[h]);
+  const float m_use = m == -INFINITY ? 0.f : m;
+  float denom = lane < splits ? ex(x - m_use) : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) denom += __shfl_xor_sync(FULL, denom, o);
+  if (p.sinks) denom += ex(p.sinks[h] - m_use);
+  const float lse = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
+  const float wt = lane >= splits || x == -INFINITY || nan ? 0.f : ex(x - lse);
+  // head_dim is a multiple of 8 and at most 256: 2 .. 64 chunks of 4 columns
+  const int chunks = p.head_dim / 4, groups = chunks >= 32 ? 1 : 32 / chunks;
+  const int sg = lane / chunks, c = lane % chunks;
+  const float* src = p.o_ws + row * p.head_dim;
+  T* out = (T*)p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh;
+  for (int c0 = 0; c0 < chunks; c0 += 32) {  // uniform: one pass up to 128 columns, two at 192 and 256
+    const int c4 = c0 + c;
+    const bool mine = sg < groups && c4 < chunks;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < splits; s0 += BATCH * groups) {  // BATCH loads in flight per lane, then their sums
+      float ws[BATCH];
+      float4 y[BATCH];
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u) {
+        const int s = s0 + u * groups + sg;
+        ws[u] = __shfl_sync(FULL, wt, s & 31);
+        if (!mine || s >= splits) ws[u] = 0.f;
+        y[u] = ws[u] != 0.f ? *reinterpret_cast<const float4*>(src + s * p.ws_split + 4 * c4)  // empty splits
+                            : make_float4(0.f, 0.f, 0.f, 0.f);                                 // wrote no O
+      }
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u)
+        acc.x += ws[u] * y[u].x, acc.y += ws[u] * y[u].y, acc.z += ws[u] * y[u].z, acc.w += ws[u] * y[u].w;
+    }
+    for (int gg = 1; gg < groups; ++gg) {  // the groups' sums into group 0, in order
+      const int from = (gg * chunks + c) & 31;
+      const float4 y = make_float4(__shfl_sync(FULL, acc.x, from), __shfl_sync(FULL, acc.y, from),
+                                   __shfl_sync(FULL, acc.z, from), __shfl_sync(FULL, acc.w, from));
+      if (sg == 0) acc.x += y.x, acc.y += y.y, acc.z += y.z, acc.w += y.w;
+    }
+    if (sg == 0 && c4 < chunks) {
+      if (nan) acc = make_float4(nan_f(), nan_f(), nan_f(), nan_f());
+      T* dst = out + 4 * c4;
+      dst[0] = from_float<T>(acc.x), dst[1] = from_float<T>(acc.y), dst[2] = from_float<T>(acc.z),
+      dst[3] = from_float<T>(acc.w);
+    }
+  }
+  if (lane == 0 && p.lse) p.lse[lse_row] = lse;
 }

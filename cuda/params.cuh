@@ -49,7 +49,7 @@ struct FwdParams {
   int cache_capacity;        // decode: keys one sequence's cache holds (capacity, or page_size x max_pages)
   int num_pages;             // decode, paged: pages of the cache (valid block_table entries are 0 .. num_pages - 1)
   int cache_len;             // decode: cache_seqlens of every sequence when seqused_k is nullptr (an int was given)
-  int pad_;
+  int split_appends;         // decode: 1 when decode_split writes k_new / v_new itself (no decode_append launch)
 };
 
 struct BwdParams {

@@ -359,7 +359,9 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
     block_table : int32 array (batch, max_pages), optional
         Paged cache: key j of sequence b is row ``j % page_size`` of page ``block_table[b, j // page_size]``;
         entries past a sequence's keys are never read. Checked like cache_seqlens (on the host when both are host
-        values, else on the device).
+        values, else on the device). Pages may be shared between sequences (a common prefix) as long as no
+        sequence appends into a row that another sequence of the call reads: the split pass writes each new key
+        just before the sequence's own split reads it, so no other sequence is ordered after that write.
     causal : bool
         Query i sees key j iff j <= i + keys - seqlen_q (bottom-right, as in the forward): the new rows are the
         sequence's last ones. True by default (what decoding means; flash-attn's ``flash_attn_with_kvcache``

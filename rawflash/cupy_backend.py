@@ -360,8 +360,9 @@ def decode_workspace(num_splits: int, q_shape: tuple, lse_shape: tuple):
 
 def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,
                 extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None) -> Bound:
-    """Bind a decode call: the append (k_new / v_new into the caches, in place), the split-KV pass into float32 work
-    buffers (num_splits x the output, cached per shape and stream) and the combine into out and lse (batch, heads,
+    """Bind a decode call: the append (k_new / v_new into the caches, in place: by decode_split itself, or by
+    decode_append before it: ``forms.decode_split_appends``), the split-KV pass into float32 work buffers
+    (num_splits x the output, cached per shape and stream) and the combine into out and lse (batch, heads,
     seqlen_q). Nothing here reads a device value: the plan comes from the shapes (``forms.decode_plan``)."""
     import cupy
 
@@ -381,7 +382,7 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
     o_ws, m_ws = decode_workspace(plan.num_splits, q.shape, lse_shape)
     rec = params.fwd_params(pr, q, k_cache, v_cache, out, lse, scale, o_ws=o_ws, m_ws=m_ws,
                             num_splits=plan.num_splits, k_new=new[0], v_new=new[1], decode=True, cache_len=cache_len,
-                            **prep.extras)
+                            split_appends=plan.split_appends, **prep.extras)
     launches = plan.launches
     bound = Bound(list(launches), [(lau, (rec,)) for lau in launches], (out, lse), env)
     bound.keep = (q, k_cache, v_cache, new, o_ws, m_ws, prep.extras)

@@ -227,10 +227,12 @@ def deterministic_without_fa3(p: Problem, wgmma: bool | None = None, settings: S
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
     """A decode call's launches and its split count; sequence b's keys are cut on the device into num_splits
-    runs of cdiv(cdiv(keys_b, bc), num_splits) tiles (the host never reads cache_seqlens)."""
+    runs of cdiv(cdiv(keys_b, bc), num_splits) tiles (the host never reads cache_seqlens). ``split_appends``:
+    decode_split writes k_new / v_new itself (``decode_split_appends``), so no decode_append is launched."""
 
     launches: tuple
     num_splits: int
+    split_appends: bool = False
 
 
 MAX_SPLITS = launch.DECODE_MAX_SPLITS
@@ -318,17 +320,40 @@ def _decode_plan(p: Problem, num_splits: int | None, sms: int) -> DecodePlan:
     return _make_decode_plan(p, cfg, num_splits, sms)
 
 
+def decode_split_appends(p: Problem, cfg: TileConfig) -> bool:
+    """Whether decode_split appends k_new / v_new itself (no decode_append launch), from the shapes alone.
+
+    Each warp of decode_split writes the new keys that fall in its own range of keys, then reads its tiles: the
+    splits' ranges cover all of a sequence's keys whatever the mask (a window or causal mask narrows the tiles a
+    warp loads, not the range it writes), so every new key has exactly one writer, even one no query row sees.
+    What the fold needs is that no other CTA reads those keys: true with one row group (the GQA group x query rows
+    fit one tile of ``cfg.br`` packed rows), where a (sequence, kv head)'s keys are split between its CTAs. With
+    several row groups, every row group's CTA reads the same keys, and a CTA cannot wait for another's stores:
+    decode_append runs first (MQA 32/1 at d = 128, long speculative chunks)."""
+    return p.new_keys > 0 and launch.decode_rows(p, cfg)[1] == 1
+
+
+def decode_combine(p: Problem, num_splits: int) -> Launch:
+    """The combine's form: decode_combine_warp (one warp per output row) up to 32 splits, else decode_combine (a
+    CTA of 256 threads per row, whose lanes and thread groups share out many splits)."""
+    if num_splits <= launch.DECODE_COMBINE_WARP_MAX_SPLITS:
+        return launch.decode_combine_warp(p)
+    return launch.decode_combine(p)
+
+
 def _make_decode_plan(p: Problem, cfg: TileConfig, num_splits: int | None, sms: int) -> DecodePlan:
     splits = decode_splits(p, cfg, sms) if num_splits is None else num_splits
-    launches = ([launch.decode_append(p)] if p.new_keys else []) + [launch.decode_split(p, cfg, splits),
-                                                                   launch.decode_combine(p)]
-    return DecodePlan(tuple(launches), splits)
+    folded = decode_split_appends(p, cfg)
+    launches = ([launch.decode_append(p)] if p.new_keys and not folded else []) + [
+        launch.decode_split(p, cfg, splits), decode_combine(p, splits)]
+    return DecodePlan(tuple(launches), splits, folded)
 
 
 def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
                 override: Override | None = None) -> DecodePlan:
-    """The append (when new keys come), the split-KV pass and the combine of one decode call; ``num_splits`` as
-    asked (splits past a sequence's keys are empty), or ``decode_splits``'s choice. Cached per problem."""
+    """The append (when new keys come and decode_split cannot write them itself: ``decode_split_appends``), the
+    split-KV pass and the combine (``decode_combine``) of one decode call; ``num_splits`` as asked (splits past a
+    sequence's keys are empty), or ``decode_splits``'s choice. Cached per problem."""
     if override:
         return _make_decode_plan(p, _config("decode_split", p, override), num_splits, sms)
     return _decode_plan(dataclasses.replace(p, lengths=()), num_splits, sms)
@@ -370,7 +395,9 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                         launches += [fa2_forward(p, sw) for sw in ABLATIONS.values() if not sw.wgmma]
                 launches += [launch.fa2_bwd_preprocess(p), launch.fa2_bwd_convert_dq(p)]
                 if not p.general and not p.causal:  # decode has one instantiation per (dtype, head_dim)
-                    launches += decode_plan(dataclasses.replace(p, seqlen_k=4096, new_keys=1), 8).launches
+                    dp = dataclasses.replace(p, seqlen_k=4096, new_keys=1)
+                    launches += decode_plan(dp, 8).launches  # the fold and the warp combine
+                    launches += [launch.decode_append(dp), launch.decode_combine(dp)]  # and the other forms
                 for lau in launches:
                     out.setdefault(lau.name_expression, lau)
     if arch == "sm_90":

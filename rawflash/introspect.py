@@ -659,9 +659,15 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
     plan = forms.decode_plan(kp, num_splits, tgt.sms)
     cfg = plan.launches[-2].config
     report["launches"] = []
-    roles = {"decode_append": "elementwise: k_new / v_new into the cache",
-             "decode_split": "tiles: one split of whole key tiles per warp (split plan)",
-             "decode_combine": "one CTA per (batch, query, head) row: the splits merged by their lse"}
+    roles = {"decode_append": "elementwise: k_new / v_new into the cache, before the split pass (several row "
+                               "groups read the same keys)",
+             "decode_split": "tiles: one split of whole key tiles per warp (split plan)" +
+                             ("; each split first writes the new keys of its range into the cache"
+                              if plan.split_appends else ""),
+             "decode_combine_warp": "one warp per (batch, query, head) row, 4 rows per CTA: the splits merged by "
+                                    "their lse (up to 32 splits)",
+             "decode_combine": "one CTA per (batch, query, head) row: the splits merged by their lse (more than 32 "
+                               "splits)"}
     for lau in plan.launches:
         row = launch_row(kp, "decode", lau)
         row.pop("note", None)
@@ -675,6 +681,13 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
                      f"forms.decode_splits (model of {tgt.sms} SMs, planned from the capacity)",
         "key tiles per split": f"cdiv(cdiv(keys_b, {cfg.bc}), {plan.num_splits}) per sequence; at full capacity "
                                f"{launch.cdiv(tiles, plan.num_splits)}",
+        "append": ("none (no k_new)" if not kp.new_keys else
+                   "in decode_split: each split writes the new keys inside its range of keys (one row group)"
+                   if plan.split_appends else
+                   f"decode_append first: {launch.decode_rows(kp, cfg)[1]} row groups of {cfg.br} packed rows read "
+                   "the same keys, and one CTA cannot wait for another's stores"),
+        "combine": ("decode_combine_warp (one warp per row)" if plan.num_splits <= launch.DECODE_COMBINE_WARP_MAX_SPLITS
+                    else "decode_combine (one CTA per row)") + f": {plan.num_splits} splits",
         "waves filled": round(forms.decode_occupancy(kp, cfg, plan.num_splits, tgt.sms), 3),
         "modelled split + combine us": round(forms.decode_split_cost(kp, cfg, plan.num_splits, tgt.sms), 1),
         "cache MB read": round(cache_bytes / 1e6, 3),
@@ -686,6 +699,11 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
     report["notes"] = [
         "cache_seqlens and block_table are never read on the host: the plan comes from the shapes (the capacity), "
         "and each sequence's keys are cut on the device into num_splits runs of whole tiles",
+        "the append's rule (forms.decode_split_appends, from the shapes): the splits' key ranges cover every key "
+        "whatever the mask (a window narrows the tiles a split loads, not the range it writes), so with one row "
+        "group (GQA group x query rows <= the tile's packed rows) each new key is written by the one split whose "
+        "range holds it, before that split reads it; with several row groups every row group's CTAs read it, so "
+        "decode_append runs first",
         "the split count's model (forms.decode_split_cost) is a heuristic: whole waves of CTAs, enough warps with "
         "tiles in flight, little partial traffic; its microseconds order the choices, they are no measurement",
     ]

@@ -468,6 +468,20 @@ def smem_decode_combine(threads: int, max_splits: int) -> int:
     return threads * 16 + max_splits * 4 + threads // 32 * 4
 
 
+DECODE_COMBINE_WARP_ROWS = 4         # decode_combine_warp: (batch, query, head) rows per CTA, one warp each
+#                                      (its __launch_bounds__ asks for 16 / rows CTAs per SM: 16 warps)
+DECODE_COMBINE_WARP_MAX_SPLITS = 32  # its lse: one split per lane (forms.decode_combine picks it up to this)
+
+
+def decode_combine_warp(p: Problem) -> Launch:
+    """One warp per (batch, query, head) row, DECODE_COMBINE_WARP_ROWS rows per CTA (num_splits <= 32): a lane per
+    split for the lse, 4-column chunks per lane for out; no shared memory."""
+    rows = p.batch * p.seqlen_q * p.heads
+    args = (CUDA_TYPES[p.dtype], DECODE_COMBINE_WARP_ROWS)
+    return Launch("decode_combine_warp", "decode.cu", args, (max(1, cdiv(rows, DECODE_COMBINE_WARP_ROWS)), 1, 1),
+                  (32 * DECODE_COMBINE_WARP_ROWS, 1, 1), 0)
+
+
 def fa2_bwd_convert_dq(p: Problem) -> Launch:
     """8 columns per thread (head_dim is a multiple of 8 in the kernels)."""
     b, s = p.rows

@@ -358,7 +358,8 @@ def decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_spli
     m_ws = xp.zeros((plan.num_splits, pr.batch, pr.heads, pr.seqlen_q), np.float32)
     params = _params(DecodeParams, pr, scale, extras, has_table=table is not None, page_size=pr.page_size,
                      num_splits=plan.num_splits, new_keys=pr.new_keys, cache_capacity=pr.seqlen_k,
-                     num_pages=int(kc.shape[0]) if table is not None else 0, cache_len=cache_len)
+                     num_pages=int(kc.shape[0]) if table is not None else 0, cache_len=cache_len,
+                     split_appends=plan.split_appends)
     cu_q, cu_k, used_k, slopes, sinks = prep.features
     _run_plan(resolved, (params, q, kc, vc, kn, vn, out, lse, cu_q, cu_k, used_k, slopes, sinks, tab, o_ws, m_ws))
     return _result(out, p.dtype), lse

@@ -167,8 +167,12 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
     Variant("decode", "decode", "decode", "Flash-Decoding: split-KV attention of a few query rows against a KV cache",
             "one split of the keys per warp; the GQA group's query heads and rows packed into one tile",
             (Form("decode_split", "decode.cu", "mainloop_decode.cuh", "sm_80", ALL_DTYPES, "decode"),),
-            (Helper("decode_append", "decode.cu", "k_new / v_new into the cache (contiguous or paged)", "decode"),
-             Helper("decode_combine", "decode.cu", "the splits merged by their lse, the sink added", "decode")),
+            (Helper("decode_append", "decode.cu", "k_new / v_new into the cache (contiguous or paged) where "
+                    "decode_split cannot (several row groups read the same keys)", "decode"),
+             Helper("decode_combine_warp", "decode.cu", "the splits merged by their lse, the sink added: one warp "
+                    "per output row (up to 32 splits)", "decode"),
+             Helper("decode_combine", "decode.cu", "the splits merged by their lse, the sink added: one CTA per "
+                    "output row (more than 32 splits)", "decode")),
             supports=COMMON + ("window", "softcap", "alibi_slopes", "sinks", "paged KV cache", "in-place append")),
 )}
 

@@ -23,9 +23,10 @@ from test_numba_gpu import PTX_CHECK as _FWD_PTX_CHECK
 RNG_SCALE = 1.0
 
 
-def _case(batch=3, sq=1, h=8, hk=2, d=64, dtype="float16", lens=(37, 0, 300), new=1, page=0, seed=0, feats=()):
+def _case(batch=3, sq=1, h=8, hk=2, d=64, dtype="float16", lens=(37, 0, 300), new=1, page=0, seed=0, feats=(),
+          window=(50, 0)):
     """Host arrays of one decode call: q, the caches (paged when page > 0: pages in a shuffled order), k_new, v_new,
-    cache_seqlens, block_table and the feature arguments."""
+    cache_seqlens, block_table and the feature arguments ("window" in feats: ``window``)."""
     rng = np.random.default_rng(seed)
     dt = DTYPES[dtype]
     cap = max(lens) + new + 5
@@ -44,7 +45,7 @@ def _case(batch=3, sq=1, h=8, hk=2, d=64, dtype="float16", lens=(37, 0, 300), ne
         table = None
     opts = {}
     if "window" in feats:
-        opts["window"] = (50, 0)
+        opts["window"] = window
     if "softcap" in feats:
         opts["softcap"] = 15.0
     if "alibi" in feats:
@@ -203,17 +204,117 @@ def test_split_plan_is_cached_and_ignores_lengths():
 
 
 def test_decode_plan_launches():
+    """GQA 32/8 with one new key: decode_split appends it itself (one row group) and the warp combine merges 16
+    splits; 33 splits take the CTA combine; no new keys, no append either way."""
     p = launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True, new_keys=1)
     plan = forms.decode_plan(p, 16)
-    assert [lau.kernel for lau in plan.launches] == ["decode_append", "decode_split", "decode_combine"]
-    assert plan.num_splits == 16
-    split, combine = plan.launches[1], plan.launches[2]
+    assert [lau.kernel for lau in plan.launches] == ["decode_split", "decode_combine_warp"]
+    assert plan.num_splits == 16 and plan.split_appends
+    split, combine = plan.launches
     cfg = tile_config("decode_split", 128, "float16", "sm_90")
     assert split.grid == (-(-16 // cfg.warps), 8 * -(-4 // cfg.br), 2)
-    assert combine.grid == (2 * 32, 1, 1) and combine.block == (launch.DECODE_COMBINE_THREADS, 1, 1)
+    rows = 2 * 32
+    assert combine.grid == (-(-rows // launch.DECODE_COMBINE_WARP_ROWS), 1, 1) and combine.smem == 0
+    assert combine.block == (32 * launch.DECODE_COMBINE_WARP_ROWS, 1, 1)
+    many = forms.decode_plan(p, 33)
+    assert [lau.kernel for lau in many.launches] == ["decode_split", "decode_combine"]
+    combine = many.launches[1]
+    assert combine.grid == (rows, 1, 1) and combine.block == (launch.DECODE_COMBINE_THREADS, 1, 1)
     assert combine.template_args[2] == forms.MAX_SPLITS and combine.smem == combine.template_args[3]
     no_new = forms.decode_plan(launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True), 16)
-    assert [lau.kernel for lau in no_new.launches] == ["decode_split", "decode_combine"]
+    assert [lau.kernel for lau in no_new.launches] == ["decode_split", "decode_combine_warp"]
+    assert not no_new.split_appends
+
+
+# (heads, kv_heads, seqlen_q, head_dim, dtype): the packed rows of one kv head against the tile's br rows
+APPEND_RULE = [(32, 8, 1, 128, "bfloat16"), (32, 8, 4, 128, "bfloat16"), (64, 8, 2, 128, "bfloat16"),
+               (32, 1, 1, 128, "bfloat16"), (16, 1, 2, 128, "float16"), (8, 8, 1, 64, "float32"),
+               (32, 8, 5, 128, "bfloat16"), (64, 2, 1, 32, "float16"), (16, 2, 4, 32, "bfloat16")]
+
+
+@pytest.mark.parametrize("heads,kv_heads,sq,d,dtype", APPEND_RULE)
+@pytest.mark.parametrize("window", [(-1, -1), (1, 0), (0, 0)])
+def test_decode_append_is_folded_iff_one_row_group(heads, kv_heads, sq, d, dtype, window):
+    """decode_split writes the new keys itself iff one row group holds the packed rows (group x seqlen_q <= br);
+    else decode_append runs first. Windows (even ones that hide appended keys from every row) change nothing: the
+    splits' key ranges do not depend on the mask."""
+    p = launch.Problem(3, sq, 4096, heads, kv_heads, d, dtype, sq > 1, seqused_k=True, new_keys=sq,
+                       window=window)
+    plan = forms.decode_plan(p, 8)
+    cfg = tile_config("decode_split", d, dtype, "sm_90")
+    one_group = (heads // kv_heads) * sq <= cfg.br
+    assert plan.split_appends == one_group == forms.decode_split_appends(p, cfg)
+    kernels = [lau.kernel for lau in plan.launches]
+    assert kernels == (["decode_split", "decode_combine_warp"] if one_group else
+                       ["decode_append", "decode_split", "decode_combine_warp"])
+
+
+def _split_ranges(keys, splits, bc):
+    """decode_split's key ranges of one sequence ([decode:split_append]: the s-th run of cdiv(tiles, splits) tiles)."""
+    per = -(-(-(-keys // bc)) // splits) * bc
+    return [(s * per, min(keys, s * per + per)) for s in range(splits)]
+
+
+@pytest.mark.parametrize("bc", [16, 32])
+def test_split_ranges_give_every_new_key_one_writer(bc):
+    """The argument the fold rests on, on the host: for any length, append and split count, the splits' ranges
+    are disjoint and cover [0, keys), so every new key len .. len + new - 1 has exactly one writing split."""
+    rng = np.random.default_rng(3)
+    for _ in range(2000):
+        length, new, splits = int(rng.integers(0, 3000)), int(rng.integers(0, 9)), int(rng.integers(1, 257))
+        keys = length + new
+        ranges = _split_ranges(keys, splits, bc)
+        for a, b in ranges:
+            assert a % bc == 0 and (b == keys or b % bc == 0)  # whole tiles: a split's tiles never reach the next
+        writers = [[s for s, (a, b) in enumerate(ranges) if a <= j < b] for j in range(length, keys)]
+        assert all(len(w) == 1 for w in writers), (length, new, splits)
+        assert sum(max(0, b - a) for a, b in ranges) == keys
+
+
+@pytest.mark.parametrize("splits,kernel", [(1, "decode_combine_warp"), (32, "decode_combine_warp"),
+                                           (33, "decode_combine"), (256, "decode_combine")])
+def test_decode_combine_form(splits, kernel):
+    p = launch.Problem(2, 3, 4096, 8, 2, 64, "bfloat16", True, seqused_k=True)
+    assert forms.decode_combine(p, splits).kernel == kernel
+    assert forms.decode_plan(p, splits).launches[-1].kernel == kernel
+
+
+def _combine_warp_reads(head_dim, splits, batch=16):
+    """decode_combine_warp's index arithmetic on the host, lane by lane: {(split, 4-column chunk): how often read
+    into an output lane's sum} after the lanes' groups are added into group 0 (cuda/decode.cu, [decode:combine_warp])."""
+    chunks = head_dim // 4
+    groups = 1 if chunks >= 32 else 32 // chunks
+    summed = {}
+    for c0 in range(0, chunks, 32):
+        reads = {}  # lane -> the (split, chunk) pairs its acc holds
+        for lane in range(32):
+            sg, c = lane // chunks, lane % chunks
+            c4 = c0 + c
+            mine = sg < groups and c4 < chunks
+            got = []
+            for s0 in range(0, splits, batch * groups):
+                for u in range(batch):
+                    s = s0 + u * groups + sg
+                    if mine and s < splits:
+                        got.append((s, c4))
+            reads[lane] = got
+        for lane in range(32):
+            sg, c = lane // chunks, lane % chunks
+            if sg == 0 and c0 + c < chunks:
+                pairs = list(reads[lane]) + [x for gg in range(1, groups) for x in reads[(gg * chunks + c) & 31]]
+                for x in pairs:
+                    summed[x] = summed.get(x, 0) + 1
+    return summed
+
+
+@pytest.mark.parametrize("head_dim", range(8, 257, 8))
+def test_combine_warp_lanes_read_every_split_and_column_once(head_dim):
+    """Without a GPU: every (split, 4-column chunk) of a row reaches exactly one output lane's sum, once, for every
+    head dim (lane groups below 128 columns, two passes above) and split count up to 32."""
+    for splits in (1, 2, 3, 12, 16, 17, 24, 31, 32):
+        summed = _combine_warp_reads(head_dim, splits)
+        want = {(s, c) for s in range(splits) for c in range(head_dim // 4)}
+        assert set(summed) == want and set(summed.values()) == {1}, (head_dim, splits)
 
 
 def test_check_decode_plans_from_the_capacity():
@@ -252,16 +353,20 @@ def _explain(*args, code=0):
 def test_explain_decode_shows_the_split_plan():
     got = _explain("--batch", 8, "--seqlen-q", 1, "--seqlen-k", 32768, "--heads", 32, "--kv-heads", 8,
                    "--page-size", 64)
-    assert got["valid"] and [r["kernel"] for r in got["launches"]] == ["decode_append", "decode_split",
-                                                                      "decode_combine"]
+    assert got["valid"] and [r["kernel"] for r in got["launches"]] == ["decode_split", "decode_combine_warp"]
     plan = got["split plan"]
+    assert plan["append"].startswith("in decode_split") and plan["combine"].startswith("decode_combine_warp")
     want = forms.decode_plan(launch.Problem(8, 1, got["problem"]["cache capacity per sequence"], 32, 8, 128,
                                             "bfloat16", False, seqused_k=True, new_keys=1, page_size=64))
     assert plan["num_splits"] == want.num_splits
     split = next(r for r in got["launches"] if r["kernel"] == "decode_split")
-    assert split["grid"] == "x".join(map(str, want.launches[1].grid))
+    assert split["grid"] == "x".join(map(str, want.launches[0].grid))
     asked = _explain("--batch", 2, "--seqlen-q", 4, "--seqlen-k", 1000, "--num-splits", 7)
     assert asked["split plan"]["num_splits"] == 7 and "you" in asked["split plan"]["chosen by"]
+    mqa = _explain("--batch", 2, "--seqlen-q", 1, "--seqlen-k", 1000, "--heads", 32, "--kv-heads", 1,
+                   "--num-splits", 40)
+    assert [r["kernel"] for r in mqa["launches"]] == ["decode_append", "decode_split", "decode_combine"]
+    assert mqa["split plan"]["append"].startswith("decode_append first: 2 row groups")
 
 
 def test_explain_decode_refuses_what_decode_refuses():
@@ -302,6 +407,25 @@ GPU_CASES = [
     ("sinks-empty", dict(feats=("sinks",), lens=(0, 5, 0), new=0), {}),
     ("all-features-paged", dict(feats=("window", "softcap", "alibi", "sinks"), page=16, sq=2, new=2),
      dict(causal=True)),
+    # the append folded into decode_split (d = 128: 16-key tiles in every dtype): new keys across split edges (34
+    # keys in 3 splits of 16), page edges (page 5), both (page 16: keys 14, 15 | 16, 17); several query rows
+    ("fold-crosses-splits-sq4", dict(lens=(30, 0, 13), new=4, sq=4, d=128), dict(causal=True, num_splits=3)),
+    ("fold-crosses-pages", dict(page=5, lens=(13, 0, 29), new=3, d=128), dict(num_splits=2)),
+    ("fold-crosses-split-and-page", dict(page=16, lens=(14, 0, 46), new=4, sq=2, d=128),
+     dict(causal=True, num_splits=3)),
+    # appended keys no row sees, in a split that loads no tile (window (1, 0): keys 14, 15 of 18 in split 0)
+    ("window-hides-appends", dict(lens=(14, 3, 30), new=4, d=128, feats=("window",), window=(1, 0)),
+     dict(num_splits=2)),
+    ("window-hides-appends-paged", dict(lens=(30, 0, 7), new=4, page=3, d=128, feats=("window",), window=(0, 0)),
+     dict(num_splits=2)),
+    # several row groups (32 packed rows of MQA 32/1 > 16): decode_append runs before the split pass
+    ("row-groups-append-kernel", dict(h=32, hk=1, d=128, new=2, page=16), {}),
+    # the combine's two forms at their edge (32: one warp per row; 33: a CTA per row), and head dims whose 4-column
+    # chunks split a warp's lanes into groups over the splits (d = 16: 8 groups, 40: 3 of 10 lanes, 72: 1 of 18)
+    ("splits-32", dict(lens=(700, 1, 300), new=2), dict(num_splits=32)),
+    ("splits-33", dict(lens=(700, 1, 300), new=2), dict(num_splits=33)),
+    ("d16-splits-5", dict(d=16, lens=(200, 0, 90), new=2), dict(num_splits=5)),
+    ("d40-splits-7", dict(d=40, lens=(300, 5, 90)), dict(num_splits=7)),
 ]
 
 
@@ -400,6 +524,58 @@ def test_decode_gpu_device_pages_outside_the_cache_give_nan_rows():
     out, lse = rawflash.decode(**dev, return_lse=True, causal=False)
     out, lse = out.get().astype(np.float64), lse.get()
     assert np.isnan(out[1]).all() and np.isnan(lse[1]).all() and np.isfinite(out[0]).all()
+    # appends land wherever their own page is inside the cache (sequence 1's key 40 is on page 2): as before the fold
+    kc, vc = reference.append_kv(args["k_cache"], args["v_cache"], args["cache_seqlens"], args["k_new"],
+                                 args["v_new"], table)
+    np.testing.assert_array_equal(dev["k_cache"].get(), kc)
+    np.testing.assert_array_equal(dev["v_cache"].get(), vc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kw,extra", [(dict(lens=(30, 0, 13), new=4, sq=4, d=128, page=5), dict(num_splits=3)),
+                                      (dict(lens=(700, 1, 300), new=2, d=64), dict(num_splits=32)),
+                                      (dict(lens=(14, 3, 30), new=4, d=128, feats=("window", "sinks"),
+                                            window=(1, 0)), dict(num_splits=2))],
+                         ids=["pages-sq4", "splits-32", "window-sinks"])
+def test_decode_gpu_fold_and_warp_combine_match_the_separate_kernels(dtype, kw, extra, monkeypatch):
+    """The same call three ways: as planned (the append in decode_split, the warp combine), with decode_append
+    launched first (identical out, lse and caches: the same split pass reads the same keys), and with the CTA
+    combine on the same partials (the same lse to the bit at <= 32 splits: the same shuffle tree; out to rounding:
+    another order of the float32 sum)."""
+    args, opts = _case(dtype=dtype, **kw)
+    extra = {**extra, "causal": kw.get("sq", 1) > 1}
+
+    def run():
+        forms._decode_plan.cache_clear()
+        try:
+            return _gpu_decode(args, opts, extra, dtype)
+        finally:
+            forms._decode_plan.cache_clear()
+
+    dev, out, lse = run()
+    assert forms.decode_plan(dev_problem(args, extra), extra["num_splits"]).split_appends
+    monkeypatch.setattr(forms, "decode_split_appends", lambda p, cfg: False)
+    dev2, out2, lse2 = run()
+    np.testing.assert_array_equal(out2.view(np.uint8), out.view(np.uint8))
+    np.testing.assert_array_equal(lse2, lse)
+    np.testing.assert_array_equal(dev2["k_cache"].get(), dev["k_cache"].get())
+    np.testing.assert_array_equal(dev2["v_cache"].get(), dev["v_cache"].get())
+    monkeypatch.setattr(launch, "DECODE_COMBINE_WARP_MAX_SPLITS", 0)
+    _, out3, lse3 = run()
+    np.testing.assert_array_equal(lse3, lse)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(out3.astype(np.float64), out.astype(np.float64), rtol=tol, atol=tol)
+
+
+def dev_problem(args, extra):
+    """The kernel problem of a _case call (as validation makes it), for its plan."""
+    from rawflash import validation
+
+    c = validation.check_decode(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"], args["k_new"],
+                                args["v_new"], args["block_table"], extra.get("causal", False), None, "cupy",
+                                validation.Features())
+    return c.problem
 
 
 _SPIN = r"""
@@ -465,6 +641,28 @@ SIM_CASES = [
     ("features-paged", dict(batch=2, h=4, hk=2, d=32, lens=(60, 2), new=2, sq=2, page=16,
                             feats=("window", "softcap", "alibi", "sinks")), dict(causal=True, num_splits=3)),
     ("sinks-empty", dict(batch=2, h=2, hk=1, d=32, lens=(0, 5), new=0, feats=("sinks",)), dict(num_splits=2)),
+    # the append folded into decode_split (one row group): new keys across split edges (16-key tiles; 34 keys in 3
+    # splits of 16: keys 30, 31 | 32, 33), across page edges, and both at once (page 16: 14, 15 | 16, 17)
+    ("fold-crosses-splits-sq4", dict(batch=3, h=2, hk=1, d=32, lens=(30, 0, 13), new=4, sq=4),
+     dict(causal=True, num_splits=3)),
+    ("fold-crosses-pages", dict(batch=2, h=2, hk=1, d=32, lens=(13, 29), new=3, page=5), dict(num_splits=2)),
+    ("fold-crosses-split-and-page", dict(batch=2, h=4, hk=2, d=32, lens=(14, 0), new=4, sq=2, page=16),
+     dict(causal=True, num_splits=2)),
+    ("fold-one-split", dict(batch=2, h=2, hk=1, d=32, lens=(45, 0), new=2, sq=2), dict(causal=True, num_splits=1)),
+    ("fold-many-splits", dict(batch=2, h=2, hk=1, d=32, lens=(40, 3), new=3, sq=3, page=16),
+     dict(causal=True, num_splits=40)),
+    ("splits-32", dict(batch=1, h=2, hk=1, d=32, lens=(500,), new=1), dict(num_splits=32)),
+    ("splits-33", dict(batch=1, h=2, hk=1, d=32, lens=(520,), new=1), dict(num_splits=33)),
+    # a window (1, 0) with one query row sees the last two keys: appended keys 14, 15 of sequence 0 are seen by no
+    # row and lie in split 0 (keys [0, 16)), which therefore loads no tile at all, yet must write them; (0, 0)
+    # likewise with keys 30, 31 of 34 in split 0 (keys [0, 32)) of a paged cache
+    ("window-hides-appends", dict(batch=2, h=2, hk=1, d=32, lens=(14, 3), new=4, feats=("window",), window=(1, 0)),
+     dict(num_splits=2)),
+    ("window-hides-appends-paged", dict(batch=2, h=2, hk=1, d=32, lens=(30, 0), new=4, sq=1, page=3,
+                                        feats=("window",), window=(0, 0)), dict(num_splits=2)),
+    # several row groups (MQA 8 heads x 3 query rows = 24 packed rows > 16): decode_append runs first
+    ("row-groups-append-kernel", dict(batch=2, h=8, hk=1, d=32, lens=(25, 0), new=3, sq=3, page=16),
+     dict(causal=True, num_splits=3)),
 ]
 
 
@@ -499,6 +697,59 @@ def test_decode_twin_float32(name, kw, extra):
 def test_decode_twin_16bit(dtype):
     _sim_check(dict(batch=2, h=4, hk=2, d=32, lens=(50, 1), new=2, sq=2, page=16), dict(causal=True, num_splits=2),
                dtype)
+
+
+def _sim_plan(kw, extra):
+    """The plan backend='numba' runs for a SIM_CASES case (the problem as the validation makes it)."""
+    from rawflash import numba_backend, validation
+
+    args, _ = _case(dtype="float32", **kw)
+    c = validation.check_decode(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"], args["k_new"],
+                                args["v_new"], args["block_table"], extra.get("causal", False), None, "numba",
+                                validation.Features())
+    return forms.decode_plan(numba_backend.run_problem(c.problem), extra.get("num_splits"), 132)
+
+
+def test_sim_cases_run_both_appends_and_both_combines():
+    """The twin cases above take each path: the fold and decode_append, the warp and the CTA combine."""
+    plans = {name: _sim_plan(kw, extra) for name, kw, extra in SIM_CASES}
+    appends = {name: p.split_appends for name, p in plans.items() if dict(SIM_CASES_KW[name]).get("new", 1)}
+    assert not appends["row-groups-append-kernel"] and appends["fold-crosses-splits-sq4"]
+    assert all(v for n, v in appends.items() if n.startswith(("fold", "window")))
+    combines = {name: p.launches[-1].kernel for name, p in plans.items()}
+    assert combines["splits-32"] == "decode_combine_warp" and combines["splits-33"] == "decode_combine"
+    assert combines["fold-many-splits"] == "decode_combine"
+
+
+SIM_CASES_KW = {name: kw for name, kw, _ in SIM_CASES}
+
+
+@pytest.mark.parametrize("name,kw,extra", [c for c in SIM_CASES if c[1].get("new", 1)],
+                         ids=[c[0] for c in SIM_CASES if c[1].get("new", 1)])
+@pytest.mark.parametrize("", [pytest.param(marks=sim)])
+def test_decode_twin_appends_on_its_own(name, kw, extra):
+    """The twins' own writes, without the API's host append (which repairs the caller's caches when the twins ran
+    on copies): float32 NumPy caches reach the simulated kernels unchanged, so after numba_backend.decode they must
+    hold exactly the appended keys, including keys no query row sees (a split that loads no tile still writes the
+    new keys of its range)."""
+    from rawflash import numba_backend, validation
+
+    args, opts = _case(dtype="float32", **kw)
+    kc, vc = args["k_cache"].copy(), args["v_cache"].copy()
+    causal = extra.get("causal", False)
+    feats = validation.Features(window=opts.get("window", (-1, -1)), softcap=opts.get("softcap", 0.0),
+                                alibi_slopes=opts.get("alibi_slopes"), sinks=opts.get("sinks"))
+    c = validation.check_decode(args["q"], kc, vc, args["cache_seqlens"], args["k_new"], args["v_new"],
+                                args["block_table"], causal, None, "numba", feats)
+    out, _ = numba_backend.decode(c.problem, args["q"], kc, vc, args["k_new"], args["v_new"], c.scale,
+                                  extra.get("num_splits"), c.extras)
+    want_k, want_v = reference.append_kv(args["k_cache"], args["v_cache"], args["cache_seqlens"], args["k_new"],
+                                         args["v_new"], args["block_table"])
+    np.testing.assert_array_equal(kc, want_k)
+    np.testing.assert_array_equal(vc, want_v)
+    ref, _ = reference.decode(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"], k_new=args["k_new"],
+                              v_new=args["v_new"], block_table=args["block_table"], causal=causal, **opts)
+    assert np.abs(out - ref).max() < 1e-4
 
 
 def _twin_call(args, lens, table=None, splits=2):
@@ -539,12 +790,13 @@ def test_decode_twin_pages_outside_the_cache_give_nan_rows():
 
 # the forward twins' check up to their signature: NVVM present, no GPU needed (sm_90), arr()
 DECODE_PTX_CHECK = _FWD_PTX_CHECK[:_FWD_PTX_CHECK.index("def signature")] + r"""
+from rawflash import launch
 from rawflash.numba_kernels.params import DecodeParams
 
 def signature(dtype):  # p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws
     p = Problem(1, 1, 64, 2, 1, 32, "float32", False, seqused_k=True, new_keys=1, page_size=16)
     params = nb._params(DecodeParams, p, 0.5, {}, has_table=True, page_size=16, num_splits=2, new_keys=1,
-                        cache_capacity=64, num_pages=4, cache_len=0)
+                        cache_capacity=64, num_pages=4, cache_len=0, split_appends=True)
     x, i1, f1 = arr(dtype, 4), arr(np.int32, 1), arr(np.float32, 1)
     return (typeof(params), x, x, x, x, x, x, arr(np.float32, 3), i1, i1, i1, f1, f1, arr(np.int32, 2),
             arr(np.float32, 5), arr(np.float32, 4))
@@ -552,7 +804,8 @@ def signature(dtype):  # p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, s
 failed, done = [], 0
 for dtype in ("float16", "float32"):
     for d in (32, 64, 128, 256):
-        for lau in forms.decode_plan(Problem(2, 1, 4096, 8, 2, d, dtype, False, seqused_k=True, new_keys=1), 8).launches:
+        p = Problem(2, 1, 4096, 8, 2, d, dtype, False, seqused_k=True, new_keys=1)
+        for lau in (*forms.decode_plan(p, 8).launches, launch.decode_append(p), launch.decode_combine(p)):
             try:
                 cuda.compile_ptx(nb.twin_of(lau, "decode").kernel.py_func, signature(np.dtype(dtype)), cc=(9, 0))
                 done += 1
@@ -565,8 +818,8 @@ print(json.dumps({"compiled": done, "failed": failed}))
 @pytest.mark.compile
 @pytest.mark.slow
 def test_decode_twins_compile_to_ptx():
-    """The simulator types nothing: the decode twins (append, split at four head dims, combine; float16 and float32
-    arrays) go through Numba's nopython typing and NVVM to PTX for sm_90 in a child process without the simulator,
+    """The simulator types nothing: the decode twins (append, split at four head dims, both combines; float16 and
+    float32 arrays) go through Numba's nopython typing and NVVM to PTX for sm_90 in a child process without the simulator,
     with the argument types numba_backend.decode passes."""
     import json
     import subprocess
@@ -583,4 +836,4 @@ def test_decode_twins_compile_to_ptx():
     if "skip" in got:
         pytest.skip(got["skip"])
     assert not got["failed"], "\n".join(got["failed"])
-    assert got["compiled"] == 24
+    assert got["compiled"] == 32

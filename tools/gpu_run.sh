@@ -57,7 +57,7 @@ while [ $i -lt ${#steps[@]} ]; do
       for case in ${PROFILE_CASES:-softcap fp8 plain decode}; do
         case $case in
           fp8) regex='fa3_fwd_sm90_fp8'; skip=2; count=1 ;;
-          decode) regex='decode_'; skip=3; count=3 ;;
+          decode) regex='decode_'; skip=2; count=2 ;;  # b = 64: decode_split (the append folded) + the warp combine
           *) regex='fa3_(fwd|bwd)_sm90'; skip=2; count=2 ;;
         esac
         ncu --clock-control none --kernel-name "regex:$regex" --launch-skip $skip --launch-count $count \

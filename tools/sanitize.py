@@ -54,10 +54,13 @@ def _varlen(q, k, v):
 
 def _decode(dtype: str) -> None:
     """decode: contiguous and paged caches (pages of 16 and 3), appends crossing a page, an empty sequence, several
-    query rows, the features, one and many splits, and out-of-range device lengths and pages."""
+    query rows, the features, one and many splits (the warp combine up to 32, the CTA combine at 40), the append in
+    decode_split and (MQA 32/1: two row groups) decode_append before it, an appended key a window hides from every row,
+    and out-of-range device lengths and pages."""
     rng = np.random.default_rng(1)
     dt = random_qkv(1, 1, 1, 1, 1, 8, dtype)[0].dtype
-    for d, (h, hk), page, sq in ((64, (4, 2), 0, 1), (128, (4, 1), 16, 3), (256, (2, 2), 3, 1), (96, (8, 2), 0, 2)):
+    for d, (h, hk), page, sq in ((64, (4, 2), 0, 1), (128, (4, 1), 16, 3), (256, (2, 2), 3, 1), (96, (8, 2), 0, 2),
+                                 (128, (32, 1), 16, 1)):
         lens = np.array([0, 37, 70], np.int32)
         cap = 80
         if page:
@@ -69,9 +72,11 @@ def _decode(dtype: str) -> None:
         vc = kc.copy()
         q = cupy.asarray(rng.standard_normal((3, sq, h, d)).astype(dt))
         kn = cupy.asarray(rng.standard_normal((3, 2, hk, d)).astype(dt))
-        for splits in (None, 1, 5):
+        for splits in (None, 1, 5, 40):
             rawflash.decode(q, kc, vc, cache_seqlens=cupy.asarray(lens), k_new=kn, v_new=kn.copy(), block_table=table,
                             causal=True, num_splits=splits)
+        rawflash.decode(q, kc, vc, cache_seqlens=cupy.asarray(lens), k_new=kn, v_new=kn.copy(), block_table=table,
+                        causal=False, window=(0, 0), num_splits=3)  # one query row: key len seen by no row
         rawflash.decode(q, kc, vc, cache_seqlens=5, block_table=table, window=(4, 0), softcap=3.0,
                         alibi_slopes=cupy.full((h,), 0.1, cupy.float32), sinks=cupy.zeros(h, cupy.float32))
         # device values the host never checks: lengths past the capacity and below 0, pages outside the cache

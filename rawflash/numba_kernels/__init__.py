@@ -17,11 +17,11 @@ from . import _shim  # first: numba-cuda needs numpy.row_stack, which numpy 2.5 
 _shim.apply()
 
 from .common import Twin  # noqa: E402
-from .decode import make_decode_append, make_decode_combine, make_decode_split  # noqa: E402
+from .decode import make_decode_append, make_decode_combine, make_decode_combine_warp, make_decode_split  # noqa: E402
 from .fa1_fwd import make_fa1_finalize, make_fa1_fwd  # noqa: E402
 from .fa2_bwd import make_fa2_bwd, make_fa2_bwd_convert_dq, make_fa2_bwd_dq, make_fa2_bwd_preprocess  # noqa: E402
 from .fa2_fwd import make_fa2_fwd  # noqa: E402
 
 __all__ = ["Twin", "make_fa1_fwd", "make_fa1_finalize", "make_fa2_fwd", "make_fa2_bwd", "make_fa2_bwd_dq",
            "make_fa2_bwd_preprocess", "make_fa2_bwd_convert_dq", "make_decode_append", "make_decode_split",
-           "make_decode_combine"]
+           "make_decode_combine", "make_decode_combine_warp"]

@@ -1,8 +1,10 @@
 """decode twin: KV-cache attention for inference (Flash-Decoding), mirroring ``cuda/decode.cu``.
 
-decode_append writes k_new / v_new into the cache (contiguous or paged) at cache_seqlens[b] + t; decode_split runs
-one split of the keys per "warp" (mainloop_decode.py) for the GQA-packed query rows of one kv head into float32
-partial O and lse; decode_combine merges the splits by their lse and adds the sink. The launch never depends on
+decode_split runs one split of the keys per "warp" (mainloop_decode.py) for the GQA-packed query rows of one kv head
+into float32 partial O and lse, and with one row group (p.split_appends) first writes the new keys of its own range
+into the cache; decode_append writes k_new / v_new into the cache (contiguous or paged) at cache_seqlens[b] + t
+before it otherwise; decode_combine_warp (up to 32 splits) and decode_combine merge the splits by their lse and add
+the sink. The launch never depends on
 cache_seqlens: sequence b's keys are cut into num_splits runs of cdiv(tiles_b, num_splits) tiles, splits past its
 keys are empty. A sequence whose cache_seqlens + new keys lies outside [0, cache_capacity], or whose used pages lie
 outside the cache, gets NaN out and lse and no append.
@@ -41,6 +43,19 @@ def len_ok(p, n):
     return n >= 0 and n <= p.cache_capacity - p.new_keys
 
 
+@cuda.jit(device=True)
+def append_chunk(p, g, bi, length, t, c):
+    """Columns [c, c + 8) of new key t (K and V) of sequence bi.b, kv head bi.hk, into the cache as key length + t;
+    nothing where that key's page lies outside the cache (length was checked with len_ok)."""
+    page, row = page_pos(p, bi, length + t)
+    if not slot_inside(p, page_slot(p, g, bi, page)):
+        return  # the page lies outside the cache
+    slot, at = key_index(p, g, bi, page, row, 0)
+    for e in range(8):
+        g.k[slot, at, bi.hk, c + e] = g.k_new[bi.b, t, bi.hk, c + e]
+        g.v[slot, at, bi.hk, c + e] = g.v_new[bi.b, t, bi.hk, c + e]
+
+
 @functools.lru_cache(maxsize=None)
 def make_decode_append(T: str) -> Twin:
     """The twin of ``decode_append<T>``: one thread per 8 columns of one new key, with the Launch's grid and block."""
@@ -59,14 +74,7 @@ def make_decode_append(T: str) -> Twin:
             length = cache_len(p, g, b)
             if not len_ok(p, length):
                 continue  # out of the cache: nothing written (decode_split makes b's rows NaN)
-            bi = block_info(True, p, g, b, hk * (p.heads // p.kv_heads))
-            page, row = page_pos(p, bi, length + t)
-            if not slot_inside(p, page_slot(p, g, bi, page)):
-                continue  # the page lies outside the cache
-            slot, at = key_index(p, g, bi, page, row, 0)
-            for e in range(8):
-                g.k[slot, at, hk, c + e] = g.k_new[b, t, hk, c + e]
-                g.v[slot, at, hk, c + e] = g.v_new[b, t, hk, c + e]
+            append_chunk(p, g, block_info(True, p, g, b, hk * (p.heads // p.kv_heads)), length, t, c)
 
     return Twin(decode_append, None, 0)
 
@@ -114,10 +122,25 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
             sQ[rr, c] = float32(g.q[b, r // group, hk * group + r % group, c]) if rr < nrows and c < p.head_dim \
                 else ZERO
         cuda.syncthreads()  # the Q tile is visible to every thread
-        # ---- [decode:mainloop] this warp's split: the s-th run of cdiv(tiles, num_splits) key tiles of the sequence ----
+        # ---- [decode:split_append] the split's keys [k_begin, k_end); the new keys among them into the cache ----
+        # The s-th run of cdiv(tiles, num_splits) key tiles; the runs cover every key whatever the mask, so each new
+        # key has one writer: the split whose range holds it, seen by its rows or not.
+        # MIRROR: splits past num_splits stay (as empty splits) where the CUDA C's warps return; the split's ROWS
+        # threads share the chunks where the CUDA C's 32 lanes do, and a CTA barrier stands for its __threadfence()
+        # and __syncwarp() (every thread of the twin reaches it).
         per = cdiv(cdiv(bi.seqlen_k, BCW), p.num_splits) * BCW
-        # MIRROR: splits past num_splits stay (as empty splits) where the CUDA C's warps return, and every thread
-        # finds the CTA's longest split: the twin's barriers are the whole CTA's.
+        active = s < p.num_splits
+        k_begin = s * per if active else 0
+        k_end = min(bi.seqlen_k, k_begin + per) if active else 0
+        if p.split_appends and ok:
+            j0 = max(k_begin, length)
+            j1 = min(k_end, length + p.new_keys)
+            c8 = p.head_dim // 8
+            for x in range(row, max(0, j1 - j0) * c8, ROWS):
+                append_chunk(p, g, bi, length, j0 - length + x // c8, (x % c8) * 8)
+        cuda.syncthreads()  # the split's new keys are in the cache before any tile is read
+        # ---- [decode:mainloop] this warp's split: its key tiles through the ring (mainloop_decode.py) ----
+        # MIRROR: every thread finds the CTA's longest split: the twin's barriers are the whole CTA's.
         steps = 0
         for ww in range(WARPS):
             sw = cuda.blockIdx.x * WARPS + ww
@@ -125,9 +148,6 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
             se = min(bi.seqlen_k, sb + per)
             if sw < p.num_splits and pages_inside(p, g, bi, sb, se):
                 steps = max(steps, tile_range(pol, group, r0, nrows, sb, se, BCW)[2])
-        active = s < p.num_splits
-        k_begin = s * per if active else 0
-        k_end = min(bi.seqlen_k, k_begin + per) if active else 0
         wrong = not ok or not pages_inside(p, g, bi, k_begin, k_end)  # the split's pages, once
         tiles = run(p, g, bi, pol, group, r0, nrows, k_begin, k_begin if wrong else k_end, steps, w, row, smem, st)
         # ---- [decode:epilogue] partial O (divided by this split's l) and partial lse, float32; empty: lse -inf only ----
@@ -191,3 +211,52 @@ def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int, SMEM_BYTES: int) 
             lse[b, h, i] = row_lse
 
     return Twin(decode_combine, COMBINE_THREADS, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def make_decode_combine_warp(T: str, WARPS: int) -> Twin:
+    """The twin of ``decode_combine_warp<T, WARPS>``: WARPS (b, i, h) rows per CTA (num_splits <= 32), one thread
+    per row."""
+
+    @cuda.jit
+    def decode_combine_warp(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
+        # MIRROR: a per-thread array of the row's split lse where the CUDA C keeps one per lane.
+        w = cuda.local.array(32, float32)
+        # ---- [decode:combine_warp] row (b, i, h) by one warp (num_splits <= 32), WARPS rows per CTA: decode_combine's math ----
+        # MIRROR: one thread per row does the lanes' work in turn: the max and the sum over the splits in order
+        # (the CUDA C: xor-shuffle trees), each column summed over every split in order (the CUDA C's order below
+        # 128 columns: groups of lanes over every groups-th split, then the groups in order). math.exp for every
+        # dtype.
+        row = cuda.blockIdx.x * WARPS + cuda.threadIdx.x
+        if row >= p.batch * p.seqlen_q * p.heads:
+            return
+        h = row % p.heads
+        i = (row // p.heads) % p.seqlen_q
+        b = row // (p.heads * p.seqlen_q)
+        splits = min(p.num_splits, 32)
+        nan = False
+        m = NEG_INF
+        for s in range(splits):
+            w[s] = m_ws[s, b, h, i]
+            nan = nan or math.isnan(w[s])
+            m = max(m, w[s])
+        if p.has_sinks:
+            m = max(m, sinks[h])
+        m_use = ZERO if m == NEG_INF else m
+        denom = ZERO
+        for s in range(splits):
+            denom += float32(math.exp(w[s] - m_use))
+        if p.has_sinks:
+            denom += float32(math.exp(sinks[h] - m_use))
+        row_lse = NAN if nan else (m_use + float32(math.log(denom)) if denom > ZERO else NEG_INF)
+        for s in range(splits):
+            w[s] = ZERO if w[s] == NEG_INF or nan else float32(math.exp(w[s] - row_lse))
+        for c in range(p.head_dim):
+            acc = ZERO
+            for s in range(splits):
+                if w[s] != ZERO:  # empty splits wrote no O
+                    acc += w[s] * o_ws[s, b, i, h, c]
+            o[b, i, h, c] = NAN if nan else acc
+        lse[b, h, i] = row_lse
+
+    return Twin(decode_combine_warp, WARPS, 0)

@@ -28,7 +28,7 @@ FwdParams = collections.namedtuple("FwdParams", (*_SHARED, "window_left", "windo
 DecodeParams = collections.namedtuple("DecodeParams", (*_SHARED, "window_left", "window_right", "scale", "scale_log2",
                                                        "softcap", "alibi_sb", *_FLAGS, "has_table", "page_size",
                                                        "num_splits", "new_keys", "cache_capacity", "num_pages",
-                                                       "cache_len"))
+                                                       "cache_len", "split_appends"))
 BwdParams = collections.namedtuple("BwdParams", (*_SHARED, "rows_batch", "rows_seqlen", "window_left",
                                                  "window_right", "scale", "scale_log2", "softcap", "alibi_sb",
                                                  *_FLAGS))
