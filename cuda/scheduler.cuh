@@ -103,32 +103,24 @@ template <int BR, bool PERSISTENT, bool VARLEN> struct LinearTileScheduler {
 // next one's copies. The producer warp takes the index (start / advance) and publishes it in shared memory
 // before it copies Q_i (Fa3FwdPipeline::produce; -1 when none is left, produce_end); the consumers read it once
 // Q_i's barrier has completed (Fa3FwdPipeline::published_tile, then take). The counters {next, done} are zero
-// at launch: every CTA takes indices until one is past the last tile (and one more, a tile ahead), then counts
-// itself done, and the last one to do so puts both back to zero for the next launch on the stream (one launch per
-// stream at a time: the backend keeps one pair per stream).
+// at launch: every CTA takes indices until one is past the last tile, then counts itself done, and the last one
+// to do so puts both back to zero for the next launch on the stream (one launch per stream at a time: the backend
+// keeps one pair per stream).
 template <int BR> struct DynamicTileScheduler : LinearTileScheduler<BR, true, false> {
   using Base = LinearTileScheduler<BR, true, false>;
   static constexpr bool DYNAMIC = true;
   // ---- producer warp (all 32 lanes) ----
-  // The index of the tile after this one is taken when this one starts (a tile ahead): the atomic's round trip
-  // to L2 then overlaps this tile's copies instead of sitting between two tiles.
-  int ahead = 0;
-  template <class P> __device__ __forceinline__ bool start(const P& p) {
-    ahead = take_next(p);
-    return fetch(p);
-  }
+  // (Taking the next index a tile ahead, when this tile starts, measured slower at N = 16384: 652 against 696
+  // TFLOP/s non-causal at d = 128, H200, session 6; NOTES.)
+  template <class P> __device__ __forceinline__ bool start(const P& p) { return fetch(p); }
   template <class P> __device__ __forceinline__ bool advance(const P& p) { return fetch(p); }
-  template <class P> __device__ __forceinline__ static int take_next(const P& p) {
+  template <class P> __device__ __forceinline__ bool fetch(const P& p) {
     int next = 0;
     if (lane_id() == 0) next = atomicAdd(p.tile_counter, 1);
-    return next;
-  }
-  template <class P> __device__ __forceinline__ bool fetch(const P& p) {
-    this->t = __shfl_sync(0xffffffffu, ahead, 0);
-    ahead = take_next(p);
+    this->t = __shfl_sync(0xffffffffu, next, 0);
     if (this->find(p)) return true;
     if (lane_id() == 0) {
-      __threadfence();  // this CTA's takes (two past the last tile: this one and the one ahead) before its count
+      __threadfence();  // this CTA's last take is ordered before its count (the reset must follow every take)
       if (atomicAdd(p.tile_counter + 1, 1) == (int)gridDim.x - 1) {
         atomicExch(p.tile_counter, 0);
         atomicExch(p.tile_counter + 1, 0);

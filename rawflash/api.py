@@ -115,8 +115,8 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         ``warp_specialize`` (default: FA3's form, a TMA producer warpgroup feeding consumer warpgroups, where it
         applies; False: the wgmma form whose threads all copy; True demands FA3's form), and in FA3's form
         ``pingpong`` (consumer warpgroups take turns on the tensor cores, default True), ``persistent`` (one CTA
-        per SM walks the tiles; default: where the tiles cost the same) and ``dynamic`` (a persistent grid's CTAs
-        take the next tile from a counter; False: the static schedule; default True).
+        per SM walks the tiles; default: fixed sequence lengths) and ``dynamic`` (a persistent grid's CTAs take
+        the next tile from a counter; False: the static schedule; default: under a mask).
 
     Returns
     -------
