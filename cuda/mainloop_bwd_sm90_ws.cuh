@@ -46,10 +46,14 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // K_j, V_j; STAGES x (Q_i, dO_i); 2 x dS^T; 2 x NWG dQ_i slices; STAGES x (L_i, D_i); the mbarriers
   static constexpr int SMEM_BYTES =
       ALIGN + 2 * KV + 2 * STAGES * QB + 2 * DS + 2 * NWG * DQB + 2 * STAGES * BR_ * 4 + 8 * BARRIERS;
-  // 24 / 240 (FA3's split for two consumer warpgroups): the plain policy's dV product runs while dS^T is formed, with
-  // P^T (float and A fragments), dP^T, dK and dV live at once; at 232 that spilled 32 B, and the spill code touching
-  // registers of products in flight made ptxas serialise every product.
-  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+  // EARLY_DV: the plain policy at head_dim 128 issues dV_w += P^T dO_i as soon as P^T is formed, so it runs while
+  // dS^T is formed (H200, bf16, N = 4096: 456 -> 470 TFLOP/s); at head_dim 64 the same order lost 4 % (346 -> 332),
+  // and the general policy needs dP^T for P^T's transform first. P^T (float and A fragments), dP^T, dK and dV are
+  // then live at once: at 232 registers that spilled 32 B, and the spill code touching registers of products in
+  // flight made ptxas serialise every product, so those instantiations take 24 / 240 (FA3's split for two consumer
+  // warpgroups), the others keep 40 / 232.
+  static constexpr bool EARLY_DV = !Pol_::GENERAL && D >= 128;
+  static constexpr int PRODUCER_REGS = EARLY_DV ? 24 : 40, CONSUMER_REGS = EARLY_DV ? 240 : 232;
   static constexpr int DS_BARRIER = 1;  // named barrier of the consumer warpgroups: every dS^T is in shared memory
   static constexpr int DQ_BARRIER = 2;  // + w: warpgroup w's dQ_i slice is in shared memory
   // DET: + 2 w + buffer, over warpgroup w and the dQ writer warp: the slice is in shared memory (full) / the
@@ -288,16 +292,21 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       wg_gemm_abt(dp, sV, kw, sdO, 0, false);
       wgmma_commit();
       // ---- [mainloop_bwd_sm90_ws:probs] Alg.2 l.10-11, l.13 and l.15: P^T; dV_w += P^T dO_i; dS^T = P^T * (dP^T -
-      // D_i); dK_w += dS^T Q_i. The plain policy issues dV once P^T is formed, so it runs while dS^T is formed;
-      // the general one forms both first (its transform's derivative needs both). ----
+      // D_i); dK_w += dS^T Q_i. EARLY_DV issues dV once P^T is formed, so it runs while dS^T is formed; the
+      // others form both first (the general policy's transform needs both). ----
       // Rows past the sequence: the copies may have read a packed neighbour's rows (not zeros), so P = dS = 0.
-      const int nq = bh.seqlen_q - q0;
       u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
-      if constexpr (Pol::GENERAL) {
+      if constexpr (!EARLY_DV) {
         probs_sm90<T>(pol, sc, dp, q0, k0 + wk, sL, sDelta, edge);
-        if (nq < BR) for_each2(sc, dp, [&](float& x, float& y, int, int col) { if (col >= nq) x = y = 0.f; });
+        if (q0 + BR > bh.seqlen_q) {
+          const int nq = bh.seqlen_q - q0;
+          for_each2(sc, dp, [&](float& x, float& y, int, int col) {
+            if (col >= nq) x = y = 0.f;
+          });
+        }
         to_a_operand<T>(p_a, sc);
       } else {
+        const int nq = bh.seqlen_q - q0;
         probs_p_sm90<T>(pol, sc, q0, k0 + wk, sL, edge);
         if (nq < BR) for_each_col(sc, [&](float& x, int col) { if (col >= nq) x = 0.f; });
         to_a_operand<T>(p_a, sc);
@@ -312,9 +321,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       store_acc(sdS, dp, wk, 0);
       fence_async_smem();
       fence_operand(st.dk);
-      if constexpr (Pol::GENERAL) fence_operand(st.dv);  // (not while dV runs: ptxas would serialise the products)
+      if constexpr (!EARLY_DV) fence_operand(st.dv);  // (not while dV runs: ptxas would serialise the products)
       wgmma_fence();
-      if constexpr (Pol::GENERAL) wg_gemm_rb(st.dv, p_a, sdO, 0, 0);
+      if constexpr (!EARLY_DV) wg_gemm_rb(st.dv, p_a, sdO, 0, 0);
       wg_gemm_rb(st.dk, ds_a, sQ, 0, 0);
       wgmma_commit();
       // ---- [mainloop_bwd_sm90_ws:dq] Alg.2 l.14: dQ_i += scale * dS K_j, columns w*D/NWG.. from every dS^T ----
