@@ -35,36 +35,34 @@ def main() -> None:
     args = ap.parse_args()
     env = settings.load()
     rows = []
-    for d in map(int, args.head_dims.split(",")):
-        for n in map(int, args.seqlens.split(",")):
-            for causal in (False, True):
-                b, h = 16384 // n, 2048 // d
-                case = bench.Case("rawflash-fa2", "fwd", args.dtype, b, h, h, n, d, causal)
-                q, k, v, dout = bench.make_inputs(case)
-                c = validation.check_forward(q, k, v, causal, None)
-                row = dict(head_dim=d, seqlen=n, causal=causal)
-                ref = None
-                for name, sw in GRIDS.items():
-                    bound = cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", forms.Switches(**sw),
-                                                      c.extras, env)
-                    bound.launch()
-                    out = bound.result()[0]
-                    if ref is None:
-                        ref = out.copy()
-                    elif not cupy.array_equal(out, ref):
-                        row[f"{name}_error"] = "output differs from the one-tile-per-CTA grid"
-                        continue
-                    row[name] = case.flops / bench.time_ms(bound.launch, args.repeats) / 1e9
-                if not args.no_peer:
-                    try:
-                        peer = dataclasses.replace(case, impl="torch-cudnn")
-                        row["torch-cudnn"] = case.flops / bench.time_ms(bench.runner(peer, q, k, v, dout),
-                                                                         args.repeats) / 1e9
-                    except Exception as err:  # no PyTorch, or no cuDNN attention here
-                        row["torch-cudnn"] = f"unavailable: {type(err).__name__}"
-                rows.append(row)
-                print(json.dumps({k: (round(x, 1) if isinstance(x, float) else x) for k, x in row.items()}),
-                      flush=True)
+    for case in bench.sweep_cases(["rawflash-fa2"], ["fwd"], [args.dtype], [int(x) for x in args.head_dims.split(",")],
+                                  [int(x) for x in args.seqlens.split(",")], [False, True]):
+        d, n, causal = case.head_dim, case.seqlen, case.causal
+        q, k, v, dout = bench.make_inputs(case)
+        c = validation.check_forward(q, k, v, causal, None)
+        row = dict(head_dim=d, seqlen=n, causal=causal)
+        ref = None
+        for name, sw in GRIDS.items():
+            bound = cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", forms.Switches(**sw),
+                                              c.extras, env)
+            bound.launch()
+            out = bound.result()[0]
+            if ref is None:
+                ref = out.copy()
+            elif not cupy.array_equal(out, ref):
+                row[f"{name}_error"] = "output differs from the one-tile-per-CTA grid"
+                continue
+            row[name] = case.flops / bench.time_ms(bound.launch, args.repeats) / 1e9
+        if not args.no_peer:
+            try:
+                peer = dataclasses.replace(case, impl="torch-cudnn")
+                row["torch-cudnn"] = case.flops / bench.time_ms(bench.runner(peer, q, k, v, dout),
+                                                                 args.repeats) / 1e9
+            except Exception as err:  # no PyTorch, or no cuDNN attention here
+                row["torch-cudnn"] = f"unavailable: {type(err).__name__}"
+        rows.append(row)
+        print(json.dumps({k: (round(x, 1) if isinstance(x, float) else x) for k, x in row.items()}),
+              flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"{'d':>4} {'N':>6} {'causal':>6} " + " ".join(f"{g:>16}" for g in (*GRIDS, "torch-cudnn")))
