@@ -522,9 +522,14 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
     if backend == "numba":
         report["launches"] = twin_rows(checked.problem, kernel, direction, deterministic, tgt)
     else:
-        report["launches"] = [launch_row(p, d, lau) for d, lau in launches(p, kernel, direction, deterministic)]
-        for row in report["launches"]:
+        planned = launches(p, kernel, direction, deterministic)
+        report["launches"] = [launch_row(p, d, lau) for d, lau in planned]
+        for row, (_, lau) in zip(report["launches"], planned):
             add_note(row, fit_problem(row["smem"], tgt.arch))
+            grid = launch.schedule_of(lau)
+            if grid is not None:
+                add_note(row, f"grid: {grid}" + (" (CTAs take tiles from a counter)" if grid.endswith("dynamic")
+                                                  else ""))
             if row["kernel"] == "fa3_bwd_sm90" and deterministic:
                 add_note(row, "deterministic: dQ reduce-adds in a fixed order per query block (int32 semaphores)")
     report["predicted"] = [_brief_io(io_row(p, kernel if d == "fwd" else "fa2", d, tgt)) for d in dirs]

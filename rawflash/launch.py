@@ -294,6 +294,13 @@ def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, i
 # fa3_fwd_sm90.cu's SCHEDULE: one tile per CTA, or a persistent grid (one CTA per SM) walking the tiles by the
 # static schedule (tile t on CTA t % grid) or taking them from a counter as each CTA gets ready (dynamic).
 SCHEDULES = {"one tile per CTA": 0, "persistent, static": 1, "persistent, dynamic": 2}
+SCHEDULE_ARG = {"fa3_fwd_sm90": 9, "fa3_fwd_sm90_fp8": 8}  # SCHEDULE's position among the template arguments
+
+
+def schedule_of(lau: "Launch") -> str | None:
+    """The name of an FA3 forward launch's grid (a key of SCHEDULES); None for other kernels."""
+    pos = SCHEDULE_ARG.get(lau.kernel)
+    return None if pos is None else {v: k for k, v in SCHEDULES.items()}[lau.template_args[pos]]
 
 
 def fa3_schedule(persistent: bool, dynamic: bool) -> int:

@@ -216,6 +216,14 @@ def test_explain_valid_call():
     assert "valid: yes" in out and "59 runs on the 64 kernel" in out and "skipped" in out
 
 
+@pytest.mark.parametrize("causal, grid", [(True, "grid: persistent, dynamic"), (False, "grid: persistent, static")])
+def test_explain_names_the_fa3_forwards_grid(causal, grid):
+    args = ["--gpu", "sm_90", "--batch", "2", "--seqlen-q", "4096", "--heads", "16", "--head-dim", "128"]
+    report = invoke_json("explain", *args, *(["--causal"] if causal else []))
+    fwd = next(r for r in report["launches"] if r["kernel"] == "fa3_fwd_sm90")
+    assert grid in fwd["note"]
+
+
 def _api_error(**shape):
     q, k, v = random_qkv(**shape, dtype="float16")
     with pytest.raises((TypeError, ValueError)) as info:
