@@ -20,8 +20,9 @@ __device__ __forceinline__ int warpgroup_id() { return threadIdx.x >> 7; }
 __device__ __forceinline__ int warp_in_group() { return (threadIdx.x >> 5) & 3; }
 
 // Descriptor fields: start address, leading and stride byte offsets (all >> 4), layout type 1 = 128-byte swizzle.
-__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
-  return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+// layout: the descriptor's swizzle mode (bits 62-63): 1 the 128-byte swizzle, 2 the 64-byte one.
+__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo, u32 layout = 1) {
+  return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | ((u64)layout << 62);
 }
 
 template <typename T, int ROWS, int COLS> struct Sw128 {
@@ -61,6 +62,22 @@ template <int ROWS, int COLS> struct Sw128x8 {
   u32 base;  // shared-memory address, 1024-byte aligned
   __device__ __forceinline__ u64 desc_k(int r0, int k0) const {
     return make_desc(base + (k0 >> 7) * PANEL_BYTES + r0 * 128 + (k0 & 127), 16, 1024);
+  }
+};
+
+// An 8-bit tile in the 64-byte-swizzled layout, for widths that are whole 64-byte panels but not 128-byte ones
+// (the FP8 form's V^T tiles of 192 keys): panels of 64 columns, a panel ROWS rows of 64 bytes, the swizzle atom 8
+// rows (512 bytes), 16-byte chunk c of row r at chunk c ^ (r / 2 % 4). Only TMA writes it and only wgmma reads
+// it (both in that layout: the map's SWIZZLE_64B, the descriptor's layout 2), so there is no addr(); a k-step of
+// 32 columns is +32 bytes inside a panel.
+template <int ROWS, int COLS> struct Sw64x8 {
+  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "whole 64-column panels of whole 8-row swizzle atoms");
+  static constexpr int PANEL_COLS = 64, PANELS = COLS / 64;
+  static constexpr int PANEL_BYTES = ROWS * 64;
+  static constexpr int BYTES = ROWS * COLS;
+  u32 base;  // shared-memory address, 1024-byte aligned
+  __device__ __forceinline__ u64 desc_k(int r0, int k0) const {
+    return make_desc(base + (k0 >> 6) * PANEL_BYTES + r0 * 64 + (k0 & 63), 16, 512, 2);
   }
 };
 

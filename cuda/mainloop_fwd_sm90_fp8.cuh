@@ -5,8 +5,9 @@
 // backend dequantises the inputs and is the judge.
 //
 // What differs from the 16-bit mainloop:
-//   - tiles are bytes (Sw128x8: panels of 128 columns); the head_dim D is a multiple of 128, columns past the
-//     caller's head_dim are zero-filled by the copies (as 16-bit TMA tiles are past theirs);
+//   - tiles are bytes (Sw128x8: panels of 128 columns; V^T of 192 keys in Sw64x8's 64-column panels); the head_dim
+//     D is a multiple of 128, columns past the caller's head_dim are zero-filled by the copies (as 16-bit TMA
+//     tiles are past theirs);
 //   - 8-bit wgmma reads both shared-memory operands K-major only, so O += P V needs V^T (keys contiguous): the
 //     producer copies tiles of a V^T workspace that fp8_prep.cu's fp8_vt_permute writes before the launch
 //     (per (batch, kv head): head_dim rows of keys padded to BC with zeros);
@@ -51,16 +52,19 @@ __device__ __forceinline__ void to_a_operand_e4m3(u32 (&pa)[NT / 4][4], const Ac
   }
 }
 
+// V_j^T tiles: whole 128-byte panels of keys where BC allows it, else 64-byte ones (BC = 192).
+template <int D, int BC> using VtTile = typename Select<BC % 128 == 0, Sw128x8<D, BC>, Sw64x8<D, BC>>::type;
+
 // Registers after the hand-over: FA3's split for two consumer warpgroups (24 / 240): at d = 256 O (128), S (64)
 // and P (32) need the 240.
 template <typename OutT, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_>
 struct MainloopFwdSm90Fp8
     : Fa3FwdPipeline<MainloopFwdSm90Fp8<OutT, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_>, OutT, Sw128x8<BR_, D>,
-                     Sw128x8<BC, D>, Sw128x8<D, BC>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
+                     Sw128x8<BC, D>, VtTile<D, BC>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
                      BR_ / 64 == 2 ? 24 : 32, BR_ / 64 == 2 ? 240 : 160> {
   using Base = typename MainloopFwdSm90Fp8::Fa3FwdPipeline;
   using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;
-  static_assert(BC % 128 == 0 && BC <= 256 && D % 128 == 0 && D <= 256, "whole 128-byte panels; wgmma N <= 256");
+  static_assert(BC % 64 == 0 && BC <= 256 && D % 128 == 0 && D <= 256, "whole 64- / 128-byte panels; wgmma N <= 256");
   static_assert(!Pol_::GENERAL, "the FP8 form runs the plain policy (its scale folded with the descales)");
   static constexpr bool PACKED = false;  // fixed lengths only: the copies read batch b
   static constexpr float P_LOG2 = 8.f;  // P in [0, 256] before its cast (e4m3's largest finite value is 448)
@@ -68,8 +72,8 @@ struct MainloopFwdSm90Fp8
 
   // ---- [mainloop_fwd_sm90_fp8:load_vt] V_j^T: the workspace as (key, head_dim row, kv head, batch) ----
   // Q and K maps are (column, row, head, batch) of the e4m3 tensors in boxes of 128 columns, as 16-bit ones; the
-  // V map describes the V^T workspace, boxes of 128 keys by D rows.
-  __device__ __forceinline__ static void load_v(const TmaFwd& tma, const Sw128x8<D, BC>& vt, u32 bar, int k0, int row,
+  // V map describes the V^T workspace, boxes of 128 keys (64 when BC is not a multiple of 128) by D rows.
+  __device__ __forceinline__ static void load_v(const TmaFwd& tma, const VtTile<D, BC>& vt, u32 bar, int k0, int row,
                                                 int hk, int bk) {
     tma_load_tile(tma.v, vt, bar, k0, 0, hk, bk);
   }

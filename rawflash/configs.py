@@ -116,6 +116,8 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     # or 256 (d <= 128 computes 128 columns: d = 64 pays for 128) and the key block is 128 (V^T tiles of whole
     # panels). Two consumer warpgroups at 240 registers: O (d / 2), S (64), P (32 registers of e4m3). 128 x 128 is
     # FA3's FP8 shape at d = 256; three consumer warpgroups (160 registers) spill 288 B at d = 128 (offline).
+    # 128 x 192 (V^T in 64-byte panels) compiles without a spill at 2 and 3 stages: tools/tune.py's candidates
+    # (forms.FP8_TILE_CANDIDATES), not yet run on a GPU.
     put("fa3_fwd_sm90_fp8", (32, 64, 96, 128), (FP8,), TileConfig(128, 128, 12, stages=2,
                                                                   why="untuned guess (not measured): 81 KB"))
     put("fa3_fwd_sm90_fp8", (192, 256), (FP8,), TileConfig(128, 128, 12, stages=2,

@@ -25,6 +25,7 @@ DATA_TYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _
 FLOAT32 = 7                                # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 INTERLEAVE_NONE = 0
 SWIZZLE_128B = 3
+SWIZZLE_64B = 2
 L2_PROMOTION_256B = 3
 OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements read as zero
 BOX_COLS = 64        # 128 bytes of 16-bit elements: one swizzle row
@@ -135,7 +136,8 @@ BOX_BYTES = 128
 def fwd_maps_fp8(q, k, vt, br: int, bc: int, d: int) -> np.ndarray:
     """The FP8 forward's ``TmaFwd``: q and k (uint8 views of e4m3, 4-d as ``layout_4d``) in boxes of 128 columns by
     br / bc rows; the V^T workspace (batch, kv_heads, head_dim, keys) as (keys, head_dim, kv_heads, batch) in boxes
-    of 128 keys by ``d`` rows (the compiled head_dim: rows past the caller's are zero-filled)."""
+    of 128 keys by ``d`` rows (the compiled head_dim: rows past the caller's are zero-filled), or of 64 keys with
+    the 64-byte swizzle when bc is not a multiple of 128."""
     rec = np.zeros(1, FWD_DTYPE)
     for name, x, rows in (("q", q, br), ("k", k, bc)):
         if x.data.ptr % 16:
@@ -143,7 +145,9 @@ def fwd_maps_fp8(q, k, vt, br: int, bc: int, d: int) -> np.ndarray:
         dims, strides = layout_4d(x, False)
         rec[name] = _encode(x.data.ptr, UINT8, dims, strides, (BOX_BYTES, rows, 1, 1), SWIZZLE_128B)
     dims, strides = layout_4d(vt.transpose(0, 2, 1, 3), False)
-    rec["v"] = _encode(vt.data.ptr, UINT8, dims, strides, (BOX_BYTES, d, 1, 1), SWIZZLE_128B)
+    wide = bc % BOX_BYTES == 0  # else 64-key boxes in the 64-byte swizzle (hopper.cuh's Sw64x8: bc = 192)
+    rec["v"] = _encode(vt.data.ptr, UINT8, dims, strides, (BOX_BYTES if wide else BOX_BYTES // 2, d, 1, 1),
+                       SWIZZLE_128B if wide else SWIZZLE_64B)
     return rec
 
 

@@ -148,3 +148,33 @@ def test_cupy_e4m3_arrays_and_device_quantisation():
     ref, _ = rawflash.forward(*(x for x, _ in host), q_descale=host[0][1], k_descale=host[1][1],
                               v_descale=host[2][1])
     assert np.abs(cupy.asnumpy(out).astype(np.float32) - ref.astype(np.float32)).max() < 0.05
+
+
+@pytest.mark.parametrize("stages", (2, 3))
+@pytest.mark.parametrize("causal", (False, True))
+def test_192_key_tiles_with_64_byte_swizzled_vt(causal, stages):
+    """tools/tune.py's 128 x 192 candidates (V^T in 64-byte-swizzled panels: hopper.cuh's Sw64x8, the V map's
+    SWIZZLE_64B), through the same override the tuner passes, against the float64 reference of the dequantised
+    inputs by the FP8 bounds of the default tiles, with sequence lengths that are no multiple of 192."""
+    import cupy
+
+    from rawflash import configs, cupy_backend, validation
+    from rawflash.configs import TileConfig
+
+    q, k, v = _qkv(2, 333, 517, 4, 2, 128, seed=11)
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x, "head", kv_heads=2) for x in (q, k, v))
+    c = validation.check_forward(q8, k8, v8, causal, None)
+    c, ds = validation.check_fp8(c, "fa2", "cupy", validation.Features(),
+                                 {"q_descale": qd, "k_descale": kd, "v_descale": vd}, None, False)
+    override = {("fa3_fwd_sm90_fp8", 128, configs.FP8): TileConfig(128, 192, 12, stages=stages)}
+    bound = cupy_backend.bind_forward_fp8(c.problem, q8, k8, v8, c.scale, ds, extras=c.extras, override=override)
+    assert bound.plan[1].config.bc == 192
+    bound.launch()
+    out, lse = bound.result()
+    out = cupy.asnumpy(out).astype(np.float64)
+    qf, kf, vf = fp8.dequantize(q8, qd), fp8.dequantize(k8, kd), fp8.dequantize(v8, vd)
+    ref_out, ref_lse = reference.forward(qf, kf, vf, causal=causal)
+    err_bound = 2 * _model_error(qf, kf, vf, causal) + 2 ** -7 * np.abs(ref_out).max() + 1e-3
+    assert np.abs(out - ref_out).max() <= err_bound
+    fin = np.isfinite(ref_lse)
+    assert np.abs(cupy.asnumpy(lse)[fin] - ref_lse[fin]).max() <= 1e-3 * max(1.0, np.abs(ref_lse[fin]).max())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 SHAPES = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 256)  # N of m64nNk16; the accumulator is N / 2 floats per thread
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
-FP8_SHAPES = (64, 128, 256)  # N of m64nNk32.e4m3: the key blocks (S = Q K^T) and head dims (O += P V) of the FP8 rows
+FP8_SHAPES = (64, 128, 192, 256)  # N of m64nNk32.e4m3: the key blocks (S = Q K^T) and head dims (O += P V) of the FP8 rows
 OUT = Path(__file__).resolve().parents[1] / "cuda" / "wgmma_ops.cuh"
 
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from rawflash import bench, configs, reference  # noqa: E402
+from rawflash import bench, configs, forms, reference  # noqa: E402
 from rawflash.configs import TileConfig  # noqa: E402
 
 CANDIDATES = {
@@ -43,7 +43,8 @@ CANDIDATES = {
     ("fa3_fwd_sm90", 256): [TileConfig(128, 80, 12, stages=2), TileConfig(128, 64, 12, stages=2)],
     # FP8: a key block is whole 128-byte panels of V^T (Bc a multiple of 128); 128 x 256 and 192 x 128 spill 288 B
     # offline (session 5), so at d = 128 the stages are what is left to try.
-    ("fa3_fwd_sm90_fp8", 128): [TileConfig(128, 128, 12, stages=2), TileConfig(128, 128, 12, stages=3)],
+    ("fa3_fwd_sm90_fp8", 128): [TileConfig(128, 128, 12, stages=2), TileConfig(128, 128, 12, stages=3),
+                                *forms.FP8_TILE_CANDIDATES],
     ("fa3_fwd_sm90_fp8", 256): [TileConfig(128, 128, 12, stages=2)],
     ("fa2_bwd_sm90", 64): [TileConfig(64, 128, 8)],
     ("fa2_bwd_sm90", 128): [TileConfig(64, 128, 8)],
