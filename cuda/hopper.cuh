@@ -51,35 +51,26 @@ template <typename T, int ROWS, int COLS> struct Sw128 {
   }
 };
 
-// An 8-bit tile (FP8 e4m3, as bytes) in the same 128-byte-swizzled layout: panels of 128 columns (128 bytes), a
-// panel ROWS rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8). Only K-major reads exist for
-// 8-bit wgmma operands, so only desc_k; a k-step of 32 columns is +32 bytes inside a panel, as for 16-bit tiles.
-template <int ROWS, int COLS> struct Sw128x8 {
-  static_assert(COLS % 128 == 0 && ROWS % 8 == 0, "whole 128-column panels of whole 8-row swizzle atoms");
-  static constexpr int PANEL_COLS = 128, PANELS = COLS / 128;
-  static constexpr int PANEL_BYTES = ROWS * 128;
+// An 8-bit tile (FP8 e4m3, as bytes) in a swizzled layout of PANEL-byte rows: panels of PANEL columns, a panel
+// ROWS rows of PANEL bytes. Sw128x8 (PANEL 128) is the 128-byte swizzle of the 16-bit tiles, 16-byte chunk c of
+// row r at chunk c ^ (r % 8); Sw64x8 (PANEL 64, for widths of whole 64-byte panels only, such as the FP8 form's
+// V^T tiles of 192 keys) the 64-byte one, chunk c ^ (r / 2 % 4), an 8-row atom of 512 bytes. Only K-major reads
+// exist for 8-bit wgmma operands, so only desc_k (the descriptor's layout 1 or 2, SBO one 8-row atom); a k-step
+// of 32 columns is +32 bytes inside a panel. Only TMA writes these tiles (the map's swizzle matching PANEL).
+template <int ROWS, int COLS, int PANEL> struct SwizzledX8 {
+  static_assert(PANEL == 128 || PANEL == 64, "the 128- or 64-byte swizzle");
+  static_assert(COLS % PANEL == 0 && ROWS % 8 == 0, "whole panels of whole 8-row swizzle atoms");
+  static constexpr int PANEL_COLS = PANEL, PANELS = COLS / PANEL;
+  static constexpr int PANEL_BYTES = ROWS * PANEL;
   static constexpr int BYTES = ROWS * COLS;
   u32 base;  // shared-memory address, 1024-byte aligned
   __device__ __forceinline__ u64 desc_k(int r0, int k0) const {
-    return make_desc(base + (k0 >> 7) * PANEL_BYTES + r0 * 128 + (k0 & 127), 16, 1024);
+    return make_desc(base + (k0 / PANEL) * PANEL_BYTES + r0 * PANEL + (k0 % PANEL), 16, 8 * PANEL,
+                     PANEL == 128 ? 1 : 2);
   }
 };
-
-// An 8-bit tile in the 64-byte-swizzled layout, for widths that are whole 64-byte panels but not 128-byte ones
-// (the FP8 form's V^T tiles of 192 keys): panels of 64 columns, a panel ROWS rows of 64 bytes, the swizzle atom 8
-// rows (512 bytes), 16-byte chunk c of row r at chunk c ^ (r / 2 % 4). Only TMA writes it and only wgmma reads
-// it (both in that layout: the map's SWIZZLE_64B, the descriptor's layout 2), so there is no addr(); a k-step of
-// 32 columns is +32 bytes inside a panel.
-template <int ROWS, int COLS> struct Sw64x8 {
-  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "whole 64-column panels of whole 8-row swizzle atoms");
-  static constexpr int PANEL_COLS = 64, PANELS = COLS / 64;
-  static constexpr int PANEL_BYTES = ROWS * 64;
-  static constexpr int BYTES = ROWS * COLS;
-  u32 base;  // shared-memory address, 1024-byte aligned
-  __device__ __forceinline__ u64 desc_k(int r0, int k0) const {
-    return make_desc(base + (k0 >> 6) * PANEL_BYTES + r0 * 64 + (k0 & 63), 16, 512, 2);
-  }
-};
+template <int ROWS, int COLS> using Sw128x8 = SwizzledX8<ROWS, COLS, 128>;
+template <int ROWS, int COLS> using Sw64x8 = SwizzledX8<ROWS, COLS, 64>;
 
 // Copy rows [0, ROWS) of a tile whose row r starts at g + r*row_stride into an Sw128 tile (cp.async, 16 bytes
 // per thread and step, consecutive threads on consecutive chunks of a row); rows >= rows_valid and columns

@@ -67,8 +67,8 @@ __device__ __forceinline__ void tma_load_4d(const TmaDesc& d, u32 dst, u32 bar, 
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
       ::"r"(dst), "l"((u64)&d), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
-// A whole swizzled tile (hopper.cuh's Sw128 or Sw128x8: PANELS panels of PANEL_COLS columns, 128 bytes a row),
-// one box a panel: panel i comes from columns c0 + i * PANEL_COLS.. of the tensor, rows c1.. .
+// A whole swizzled tile (hopper.cuh's Sw128, Sw128x8 or Sw64x8: PANELS panels of PANEL_COLS columns,
+// PANEL_BYTES each), one box a panel: panel i comes from columns c0 + i * PANEL_COLS.. of the tensor, rows c1.. .
 template <class Tile>
 __device__ __forceinline__ void tma_load_tile(const TmaDesc& d, const Tile& t, u32 bar, int c0, int c1, int c2,
                                               int c3) {
