@@ -19,8 +19,8 @@ namespace rf {
 __device__ __forceinline__ int warpgroup_id() { return threadIdx.x >> 7; }
 __device__ __forceinline__ int warp_in_group() { return (threadIdx.x >> 5) & 3; }
 
-// Descriptor fields: start address, leading and stride byte offsets (all >> 4), layout type 1 = 128-byte swizzle.
-// layout: the descriptor's swizzle mode (bits 62-63): 1 the 128-byte swizzle, 2 the 64-byte one.
+// Descriptor fields: start address, leading and stride byte offsets (all >> 4), and the layout type (bits 62-63):
+// 1 the 128-byte swizzle, 2 the 64-byte one.
 __device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo, u32 layout = 1) {
   return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | ((u64)layout << 62);
 }

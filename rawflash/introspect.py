@@ -680,6 +680,7 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
         report["launches"].append(add_note(row, roles[lau.kernel], fit_problem(row["smem"], tgt.arch)))
     tiles = launch.cdiv(max(1, kp.seqlen_k), cfg.bc)
     cache_bytes = 2 * p.batch * (x["cache_seqlens"] + new_keys) * p.kv_heads * p.head_dim * p.itemsize
+    combine = plan.launches[-1].kernel  # forms.decode_combine's choice
     report["split plan"] = {
         "num_splits": plan.num_splits,
         "chosen by": "you (num_splits)" if num_splits is not None else
@@ -691,8 +692,8 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
                    if plan.split_appends else
                    f"decode_append first: {launch.decode_rows(kp, cfg)[1]} row groups of {cfg.br} packed rows read "
                    "the same keys, and one CTA cannot wait for another's stores"),
-        "combine": ("decode_combine_warp (one warp per row)" if plan.num_splits <= launch.DECODE_COMBINE_WARP_MAX_SPLITS
-                    else "decode_combine (one CTA per row)") + f": {plan.num_splits} splits",
+        "combine": f"{combine} ({'one warp' if combine == 'decode_combine_warp' else 'one CTA'} per row): "
+                   f"{plan.num_splits} splits",
         "waves filled": round(forms.decode_occupancy(kp, cfg, plan.num_splits, tgt.sms), 3),
         "modelled split + combine us": round(forms.decode_split_cost(kp, cfg, plan.num_splits, tgt.sms), 1),
         "cache MB read": round(cache_bytes / 1e6, 3),
