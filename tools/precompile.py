@@ -1,6 +1,8 @@
 """Compile every kernel instantiation into CuPy's disk cache, in parallel (run on a GPU machine).
 
-    python3 tools/precompile.py [--jobs N] [--filter SUBSTRING]
+    python3 tools/precompile.py [--jobs N] [--filter SUBSTRING] [--cuda-dir DIR]
+
+``--cuda-dir`` compiles another source folder (as ``RAWFLASH_CUDA_DIR`` selects at run time; tools/ab_sources.py).
 """
 from __future__ import annotations
 
@@ -14,12 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _compile(item):
-    source, expr, target = item
+    source, expr, target, root = item
     from rawflash import _compile
 
     t = time.time()
     try:
-        fn = _compile.get_kernel(source, expr, target)
+        fn = _compile.get_kernel(source, expr, target, root)
         return expr, fn.num_regs, fn.local_size_bytes, time.time() - t, None
     except Exception as err:  # report and go on: one broken instantiation must not hide the others
         return expr, 0, 0, time.time() - t, str(err)[:2000]
@@ -29,11 +31,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=max(1, mp.cpu_count() - 1))
     ap.add_argument("--filter", default="")
+    ap.add_argument("--cuda-dir", default=None, help="another CUDA source folder (default: the installed one)")
     args = ap.parse_args()
     from rawflash import cupy_backend, forms
 
     arch = cupy_backend.device_arch()
-    items = [(lau.source, lau.name_expression, lau.target) for lau in forms.all_instantiations(arch)
+    root = str(Path(args.cuda_dir).resolve()) if args.cuda_dir else None
+    items = [(lau.source, lau.name_expression, lau.target, root) for lau in forms.all_instantiations(arch)
              if args.filter in lau.name_expression]
     t0 = time.time()
     failed = 0
