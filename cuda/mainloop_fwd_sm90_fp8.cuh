@@ -57,17 +57,20 @@ template <int D, int BC> using VtTile = typename Select<BC % 128 == 0, Sw128x8<D
 
 // Registers after the hand-over: FA3's split for two consumer warpgroups (24 / 240): at d = 256 O (128), S (64)
 // and P (32) need the 240.
-template <typename OutT, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_>
+template <typename OutT, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_, int QSTAGES = 1>
 struct MainloopFwdSm90Fp8
-    : Fa3FwdPipeline<MainloopFwdSm90Fp8<OutT, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_>, OutT, Sw128x8<BR_, D>,
-                     Sw128x8<BC, D>, VtTile<D, BC>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
-                     BR_ / 64 == 2 ? 24 : 32, BR_ / 64 == 2 ? 240 : 160> {
+    : Fa3FwdPipeline<MainloopFwdSm90Fp8<OutT, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES>, OutT,
+                     Sw128x8<BR_, D>, Sw128x8<BC, D>, VtTile<D, BC>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
+                     BR_ / 64 == 2 ? 24 : 32, BR_ / 64 == 2 ? 240 : 160, QSTAGES> {
   using Base = typename MainloopFwdSm90Fp8::Fa3FwdPipeline;
   using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;
   static_assert(BC % 64 == 0 && BC <= 256 && D % 128 == 0 && D <= 256, "whole 64- / 128-byte panels; wgmma N <= 256");
   static_assert(!Pol_::GENERAL, "the FP8 form runs the plain policy (its scale folded with the descales)");
   static constexpr bool PACKED = false;  // fixed lengths only: the copies read batch b
-  static constexpr float P_LOG2 = 8.f;  // P in [0, 256] before its cast (e4m3's largest finite value is 448)
+  static constexpr float P_LOG2 = 8.f;  // P in [0, 256] before its cast (e4m3's largest finite value is 448) ...
+  // ... and in [0, 430] under a stale max (2^8.75; OnlineSoftmax::update's stale_log2) at head_dim 128: H200,
+  // 128 x 128 tiles, +3 - 4 % non-causal (819 -> 852 TFLOP/s at N = 16384), +-1 % causal; at 256 it lost 1 - 3 %.
+  static constexpr float STALE_LOG2 = D == 128 ? 0.75f : 0.f;
   using PA = u32[BC / 32][4];  // P's A fragments, one per 32 keys
 
   // ---- [mainloop_fwd_sm90_fp8:load_vt] V_j^T: the workspace as (key, head_dim row, kv head, batch) ----

@@ -4,7 +4,8 @@
 // specialisation have no counterpart there; the twin of mainloop_fwd_sm80 computes the same results.
 //
 // A CTA has NC = BR / 64 consumer warpgroups and one producer warpgroup (the last one):
-//   - the producer's first warp issues TMA copies (tma.cuh): Q_i once per tile, then K_j and V_j of every
+//   - the producer's first warp issues TMA copies (tma.cuh): Q_i once per tile (into a ring of QSTAGES buffers:
+//     with 2, a persistent CTA's next Q_i is copied while this tile runs), then K_j and V_j of every
 //     visible key block, into a ring of STAGES stages, each stage guarded by a "full" mbarrier (the copies'
 //     bytes complete it) and an "empty" one (every consumer thread arrives when it is done reading the stage);
 //     it gives its registers back (setmaxnreg) so the consumers can hold S, P and O of 64 rows each;
@@ -35,19 +36,22 @@ namespace rf {
 //     A fragments of type PA; P_LOG2: the power of two P is scaled by before its cast (0: none);
 //   - consume (walk plus what surrounds it) and store (the epilogue).
 // PRODUCER_REGS / CONSUMER_REGS: registers per thread after the hand-over (launch bounds give every thread
-// 65536 / NTHREADS rounded down to 8 before it).
+// 65536 / NTHREADS rounded down to 8 before it). QSTAGES: Q_i buffers (1 or 2).
 template <class Derived, typename T_, class TQ, class TK, class TV, int D, int BR_, int BC, int STAGES, bool OVERLAP,
-          bool PINGPONG, class Pol_, int PRODUCER_REGS, int CONSUMER_REGS>
+          bool PINGPONG, class Pol_, int PRODUCER_REGS, int CONSUMER_REGS, int QSTAGES>
 struct Fa3FwdPipeline {
   using T = T_;  // what the softmax's exp2 and the epilogue's stores are instantiated for
   using Pol = Pol_;
   using Info = typename Pol_::Info;
   static constexpr int BR = BR_, NC = BR_ / 64, NTHREADS = (NC + 1) * 128, NT = BC / 8, NO = D / 8;
   static constexpr int ALIGN = 1024, Q_BYTES = TQ::BYTES, KV_BYTES = TK::BYTES;
-  static constexpr int BARRIERS = 2 + 4 * STAGES;  // Q full / empty; K full / empty and V full / empty per stage
-  // ... and 16 bytes for the index of the tile whose Q_i is (being) copied (the dynamic scheduler's hand-over)
-  static constexpr int SMEM_BYTES = ALIGN + Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS + 16;
+  // Q full / empty per Q_i buffer; K full / empty and V full / empty per stage
+  static constexpr int BARRIERS = 2 * QSTAGES + 4 * STAGES;
+  // ... and 16 bytes for the index of the tile whose Q_i is (being) copied into each Q_i buffer (the dynamic
+  // scheduler's hand-over)
+  static constexpr int SMEM_BYTES = ALIGN + QSTAGES * Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS + 16;
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
+  static_assert(QSTAGES == 1 || QSTAGES == 2, "one or two Q_i buffers (four tile-index slots of 4 bytes)");
   static_assert(TV::BYTES == KV_BYTES, "a stage holds K_j and V_j in halves of one size");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NC <= 65536, "the register file");
 
@@ -57,30 +61,32 @@ struct Fa3FwdPipeline {
   };
   // The rings' positions; each side (producer, consumer warpgroups) keeps its own copy.
   struct Pipes {
-    PipeState<1> q;
+    PipeState<QSTAGES> q;
     PipeState<STAGES> kv;
   };
-  // Shared-memory addresses: Q_i, then STAGES stages of K_j and of V_j, then the mbarriers, then the tile index.
+  // Shared-memory addresses: the Q_i buffers, then STAGES stages of K_j and of V_j, then the mbarriers, then the
+  // tile index of each Q_i buffer.
   struct Smem {
+    static constexpr int KV0 = QSTAGES * Q_BYTES, QB = 2 * QSTAGES;  // K_j's first stage; K's first barrier
     u32 base;
     __device__ __forceinline__ explicit Smem(char* smem)
         : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {}
-    __device__ __forceinline__ TQ q() const { return {base}; }
-    __device__ __forceinline__ TK k(int s) const { return {base + Q_BYTES + s * KV_BYTES}; }
-    __device__ __forceinline__ TV v(int s) const { return {base + Q_BYTES + (STAGES + s) * KV_BYTES}; }
-    __device__ __forceinline__ u32 bar(int i) const { return base + Q_BYTES + 2 * STAGES * KV_BYTES + 8 * i; }
-    __device__ __forceinline__ u32 q_full() const { return bar(0); }
-    __device__ __forceinline__ u32 q_empty() const { return bar(1); }
-    __device__ __forceinline__ u32 k_full(int s) const { return bar(2 + s); }
-    __device__ __forceinline__ u32 k_empty(int s) const { return bar(2 + STAGES + s); }
-    __device__ __forceinline__ u32 v_full(int s) const { return bar(2 + 2 * STAGES + s); }
-    __device__ __forceinline__ u32 v_empty(int s) const { return bar(2 + 3 * STAGES + s); }
-    __device__ __forceinline__ u32 tile() const { return bar(BARRIERS); }
+    __device__ __forceinline__ TQ q(int qs) const { return {base + qs * Q_BYTES}; }
+    __device__ __forceinline__ TK k(int s) const { return {base + KV0 + s * KV_BYTES}; }
+    __device__ __forceinline__ TV v(int s) const { return {base + KV0 + (STAGES + s) * KV_BYTES}; }
+    __device__ __forceinline__ u32 bar(int i) const { return base + KV0 + 2 * STAGES * KV_BYTES + 8 * i; }
+    __device__ __forceinline__ u32 q_full(int qs) const { return bar(qs); }
+    __device__ __forceinline__ u32 q_empty(int qs) const { return bar(QSTAGES + qs); }
+    __device__ __forceinline__ u32 k_full(int s) const { return bar(QB + s); }
+    __device__ __forceinline__ u32 k_empty(int s) const { return bar(QB + STAGES + s); }
+    __device__ __forceinline__ u32 v_full(int s) const { return bar(QB + 2 * STAGES + s); }
+    __device__ __forceinline__ u32 v_empty(int s) const { return bar(QB + 3 * STAGES + s); }
+    __device__ __forceinline__ u32 tile(int qs) const { return bar(BARRIERS) + 4 * qs; }
     // One thread: full barriers wait for one arrival (the producer's expect_tx) plus the bytes, empty ones for
     // every consumer thread.
     __device__ __forceinline__ void init() const {
       for (int i = 0; i < BARRIERS; ++i) {
-        const bool full = i == 0 || (i >= 2 && i < 2 + STAGES) || (i >= 2 + 2 * STAGES && i < 2 + 3 * STAGES);
+        const bool full = i < QSTAGES || (i >= QB && i < QB + STAGES) || (i >= QB + 2 * STAGES && i < QB + 3 * STAGES);
         mbar_init(bar(i), full ? 1 : NC * 128);
       }
       mbar_init_fence();
@@ -110,11 +116,12 @@ struct Fa3FwdPipeline {
     const int n = kv.n(), bq = Derived::PACKED && p.cu_seqlens_q ? 0 : bi.b,
               bk = Derived::PACKED && p.cu_seqlens_k ? 0 : bi.b;
     if (lane_id() != 0) return;
-    // ---- [mainloop_fwd_sm90_ws:load_q] Q_i, once the consumers are done with the previous tile's ----
-    mbar_wait(sm.q_empty(), pipes.q.parity() ^ 1);
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sm.tile()), "r"(tile) : "memory");  // released by the arrive
-    mbar_expect_tx(sm.q_full(), Q_BYTES);
-    tma_load_tile(tma.q, sm.q(), sm.q_full(), 0, bi.q_row0 + q0, bi.h, bq);
+    // ---- [mainloop_fwd_sm90_ws:load_q] Q_i, once the consumers are done with the buffer's previous tile ----
+    const int qs = pipes.q.stage();
+    mbar_wait(sm.q_empty(qs), pipes.q.parity() ^ 1);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sm.tile(qs)), "r"(tile) : "memory");  // released by the arrive
+    mbar_expect_tx(sm.q_full(qs), Q_BYTES);
+    tma_load_tile(tma.q, sm.q(qs), sm.q_full(qs), 0, bi.q_row0 + q0, bi.h, bq);
     pipes.q.advance();
     // ---- [mainloop_fwd_sm90_ws:load_kv] K_j, then V_j, into the next free stage ----
 #pragma unroll 1
@@ -133,18 +140,20 @@ struct Fa3FwdPipeline {
   // The dynamic scheduler's end: no tile is left, which the consumers learn from Q_i's barrier as for a tile.
   __device__ __forceinline__ static void produce_end(const Smem& sm, Pipes& pipes) {
     if (lane_id() != 0) return;
-    mbar_wait(sm.q_empty(), pipes.q.parity() ^ 1);
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sm.tile()), "r"(-1) : "memory");
-    mbar_arrive(sm.q_full());
+    const int qs = pipes.q.stage();
+    mbar_wait(sm.q_empty(qs), pipes.q.parity() ^ 1);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sm.tile(qs)), "r"(-1) : "memory");
+    mbar_arrive(sm.q_full(qs));
   }
 
   // ---------------------------------------------------------------- consumers
   // The index the producer published with the next Q_i (-1: none is left), once its barrier has completed; the
   // walk's own wait on that barrier then returns at once.
   __device__ __forceinline__ static int published_tile(const Smem& sm, const Pipes& pipes) {
-    mbar_wait(sm.q_full(), pipes.q.parity());
+    const int qs = pipes.q.stage();
+    mbar_wait(sm.q_full(qs), pipes.q.parity());
     int tile;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(tile) : "r"(sm.tile()) : "memory");
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(tile) : "r"(sm.tile(qs)) : "memory");
     return tile;
   }
   // Ping-pong turns: warpgroup w waits on barrier 1 + w and passes the turn to 1 + (w + 1) % NC; 256 threads
@@ -169,7 +178,8 @@ struct Fa3FwdPipeline {
     const int nrows = min(BR, bi.seqlen_q - q0), wg_row = 64 * warpgroup_id(), wq = warp_row();
     const BlockRange kv = pol.kv_blocks(q0, nrows, BC);
     const int n = kv.n();
-    const auto sQ = sm.q();
+    const int qs = pipes.q.stage();
+    const auto sQ = sm.q(qs);
     // ---- [mainloop_fwd_sm90_ws:init] Alg.1 l.5: O = 0, l = 0, m = -inf; Q_i has landed ----
     Acc<1, NT> s;
     typename Derived::PA pa;
@@ -180,9 +190,9 @@ struct Fa3FwdPipeline {
       const int k0 = kv.block(step) * BC;
       pol.template transform<T>(s, q0 + wq, k0);
       if (kv.is_edge(step)) pol.mask(s, q0 + wq, k0);
-      st.sm.template update<T>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2);
+      st.sm.template update<T>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2, Derived::STALE_LOG2);
     };
-    mbar_wait(sm.q_full(), pipes.q.parity());
+    mbar_wait(sm.q_full(qs), pipes.q.parity());
     pipes.q.advance();
     if (n > 0) {
       // ---- [mainloop_fwd_sm90_ws:first_scores] S_0 = Q_i K_0^T and its softmax ----
@@ -229,14 +239,15 @@ struct Fa3FwdPipeline {
       wgmma_wait<0>();
       fence_operand(st.o);
       mbar_arrive(sm.v_empty(prev));
-      scale_rows(st.o, fo);                                                  // Alg.1 l.10: diag(e^(m_old - m_new)) O
+      // Alg.1 l.10: diag(e^(m_old - m_new)) O, unless no row of the warp moved its max (fo = 1: STALE_LOG2)
+      if (Derived::STALE_LOG2 == 0.f || __any_sync(0xffffffffu, fo[0] != 1.f || fo[1] != 1.f)) scale_rows(st.o, fo);
       Derived::pack_p(pa, s);
       prev = sj;
       prev_parity = pipes.kv.parity();
       pipes.kv.advance();
     }
     // Every product that reads Q_i has been waited for: the producer may bring the next tile's.
-    mbar_arrive(sm.q_empty());
+    mbar_arrive(sm.q_empty(qs));
     if (n > 0) {
       // ---- [mainloop_fwd_sm90_ws:last_pv] the last key block: O += P V alone ----
       mbar_wait(sm.v_full(prev), prev_parity);
@@ -257,16 +268,21 @@ struct Fa3FwdPipeline {
 // Tiles of 64-column panels (Sw128); V_j is read MN-major as it lies, so O += P V needs no transpose; P goes
 // into the A operand as pairs of 16-bit values (to_a_operand). Registers after the hand-over: the producer keeps
 // what its loop needs, the consumers the rest of the 64K.
-template <typename T_, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_>
+template <typename T_, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_, int QSTAGES = 1>
 struct MainloopFwdSm90Ws
-    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_>, T_, Sw128<T_, BR_, D>,
-                     Sw128<T_, BC, D>, Sw128<T_, BC, D>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
-                     BR_ / 64 == 2 ? 40 : 32, BR_ / 64 == 2 ? 232 : 160> {
+    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES>, T_,
+                     Sw128<T_, BR_, D>, Sw128<T_, BC, D>, Sw128<T_, BC, D>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
+                     BR_ / 64 == 2 ? 40 : 32, BR_ / 64 == 2 ? 232 : 160, QSTAGES> {
   using Base = typename MainloopFwdSm90Ws::Fa3FwdPipeline;
   using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;
   static_assert(BC % 16 == 0 && BC <= 256 && D % 64 == 0, "a wgmma N of at most 256; panels of 64 columns");
   static constexpr bool PACKED = true;   // the general policy brings packed sequences
   static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
+  // FA4's lazy rescale (OnlineSoftmax::update's stale_log2) at head_dim 256, where O's rescale is 2 - 4
+  // multiplies per score: H200, bf16, +3 - 6 % (716 -> 763 TFLOP/s at N = 16384); at 64 and 128 the warp's vote
+  // and branch cost more than the multiplies they skip (-2 - 5 %), so those keep the exact max. P <= 2^8 before
+  // its 16-bit cast: no range is lost.
+  static constexpr float STALE_LOG2 = D >= 256 ? 8.f : 0.f;
   using PA = u32[BC / 16][4];  // P's A fragments, one per 16 keys
 
   __device__ __forceinline__ static void load_v(const TmaFwd& tma, const Sw128<T_, BC, D>& v, u32 bar, int k0, int row,

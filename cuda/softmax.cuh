@@ -38,14 +38,26 @@ template <int ROWS> struct OnlineSoftmax {
   // NORMALIZE (FA1's per-step normalisation, the defer_norm=false ablation) also divides P by the new l and turns
   // fo into l_old e^(m_old - m_new) / l_new, so the running O stays normalised.
   // p_log2 (FP8's P scale): P comes out times 2^p_log2 (and so does l), which cancels in O / l.
+  // stale_log2 (FA4's lazy rescale): the running max is kept while the block's max exceeds it by at most this
+  // much (log2 units), so P may reach 2^stale_log2 (times 2^p_log2) and fo is exactly 1: O's rescale can be
+  // skipped. 0 keeps the exact max of every block.
   template <typename T, bool NORMALIZE = false, int MT, int NT>
-  __device__ __forceinline__ void update(Acc<MT, NT>& s, float scale, float (&fo)[ROWS], float p_log2 = 0.f) {
+  __device__ __forceinline__ void update(Acc<MT, NT>& s, float scale, float (&fo)[ROWS], float p_log2 = 0.f,
+                                         float stale_log2 = 0.f) {
     static_assert(2 * MT == ROWS, "one softmax row per accumulator row");
     float mx[ROWS], rs[ROWS];
     row_max(mx, s);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      const float m_new = fmaxf(m[r], mx[r] * scale);
+      const float cand = fmaxf(m[r], mx[r] * scale);
+      // The max stays (fo = 1 exactly) within stale_log2, and while the row has seen nothing (cand = m = -inf:
+      // P = 0, O = 0, nothing to rescale); a row's first visible key always moves it (cand - m = +inf).
+      if (stale_log2 > 0.f && (cand - m[r] <= stale_log2 || cand == -INFINITY)) {
+        fo[r] = 1.f;
+        mx[r] = (cand == -INFINITY ? 0.f : m[r]) - p_log2;
+        continue;
+      }
+      const float m_new = cand;
       mx[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet keeps P = 0
       fo[r] = exp2_<T>(m[r] - mx[r]);
       m[r] = m_new;

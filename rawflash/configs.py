@@ -29,8 +29,10 @@ class TileConfig:
     CTAs per SM promised to the compiler through ``__launch_bounds__`` (it caps registers at
     65536 / (32 * warps * min_blocks)); wc: (fa2_bwd) warps that split the head_dim columns of dK, dV;
     kunroll: k-steps of 16 unrolled together in the S = Q K^T style products (ILP against registers);
-    stages: (decode_split) depth of each warp's cp.async ring of key tiles. For decode_split, br is the packed query
-    rows of one CTA (16 per m-tile), bc the keys of one warp tile, warps the splits one CTA runs.
+    stages: (decode_split) depth of each warp's cp.async ring of key tiles; (FA3 forms) stages of the K_j / V_j
+    ring; q_stages: (FA3 forwards) Q_i buffers, 2 to copy a persistent CTA's next Q_i while its tile runs. For
+    decode_split, br is the packed query rows of one CTA (16 per m-tile), bc the keys of one warp tile, warps the
+    splits one CTA runs.
     """
 
     br: int
@@ -40,6 +42,7 @@ class TileConfig:
     wc: int = 1
     kunroll: int = 1
     stages: int = 1
+    q_stages: int = 1
     general_min_blocks: int = 0  # min_blocks of the general policy's instantiations when lower (0: min_blocks)
     why: str = ""
 
@@ -105,8 +108,12 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     # (warps = 4 * (br / 64 + 1)), `stages` stages of K_j and V_j. A consumer holds O (d / 2 floats), S (bc / 2) and
     # P (bc / 4) of its 64 rows in the registers setmaxnreg gives it (232 with two consumer warpgroups, 160 with
     # three). tools/tune.py --which fwd_fa3, H200 bf16, N = 2048 / 8192, full and causal, TFLOP/s (session 4):
-    put("fa3_fwd_sm90", (32, 64), _16BIT, TileConfig(192, 128, 16, stages=2, why="477/344/540/474 vs 128x128: "
-                                                                             "398/314/423/407, 128x176: 420/313/455/424"))
+    # Two Q_i buffers (q_stages) copy a persistent CTA's next Q_i while its tile runs; they fit beside 2 stages of
+    # 128 keys at d <= 64 (115 KB), not beside d = 128's 176 keys. Session 7 (H200, bf16, N = 1024 / 4096, full /
+    # causal): 192 x 128 with 2 Q_i buffers 407/273/506/434 vs 1: 393/265/503/436, 128 x 128: 373/288/415/392.
+    put("fa3_fwd_sm90", (32, 64), _16BIT, TileConfig(192, 128, 16, stages=2, q_stages=2,
+                                                     why="477/344/540/474 (1 Q_i buffer) vs 128x128: "
+                                                         "398/314/423/407, 128x176: 420/313/455/424"))
     put("fa3_fwd_sm90", (96, 128), _16BIT, TileConfig(128, 176, 12, stages=2, why="614/449/689/621 vs 128x128: "
                                                                              "599/457/662/608, 128x160: 612/450/674/615"))
     put("fa3_fwd_sm90", (192,), _16BIT, TileConfig(128, 96, 12, stages=2, why="FA3's shape at d = 192; not tuned"))
@@ -116,10 +123,12 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     # or 256 (d <= 128 computes 128 columns: d = 64 pays for 128) and the key block is 128 (V^T tiles of whole
     # panels). Two consumer warpgroups at 240 registers: O (d / 2), S (64), P (32 registers of e4m3). 128 x 128 is
     # FA3's FP8 shape at d = 256; three consumer warpgroups (160 registers) spill 288 B at d = 128 (offline).
-    # 128 x 192 (V^T in 64-byte panels) compiles without a spill at 2 and 3 stages: tools/tune.py's candidates
-    # (forms.FP8_TILE_CANDIDATES), not yet run on a GPU.
-    put("fa3_fwd_sm90_fp8", (32, 64, 96, 128), (FP8,), TileConfig(128, 128, 12, stages=2,
-                                                                  why="untuned guess (not measured): 81 KB"))
+    # At d <= 128, 192 keys (V^T in 64-byte panels), 3 stages and 2 Q_i buffers; tools/tune.py --which fwd_fp8,
+    # session 7 (H200, N = 4096 / 16384, full / causal, TFLOP/s, the lazy rescale on).
+    put("fa3_fwd_sm90_fp8", (32, 64, 96, 128), (FP8,), TileConfig(128, 192, 12, stages=3, q_stages=2,
+                                                                  why="821/673/931/914 vs 128x128 (2 stages): "
+                                                                      "773/658/852/869, 128x192 (3 stages, 1 Q_i "
+                                                                      "buffer): 804/663/932/908; 177 KB"))
     put("fa3_fwd_sm90_fp8", (192, 256), (FP8,), TileConfig(128, 128, 12, stages=2,
                                                            why="untuned guess (not measured): 161 KB"))
     # fa3_bwd_sm90 (TMA + warp specialisation, sm_90a): 2 consumer warpgroups x 64 keys and a producer warpgroup;
@@ -169,6 +178,18 @@ ARCH_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
     },
 }
 
+# Causal forwards of short sequences (plain policy, seqlen_k <= SHORT_CAUSAL_SEQLEN): every query tile meets the
+# diagonal within a few key blocks, where 128-row tiles mask less than d = 64's 192-row ones and d = 128's 176-key
+# blocks. tools/tune.py --which fwd_fa3, session 7 (H200, bf16, causal, N = 1024 / 4096, TFLOP/s): at N = 4096 the
+# table's rows win again (d = 64: 434 vs 397; d = 128: 579 vs 581, even).
+SHORT_CAUSAL_SEQLEN = 1024
+SHORT_CAUSAL_ROWS: dict[tuple[str, int, str], TileConfig] = {
+    **{("fa3_fwd_sm90", d, dt): TileConfig(128, 128, 12, stages=3, why="294 vs 192x128 (2 Q_i buffers): 273")
+       for d in (32, 64) for dt in _16BIT},
+    **{("fa3_fwd_sm90", d, dt): TileConfig(128, 128, 12, stages=2, q_stages=2, why="393 vs 128x176: 368")
+       for d in (96, 128) for dt in _16BIT},
+}
+
 # Instantiations allowed to spill (name expression, arch) -> bytes of spill stores + loads, each with its reason.
 # tests/test_compile.py fails if anything else spills, or if one of these stops spilling.
 KNOWN_SPILLS: dict[tuple[str, str], int] = {
@@ -190,8 +211,9 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     ("fa2_bwd_dq<float, 256, 64, 16, 4, 1, 1, 2, true, 164352>", "sm_80"): 184,
     # decode, float32 at d = 192, 256: 16 rows x d of float32 O per warp is 96 or 128 registers a thread before S,
     # P and the addresses; float32 decode is the accuracy path, its speed is not the point.
-    # (session 4: 8 B more each with the per-sequence split ranges and the split's page check.)
-    ("decode_split<float, 192, 1, 16, 2, 2, 110592>", "sm_80"): 40,
+    # (session 4: 8 B more each with the per-sequence split ranges and the split's page check; session 7: 8 B more
+    # at d = 192 on sm_80 with the copies located once per tile.)
+    ("decode_split<float, 192, 1, 16, 2, 2, 110592>", "sm_80"): 48,
     ("decode_split<float, 256, 1, 16, 2, 2, 147456>", "sm_80"): 56,
     ("decode_split<float, 256, 1, 16, 2, 2, 147456>", "sm_90"): 48,
 }
@@ -211,9 +233,11 @@ def arch_family(arch: str) -> str:
 
 
 def tile_config(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90",
-                override: dict[tuple[str, int, str], TileConfig] | None = None, general: bool = False) -> TileConfig:
+                override: dict[tuple[str, int, str], TileConfig] | None = None, general: bool = False,
+                short_causal: bool = False) -> TileConfig:
     """The row for ``kernel`` at the specialised head_dim covering ``head_dim``, for ``dtype`` (a name) on ``arch``;
-    ``general``: for the general policy's instantiations (a row's ``general_min_blocks`` then applies).
+    ``general``: for the general policy's instantiations (a row's ``general_min_blocks`` then applies);
+    ``short_causal``: a plain causal call of at most SHORT_CAUSAL_SEQLEN keys (SHORT_CAUSAL_ROWS where they have one).
 
     ``override`` (tools/tune.py's candidates) takes precedence over the table, keyed like it.
     """
@@ -222,6 +246,8 @@ def tile_config(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90",
         return override[key]
     if key not in TABLE:
         raise KeyError(f"no tile configuration for kernel={kernel!r}, head_dim={head_dim}, dtype={dtype!r}")
+    if short_causal and key in SHORT_CAUSAL_ROWS:
+        return SHORT_CAUSAL_ROWS[key]
     row = ARCH_ROWS.get(arch_family(arch), {}).get(key, TABLE[key])
     if general and row.general_min_blocks:
         row = dataclasses.replace(row, min_blocks=row.general_min_blocks)

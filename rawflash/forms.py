@@ -85,16 +85,24 @@ def persistent_default(p: Problem) -> bool:
 
 def fa3_dynamic(p: Problem, sw: Switches) -> bool:
     """Whether a persistent FA3 grid takes its tiles from the counter: the switch when given; by default under a
-    mask (unequal tiles), while without one the static schedule balances the equal tiles already (H200, bf16,
-    session 6: static 1 - 4 % faster at d = 64 / 128 for N <= 1024 and 2 % at N = 16384, though 3 - 5 % slower at
-    d = 256). Never for packed sequences, which only the static schedule walks (its holes between sequences)."""
+    mask (unequal tiles), while without one the static schedule balances the equal tiles already at d = 64 / 128
+    (H200, bf16, session 6: static 1 - 4 % faster for N <= 1024 and 2 % at N = 16384); the 16-bit d = 256 forward
+    takes the counter without a mask too (3 - 5 % faster in session 6, 1 - 2 % in session 7: its long tiles end
+    unevenly). Never for packed sequences, which only the static schedule walks (its holes between sequences)."""
     if p.varlen:
         return False
-    return p.mask != launch.NO_MASK if sw.dynamic is None else sw.dynamic
+    if sw.dynamic is not None:
+        return sw.dynamic
+    return p.mask != launch.NO_MASK or (p.padded_head_dim >= 256 and p.dtype != configs.FP8)
+
+
+def short_causal(p: Problem) -> bool:
+    """Whether ``p`` takes configs.SHORT_CAUSAL_ROWS: plain causal attention over at most SHORT_CAUSAL_SEQLEN keys."""
+    return p.mask == launch.CAUSAL and not p.general and p.seqlen_k <= configs.SHORT_CAUSAL_SEQLEN
 
 
 def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
-    return configs.tile_config(kernel, p.padded_head_dim, p.dtype, p.arch, override, p.general)
+    return configs.tile_config(kernel, p.padded_head_dim, p.dtype, p.arch, override, p.general, short_causal(p))
 
 
 def hopper_form_fits(kernel: str, p: Problem) -> bool:
@@ -385,9 +393,17 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=False)),
                                  fa2_forward(p, Switches(wgmma=True, warp_specialize=False, overlap=False))]
                 if hopper_form_fits("fa3_fwd_sm90", p):
-                    launches.append(fa2_forward(p, Switches(wgmma=True, warp_specialize=True)))
+                    # (a causal p of one key takes configs.SHORT_CAUSAL_ROWS: `long` takes the table's rows)
+                    long = dataclasses.replace(p, seqlen_q=configs.SHORT_CAUSAL_SEQLEN + 1,
+                                               seqlen_k=configs.SHORT_CAUSAL_SEQLEN + 1)
+                    launches += [fa2_forward(x, Switches(wgmma=True, warp_specialize=True)) for x in (p, long)]
                     if not p.general and d in (64, 128):  # FA3's ablation, at the FA2 paper's head dims
-                        launches += [fa2_forward(p, sw) for sw in ABLATIONS.values() if sw.warp_specialize]
+                        launches += [fa2_forward(x, sw) for sw in ABLATIONS.values() if sw.warp_specialize
+                                     for x in (p, long)]
+                    if not p.general and dtype == "bfloat16":  # tools/tune.py's candidates
+                        launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=True),
+                                                 override={("fa3_fwd_sm90", d, dtype): cfg})
+                                     for cfg in FA3_TILE_CANDIDATES.get(d, ())]
                 if hopper_form_fits("fa2_bwd_sm90", p):
                     launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=False))
                 if hopper_form_fits("fa3_bwd_sm90", p):
@@ -411,8 +427,15 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
 
 
 # FP8 tile rows not in configs.TABLE that tools/tune.py times at d = 128 (compiled by fp8_instantiations, so CI
-# keeps them compiling): 192 keys, whose V^T tiles are 64-byte-swizzled (not yet run on a GPU in session 6).
-FP8_TILE_CANDIDATES = (configs.TileConfig(128, 192, 12, stages=2), configs.TileConfig(128, 192, 12, stages=3))
+# keeps them compiling): the rows the table's 128 x 192 (3 stages, 2 Q_i buffers) was measured against.
+FP8_TILE_CANDIDATES = (configs.TileConfig(128, 128, 12, stages=2), configs.TileConfig(128, 192, 12, stages=2),
+                       configs.TileConfig(128, 192, 12, stages=3), configs.TileConfig(128, 128, 12, stages=2, q_stages=2))
+# 16-bit FA3 forward rows not in configs.TABLE that tools/tune.py times (compiled by all_instantiations for
+# bfloat16's plain policy, so CI keeps them compiling): one Q_i buffer where the table has two and two where it
+# has one (they fit in shared memory at d = 128 with 160 or 128 keys, not with the table's 176).
+FA3_TILE_CANDIDATES = {64: (configs.TileConfig(192, 128, 16, stages=2),),
+                       128: (configs.TileConfig(128, 160, 12, stages=2, q_stages=2),
+                             configs.TileConfig(128, 128, 12, stages=2, q_stages=2))}
 
 
 def fp8_instantiations() -> list[Launch]:

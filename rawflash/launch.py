@@ -192,16 +192,18 @@ def smem_fa2_fwd_sm90(cfg: TileConfig, d: int) -> int:
     return 1024 + (cfg.br + 4 * cfg.bc) * d * 2
 
 
-def smem_fa3_fwd_sm90(cfg: TileConfig, d: int) -> int:
-    """mainloop_fwd_sm90_ws.cuh Fa3FwdPipeline::SMEM_BYTES: 1024 B of alignment slack, Q_i, `stages` stages each of
-    K_j and V_j (16-bit), 2 + 4 stages mbarriers of 8 B and 16 B for the tile index (the dynamic schedule's)."""
-    return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d * 2 + 8 * (2 + 4 * cfg.stages) + 16
+def smem_fa3_fwd_sm90(cfg: TileConfig, d: int, item: int = 2) -> int:
+    """mainloop_fwd_sm90_ws.cuh Fa3FwdPipeline::SMEM_BYTES: 1024 B of alignment slack, `q_stages` Q_i buffers,
+    `stages` stages each of K_j and V_j (elements of `item` bytes), 2 q_stages + 4 stages mbarriers of 8 B and 16 B
+    for the tile indices (the dynamic schedule's)."""
+    return (1024 + (cfg.q_stages * cfg.br + 2 * cfg.stages * cfg.bc) * d * item + 8 * (2 * cfg.q_stages + 4 * cfg.stages)
+            + 16)
 
 
 def smem_fa3_fwd_sm90_fp8(cfg: TileConfig, d: int) -> int:
     """Fa3FwdPipeline::SMEM_BYTES of mainloop_fwd_sm90_fp8.cuh: the same as FA3's 16-bit forward with 1-byte
     elements (Q_i, `stages` stages of K_j and V_j^T)."""
-    return 1024 + (cfg.br + 2 * cfg.stages * cfg.bc) * d + 8 * (2 + 4 * cfg.stages) + 16
+    return smem_fa3_fwd_sm90(cfg, d, 1)
 
 
 def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
@@ -315,7 +317,7 @@ def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong:
     d = tma_head_dim(p)
     smem = smem_fa3_fwd_sm90(cfg, d)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, overlap, pingpong,
-            fa3_schedule(persistent, dynamic), smem)
+            fa3_schedule(persistent, dynamic), cfg.q_stages, smem)
     return Launch("fa3_fwd_sm90", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
@@ -336,7 +338,7 @@ def fa3_fwd_sm90_fp8(p: Problem, cfg: TileConfig, out_dtype: str = "bfloat16", *
     d = fp8_head_dim(p)
     smem = smem_fa3_fwd_sm90_fp8(cfg, d)
     args = (CUDA_TYPES[out_dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, overlap, pingpong,
-            fa3_schedule(persistent, dynamic), smem)
+            fa3_schedule(persistent, dynamic), cfg.q_stages, smem)
     return Launch("fa3_fwd_sm90_fp8", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 

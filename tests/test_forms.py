@@ -62,6 +62,24 @@ def test_persistent_dynamic_grid_by_default_for_fixed_lengths():
     big = Problem(8, 4096, 4096, 16, 16, 128, "bfloat16", False, "sm_90", sms=132)
     assert forms.fa2_forward(big).grid == (132, 1, 1)
     assert forms.fa2_forward(big, Switches(persistent=False)).grid == (8 * 16 * 4096 // 128, 1, 1)
+    d256 = Problem(2, 512, 512, 8, 8, 256, "bfloat16", False, "sm_90")
+    assert schedule(d256) == dynamic, "d = 256's long tiles take the counter without a mask too"
+    assert schedule(d256, Switches(dynamic=False)) == static
+
+
+@pytest.mark.parametrize("d, short, table", [(64, (128, 128, 3, 1), (192, 128, 2, 2)),
+                                             (128, (128, 128, 2, 2), (128, 176, 2, 1))])
+def test_short_causal_calls_take_their_own_rows(d, short, table):
+    shape = lambda lau: (lau.config.br, lau.config.bc, lau.config.stages, lau.config.q_stages)  # noqa: E731
+    fwd = lambda **kw: forms.fa2_forward(Problem(**{**dict(batch=2, seqlen_q=1024, seqlen_k=1024, heads=4,  # noqa: E731
+                                                        kv_heads=4, head_dim=d, dtype="bfloat16", causal=True,
+                                                        arch="sm_90"), **kw}))
+    assert shape(fwd()) == short and fwd().config == configs.SHORT_CAUSAL_ROWS[("fa3_fwd_sm90", d, "bfloat16")]
+    assert shape(fwd(seqlen_q=1, seqlen_k=1024)) == short
+    assert shape(fwd(seqlen_q=1024, seqlen_k=1025)) == table, "more keys than SHORT_CAUSAL_SEQLEN"
+    assert shape(fwd(causal=False)) == table
+    assert shape(fwd(window=(64, 0))) == table, "the general policy keeps the table's rows"
+    assert fwd().smem == launch.smem_fa3_fwd_sm90(fwd().config, d) <= 232448
 
 
 @pytest.mark.parametrize("d,dtype,arch", [(128, "float32", "sm_90"), (128, "bfloat16", "sm_80"),

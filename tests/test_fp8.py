@@ -156,7 +156,9 @@ def test_fp8_plan_on_hopper_and_refusals():
     p = Problem(2, 4096, 4096, 16, 4, 128, configs.FP8, True, "sm_90", out_dtype="float16")
     plan = forms.forward_plan(p)
     assert [lau.kernel for lau in plan] == ["fp8_vt_permute", "fa3_fwd_sm90_fp8"]
-    assert plan[0].grid == (4096 // launch.VT_KEYS, 4, 2)
+    # V^T holds the keys padded to the key block (4096 -> 4224 with 192 keys), in CTAs of VT_KEYS keys
+    assert plan[0].grid == (launch.vt_keys(p, plan[1].config.bc) // launch.VT_KEYS, 4, 2)
+    assert launch.vt_keys(p, 192) == 4224 and launch.vt_keys(p, 128) == 4096
     assert plan[1].template_args[0] == "__half" and plan[1].template_args[5] == launch.CAUSAL
     assert plan[1].smem == launch.smem_fa3_fwd_sm90_fp8(plan[1].config, 128) <= 232448
     p256 = Problem(1, 1000, 1000, 8, 8, 256, configs.FP8, False, "sm_90")

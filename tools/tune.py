@@ -36,16 +36,20 @@ CANDIDATES = {
     ("fa2_fwd_sm90", 256): [TileConfig(128, 64, 8), TileConfig(64, 64, 4), TileConfig(128, 32, 8)],
     ("fa3_fwd_sm90", 64): [TileConfig(128, 128, 12, stages=2), TileConfig(192, 128, 16, stages=2),
                            TileConfig(128, 176, 12, stages=2), TileConfig(192, 96, 16, stages=2),
-                           TileConfig(128, 128, 12, stages=3), TileConfig(192, 128, 16, stages=3)],
+                           TileConfig(128, 128, 12, stages=3), TileConfig(192, 128, 16, stages=3),
+                           TileConfig(192, 128, 16, stages=2, q_stages=2)],
     ("fa3_fwd_sm90", 128): [TileConfig(128, 128, 12, stages=2), TileConfig(128, 176, 12, stages=2),
                             TileConfig(128, 160, 12, stages=2), TileConfig(128, 112, 12, stages=2),
-                            TileConfig(128, 128, 12, stages=3)],
+                            TileConfig(128, 128, 12, stages=3), *forms.FA3_TILE_CANDIDATES[128]],
     ("fa3_fwd_sm90", 256): [TileConfig(128, 80, 12, stages=2), TileConfig(128, 64, 12, stages=2)],
-    # FP8: a key block is whole 128-byte panels of V^T (Bc a multiple of 128); 128 x 256 and 192 x 128 spill 288 B
-    # offline (session 5), so at d = 128 the stages are what is left to try.
-    ("fa3_fwd_sm90_fp8", 128): [TileConfig(128, 128, 12, stages=2), TileConfig(128, 128, 12, stages=3),
-                                *forms.FP8_TILE_CANDIDATES],
-    ("fa3_fwd_sm90_fp8", 256): [TileConfig(128, 128, 12, stages=2)],
+    # FP8: a key block is whole 64- or 128-byte panels of V^T (Bc a multiple of 64: hopper.cuh's Sw64x8 / Sw128x8);
+    # 128 x 256 and 192 x 128 spill 288 B offline (session 5).
+    ("fa3_fwd_sm90_fp8", 128): [TileConfig(128, 128, 12, stages=3), *forms.FP8_TILE_CANDIDATES,
+                                TileConfig(128, 192, 12, stages=3, q_stages=2)],
+    ("fa3_fwd_sm90_fp8", 256): [TileConfig(128, 128, 12, stages=2), TileConfig(128, 128, 12, stages=2, q_stages=2)],
+    # float32 (the FMA path): the rows with and without the 3 CTAs per SM that min_blocks asks for (session 7)
+    ("fa2_fwd", 64, "float32"): [TileConfig(64, 32, 4), TileConfig(64, 32, 4, min_blocks=3)],
+    ("fa2_bwd", 32, "float32"): [TileConfig(32, 64, 4), TileConfig(32, 64, 4, min_blocks=3)],
     ("fa2_bwd_sm90", 64): [TileConfig(64, 128, 8)],
     ("fa2_bwd_sm90", 128): [TileConfig(64, 128, 8)],
 }
@@ -98,7 +102,7 @@ def main() -> None:
             default = configs.TABLE.get(key)
             if default is None:
                 continue
-            for cand in CANDIDATES.get((kernel, d), []):
+            for cand in CANDIDATES.get((kernel, d, dtype), CANDIDATES.get((kernel, d), [])):
                 override = {key: cand}
                 for n, causal in itertools.product((int(x) for x in args.seqlen.split(",")), (False, True)):
                     case = bench.Case(impl, direction, dtype, 16384 // n, 2048 // d, 2048 // d, n, d, causal)
@@ -111,7 +115,7 @@ def main() -> None:
                     except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
                         tf, status = None, f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
                     print(f"{direction} d={d} N={n} causal={causal!s:5} Br={cand.br} Bc={cand.bc} warps={cand.warps} "
-                          f"minB={cand.min_blocks} ku={cand.kunroll} st={cand.stages}: "
+                          f"minB={cand.min_blocks} ku={cand.kunroll} st={cand.stages} qst={cand.q_stages}: "
                           f"{'%.0f TFLOP/s' % tf if tf else status}{'  (current)' if cand == default else ''}",
                           flush=True)
 

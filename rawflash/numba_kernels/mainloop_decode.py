@@ -17,6 +17,8 @@ from .common import NEG_INF, ONE, ZERO, cdiv, dot_rows, dot_vec_col, zero
 from .policy import row_end, row_start, score, set_head as policy_set_head
 from .softmax import update
 
+STALE_LOG2 = float32(8.0)  # MainloopDecode::STALE_LOG2: the lazy rescale's threshold (P <= 2^8)
+
 NOTHING = 2 ** 30  # row_lo of padding rows: they see no key
 
 
@@ -101,10 +103,12 @@ def make_mainloop_decode(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: 
                     j = k0 + y
                     x = score(rpol, dot_rows(sQ, row, sK, y), qi, j)[0]
                     s[y] = NEG_INF if j < row_lo or j >= row_hi else x
-                # ---- [mainloop_decode:softmax] online softmax of the block; O rescaled ----
-                m, l, fo = update(s, ONE, m, l, False)
-                for c in range(D):
-                    st[c] *= fo
+                # ---- [mainloop_decode:softmax] online softmax of the block; O rescaled unless no row's max moved ----
+                # MIRROR: the rescale is skipped per row; the CUDA C skips it for a warp whose rows all kept theirs.
+                m, l, fo = update(s, ONE, m, l, False, STALE_LOG2)
+                if fo != ONE:
+                    for c in range(D):
+                        st[c] *= fo
                 # ---- [mainloop_decode:pv] O += P V_j ----
                 for c in range(D):
                     st[c] += dot_vec_col(s, sV, 0, c)

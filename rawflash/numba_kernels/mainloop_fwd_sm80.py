@@ -12,7 +12,7 @@ import functools
 
 from numba import cuda, float32
 
-from .common import NEG_INF, ONE, Mainloop, dot_rows, dot_vec_col, is_float32, load_tile, zero
+from .common import NEG_INF, ONE, ZERO, Mainloop, dot_rows, dot_vec_col, is_float32, load_tile, zero
 from .epilogue import epilogue_fwd
 from .policy import block, is_edge, kv_blocks, mask, prescale, range_n, transform
 from .softmax import update
@@ -79,7 +79,7 @@ def make_mainloop_fwd_sm80(T: str, D: int, BR: int, BC: int, NWARPS: int, KUNROL
             if is_edge(kv, step):
                 mask(pol, s, q0 + r, k0)
             # ---- [mainloop_fwd_sm80:softmax] Alg.1 l.9-10: P = exp2(S - m_new), l and O rescaled by e^(m_old - m_new) ----
-            m, l, fo = update(s, ONE, m, l, not DEFER_NORM)
+            m, l, fo = update(s, ONE, m, l, not DEFER_NORM, ZERO)
             for c in range(D):
                 st[c] *= fo
             # ---- [mainloop_fwd_sm80:wait_v] K_{j+1} streams in while O += P V_j is computed ----

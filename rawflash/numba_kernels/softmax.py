@@ -33,18 +33,22 @@ def finalize_row(m, l, sink_log2, normalized):
 
 
 @cuda.jit(device=True)
-def update(s, scale, m, l, normalize):
+def update(s, scale, m, l, normalize, stale_log2):
     """One key block (Alg.1 l.9-10) for one row -> (m, l, fo).
 
     ``s`` (the row's scores times ``scale`` are in log2 units) becomes P = exp2(S scale - m_new) in place,
     l = e^(m_old - m_new) l + rowsum(P), and fo = e^(m_old - m_new) is the factor the running O must be multiplied
     by. ``normalize`` (FA1's per-step normalisation, the defer_norm=False ablation) also divides P by the new l and
-    makes fo = l_old e^(m_old - m_new) / l_new, so the running O stays normalised.
+    makes fo = l_old e^(m_old - m_new) / l_new, so the running O stays normalised. ``stale_log2`` (FA4's lazy
+    rescale; 0: off): the max stays while the block's exceeds it by at most this, and while the row has seen
+    nothing; fo is then exactly 1 and P may reach 2^stale_log2.
     """
     # MIRROR: one row per thread, its max and sum by sequential loops; the CUDA C reduces each row over a quad.
-    m_new = max(m, row_max(s) * scale)
+    cand = max(m, row_max(s) * scale)
+    keep = stale_log2 > ZERO and (cand - m <= stale_log2 or cand == NEG_INF)
+    m_new = m if keep else cand
     mx = ZERO if m_new == NEG_INF else m_new  # a row with nothing visible yet keeps P = 0
-    fo = exp2(m - mx)
+    fo = ONE if keep else exp2(m - mx)
     rs = ZERO
     for y in range(s.shape[0]):
         s[y] = exp2(s[y] * scale - mx)
