@@ -9,6 +9,22 @@
 
 namespace rf {
 
+// x, hidden from the optimiser (an empty asm): the compiler can no longer derive it from earlier values, so it does
+// not strength-reduce what depends on it across the serial tile loop below.
+__device__ __forceinline__ int opaque(int x) {
+  asm("" : "+r"(x));
+  return x;
+}
+
+// Whether a scheduler hands one CTA several query tiles in turn (QTileScheduler's SERIAL: the ablation of FA2's
+// sequence parallelism); the others give a CTA one tile.
+template <class Scheduler> struct WalksTiles {
+  static constexpr bool value = false;
+};
+template <int BR, bool VARLEN> struct WalksTiles<QTileScheduler<BR, true, VARLEN>> {
+  static constexpr bool value = true;
+};
+
 template <class Mainloop, class Scheduler> __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
   extern __shared__ __align__(16) char smem[];
   Scheduler tiles;
@@ -25,6 +41,10 @@ template <class Mainloop, class Scheduler> __device__ __forceinline__ void fwd_k
     Mainloop::run(p, bi, pol, q0, smem, st);
     // ---- [fwd:epilogue] Alg.1 l.12-13: O_i and L_i ----
     Mainloop::store(p, bi, pol, q0, smem, st);
+    // The serial walk only: the next tile's index must not be derivable from this one's, or the compiler carries
+    // the next tile's output row addresses, strength-reduced, through the whole mainloop (14 registers at d = 128
+    // on sm_80; NOTES, session 6).
+    if constexpr (WalksTiles<Scheduler>::value) tiles.i = opaque(tiles.i);
   } while (tiles.advance());
 }
 

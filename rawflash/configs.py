@@ -82,7 +82,12 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
                                                                                   "358/417 at 128x128x8"))
     put("fa2_fwd_sm90", (192, 256), _16BIT, TileConfig(128, 64, 8, why="O of d/2 registers leaves room for 64 keys"))
     # float32 runs the same body with emulated mma (FMA + shuffles): one m-tile per warp, narrow key blocks.
-    put("fa2_fwd", (32, 64, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low"))
+    put("fa2_fwd", (32, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low"))
+    # d = 64 asks for the 3 CTAs per SM the pre-skeleton kernel had at 168 registers: under the skeleton ptxas
+    # spends 180 - 199 when allowed 255 (2 CTAs per SM, offline NVRTC 13.0, session 6), and fits every sm_90
+    # instantiation (plain, general, the ablation's) in 168 without a spill. Untimed (sm_80 keeps 1: ARCH_ROWS).
+    put("fa2_fwd", (64,), ("float32",), TileConfig(64, 32, 4, min_blocks=3,
+                                                  why="fp32 FMA path; 3 CTAs per SM at 168 registers (untimed)"))
     put("fa2_fwd", (256,), ("float32",), TileConfig(64, 16, 4, why="fp32 FMA path: O of 16 x 256 per warp"))
     # Split-K (splitk.cuh): all warps share BR rows and take BC / warps keys each; per block every warp writes a
     # partial O of BR x d float32 to its slot and reads a d / warps slice of all slots back, so shared traffic per
@@ -141,7 +146,12 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     # H200 N=1024/4096/16384: 217/255/266 TF (0.95-1.04x torch-flash); fa2_bwd (mma.sync) ran 89/95/96. No d=192
     # row: its halves of 96 columns would straddle 64-column panels (the kernel's static_assert).
     put("fa2_bwd_sm90", (256,), _16BIT, TileConfig(64, 64, 8, why="dK, dV of 64 x 128 per warpgroup"))
-    put("fa2_bwd", (32, 64), ("float32",), TileConfig(32, 64, 4, why="fp32 FMA path"))
+    put("fa2_bwd", (64,), ("float32",), TileConfig(32, 64, 4, why="fp32 FMA path"))
+    # d = 32: 3 CTAs per SM, as the pre-skeleton deterministic backward had at 168 registers (the skeleton's takes
+    # 178 - 230 when allowed 255, 2 CTAs; all 8 sm_90 instantiations fit 168 without a spill, offline, session 6;
+    # on sm_80 the atomic ones spill 24 - 68 B under it, so ARCH_ROWS keeps 1 there). Untimed.
+    put("fa2_bwd", (32,), ("float32",), TileConfig(32, 64, 4, min_blocks=3,
+                                                  why="fp32 FMA path; 3 CTAs per SM at 168 registers (untimed)"))
     put("fa2_bwd", (96, 128), ("float32",), TileConfig(32, 64, 8, wc=2, why="fp32 FMA path; warps split d"))
     put("fa2_bwd", (192, 256), ("float32",), TileConfig(32, 32, 8, wc=4, why="fp32 FMA path; 16 x d/4 dK, dV per warp"))
     put("fa2_bwd_dq", (32, 64, 96, 128), _16BIT, TileConfig(64, 64, 4, why="split-Q, 16 rows per warp"))
@@ -172,6 +182,9 @@ ARCH_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
            for d in (96, 128) for dt in _16BIT},
         **{("fa2_bwd", d, "float32"): TileConfig(16, 32, 8, wc=4, why="sm_80: 163 KB per block; Br = 32 spills")
            for d in (192, 256)},
+        ("fa2_fwd", 64, "float32"): TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low (sm_80: 168 "
+                                                              "registers without min_blocks)"),
+        ("fa2_bwd", 32, "float32"): TileConfig(32, 64, 4, why="fp32 FMA path (sm_80: min_blocks=3 spills 24-68 B)"),
         **{("fa1_fwd", 128, dt): TileConfig(16, 64, 4, min_blocks=2, why="73 KB: fits sm_86 / sm_89's 99 KB")
            for dt in _16BIT},
         **{("fa1_fwd", 192, dt): TileConfig(16, 64, 2, why="2 warps: 85 KB fits sm_86 / sm_89's 99 KB") for dt in _16BIT},
