@@ -530,6 +530,11 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
             if grid is not None:
                 add_note(row, f"grid: {grid}" + (" (CTAs take tiles from a counter)" if grid.endswith("dynamic")
                                                   else ""))
+                if lau.config.q_stages > 1:
+                    add_note(row, f"{lau.config.q_stages} Q_i buffers (the next tile's Q_i copied during this one)")
+                if lau.config in configs.SHORT_CAUSAL_ROWS.values() and forms.short_causal(p):
+                    add_note(row, f"the short causal row (<= {configs.SHORT_CAUSAL_SEQLEN} keys: "
+                                  "configs.SHORT_CAUSAL_ROWS)")
             if row["kernel"] == "fa3_bwd_sm90" and deterministic:
                 add_note(row, "deterministic: dQ reduce-adds in a fixed order per query block (int32 semaphores)")
     report["predicted"] = [_brief_io(io_row(p, kernel if d == "fwd" else "fa2", d, tgt)) for d in dirs]

@@ -221,7 +221,15 @@ def test_explain_names_the_fa3_forwards_grid(causal, grid):
     args = ["--gpu", "sm_90", "--batch", "2", "--seqlen-q", "4096", "--heads", "16", "--head-dim", "128"]
     report = invoke_json("explain", *args, *(["--causal"] if causal else []))
     fwd = next(r for r in report["launches"] if r["kernel"] == "fa3_fwd_sm90")
-    assert grid in fwd["note"]
+    assert grid in fwd["note"] and "short causal" not in fwd["note"]
+
+
+@pytest.mark.parametrize("d, q_buffers", [(64, False), (128, True)])
+def test_explain_names_the_short_causal_row_and_q_buffers(d, q_buffers):
+    args = ["--gpu", "sm_90", "--batch", "2", "--seqlen-q", "1024", "--heads", "16", "--head-dim", str(d), "--causal"]
+    fwd = next(r for r in invoke_json("explain", *args)["launches"] if r["kernel"] == "fa3_fwd_sm90")
+    assert "the short causal row (<= 1024 keys" in fwd["note"]
+    assert ("2 Q_i buffers" in fwd["note"]) is q_buffers
 
 
 def _api_error(**shape):
