@@ -85,9 +85,11 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_fwd", (32, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low"))
     # d = 64 asks for the 3 CTAs per SM the pre-skeleton kernel had at 168 registers: under the skeleton ptxas
     # spends 180 - 199 when allowed 255 (2 CTAs per SM, offline NVRTC 13.0, session 6), and fits every sm_90
-    # instantiation (plain, general, the ablation's) in 168 without a spill. Untimed (sm_80 keeps 1: ARCH_ROWS).
+    # instantiation (plain, general, the ablation's) in 168 without a spill (sm_80 keeps 1: ARCH_ROWS). Session 7,
+    # H200, tools/tune.py, N = 1024 / 4096, full / causal: 13/12/13/12 TFLOP/s against 11/10/11/11 at 2 CTAs.
     put("fa2_fwd", (64,), ("float32",), TileConfig(64, 32, 4, min_blocks=3,
-                                                  why="fp32 FMA path; 3 CTAs per SM at 168 registers (untimed)"))
+                                                  why="fp32 FMA path; 3 CTAs per SM at 168 registers: 13/12/13/12 "
+                                                      "vs 11/10/11/11 TFLOP/s"))
     put("fa2_fwd", (256,), ("float32",), TileConfig(64, 16, 4, why="fp32 FMA path: O of 16 x 256 per warp"))
     # Split-K (splitk.cuh): all warps share BR rows and take BC / warps keys each; per block every warp writes a
     # partial O of BR x d float32 to its slot and reads a d / warps slice of all slots back, so shared traffic per
@@ -149,9 +151,11 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_bwd", (64,), ("float32",), TileConfig(32, 64, 4, why="fp32 FMA path"))
     # d = 32: 3 CTAs per SM, as the pre-skeleton deterministic backward had at 168 registers (the skeleton's takes
     # 178 - 230 when allowed 255, 2 CTAs; all 8 sm_90 instantiations fit 168 without a spill, offline, session 6;
-    # on sm_80 the atomic ones spill 24 - 68 B under it, so ARCH_ROWS keeps 1 there). Untimed.
+    # on sm_80 the atomic ones spill 24 - 68 B under it, so ARCH_ROWS keeps 1 there). Session 7, H200: 9/9/9/9
+    # TFLOP/s against 9/8/9/8 at 2 CTAs (N = 1024 / 4096, full / causal; tools/tune.py rounds to integers).
     put("fa2_bwd", (32,), ("float32",), TileConfig(32, 64, 4, min_blocks=3,
-                                                  why="fp32 FMA path; 3 CTAs per SM at 168 registers (untimed)"))
+                                                  why="fp32 FMA path; 3 CTAs per SM at 168 registers: 9/9/9/9 vs "
+                                                      "9/8/9/8 TFLOP/s"))
     put("fa2_bwd", (96, 128), ("float32",), TileConfig(32, 64, 8, wc=2, why="fp32 FMA path; warps split d"))
     put("fa2_bwd", (192, 256), ("float32",), TileConfig(32, 32, 8, wc=4, why="fp32 FMA path; 16 x d/4 dK, dV per warp"))
     put("fa2_bwd_dq", (32, 64, 96, 128), _16BIT, TileConfig(64, 64, 4, why="split-Q, 16 rows per warp"))
