@@ -131,7 +131,8 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     # panels). Two consumer warpgroups at 240 registers: O (d / 2), S (64), P (32 registers of e4m3). 128 x 128 is
     # FA3's FP8 shape at d = 256; three consumer warpgroups (160 registers) spill 288 B at d = 128 (offline).
     # At d <= 128, 192 keys (V^T in 64-byte panels), 3 stages and 2 Q_i buffers; tools/tune.py --which fwd_fp8,
-    # session 7 (H200, N = 4096 / 16384, full / causal, TFLOP/s, the lazy rescale on).
+    # session 7 (H200, N = 4096 / 16384, full / causal, TFLOP/s, the lazy rescale on). The final tree measured
+    # 760/632/878/850 (rawflash bench, run 5): one edit of OnlineSoftmax::update in between (NOTES, session 7).
     put("fa3_fwd_sm90_fp8", (32, 64, 96, 128), (FP8,), TileConfig(128, 192, 12, stages=3, q_stages=2,
                                                                   why="821/673/931/914 vs 128x128 (2 stages): "
                                                                       "773/658/852/869, 128x192 (3 stages, 1 Q_i "
