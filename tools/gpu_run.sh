@@ -63,7 +63,7 @@ while [ $i -lt ${#steps[@]} ]; do
         ncu --clock-control none --kernel-name "regex:$regex" --launch-skip $skip --launch-count $count \
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
           --section SchedulerStats --section InstructionStats --section Occupancy --section LaunchStats \
-          --section MemoryWorkloadAnalysis python3 tools/profile_kernels.py --case $case --seqlen ${PROFILE_N:-4096} \
+          --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables python3 tools/profile_kernels.py --case $case --seqlen ${PROFILE_N:-4096} \
           > "$OUT/ncu_$case.txt" 2>&1 || status=1
         echo "ncu $case: $(grep -c 'Section: SpeedOfLight\|GPU Speed Of Light' "$OUT/ncu_$case.txt") kernels profiled"
       done ;;
