@@ -239,8 +239,7 @@ struct Fa3FwdPipeline {
       wgmma_wait<0>();
       fence_operand(st.o);
       mbar_arrive(sm.v_empty(prev));
-      // Alg.1 l.10: diag(e^(m_old - m_new)) O, unless no row of the warp moved its max (fo = 1: STALE_LOG2)
-      if (Derived::STALE_LOG2 == 0.f || __any_sync(0xffffffffu, fo[0] != 1.f || fo[1] != 1.f)) scale_rows(st.o, fo);
+      st.sm.template rescale<(Derived::STALE_LOG2 > 0.f)>(st.o, fo);  // Alg.1 l.10: diag(e^(m_old - m_new)) O
       Derived::pack_p(pa, s);
       prev = sj;
       prev_parity = pipes.kv.parity();

@@ -77,6 +77,19 @@ template <int ROWS> struct OnlineSoftmax {
     if (NORMALIZE) scale_rows(s, mx);
   }
 
+  // Alg.1 l.10: O = diag(fo) O. LAZY (a stale_log2 update): skipped when no row of the warp moved its max (every
+  // fo exactly 1), decided by one vote so the warp stays converged.
+  template <bool LAZY, int MT, int NT> __device__ __forceinline__ static void rescale(Acc<MT, NT>& o,
+                                                                                      const float (&fo)[ROWS]) {
+    if constexpr (LAZY) {
+      bool moved = false;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) moved |= fo[r] != 1.f;
+      if (!__any_sync(0xffffffffu, moved)) return;
+    }
+    scale_rows(o, fo);
+  }
+
   // The end of the rows (finalize_row for each).
   template <typename T, bool NORMALIZED = false>
   __device__ __forceinline__ void finalize(float sink_log2, float (&f)[ROWS], float (&lse)[ROWS]) const {

@@ -393,13 +393,13 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=False)),
                                  fa2_forward(p, Switches(wgmma=True, warp_specialize=False, overlap=False))]
                 if hopper_form_fits("fa3_fwd_sm90", p):
-                    # (a causal p of one key takes configs.SHORT_CAUSAL_ROWS: `long` takes the table's rows)
-                    long = dataclasses.replace(p, seqlen_q=configs.SHORT_CAUSAL_SEQLEN + 1,
-                                               seqlen_k=configs.SHORT_CAUSAL_SEQLEN + 1)
-                    launches += [fa2_forward(x, Switches(wgmma=True, warp_specialize=True)) for x in (p, long)]
+                    # a plain causal p of one key takes configs.SHORT_CAUSAL_ROWS; a longer twin, the table's rows
+                    n = configs.SHORT_CAUSAL_SEQLEN + 1
+                    sizes = (p, dataclasses.replace(p, seqlen_q=n, seqlen_k=n)) if short_causal(p) else (p,)
+                    launches += [fa2_forward(x, Switches(wgmma=True, warp_specialize=True)) for x in sizes]
                     if not p.general and d in (64, 128):  # FA3's ablation, at the FA2 paper's head dims
                         launches += [fa2_forward(x, sw) for sw in ABLATIONS.values() if sw.warp_specialize
-                                     for x in (p, long)]
+                                     for x in sizes]
                     if not p.general and dtype == "bfloat16":  # tools/tune.py's candidates
                         launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=True),
                                                  override={("fa3_fwd_sm90", d, dtype): cfg})
