@@ -134,7 +134,7 @@ template <typename T_, int D, int MT, int BCW, int STAGES, int WARPS_> struct Ma
       // rescale is D / 2 multiplies a thread against 2 BCW / 8 scores, and after the first tiles it is rare)
       float fo[2 * MT];
       sm.template update<T>(s, 1.f, fo, 0.f, STALE_LOG2);
-      sm.template rescale<true>(o, fo);
+      sm.template rescale<true, true>(o, fo);  // (padding rows see no key at all)
       // ---- [mainloop_decode:pv] O += P V_j ----
       gemm_rb<MT, NO, NT / 2>(o, s, sV(t), 0, 0);
     }

@@ -50,11 +50,10 @@ template <int ROWS> struct OnlineSoftmax {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const float cand = fmaxf(m[r], mx[r] * scale);
-      // The max stays (fo = 1 exactly) within stale_log2, and while the row has seen nothing (cand = m = -inf:
-      // P = 0, O = 0, nothing to rescale); a row's first visible key always moves it (cand - m = +inf).
-      if (stale_log2 > 0.f && (cand - m[r] <= stale_log2 || cand == -INFINITY)) {
+      // The max stays (fo = 1 exactly) within stale_log2 (never while the row has seen nothing: +inf or NaN).
+      if (stale_log2 > 0.f && cand - m[r] <= stale_log2) {
         fo[r] = 1.f;
-        mx[r] = (cand == -INFINITY ? 0.f : m[r]) - p_log2;
+        mx[r] = m[r] - p_log2;
         continue;
       }
       const float m_new = cand;
@@ -78,13 +77,16 @@ template <int ROWS> struct OnlineSoftmax {
   }
 
   // Alg.1 l.10: O = diag(fo) O. LAZY (a stale_log2 update): skipped when no row of the warp moved its max (every
-  // fo exactly 1), decided by one vote so the warp stays converged.
-  template <bool LAZY, int MT, int NT> __device__ __forceinline__ static void rescale(Acc<MT, NT>& o,
-                                                                                      const float (&fo)[ROWS]) {
+  // fo exactly 1), decided by one vote so the warp stays converged. EMPTY_ROWS: rows that see nothing for many
+  // blocks (decode's padding rows) do not count (m = -inf: their O is 0 whatever fo); the FA3 forwards count
+  // them (under a mask a row sees nothing for a few blocks at most), which keeps their SASS as session 7's run 3
+  // measured it (NOTES).
+  template <bool LAZY, bool EMPTY_ROWS = false, int MT, int NT>
+  __device__ __forceinline__ void rescale(Acc<MT, NT>& o, const float (&fo)[ROWS]) const {
     if constexpr (LAZY) {
       bool moved = false;
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) moved |= fo[r] != 1.f;
+      for (int r = 0; r < ROWS; ++r) moved |= fo[r] != 1.f && (!EMPTY_ROWS || m[r] != -INFINITY);
       if (!__any_sync(0xffffffffu, moved)) return;
     }
     scale_rows(o, fo);

@@ -106,7 +106,7 @@ def make_mainloop_decode(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: 
                 # ---- [mainloop_decode:softmax] online softmax of the block; O rescaled unless no row's max moved ----
                 # MIRROR: the rescale is skipped per row; the CUDA C skips it for a warp whose rows all kept theirs.
                 m, l, fo = update(s, ONE, m, l, False, STALE_LOG2)
-                if fo != ONE:
+                if fo != ONE and m != NEG_INF:  # (a row that has seen nothing has O = 0)
                     for c in range(D):
                         st[c] *= fo
                 # ---- [mainloop_decode:pv] O += P V_j ----

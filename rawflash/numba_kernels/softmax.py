@@ -40,12 +40,12 @@ def update(s, scale, m, l, normalize, stale_log2):
     l = e^(m_old - m_new) l + rowsum(P), and fo = e^(m_old - m_new) is the factor the running O must be multiplied
     by. ``normalize`` (FA1's per-step normalisation, the defer_norm=False ablation) also divides P by the new l and
     makes fo = l_old e^(m_old - m_new) / l_new, so the running O stays normalised. ``stale_log2`` (FA4's lazy
-    rescale; 0: off): the max stays while the block's exceeds it by at most this, and while the row has seen
-    nothing; fo is then exactly 1 and P may reach 2^stale_log2.
+    rescale; 0: off): the max stays while the block's exceeds it by at most this; fo is then exactly 1 and P may
+    reach 2^stale_log2.
     """
     # MIRROR: one row per thread, its max and sum by sequential loops; the CUDA C reduces each row over a quad.
     cand = max(m, row_max(s) * scale)
-    keep = stale_log2 > ZERO and (cand - m <= stale_log2 or cand == NEG_INF)
+    keep = stale_log2 > ZERO and cand - m <= stale_log2  # (never while the row has seen nothing: inf or NaN)
     m_new = m if keep else cand
     mx = ZERO if m_new == NEG_INF else m_new  # a row with nothing visible yet keeps P = 0
     fo = ONE if keep else exp2(m - mx)
