@@ -235,7 +235,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // dQ_i's slice (columns w*DQN.., times the scale) from registers to this warpgroup's shared tile, then one thread
   // adds the tile into the float32 dQ rows (rows past the sequence carry zeros: their dS is 0). The tile is cut
   // into panels of 32 columns (128 bytes a row) with the 128-byte swizzle (16-byte chunk c of row r at c ^ r % 8),
-  // the layout the dq map's box reads, so a warp's stores of a row pair spread over every bank.
+  // the layout the dq map's box reads. A 64-bit store is served a half-warp at a time (lanes of groups g = 0..3,
+  // then 4..7), and groups g and g ^ 1 swizzle one chunk pair onto the same banks, so lanes of odd g store the
+  // column slot y ^ 2 while the others store y: each half-warp then covers all 32 banks and a store takes two
+  // wavefronts instead of four (ncu, session 8: 2.5-way average conflicts over the backward's shared stores).
   template <int NT>
   __device__ __forceinline__ static void reduce_dq_tma(const BwdParams& p, const TmaBwd& tma, const Smem& sm,
                                                        const typename Pol::Info& bh, const Acc<1, NT>& dq, int q0,
@@ -243,14 +246,18 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
     const int w = warpgroup_id(), g = lane_id() >> 2, t = lane_id() & 3, qr = 16 * warp_in_group();
     const u32 tile = sm.dq(w, it);
     if constexpr (DET) named_sync(DQ_EMPTY + 2 * w + (it & 1), DQ_PAIR);  // the writer has read this buffer
+    static_assert(NT % 4 == 0, "column slots y and y ^ 2 lie in one 32-column panel");
+    const bool odd = g & 1;
 #pragma unroll
     for (int y = 0; y < NT; ++y)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int row = qr + g + 8 * hh, col = 8 * y + 2 * t;  // col % 32 / 4 is the 16-byte chunk in the panel
+        const int ys = odd ? y ^ 2 : y;  // this lane's column slot in this store
+        const int row = qr + g + 8 * hh, col = 8 * ys + 2 * t;  // col % 32 / 4 is the 16-byte chunk in the panel
         const u32 at = tile + col / 32 * (BR_ * 128) + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(p.scale * dq.v[0][y][2 * hh]),
-                     "f"(p.scale * dq.v[0][y][2 * hh + 1]) : "memory");
+        const float x0 = odd ? dq.v[0][y ^ 2][2 * hh] : dq.v[0][y][2 * hh];
+        const float x1 = odd ? dq.v[0][y ^ 2][2 * hh + 1] : dq.v[0][y][2 * hh + 1];
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(p.scale * x0), "f"(p.scale * x1) : "memory");
       }
     fence_async_smem();
     if constexpr (DET) {  // the dQ writer adds it, in its turn (write_dq)
