@@ -12,7 +12,7 @@
 #     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES (default
 #                "softcap fp8 plain decode"), d = 128, N = PROFILE_N (4096); one file ncu_<case>.txt per case
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
-# TESTS (default: tests) the test paths (JOBS=N: N pytest processes side by side, tools/pytest_shards.py), SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
+# TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
 # (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype at once) (SANITIZE_ONLY=decode, splitk or fa3: that part of its workload alone); TAR_TO=path packs every log into one archive at the end (for
 # machines that return only a few files).
 set -uo pipefail
@@ -29,12 +29,7 @@ while [ $i -lt ${#steps[@]} ]; do
   step=${steps[$i]}; i=$((i + 1))
   case $step in
     tests)
-      if [ "${JOBS:-1}" -gt 1 ]; then  # round-robin shards side by side (tools/pytest_shards.py), one log each
-        python3 tools/pytest_shards.py --jobs "$JOBS" --name gpu_tests --log-dir "$OUT" -- -m gpu ${TESTS:-tests} \
-          2>&1 | tee "$OUT/gpu_tests.log" | tail -40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-      else
-        python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1
-      fi ;;
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
     tests-mma)
       RAWFLASH_WGMMA=0 python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 \
         | tee "$OUT/gpu_tests_mma.log" | tail -15 || status=1 ;;
