@@ -1,14 +1,10 @@
 // decode: KV-cache attention for inference (Flash-Decoding): a few query rows per sequence against its cache.
-// decode_split: grid (cdiv(num_splits, WARPS / R), kv_heads * cdiv(row_groups, R), batch). The GQA-packed query
-//   rows of one kv head are row groups of 16 MT rows, one per warp; R of them (launch.decode_layout: every row group
-//   when they fit the CTA's warps) form a split-set that streams one split of the keys through one shared ring
-//   (mainloop_decode.cuh), so a CTA reads each of its keys once; partial O and lse to float32 buffers. When one
-//   CTA holds every row group of its kv head (p.split_appends, forms.decode_split_appends) the split-set first
-//   writes the new keys that fall in its own range of keys into the cache ([decode:split_append]), so no launch
-//   of its own appends them.
+// decode_split: grid (cdiv(num_splits, WARPS), kv_heads * row_groups, batch), each warp one split of the keys
+//   (mainloop_decode.cuh) for the GQA-packed query rows of one kv head; partial O and lse to float32 buffers.
+//   With one row group (p.split_appends, forms.decode_split_appends) each warp first writes the new keys that fall
+//   in its own range of keys into the cache ([decode:split_append]), so no launch of its own appends them.
 // decode_append: k_new / v_new written into the cache (contiguous or paged) at cache_seqlens[b] + t, before
-//   decode_split, where the row groups of a kv head span several CTAs that read the same keys (a CTA cannot wait
-//   for another's stores).
+//   decode_split, where several row groups read the same keys (their CTAs cannot wait for one another).
 // decode_combine_warp (num_splits <= 32): one warp per (b, query, head) row, several rows per CTA: a lane per
 //   split for the lse (shuffles), 4-column chunks per lane for out. decode_combine (more splits): one CTA per row
 //   (lanes over the splits, threads over the columns). Both add the sink to the denominator and write out (input
@@ -82,18 +78,17 @@ template <typename T> __global__ void decode_append(const __grid_constant__ rf::
   }
 }
 
-template <typename T, int D, int MT, int BCW, int STAGES, int WARPS, int R, int SMEM_BYTES>
+template <typename T, int D, int MT, int BCW, int STAGES, int WARPS, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
-  using Mainloop = MainloopDecode<T, D, MT, BCW, STAGES, WARPS, R>;
+  using Mainloop = MainloopDecode<T, D, MT, BCW, STAGES, WARPS>;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
   constexpr int ROWS = Mainloop::ROWS;
   extern __shared__ __align__(16) char smem[];
-  // ---- [decode:schedule] split s of kv head hk's packed rows [r0, r0 + R ROWS) of sequence b, R warps a split ----
-  // Warp w: split-set w / R (split s, named barrier 1 + w / R), row group w % R (rows r0 + ROWS (w % R) ..).
-  const int group = p.heads / p.kv_heads, m_rows = group * p.seqlen_q, blocks = cdiv(m_rows, R * ROWS);
-  const int hk = blockIdx.y / blocks, r0 = (blockIdx.y % blocks) * R * ROWS, b = blockIdx.z;
-  const int set = warp_id() / R, s = blockIdx.x * Mainloop::SETS + set, nrows = min(R * ROWS, m_rows - r0);
+  // ---- [decode:schedule] split s of kv head hk's packed rows [r0, r0 + ROWS) of sequence b ----
+  const int group = p.heads / p.kv_heads, m_rows = group * p.seqlen_q, row_groups = cdiv(m_rows, ROWS);
+  const int hk = blockIdx.y / row_groups, r0 = (blockIdx.y % row_groups) * ROWS, b = blockIdx.z;
+  const int s = blockIdx.x * Mainloop::WARPS + warp_id(), nrows = min(ROWS, m_rows - r0);
   // ---- [decode:setup] the sequence (its keys after the append, checked against the cache) and the policy ----
   BlockInfo<true> bi(p, b, hk * group);
   const int len = decode_cache_len(p, b);
@@ -102,9 +97,9 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   bi.seqlen_k = len_ok ? len + p.new_keys : 0;
   const Policy<WINDOW, true> pol(p, bi);
   // ---- [decode:load_q] the packed Q tile (row r: query r / group, head hk * group + r % group), shared by the warps ----
-  using TQ = Tile<T, R * ROWS, D>;
-  const TQ sQ{(T*)smem};
-  for (int idx = threadIdx.x; idx < R * ROWS * TQ::C; idx += WARPS * 32) {
+  const Tile<T, ROWS, D> sQ{(T*)smem};
+  using TQ = Tile<T, ROWS, D>;
+  for (int idx = threadIdx.x; idx < ROWS * TQ::C; idx += WARPS * 32) {
     const int row = idx / TQ::C, col = (idx % TQ::C) * TQ::CHUNK, r = r0 + row;
     const bool valid = row < nrows && col < p.head_dim;
     const T* src = (const T*)p.q + (valid ? b * p.q_sb + (r / group) * p.q_ss + (hk * group + r % group) * p.q_sh + col : 0);
@@ -117,40 +112,37 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   // ---- [decode:split_append] the split's keys [k_begin, k_end); the new keys among them into the cache ----
   // The s-th run of cdiv(tiles, num_splits) key tiles of the sequence. The runs of the num_splits splits cover
   // [0, seqlen_k) whatever the mask, so every new key len .. len + new_keys - 1 of a sequence that fits its cache
-  // is in exactly one split's range, and that split's set of R warps writes it here (its 32 R threads share the
-  // chunks; per key, only where its page is inside the cache, as decode_append does), seen by its rows or not:
-  // the mask narrows the tiles a set loads, never the range it writes. Only this set reads keys of its range (its
-  // tiles lie in [k_begin, k_end)), and when the CTA holds every row group of its kv head (the only case the host
-  // sets split_appends for) no other CTA reads them either. Ordering: the stores, then __threadfence() (visible
-  // at GPU scope, i.e. in L2, where the ring's cp.async.cg reads; the CTA-scope order of the barrier alone would
-  // do by the memory model, the fence makes it independent of the cache path), then split_set_sync (__syncwarp
-  // with one row group, the set's named barrier with several: either orders its threads' memory operations),
-  // then the set's cp.async of the tiles: non-bulk cp.async reads its source as an ordinary weak (generic-proxy)
-  // load of the issuing thread, so issued after the barrier it sees the stores. One fence per thread of a split
-  // that holds new keys. The barrier stands outside the branch: inside it, ptxas gave the tile loop up to 38 more
-  // registers (float32 d = 256 spilled 628 B, offline).
+  // is in exactly one split's range, and that split's warp writes it here (per key, only where its page is inside
+  // the cache, as decode_append does), seen by its rows or not: the mask narrows the tiles a warp loads, never
+  // the range it writes. Only this warp reads keys of its range (its tiles lie in [k_begin, k_end)), and with one
+  // row group (the only case the host sets split_appends for) no other CTA reads them either. Ordering: the
+  // stores, then __threadfence() (visible at GPU scope, i.e. in L2, where the ring's cp.async.cg reads; the
+  // CTA-scope order of the barrier alone would do by the memory model, the fence makes it independent of the
+  // cache path), then __syncwarp() (which orders the lanes' memory operations for the warp), then this warp's
+  // cp.async of the tiles: non-bulk cp.async reads its source as an ordinary weak (generic-proxy) load of the
+  // issuing thread, so issued after the barrier it sees the stores. One fence per split that holds new keys.
+  // The __syncwarp() stands outside the branch: inside it, ptxas gave the tile loop up to 38 more registers
+  // (float32 d = 256 spilled 628 B, offline); outside, every instantiation keeps its registers within one of
+  // before but sm_90 float16 d = 32 (148 -> 156, no spill).
   const int per = cdiv(cdiv(bi.seqlen_k, BCW), p.num_splits) * BCW;
   const int k_begin = s * per, k_end = min(bi.seqlen_k, k_begin + per);
   if (p.split_appends && len_ok) {
     const int j0 = max(k_begin, len), j1 = min(k_end, len + p.new_keys);
-    if (j1 > j0) {  // uniform over the split-set
+    if (j1 > j0) {  // uniform over the warp
       const int c8 = p.head_dim / 8;
-      for (int x = 32 * (warp_id() % R) + lane_id(); x < (j1 - j0) * c8; x += 32 * R)
-        append_chunk<T>(p, bi, len, j0 - len + x / c8, x % c8 * 8);
+      for (int x = lane_id(); x < (j1 - j0) * c8; x += 32) append_chunk<T>(p, bi, len, j0 - len + x / c8, x % c8 * 8);
       __threadfence();
     }
   }
-  split_set_sync<R>(1 + set);  // the split's new keys are in the cache before its first tile is read
-  // ---- [decode:mainloop] this warp's split: its key tiles through the set's ring (mainloop_decode.cuh) ----
+  __syncwarp();  // the split's new keys are in the cache before its first tile is read
+  // ---- [decode:mainloop] this warp's split: its key tiles through the ring (mainloop_decode.cuh) ----
   Acc<MT, D / 8> o;
   OnlineSoftmax<2 * MT> sm;
   const bool bad = !len_ok || !bi.pages_inside(p, k_begin, k_end);  // the split's pages, once (the warp's lanes)
   const int tiles = Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, bad ? k_begin : k_end, sQ,
-                                  smem + Mainloop::Q_BYTES + set * Mainloop::RING_BYTES, 1 + set, o, sm);
+                                  smem + Mainloop::Q_BYTES + warp_id() * STAGES * 2 * Mainloop::KV_BYTES, o, sm);
   // ---- [decode:epilogue] partial O (divided by this split's l) and partial lse, float32; empty: lse -inf only ----
-  // A sequence outside its cache gets lse NaN in every split (decode_combine turns its rows into NaN). This warp
-  // writes its row group's rows: packed rows wr0 + row, row < wrows (none for a row group past the packed rows).
-  const int wr0 = r0 + ROWS * (warp_id() % R), wrows = nrows - ROWS * (warp_id() % R);
+  // A sequence outside its cache gets lse NaN in every split (decode_combine turns its rows into NaN).
   float f[2 * MT], lse[2 * MT];
   sm.template finalize<T, false>(-INFINITY, f, lse);
   const int g = lane_id() >> 2, t = lane_id() & 3;
@@ -158,16 +150,16 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   float* lws = p.m_ws + s * (p.ws_split / p.head_dim);
   if (tiles > 0 && !bad)  // the combine reads a split's O only where its lse is finite
     for_each(o, [&](float& x, int row, int col) {
-      const int r = wr0 + row, c = col;
-      if (row < wrows && c < p.head_dim) {
+      const int r = r0 + row, c = col;
+      if (row < nrows && c < p.head_dim) {
         const int i = r / group, h = hk * group + r % group;
         ows[(((long long)b * p.seqlen_q + i) * p.heads + h) * p.head_dim + c] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
       }
     });
 #pragma unroll
   for (int rr = 0; rr < 2 * MT; ++rr) {
-    const int row = 16 * (rr / 2) + g + 8 * (rr % 2), r = wr0 + row;
-    if (t == 0 && row < wrows)
+    const int row = 16 * (rr / 2) + g + 8 * (rr % 2), r = r0 + row;
+    if (t == 0 && row < nrows)
       lws[((long long)b * p.heads + hk * group + r % group) * p.seqlen_q + r / group] = bad ? nan_f() : lse[rr];
   }
 }

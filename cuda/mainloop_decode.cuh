@@ -2,12 +2,9 @@
 //
 // Decoding is bound by reading the cache, so every cache byte must be read once and the reads must keep HBM busy.
 // GQA packing: the group's query heads and the call's few query rows (speculative decoding, chunked prefill) are
-// packed rows, r = i * group + hh (query i, head hk * group + hh), so K_j and V_j are read once for all of them.
-// A warp computes 16 MT packed rows (a row group); when a kv head has more packed rows than that, R warps (the
-// row groups of one split-set) share one split: they copy its key tiles together into ONE STAGES-deep cp.async ring
-// and each reads every tile for its own rows, so the CTA reads each cache byte once. Split-KV: each split-set owns
-// one split, a contiguous chunk of keys; its ring needs no barrier but __syncwarp with one row group (R = 1), and
-// one named barrier of its R warps per tile otherwise; the CTA's split-sets share the Q tile of its R row groups.
+// one tile of packed rows, r = i * group + hh (query i, head hk * group + hh), so K_j and V_j are read once for all
+// of them. Split-KV: each warp owns one split, a contiguous chunk of keys, which it streams through its own
+// STAGES-deep cp.async ring of BCW-key tiles with no barrier but __syncwarp; the CTA's warps share the Q tile.
 // A warp's result is a partial O (divided by its own l) and a partial lse in float32; decode_combine merges them
 // (and adds the sink) once every split is done. The policy is the general one at run time: bottom-right causal
 // masks and windows per packed row, soft-capping, ALiBi per head; BlockInfo locates the keys and reads the page
@@ -21,25 +18,24 @@
 namespace rf {
 
 // Keys k0 .. k0 + nk - 1 of this sequence into two BCW x D tiles (K_j and V_j), zero past the last key: cp.async
-// by the split-set's THREADS threads (thread tid: 32 per row group), one 16-byte chunk of K and one of V per
-// thread and step. BlockInfo locates the keys: one
+// by the warp's 32 lanes, one 16-byte chunk of K and one of V per lane and step. BlockInfo locates the keys: one
 // page division per tile (page_pos). When the tile lies in one page (always in a contiguous cache, and for every
 // tile when the page size is a multiple of the tile's keys) its rows are one stride apart from the first, located
 // once (key_offsets of row 0): a chunk's address is then one multiply-add, where locating each row on its own (a
 // page-table read, the carry, six 64-bit products) made the copies 60 % of the tile loop's instructions
 // (offline SASS, d = 128). Otherwise each row's offsets come with a carry (key_offsets). The split's pages were
 // checked before its first tile (BlockInfo::pages_inside).
-template <int THREADS, typename T, int ROWS, int D, class Info>
-__device__ __forceinline__ void load_kv(const Tile<T, ROWS, D>& sk, const Tile<T, ROWS, D>& sv, const FwdParams& p,
-                                        const Info& bi, int k0, int nk, int tid) {
+template <typename T, int ROWS, int D, class Info>
+__device__ __forceinline__ void load_kv_warp(const Tile<T, ROWS, D>& sk, const Tile<T, ROWS, D>& sv,
+                                             const FwdParams& p, const Info& bi, int k0, int nk) {
   using TL = Tile<T, ROWS, D>;
   const typename Info::PagePos pos = bi.page_pos(p, k0);
-  if (!p.block_table || pos.row + ROWS <= p.page_size) {  // (the same for the whole split-set)
+  if (!p.block_table || pos.row + ROWS <= p.page_size) {  // (the same for the whole warp)
     long long ko, vo;
     bi.key_offsets(p, pos, 0, ko, vo);
     const T *kb = (const T*)p.k + ko, *vb = (const T*)p.v + vo;
 #pragma unroll
-    for (int idx = tid; idx < ROWS * TL::C; idx += THREADS) {
+    for (int idx = lane_id(); idx < ROWS * TL::C; idx += 32) {
       const int row = idx / TL::C, col = (idx % TL::C) * TL::CHUNK;
       const bool valid = row < nk && col < p.head_dim;
       cp_async16(sk.saddr(row, col), valid ? kb + row * p.k_ss + col : kb, valid);
@@ -48,7 +44,7 @@ __device__ __forceinline__ void load_kv(const Tile<T, ROWS, D>& sk, const Tile<T
     return;
   }
 #pragma unroll
-  for (int idx = tid; idx < ROWS * TL::C; idx += THREADS) {
+  for (int idx = lane_id(); idx < ROWS * TL::C; idx += 32) {
     const int row = idx / TL::C, col = (idx % TL::C) * TL::CHUNK;
     const bool valid = row < nk && col < p.head_dim;
     long long ko = 0, vo = 0;
@@ -61,62 +57,43 @@ __device__ __forceinline__ void load_kv(const Tile<T, ROWS, D>& sk, const Tile<T
   }
 }
 
-// The split-set's R warps agree: every thread's copies of a tile have landed for all of them, and all are done with
-// the stage the next copy refills. One row group: the warp's own lanes (__syncwarp); several: named barrier id
-// (1 + the split-set's index in the CTA; 0 is __syncthreads) over their 32 R threads, which also orders their
-// memory operations at CTA scope.
-template <int R> __device__ __forceinline__ void split_set_sync(int id) {
-  if constexpr (R == 1)
-    __syncwarp();
-  else
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(32 * R) : "memory");
-}
-
-template <typename T_, int D, int MT, int BCW, int STAGES, int WARPS_, int R_> struct MainloopDecode {
+template <typename T_, int D, int MT, int BCW, int STAGES, int WARPS_> struct MainloopDecode {
   using T = T_;
   using Pol = Policy<WINDOW, true>;
   using Info = BlockInfo<true>;
-  // R row groups of ROWS packed rows share each split's ring; SETS splits per CTA (warp w: split w / R, rows w % R)
-  static constexpr int WARPS = WARPS_, R = R_, SETS = WARPS_ / R_, ROWS = 16 * MT, NT = BCW / 8, NO = D / 8;
-  static constexpr int Q_BYTES = R * ROWS * D * (int)sizeof(T_), KV_BYTES = BCW * D * (int)sizeof(T_);
-  static constexpr int RING_BYTES = STAGES * 2 * KV_BYTES;         // STAGES x (K_j, V_j) of one split-set
-  static constexpr int SMEM_BYTES = Q_BYTES + SETS * RING_BYTES;  // the Q tile of the R row groups; the rings
+  static constexpr int WARPS = WARPS_, ROWS = 16 * MT, NT = BCW / 8, NO = D / 8;
+  static constexpr int Q_BYTES = ROWS * D * (int)sizeof(T_), KV_BYTES = BCW * D * (int)sizeof(T_);
+  static constexpr int SMEM_BYTES = Q_BYTES + WARPS * STAGES * 2 * KV_BYTES;  // Q tile; per warp, STAGES x (K_j, V_j)
   static_assert(BCW % 16 == 0 && STAGES >= 2, "whole 16-key steps; at least double buffering");
-  static_assert(R >= 1 && WARPS % R == 0 && SETS < 16, "whole split-sets; one named barrier (1..15) each");
   static constexpr float STALE_LOG2 = 8.f;  // OnlineSoftmax::update's lazy rescale: P <= 2^8 (any dtype holds it)
 
-  // The split of one split-set: keys [k_begin, k_end) of its sequence for rows [r0, r0 + nrows) of the packed tile
-  // (all R row groups: the tiles are the ones some row sees); this warp's row group, rows r0 + 16 MT (warp % R) ..,
-  // into its running O and softmax state. Every warp of the set calls it with the same arguments (bar_id: the
-  // set's named barrier). Returns the key tiles it read (0: an empty split).
+  // The split of one warp: keys [k_begin, k_end) of its sequence, rows [r0, r0 + nrows) of the packed tile, into
+  // the running O and softmax state. Returns the key tiles it read (0: an empty split).
   __device__ __forceinline__ static int run(const FwdParams& p, const Info& bi, const Pol& pol, int group, int r0,
-                                            int nrows, int k_begin, int k_end, const Tile<T, R * ROWS, D>& sQ,
-                                            char* ring, int bar_id, Acc<MT, NO>& o, OnlineSoftmax<2 * MT>& sm) {
-    auto sK = [&](int t) { return Tile<T, BCW, D>{(T*)(ring + (t % STAGES) * 2 * KV_BYTES)}; };
-    auto sV = [&](int t) { return Tile<T, BCW, D>{(T*)(ring + (t % STAGES) * 2 * KV_BYTES + KV_BYTES)}; };
-    const int rg = warp_id() % R, tid = 32 * rg + lane_id();  // this warp's row group; its thread in the set
+                                            int nrows, int k_begin, int k_end, const Tile<T, ROWS, D>& sQ,
+                                            char* warp_smem, Acc<MT, NO>& o, OnlineSoftmax<2 * MT>& sm) {
+    auto sK = [&](int t) { return Tile<T, BCW, D>{(T*)(warp_smem + (t % STAGES) * 2 * KV_BYTES)}; };
+    auto sV = [&](int t) { return Tile<T, BCW, D>{(T*)(warp_smem + (t % STAGES) * 2 * KV_BYTES + KV_BYTES)}; };
     // Packed rows r0 + r: query (r0 + r) / group of head hk * group + (r0 + r) % group.
     const int i_first = r0 / group, i_last = (r0 + nrows - 1) / group;
     // Tiles start on multiples of BCW (split boundaries are), so a tile never reaches into the next split: keys
     // before row_start or past row_end / seqlen_k inside a tile are masked, and a split ends on a tile edge.
-    // Interior tiles (no key masked for any row of the set) are the same for every warp of it.
     const int lo = max(k_begin, pol.row_start(i_first)) / BCW * BCW, hi = min(k_end, pol.row_end(i_last));
     const int n = hi > lo ? cdiv(hi - lo, BCW) : 0;
     const int interior_end = min(hi, pol.row_end(i_first)), interior_start = max(lo, pol.row_start(i_last));
     auto load = [&](int t) {
       const int k0 = lo + t * BCW;
-      load_kv<32 * R>(sK(t), sV(t), p, bi, k0, min(BCW, hi - k0), tid);
+      load_kv_warp(sK(t), sV(t), p, bi, k0, min(BCW, hi - k0));
     };
     // ---- [mainloop_decode:init] O = 0, l = 0, m = -inf; the first STAGES - 1 key tiles start streaming ----
     // The thread's 2 MT packed rows, fixed for the split: query index, ALiBi slope, visible keys [row_lo, row_hi)
-    // (padding rows past nrows see nothing; a row group wholly past them still copies and waits with its set).
-    // Computed once, so the tile loop has no division.
+    // (padding rows past nrows see nothing). Computed once, so the tile loop has no division.
     const int g = lane_id() >> 2, tq = lane_id() & 3;
     int qi[2 * MT], row_lo[2 * MT], row_hi[2 * MT];
     float slope[2 * MT];
 #pragma unroll
     for (int rr = 0; rr < 2 * MT; ++rr) {
-      const int row = ROWS * rg + 16 * (rr / 2) + g + 8 * (rr % 2), r = r0 + row;
+      const int row = 16 * (rr / 2) + g + 8 * (rr % 2), r = r0 + row;
       qi[rr] = r / group;
       slope[rr] = pol.head_slope(p, bi, r % group);
       row_lo[rr] = row < nrows ? pol.row_start(qi[rr]) : 0x7fffffff;
@@ -133,13 +110,13 @@ template <typename T_, int D, int MT, int BCW, int STAGES, int WARPS_, int R_> s
       const int k0 = lo + t * BCW;
       // ---- [mainloop_decode:wait] tile t has landed; tile t + STAGES - 1 starts streaming ----
       cp_async_wait<STAGES - 2>();
-      split_set_sync<R>(bar_id);  // tile t is visible to the split-set; tile t - 1's stage is free
+      __syncwarp();  // every lane's chunks of tile t are visible to the warp; tile t - 1's stage is free
       if (t + STAGES - 1 < n) load(t + STAGES - 1);
       cp_async_commit();
       // ---- [mainloop_decode:scores] S = Q K_j^T for every packed row, through the transform and the mask ----
       Acc<MT, NT> s;
       zero(s);
-      gemm_abt<MT, NT, D, 1>(s, sQ, ROWS * rg, sK(t), 0);
+      gemm_abt<MT, NT, D, 1>(s, sQ, 0, sK(t), 0);
       const bool edge = k0 < interior_start || k0 + BCW > interior_end;
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi)

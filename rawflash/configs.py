@@ -29,11 +29,10 @@ class TileConfig:
     CTAs per SM promised to the compiler through ``__launch_bounds__`` (it caps registers at
     65536 / (32 * warps * min_blocks)); wc: (fa2_bwd) warps that split the head_dim columns of dK, dV;
     kunroll: k-steps of 16 unrolled together in the S = Q K^T style products (ILP against registers);
-    stages: (decode_split) depth of each split's cp.async ring of key tiles; (FA3 forms) stages of the K_j / V_j
+    stages: (decode_split) depth of each warp's cp.async ring of key tiles; (FA3 forms) stages of the K_j / V_j
     ring; q_stages: (FA3 forwards) Q_i buffers, 2 to copy a persistent CTA's next Q_i while its tile runs. For
-    decode_split, br is the packed query rows of one warp (a row group, 16 per m-tile), bc the keys of one tile,
-    warps the warps of a CTA: its splits when one row group holds a kv head's packed rows, else fewer splits of
-    several warps each, which share the split's ring (``launch.decode_layout``).
+    decode_split, br is the packed query rows of one CTA (16 per m-tile), bc the keys of one warp tile, warps the
+    splits one CTA runs.
     """
 
     br: int
@@ -165,11 +164,10 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_bwd_dq", (32, 64, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path"))
     put("fa2_bwd_dq", (256,), ("float32",), TileConfig(64, 16, 4, why="fp32 FMA path: dQ of 16 x 256 per warp"))
     # decode_split: a warp streams its split of the cache through a ring of `stages` tiles of bc keys; br packed
-    # query rows (GQA group x query rows) per warp (more rows: several warps share a split's ring). H200 run 3
-    # (bench --decode, 4 warps x 3 stages x 32 keys at d = 128: 196 KB, one CTA of 4 warps per SM) reached 18 % of
-    # the copy bandwidth: too few warps to hide the latency of the per-tile work. These rows keep a CTA under 99 KB
-    # (2-3 CTAs per SM, 8-12 warps): 2 stages, 16 or 32 keys. 32 rows at d = 128 make ptxas spill (255 registers,
-    # offline), so 16 rows there.
+    # query rows (GQA group x query rows) per CTA. H200 run 3 (bench --decode, 4 warps x 3 stages x 32 keys at
+    # d = 128: 196 KB, one CTA of 4 warps per SM) reached 18 % of the copy bandwidth: too few warps to hide the
+    # latency of the per-tile work. These rows keep a CTA under 99 KB (2-3 CTAs per SM, 8-12 warps): 2 stages,
+    # 16 or 32 keys. 32 rows at d = 128 make ptxas spill (255 registers, offline), so 16 rows there.
     put("decode_split", (32,), _16BIT, TileConfig(32, 32, 4, stages=3, why="2 m-tiles: 126 registers, 51 KB"))
     put("decode_split", (64, 96), _16BIT, TileConfig(16, 32, 4, stages=2, why="1 m-tile, 32 keys, 2 deep: 67 / 99 KB"))
     put("decode_split", (128,), _16BIT, TileConfig(16, 16, 4, stages=2, why="1 m-tile, 16 keys, 2 deep: 68 KB"))
@@ -233,15 +231,9 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     # P and the addresses; float32 decode is the accuracy path, its speed is not the point.
     # (session 4: 8 B more each with the per-sequence split ranges and the split's page check; session 7: 8 B more
     # at d = 192 on sm_80 with the copies located once per tile.)
-    ("decode_split<float, 192, 1, 16, 2, 2, 1, 110592>", "sm_80"): 48,
-    ("decode_split<float, 256, 1, 16, 2, 2, 1, 147456>", "sm_80"): 56,
-    ("decode_split<float, 256, 1, 16, 2, 2, 1, 147456>", "sm_90"): 48,
-    # float32 d = 256 with two row groups sharing each split's ring (48+ packed rows a kv head): the R = 1 spill's
-    # pressure less the ring's per-warp addresses. sm_80 float16 d = 96 with 4 row groups sharing a ring (64+
-    # packed rows): ptxas stops at 128 registers and spills 8 B (bfloat16 and sm_90: 128, none).
-    ("decode_split<float, 256, 1, 16, 2, 2, 2, 98304>", "sm_80"): 8,
-    ("decode_split<float, 256, 1, 16, 2, 2, 2, 98304>", "sm_90"): 16,
-    ("decode_split<__half, 96, 1, 32, 2, 4, 4, 36864>", "sm_80"): 16,
+    ("decode_split<float, 192, 1, 16, 2, 2, 110592>", "sm_80"): 48,
+    ("decode_split<float, 256, 1, 16, 2, 2, 147456>", "sm_80"): 56,
+    ("decode_split<float, 256, 1, 16, 2, 2, 147456>", "sm_90"): 48,
 }
 
 

@@ -258,7 +258,7 @@ DECODE_TILE_WAIT_US = 2.0
 def decode_ctas_per_sm(p: Problem, cfg: TileConfig) -> int:
     """CTAs of decode_split one SM holds: by shared memory (227 KB per SM, 1 KB reserved per CTA), threads (2048)
     and registers (assumed <= 128 per thread, which ptxas reports for the 16-bit rows), at most 32."""
-    smem = launch.smem_decode_split(cfg, p.padded_head_dim, p.itemsize, launch.decode_layout(p, cfg).shared)
+    smem = launch.smem_decode_split(cfg, p.padded_head_dim, p.itemsize)
     return max(1, min(32, 233472 // (smem + 1024), 2048 // cfg.threads, 65536 // (cfg.threads * 128)))
 
 
@@ -266,19 +266,17 @@ def decode_split_cost(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) 
     """Modelled microseconds of a decode call's split pass and combine with ``splits`` splits (the heuristic's
     objective; only its ordering matters).
 
-    The (batch, kv head, row block) pairs each run cdiv(splits, splits per CTA) CTAs (``launch.decode_layout``:
-    a split per set of warps that share its ring, every row group of the kv head in one CTA when they fit), every
-    split cdiv(tiles, splits) key tiles of the cache's capacity, read once per CTA for all the row groups it holds.
-    CTAs run in waves of ``sms x ctas per SM``; a wave takes the longer of its bytes over the HBM rate and its
-    splits' latency chain (each split keeps stages - 1 tiles in flight and waits DECODE_TILE_WAIT_US for them).
-    The partial results add their bytes (written and read back, float32), and the combine a latency chain of one
-    wait per 4 splits each of its threads sums.
+    The (batch, kv head, row group) pairs each run cdiv(splits, warps) CTAs of up to ``warps`` splits, every split
+    cdiv(tiles, splits) key tiles of the cache's capacity. CTAs run in waves of ``sms x ctas per SM``; a wave takes
+    the longer of its bytes over the HBM rate and its splits' latency chain (each warp keeps stages - 1 tiles in
+    flight and waits DECODE_TILE_WAIT_US for them). The partial results add their bytes (written and read back,
+    float32), and the combine a latency chain of one wait per 4 splits each of its threads sums.
     """
-    lay = launch.decode_layout(p, cfg)
-    pairs = p.batch * p.kv_heads * lay.row_blocks
+    rows, groups = launch.decode_rows(p, cfg)
+    pairs = p.batch * p.kv_heads * groups
     tiles = launch.cdiv(max(1, p.seqlen_k), cfg.bc)
     per_split = launch.cdiv(tiles, splits)
-    per_pair = launch.cdiv(splits, lay.splits_per_cta)
+    per_pair = launch.cdiv(splits, cfg.warps)
     ctas, slots = pairs * per_pair, sms * decode_ctas_per_sm(p, cfg)
     tile_bytes = 2 * cfg.bc * p.padded_head_dim * p.itemsize
     cta_bytes = splits / per_pair * per_split * tile_bytes
@@ -298,11 +296,10 @@ def decode_split_cost(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) 
 def decode_occupancy(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) -> float:
     """The share of the warp slots of decode_split's waves (whole waves of ``sms`` x CTAs per SM) that hold a split:
     1 for full waves of full CTAs (the heuristic's tie-break)."""
-    lay = launch.decode_layout(p, cfg)
-    pairs = p.batch * p.kv_heads * lay.row_blocks
-    per_pair = launch.cdiv(splits, lay.splits_per_cta)
+    pairs = p.batch * p.kv_heads * launch.decode_rows(p, cfg)[1]
+    per_pair = launch.cdiv(splits, cfg.warps)
     ctas, slots = pairs * per_pair, sms * decode_ctas_per_sm(p, cfg)
-    return ctas / (launch.cdiv(ctas, slots) * slots) * splits / (per_pair * lay.splits_per_cta)
+    return ctas / (launch.cdiv(ctas, slots) * slots) * splits / (per_pair * cfg.warps)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -338,15 +335,14 @@ def _decode_plan(p: Problem, num_splits: int | None, sms: int) -> DecodePlan:
 def decode_split_appends(p: Problem, cfg: TileConfig) -> bool:
     """Whether decode_split appends k_new / v_new itself (no decode_append launch), from the shapes alone.
 
-    Each split-set of decode_split (the warps of its row groups that share a split's ring) writes the new keys
-    that fall in its own range of keys, then reads its tiles: the splits' ranges cover all of a sequence's keys
-    whatever the mask (a window or causal mask narrows the tiles a split loads, not the range it writes), so every
-    new key has exactly one writer, even one no query row sees. What the fold needs is that no other CTA reads
-    those keys: true when one CTA holds every row group of the kv head (``launch.decode_layout``: the GQA group x
-    query rows fit warps x ``cfg.br`` packed rows), where a (sequence, kv head)'s keys are split between its CTAs.
-    With several row blocks, every block's CTA reads the same keys, and a CTA cannot wait for another's stores:
-    decode_append runs first (MQA 32/1 x 4 query rows at d = 128: 128 rows in 2 blocks)."""
-    return p.new_keys > 0 and launch.decode_layout(p, cfg).row_blocks == 1
+    Each warp of decode_split writes the new keys that fall in its own range of keys, then reads its tiles: the
+    splits' ranges cover all of a sequence's keys whatever the mask (a window or causal mask narrows the tiles a
+    warp loads, not the range it writes), so every new key has exactly one writer, even one no query row sees.
+    What the fold needs is that no other CTA reads those keys: true with one row group (the GQA group x query rows
+    fit one tile of ``cfg.br`` packed rows), where a (sequence, kv head)'s keys are split between its CTAs. With
+    several row groups, every row group's CTA reads the same keys, and a CTA cannot wait for another's stores:
+    decode_append runs first (MQA 32/1 at d = 128, long speculative chunks)."""
+    return p.new_keys > 0 and launch.decode_rows(p, cfg)[1] == 1
 
 
 def decode_combine(p: Problem, num_splits: int) -> Launch:
@@ -418,15 +414,10 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures
                         launches += [fa2_forward(p, sw) for sw in ABLATIONS.values() if not sw.wgmma]
                 launches += [launch.fa2_bwd_preprocess(p), launch.fa2_bwd_convert_dq(p)]
-                if not p.general and not p.causal:  # decode: one instantiation per (dtype, head_dim, shared rows)
+                if not p.general and not p.causal:  # decode has one instantiation per (dtype, head_dim)
                     dp = dataclasses.replace(p, seqlen_k=4096, new_keys=1)
                     launches += decode_plan(dp, 8).launches  # the fold and the warp combine
                     launches += [launch.decode_append(dp), launch.decode_combine(dp)]  # and the other forms
-                    cfg = _config("decode_split", dp, None)
-                    for shared in range(2, cfg.warps + 1):  # split-sets of several row groups (MQA, long chunks)
-                        if cfg.warps % shared == 0:
-                            mq = dataclasses.replace(dp, heads=shared * cfg.br)  # one kv head, `shared` row groups
-                            launches.append(launch.decode_split(mq, cfg, 8))
                 for lau in launches:
                     out.setdefault(lau.name_expression, lau)
     if arch == "sm_90":

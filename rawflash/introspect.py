@@ -669,14 +669,9 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
     plan = forms.decode_plan(kp, num_splits, tgt.sms)
     cfg = plan.launches[-2].config
     report["launches"] = []
-    lay = launch.decode_layout(kp, cfg)
-    ring = ("one split of whole key tiles per warp, through its own ring" if lay.shared == 1 else
-            f"one split of whole key tiles per {lay.shared} warps ({lay.shared} row groups of {cfg.br} packed rows), "
-            f"which copy its tiles into one shared ring and each compute its own rows; {lay.splits_per_cta} splits "
-            "per CTA")
-    roles = {"decode_append": "elementwise: k_new / v_new into the cache, before the split pass (several CTAs "
-                               "read the same keys)",
-             "decode_split": f"tiles: {ring} (split plan)" +
+    roles = {"decode_append": "elementwise: k_new / v_new into the cache, before the split pass (several row "
+                               "groups read the same keys)",
+             "decode_split": "tiles: one split of whole key tiles per warp (split plan)" +
                              ("; each split first writes the new keys of its range into the cache"
                               if plan.split_appends else ""),
              "decode_combine_warp": "one warp per (batch, query, head) row, 4 rows per CTA: the splits merged by "
@@ -693,20 +688,15 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
     combine = plan.launches[-1].kernel  # forms.decode_combine's choice
     report["split plan"] = {
         "num_splits": plan.num_splits,
-        "packed rows per kv head": (f"{lay.rows} ({lay.row_groups} row groups of {cfg.br}; {lay.shared} share each "
-                                    f"split's ring, {lay.splits_per_cta} splits per CTA; the cache read "
-                                    f"{'once' if lay.row_blocks == 1 else f'{lay.row_blocks} times'})"),
         "chosen by": "you (num_splits)" if num_splits is not None else
                      f"forms.decode_splits (model of {tgt.sms} SMs, planned from the capacity)",
         "key tiles per split": f"cdiv(cdiv(keys_b, {cfg.bc}), {plan.num_splits}) per sequence; at full capacity "
                                f"{launch.cdiv(tiles, plan.num_splits)}",
         "append": ("none (no k_new)" if not kp.new_keys else
-                   "in decode_split: each split writes the new keys inside its range of keys (one CTA holds every "
-                   "row group of its kv head)"
+                   "in decode_split: each split writes the new keys inside its range of keys (one row group)"
                    if plan.split_appends else
-                   f"decode_append first: {lay.row_blocks} CTAs per kv head ({lay.row_groups} row groups of "
-                   f"{cfg.br} packed rows, {lay.shared} per CTA) read the same keys, and one CTA cannot wait for "
-                   "another's stores"),
+                   f"decode_append first: {launch.decode_rows(kp, cfg)[1]} row groups of {cfg.br} packed rows read "
+                   "the same keys, and one CTA cannot wait for another's stores"),
         "combine": f"{combine} ({'one warp' if combine == 'decode_combine_warp' else 'one CTA'} per row): "
                    f"{plan.num_splits} splits",
         "waves filled": round(forms.decode_occupancy(kp, cfg, plan.num_splits, tgt.sms), 3),
@@ -721,10 +711,10 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
         "cache_seqlens and block_table are never read on the host: the plan comes from the shapes (the capacity), "
         "and each sequence's keys are cut on the device into num_splits runs of whole tiles",
         "the append's rule (forms.decode_split_appends, from the shapes): the splits' key ranges cover every key "
-        "whatever the mask (a window narrows the tiles a split loads, not the range it writes), so when one CTA "
-        "holds every row group of a kv head (GQA group x query rows <= warps x the tile's packed rows) each new key "
-        "is written by the one split whose range holds it, before that split reads it; with several row blocks "
-        "every block's CTAs read it, so decode_append runs first",
+        "whatever the mask (a window narrows the tiles a split loads, not the range it writes), so with one row "
+        "group (GQA group x query rows <= the tile's packed rows) each new key is written by the one split whose "
+        "range holds it, before that split reads it; with several row groups every row group's CTAs read it, so "
+        "decode_append runs first",
         "the split count's model (forms.decode_split_cost) is a heuristic: whole waves of CTAs, enough warps with "
         "tiles in flight, little partial traffic; its microseconds order the choices, they are no measurement",
     ]

@@ -434,45 +434,23 @@ def fa2_bwd_dq(p: Problem, cfg: TileConfig) -> Launch:
                   smem, cfg)
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeLayout:
-    """How decode_split lays a kv head's GQA-packed query rows out (group x seqlen_q rows, ``rows``).
-
-    A warp computes one row group of cfg.br rows; ``shared`` of them (R) form a split-set that streams one split
-    of the keys through one shared ring of key tiles, so the CTA reads each key once for all of them. R is the
-    fewest warps that hold every row group (a divisor of cfg.warps; at most cfg.warps), and a CTA runs
-    ``splits_per_cta`` = warps / R splits. Row groups past what one CTA holds take ``row_blocks`` CTAs per kv head
-    along the grid's y, each reading the keys again."""
-
-    rows: int
-    row_groups: int
-    shared: int
-    splits_per_cta: int
-    row_blocks: int
-
-
-def decode_layout(p: Problem, cfg: TileConfig) -> DecodeLayout:
-    """decode_split's row layout of ``p`` under tile row ``cfg`` (see :class:`DecodeLayout`)."""
+def decode_rows(p: Problem, cfg: TileConfig) -> tuple[int, int]:
+    """(packed query rows of one kv head, row groups of cfg.br rows): GQA packing of decode."""
     rows = (p.heads // p.kv_heads) * p.seqlen_q
-    groups = cdiv(rows, cfg.br)
-    shared = min(r for r in range(1, cfg.warps + 1) if cfg.warps % r == 0 and (r >= groups or r == cfg.warps))
-    return DecodeLayout(rows, groups, shared, cfg.warps // shared, cdiv(groups, shared))
+    return rows, cdiv(rows, cfg.br)
 
 
-def smem_decode_split(cfg: TileConfig, d: int, itemsize: int, shared: int = 1) -> int:
-    """The packed Q tile of ``shared`` row groups, and per split-set (warps / shared of them) `stages` tiles of
-    K_j and V_j."""
-    return shared * cfg.br * d * itemsize + cfg.warps // shared * cfg.stages * 2 * cfg.bc * d * itemsize
+def smem_decode_split(cfg: TileConfig, d: int, itemsize: int) -> int:
+    """The packed Q tile, and per warp `stages` tiles of K_j and V_j."""
+    return cfg.br * d * itemsize + cfg.warps * cfg.stages * 2 * cfg.bc * d * itemsize
 
 
 def decode_split(p: Problem, cfg: TileConfig, num_splits: int) -> Launch:
-    """Split-KV decode: grid (cdiv(num_splits, splits per CTA), kv_heads x row blocks, batch), one split per
-    split-set of ``shared`` warps (``decode_layout``)."""
+    """Split-KV decode: grid (cdiv(num_splits, warps), kv_heads x row groups, batch), one split per warp."""
     d = p.padded_head_dim
-    lay = decode_layout(p, cfg)
-    smem = smem_decode_split(cfg, d, p.itemsize, lay.shared)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br // 16, cfg.bc, cfg.stages, cfg.warps, lay.shared, smem)
-    grid = _check_grid((cdiv(num_splits, lay.splits_per_cta), p.kv_heads * lay.row_blocks, p.batch), "decode_split")
+    smem = smem_decode_split(cfg, d, p.itemsize)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br // 16, cfg.bc, cfg.stages, cfg.warps, smem)
+    grid = _check_grid((cdiv(num_splits, cfg.warps), p.kv_heads * decode_rows(p, cfg)[1], p.batch), "decode_split")
     return Launch("decode_split", "decode.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
 
 

@@ -165,11 +165,10 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
             supports=COMMON + FEATURES[1:] + ("deterministic=True (bitwise repeatable; fa3_bwd_sm90 in order on "
                                               "Hopper, else the fa2_bwd_dq pass)",)),
     Variant("decode", "decode", "decode", "Flash-Decoding: split-KV attention of a few query rows against a KV cache",
-            "one split of the keys per warp (or per set of warps sharing its ring of key tiles, when a kv head's "
-            "packed rows need several row groups); the GQA group's query heads and rows packed into its tiles",
+            "one split of the keys per warp; the GQA group's query heads and rows packed into one tile",
             (Form("decode_split", "decode.cu", "mainloop_decode.cuh", "sm_80", ALL_DTYPES, "decode"),),
             (Helper("decode_append", "decode.cu", "k_new / v_new into the cache (contiguous or paged) where "
-                    "decode_split cannot (a kv head's row groups span several CTAs, which read the same keys)", "decode"),
+                    "decode_split cannot (several row groups read the same keys)", "decode"),
              Helper("decode_combine_warp", "decode.cu", "the splits merged by their lse, the sink added: one warp "
                     "per output row (up to 32 splits)", "decode"),
              Helper("decode_combine", "decode.cu", "the splits merged by their lse, the sink added: one CTA per "

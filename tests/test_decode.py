@@ -226,74 +226,27 @@ def test_decode_plan_launches():
     assert not no_new.split_appends
 
 
-# (heads, kv_heads, seqlen_q, head_dim, dtype): the packed rows of one kv head against one CTA's warps x br rows
+# (heads, kv_heads, seqlen_q, head_dim, dtype): the packed rows of one kv head against the tile's br rows
 APPEND_RULE = [(32, 8, 1, 128, "bfloat16"), (32, 8, 4, 128, "bfloat16"), (64, 8, 2, 128, "bfloat16"),
                (32, 1, 1, 128, "bfloat16"), (16, 1, 2, 128, "float16"), (8, 8, 1, 64, "float32"),
-               (32, 8, 5, 128, "bfloat16"), (64, 2, 1, 32, "float16"), (16, 2, 4, 32, "bfloat16"),
-               (32, 1, 4, 128, "bfloat16"), (16, 1, 5, 128, "float16"), (48, 1, 1, 256, "float32"),
-               (64, 1, 3, 32, "bfloat16")]
+               (32, 8, 5, 128, "bfloat16"), (64, 2, 1, 32, "float16"), (16, 2, 4, 32, "bfloat16")]
 
 
 @pytest.mark.parametrize("heads,kv_heads,sq,d,dtype", APPEND_RULE)
 @pytest.mark.parametrize("window", [(-1, -1), (1, 0), (0, 0)])
-def test_decode_append_is_folded_iff_one_row_block(heads, kv_heads, sq, d, dtype, window):
-    """decode_split writes the new keys itself iff one CTA holds every row group of a kv head (group x seqlen_q <=
-    warps x br); else decode_append runs first. Windows (even ones that hide appended keys from every row) change
-    nothing: the splits' key ranges do not depend on the mask."""
+def test_decode_append_is_folded_iff_one_row_group(heads, kv_heads, sq, d, dtype, window):
+    """decode_split writes the new keys itself iff one row group holds the packed rows (group x seqlen_q <= br);
+    else decode_append runs first. Windows (even ones that hide appended keys from every row) change nothing: the
+    splits' key ranges do not depend on the mask."""
     p = launch.Problem(3, sq, 4096, heads, kv_heads, d, dtype, sq > 1, seqused_k=True, new_keys=sq,
                        window=window)
     plan = forms.decode_plan(p, 8)
     cfg = tile_config("decode_split", d, dtype, "sm_90")
-    one_block = (heads // kv_heads) * sq <= cfg.warps * cfg.br
-    assert plan.split_appends == one_block == forms.decode_split_appends(p, cfg)
+    one_group = (heads // kv_heads) * sq <= cfg.br
+    assert plan.split_appends == one_group == forms.decode_split_appends(p, cfg)
     kernels = [lau.kernel for lau in plan.launches]
-    assert kernels == (["decode_split", "decode_combine_warp"] if one_block else
+    assert kernels == (["decode_split", "decode_combine_warp"] if one_group else
                        ["decode_append", "decode_split", "decode_combine_warp"])
-
-
-# (heads, kv_heads, seqlen_q, head_dim, dtype, warps a split (R), row blocks): d = 128 takes 16 packed rows a warp
-# and 4 warps a CTA; float32 d = 256 2 warps; 16-bit d = 32 32 rows a warp
-SHARED_RING = [(32, 8, 1, 128, "bfloat16", 1, 1), (64, 8, 1, 128, "bfloat16", 1, 1),
-               (32, 1, 1, 128, "bfloat16", 2, 1), (64, 8, 4, 128, "bfloat16", 2, 1),
-               (48, 1, 1, 128, "float16", 4, 1), (64, 1, 1, 128, "bfloat16", 4, 1),
-               (32, 1, 4, 128, "bfloat16", 4, 2), (48, 1, 1, 256, "float32", 2, 2),
-               (32, 1, 1, 32, "bfloat16", 1, 1), (64, 1, 1, 32, "float16", 2, 1)]
-
-
-@pytest.mark.parametrize("heads,kv_heads,sq,d,dtype,shared,blocks", SHARED_RING)
-def test_decode_split_grid_reads_each_kv_head_once_per_row_block(heads, kv_heads, sq, d, dtype, shared, blocks):
-    """Row groups that fit one CTA share its splits' rings: the grid's y is kv_heads x row blocks (1 when every
-    row group fits the CTA's warps, no longer kv_heads x row groups), a CTA runs warps / R splits, the shared
-    memory holds the Q tile of its R row groups and one ring per split, and the kernel gets R."""
-    p = launch.Problem(5, sq, 4096, heads, kv_heads, d, dtype, sq > 1, seqused_k=True)
-    cfg = tile_config("decode_split", d, dtype, "sm_90")
-    lay = launch.decode_layout(p, cfg)
-    assert (lay.shared, lay.row_blocks) == (shared, blocks)
-    assert lay.rows == heads // kv_heads * sq and lay.row_groups == -(-lay.rows // cfg.br)
-    assert lay.splits_per_cta * shared == cfg.warps and lay.row_blocks * shared >= lay.row_groups
-    for splits in (1, 7, 8, 33):
-        lau = launch.decode_split(p, cfg, splits)
-        assert lau.grid == (-(-splits // lay.splits_per_cta), kv_heads * blocks, 5)
-        assert lau.block == (cfg.threads, 1, 1)
-        item = 4 if dtype == "float32" else 2
-        assert lau.smem == (shared * cfg.br + cfg.warps // shared * cfg.stages * 2 * cfg.bc) * d * item
-        assert lau.template_args[6] == shared and lau.template_args[-1] == lau.smem
-
-
-def test_decode_cost_counts_the_cache_once_for_shared_rings():
-    """The split model's bytes: MQA 32/1 at d = 128 (two row groups sharing each ring) reads what 16/1 (one row
-    group) reads, so their modelled split passes cost about the same (the bytes alone would be 2x the cache's
-    time were the cache read once per row group; the rest is the splits' latency chain and the partials), and the
-    heuristic fills the waves as for GQA."""
-    cfg = tile_config("decode_split", 128, "bfloat16", "sm_90")
-    mqa, one = (launch.Problem(8, 1, 32769, h, 1, 128, "bfloat16", False, seqused_k=True, new_keys=1)
-                for h in (32, 16))
-    n = forms.decode_splits(mqa, cfg)
-    cache_us = 2 * 8 * 32769 * 128 * 2 / forms.DECODE_BYTES_PER_US  # the cache read once at the model's rate
-    assert forms.decode_split_cost(mqa, cfg, n) < 1.6 * cache_us
-    assert forms.decode_split_cost(mqa, cfg, n) < 1.15 * min(forms.decode_split_cost(one, cfg, s)
-                                                             for s in range(1, 257))
-    assert forms.decode_occupancy(mqa, cfg, n) >= 0.9 and n % launch.decode_layout(mqa, cfg).splits_per_cta == 0
 
 
 def _split_ranges(keys, splits, bc):
@@ -412,14 +365,8 @@ def test_explain_decode_shows_the_split_plan():
     assert asked["split plan"]["num_splits"] == 7 and "you" in asked["split plan"]["chosen by"]
     mqa = _explain("--batch", 2, "--seqlen-q", 1, "--seqlen-k", 1000, "--heads", 32, "--kv-heads", 1,
                    "--num-splits", 40)
-    assert [r["kernel"] for r in mqa["launches"]] == ["decode_split", "decode_combine"]
-    assert mqa["split plan"]["packed rows per kv head"].startswith("32 (2 row groups of 16; 2 share each split's ring")
-    assert "the cache read once" in mqa["split plan"]["packed rows per kv head"]
-    assert "per 2 warps" in next(r for r in mqa["launches"] if r["kernel"] == "decode_split")["note"]
-    chunk = _explain("--batch", 2, "--seqlen-q", 4, "--seqlen-k", 1000, "--heads", 32, "--kv-heads", 1,
-                     "--num-splits", 40)
-    assert [r["kernel"] for r in chunk["launches"]] == ["decode_append", "decode_split", "decode_combine"]
-    assert chunk["split plan"]["append"].startswith("decode_append first: 2 CTAs per kv head (8 row groups")
+    assert [r["kernel"] for r in mqa["launches"]] == ["decode_append", "decode_split", "decode_combine"]
+    assert mqa["split plan"]["append"].startswith("decode_append first: 2 row groups")
 
 
 def test_explain_decode_refuses_what_decode_refuses():
@@ -471,20 +418,8 @@ GPU_CASES = [
      dict(num_splits=2)),
     ("window-hides-appends-paged", dict(lens=(30, 0, 7), new=4, page=3, d=128, feats=("window",), window=(0, 0)),
      dict(num_splits=2)),
-    # several row groups share each split's ring (d = 128: 16 packed rows a warp, 4 warps a CTA), the append folded:
-    # MQA 32/1 (2 warps a split) at several split counts, 64/8 x 4 query rows (2 warps a split), 48/1 (3 row groups:
-    # 4 warps a split, one of them past the packed rows)
-    ("shared-ring-mqa", dict(h=32, hk=1, d=128, new=2, page=16), {}),
-    ("shared-ring-mqa-splits-1", dict(h=32, hk=1, d=128, lens=(700, 1, 300)), dict(num_splits=1)),
-    ("shared-ring-mqa-splits-3", dict(h=32, hk=1, d=128, lens=(700, 1, 300), new=3), dict(num_splits=3)),
-    ("shared-ring-mqa-splits-40", dict(h=32, hk=1, d=128, lens=(700, 1, 300), new=1), dict(num_splits=40)),
-    ("shared-ring-gqa-64-8-sq4", dict(h=64, hk=8, d=128, sq=4, new=4, lens=(500, 0, 77)),
-     dict(causal=True, num_splits=5)),
-    ("shared-ring-spare-warp", dict(h=48, hk=1, d=128, new=1, page=64, lens=(126, 60, 300),
-                                    feats=("window", "alibi", "sinks")), dict(num_splits=3)),
-    # more row groups than a CTA has warps (MQA 32/1 x 4 query rows = 128 packed rows > 4 x 16): 2 row blocks,
-    # decode_append runs before the split pass
-    ("row-blocks-append-kernel", dict(h=32, hk=1, d=128, sq=4, new=4, page=16), dict(causal=True)),
+    # several row groups (32 packed rows of MQA 32/1 > 16): decode_append runs before the split pass
+    ("row-groups-append-kernel", dict(h=32, hk=1, d=128, new=2, page=16), {}),
     # the combine's two forms at their edge (32: one warp per row; 33: a CTA per row), and head dims whose 4-column
     # chunks split a warp's lanes into groups over the splits (d = 16: 8 groups, 40: 3 of 10 lanes, 72: 1 of 18)
     ("splits-32", dict(lens=(700, 1, 300), new=2), dict(num_splits=32)),
@@ -601,11 +536,8 @@ def test_decode_gpu_device_pages_outside_the_cache_give_nan_rows():
 @pytest.mark.parametrize("kw,extra", [(dict(lens=(30, 0, 13), new=4, sq=4, d=128, page=5), dict(num_splits=3)),
                                       (dict(lens=(700, 1, 300), new=2, d=64), dict(num_splits=32)),
                                       (dict(lens=(14, 3, 30), new=4, d=128, feats=("window", "sinks"),
-                                            window=(1, 0)), dict(num_splits=2)),
-                                      (dict(lens=(30, 0, 13), new=4, sq=4, h=64, hk=8, d=128, page=5),
-                                       dict(num_splits=3)),
-                                      (dict(lens=(300, 2, 45), new=2, h=32, hk=1, d=128), dict(num_splits=7))],
-                         ids=["pages-sq4", "splits-32", "window-sinks", "shared-ring-sq4", "shared-ring-mqa"])
+                                            window=(1, 0)), dict(num_splits=2))],
+                         ids=["pages-sq4", "splits-32", "window-sinks"])
 def test_decode_gpu_fold_and_warp_combine_match_the_separate_kernels(dtype, kw, extra, monkeypatch):
     """The same call three ways: as planned (the append in decode_split, the warp combine), with decode_append
     launched first (identical out, lse and caches: the same split pass reads the same keys), and with the CTA
@@ -728,19 +660,8 @@ SIM_CASES = [
      dict(num_splits=2)),
     ("window-hides-appends-paged", dict(batch=2, h=2, hk=1, d=32, lens=(30, 0), new=4, sq=1, page=3,
                                         feats=("window",), window=(0, 0)), dict(num_splits=2)),
-    # several row groups share each split's ring (float32 d = 32: 16 rows a warp, 4 warps a CTA): MQA 32/1 (2 warps
-    # a split) over several split counts, 64/8 x 4 query rows (2 warps a split, 8 kv heads), 8/1 x 6 query rows (48
-    # rows: 4 warps a split, the last one's rows past the packed rows); the append folded in all of them
-    ("shared-ring-mqa-splits-1", dict(batch=2, h=32, hk=1, d=32, lens=(37, 0), new=1), dict(num_splits=1)),
-    ("shared-ring-mqa-splits-3", dict(batch=2, h=32, hk=1, d=32, lens=(70, 5), new=2, page=16),
-     dict(num_splits=3)),
-    ("shared-ring-mqa-splits-8", dict(batch=1, h=32, hk=1, d=32, lens=(90,), new=1), dict(num_splits=8)),
-    ("shared-ring-gqa-sq4", dict(batch=1, h=64, hk=8, d=32, lens=(40,), new=4, sq=4), dict(causal=True, num_splits=3)),
-    ("shared-ring-spare-warp", dict(batch=2, h=8, hk=1, d=32, lens=(25, 3), new=3, sq=6, feats=("window", "alibi")),
-     dict(causal=True, num_splits=2)),
-    # more row groups than a CTA has warps (MQA 16 heads x 5 query rows = 80 packed rows > 4 x 16): 2 row blocks,
-    # decode_append runs first
-    ("row-blocks-append-kernel", dict(batch=2, h=16, hk=1, d=32, lens=(25, 0), new=3, sq=5, page=16),
+    # several row groups (MQA 8 heads x 3 query rows = 24 packed rows > 16): decode_append runs first
+    ("row-groups-append-kernel", dict(batch=2, h=8, hk=1, d=32, lens=(25, 0), new=3, sq=3, page=16),
      dict(causal=True, num_splits=3)),
 ]
 
@@ -793,12 +714,8 @@ def test_sim_cases_run_both_appends_and_both_combines():
     """The twin cases above take each path: the fold and decode_append, the warp and the CTA combine."""
     plans = {name: _sim_plan(kw, extra) for name, kw, extra in SIM_CASES}
     appends = {name: p.split_appends for name, p in plans.items() if dict(SIM_CASES_KW[name]).get("new", 1)}
-    assert not appends["row-blocks-append-kernel"] and appends["fold-crosses-splits-sq4"]
-    assert all(v for n, v in appends.items() if n.startswith(("fold", "window", "shared-ring")))
-    shared = {name: p.launches[-2].template_args[6] for name, p in plans.items()}
-    assert shared["shared-ring-mqa-splits-3"] == shared["shared-ring-gqa-sq4"] == 2
-    assert shared["shared-ring-spare-warp"] == shared["row-blocks-append-kernel"] == 4
-    assert shared["gqa-f32"] == 1
+    assert not appends["row-groups-append-kernel"] and appends["fold-crosses-splits-sq4"]
+    assert all(v for n, v in appends.items() if n.startswith(("fold", "window")))
     combines = {name: p.launches[-1].kernel for name, p in plans.items()}
     assert combines["splits-32"] == "decode_combine_warp" and combines["splits-33"] == "decode_combine"
     assert combines["fold-many-splits"] == "decode_combine"

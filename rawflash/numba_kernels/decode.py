@@ -1,9 +1,9 @@
 """decode twin: KV-cache attention for inference (Flash-Decoding), mirroring ``cuda/decode.cu``.
 
-decode_split runs one split of the keys per split-set of R "warps" (mainloop_decode.py), one row group of the
-GQA-packed query rows of one kv head each, into float32 partial O and lse, and when one CTA holds every row group of
-its kv head (p.split_appends) first writes the new keys of its own range into the cache; decode_append writes k_new
-/ v_new into the cache (contiguous or paged) at cache_seqlens[b] + t before it otherwise; decode_combine_warp (up to 32 splits) and decode_combine merge the splits by their lse and add
+decode_split runs one split of the keys per "warp" (mainloop_decode.py) for the GQA-packed query rows of one kv head
+into float32 partial O and lse, and with one row group (p.split_appends) first writes the new keys of its own range
+into the cache; decode_append writes k_new / v_new into the cache (contiguous or paged) at cache_seqlens[b] + t
+before it otherwise; decode_combine_warp (up to 32 splits) and decode_combine merge the splits by their lse and add
 the sink. The launch never depends on
 cache_seqlens: sequence b's keys are cut into num_splits runs of cdiv(tiles_b, num_splits) tiles, splits past its
 keys are empty. A sequence whose cache_seqlens + new keys lies outside [0, cache_capacity], or whose used pages lie
@@ -80,15 +80,14 @@ def make_decode_append(T: str) -> Twin:
 
 
 @functools.lru_cache(maxsize=None)
-def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int, R: int, SMEM_BYTES: int) -> Twin:
+def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int, SMEM_BYTES: int) -> Twin:
     """The twin of ``decode_split<...>``, taking the CUDA template's arguments in order (``Launch.template_args``);
-    launched with the Launch's grid, ``Twin.threads`` threads (WARPS row groups of 16 MT packed rows, R per split)
-    and ``Twin.smem`` bytes (float32 tiles, one stage)."""
+    launched with the Launch's grid, ``Twin.threads`` threads (WARPS splits of 16 MT packed rows) and ``Twin.smem``
+    bytes (float32 tiles, one stage)."""
     ROWS = 16 * MT
-    SETS = WARPS // R
     STATE = D + 2  # the row's O, m, l (the CUDA C's accumulator fragments and OnlineSoftmax)
     EXACT = is_float32(T)
-    run = make_mainloop_decode(T, D, MT, BCW, STAGES, WARPS, R)
+    run = make_mainloop_decode(T, D, MT, BCW, STAGES, WARPS)
 
     @cuda.jit
     def decode_split(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
@@ -96,18 +95,17 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
         # MIRROR: one dynamic float32 array carved like the CUDA C's extern __shared__ smem.
         smem = cuda.shared.array(0, float32)
         st = cuda.local.array(STATE, float32)
-        # ---- [decode:schedule] split s of kv head hk's packed rows [r0, r0 + R ROWS) of sequence b, R warps a split ----
-        # Warp w: split-set w // R (split s), row group w % R (rows r0 + ROWS (w % R) ..).
+        # ---- [decode:schedule] split s of kv head hk's packed rows [r0, r0 + ROWS) of sequence b ----
         group = p.heads // p.kv_heads
         m_rows = group * p.seqlen_q
-        blocks = cdiv(m_rows, R * ROWS)
-        hk = cuda.blockIdx.y // blocks
-        r0 = (cuda.blockIdx.y % blocks) * R * ROWS
+        row_groups = cdiv(m_rows, ROWS)
+        hk = cuda.blockIdx.y // row_groups
+        r0 = (cuda.blockIdx.y % row_groups) * ROWS
         b = cuda.blockIdx.z
         w = cuda.threadIdx.x // ROWS
         row = cuda.threadIdx.x % ROWS
-        s = cuda.blockIdx.x * SETS + w // R
-        nrows = min(R * ROWS, m_rows - r0)
+        s = cuda.blockIdx.x * WARPS + w
+        nrows = min(ROWS, m_rows - r0)
         # ---- [decode:setup] the sequence (its keys after the append, checked against the cache) and the policy ----
         length = cache_len(p, g, b)
         ok = len_ok(p, length)
@@ -116,8 +114,8 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
         bi = BlockInfo(bi0.b, bi0.ab, bi0.h, bi0.hk, p.seqlen_q, length + p.new_keys if ok else 0, 0, 0)
         pol = make_policy(WINDOW, True, EXACT, p, g, bi)
         # ---- [decode:load_q] the packed Q tile (row r: query r / group, head hk * group + r % group), shared by the warps ----
-        sQ = smem[0:R * ROWS * D].reshape((R * ROWS, D))
-        for idx in range(cuda.threadIdx.x, R * ROWS * D, cuda.blockDim.x):
+        sQ = smem[0:ROWS * D].reshape((ROWS, D))
+        for idx in range(cuda.threadIdx.x, ROWS * D, cuda.blockDim.x):
             rr = idx // D
             c = idx % D
             r = r0 + rr
@@ -127,9 +125,9 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
         # ---- [decode:split_append] the split's keys [k_begin, k_end); the new keys among them into the cache ----
         # The s-th run of cdiv(tiles, num_splits) key tiles; the runs cover every key whatever the mask, so each new
         # key has one writer: the split whose range holds it, seen by its rows or not.
-        # MIRROR: splits past num_splits stay (as empty splits) where the CUDA C's warps return; the split-set's
-        # R ROWS threads share the chunks where the CUDA C's 32 R threads do, and a CTA barrier stands for its
-        # __threadfence() and split_set_sync (every thread of the twin reaches it).
+        # MIRROR: splits past num_splits stay (as empty splits) where the CUDA C's warps return; the split's ROWS
+        # threads share the chunks where the CUDA C's 32 lanes do, and a CTA barrier stands for its __threadfence()
+        # and __syncwarp() (every thread of the twin reaches it).
         per = cdiv(cdiv(bi.seqlen_k, BCW), p.num_splits) * BCW
         active = s < p.num_splits
         k_begin = s * per if active else 0
@@ -138,14 +136,14 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
             j0 = max(k_begin, length)
             j1 = min(k_end, length + p.new_keys)
             c8 = p.head_dim // 8
-            for x in range((w % R) * ROWS + row, max(0, j1 - j0) * c8, R * ROWS):
+            for x in range(row, max(0, j1 - j0) * c8, ROWS):
                 append_chunk(p, g, bi, length, j0 - length + x // c8, (x % c8) * 8)
         cuda.syncthreads()  # the split's new keys are in the cache before any tile is read
         # ---- [decode:mainloop] this warp's split: its key tiles through the ring (mainloop_decode.py) ----
         # MIRROR: every thread finds the CTA's longest split: the twin's barriers are the whole CTA's.
         steps = 0
-        for ss in range(SETS):
-            sw = cuda.blockIdx.x * SETS + ss
+        for ww in range(WARPS):
+            sw = cuda.blockIdx.x * WARPS + ww
             sb = sw * per
             se = min(bi.seqlen_k, sb + per)
             if sw < p.num_splits and pages_inside(p, g, bi, sb, se):
@@ -153,10 +151,9 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
         wrong = not ok or not pages_inside(p, g, bi, k_begin, k_end)  # the split's pages, once
         tiles = run(p, g, bi, pol, group, r0, nrows, k_begin, k_begin if wrong else k_end, steps, w, row, smem, st)
         # ---- [decode:epilogue] partial O (divided by this split's l) and partial lse, float32; empty: lse -inf only ----
-        srow = (w % R) * ROWS + row  # the thread's row among the split-set's
-        if active and srow < nrows:
+        if active and row < nrows:
             f, row_lse = finalize_row(st[D], st[D + 1], NEG_INF, False)
-            r = r0 + srow
+            r = r0 + row
             i = r // group
             h = hk * group + r % group
             if tiles > 0 and not wrong:  # the combine reads a split's O only where its lse is finite
@@ -164,7 +161,7 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
                     g.o_ws[s, b, i, h, c] = st[c] * f
             g.m_ws[s, b, h, i] = NAN if wrong else row_lse
 
-    return Twin(decode_split, threads(ROWS, WARPS), smem_bytes(D, ROWS, BCW, WARPS, R))
+    return Twin(decode_split, threads(ROWS, WARPS), smem_bytes(D, ROWS, BCW, WARPS))
 
 
 @functools.lru_cache(maxsize=None)

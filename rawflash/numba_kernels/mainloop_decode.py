@@ -2,9 +2,8 @@
 ``cuda/mainloop_decode.cuh``.
 
 Packed row r of the tile is query r // group of head hk * group + r % group, so K_j and V_j are read once for the
-whole group (and the call's few query rows): a "warp" computes one row group of 16 MT rows, and the R row groups
-of a split-set read one shared copy of each key tile of their split. A split is a run of whole key tiles of BCW
-keys; its result is a partial O (normalised by its own l) and lse, which decode_combine merges. The policy is the general one at run
+whole group (and the call's few query rows). A split is a run of whole key tiles of BCW keys; its result is a
+partial O (normalised by its own l) and lse, which decode_combine merges. The policy is the general one at run
 time; BlockInfo locates the keys (one page division per tile, then a carry).
 """
 from __future__ import annotations
@@ -24,16 +23,15 @@ NOTHING = 2 ** 30  # row_lo of padding rows: they see no key
 
 
 def threads(ROWS: int, WARPS: int) -> int:
-    """Threads per CTA of the twin: one per packed row of each of the WARPS warps (row groups)."""
-    # MIRROR: ROWS threads per warp, one per packed row; the CUDA C has 32 lanes per warp, which hold
+    """Threads per CTA of the twin: one per packed row for each of the WARPS splits."""
+    # MIRROR: ROWS threads per split, one per packed row; the CUDA C has one warp per split whose 32 lanes hold
     # the 16 MT rows in mma fragments.
     return ROWS * WARPS
 
 
-def smem_bytes(D: int, ROWS: int, BCW: int, WARPS: int, R: int) -> int:
-    """The packed Q tile of R row groups and one K_j, V_j tile per split-set (WARPS / R of them), float32 (the CUDA
-    C: STAGES of each per split-set, dtype T)."""
-    return (R * ROWS + 2 * (WARPS // R) * BCW) * D * 4
+def smem_bytes(D: int, ROWS: int, BCW: int, WARPS: int) -> int:
+    """The packed Q tile and one K_j, V_j tile per split, float32 (the CUDA C: STAGES of each per warp, dtype T)."""
+    return (ROWS + 2 * WARPS * BCW) * D * 4
 
 
 @cuda.jit(device=True)
@@ -48,32 +46,30 @@ def tile_range(pol, group, r0, nrows, k_begin, k_end, bcw):
 
 
 @functools.lru_cache(maxsize=None)
-def make_mainloop_decode(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int, R: int):
-    """MainloopDecode<T, D, MT, BCW, STAGES, WARPS, R>::run as a device function of the twin.
+def make_mainloop_decode(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int):
+    """MainloopDecode<T, D, MT, BCW, STAGES, WARPS>::run as a device function of the twin.
 
-    ``run(p, g, bi, pol, group, r0, nrows, k_begin, k_end, steps, w, row, smem, st)``: the split of warp w's
-    split-set (w // R), whose R row groups are packed rows [r0, r0 + nrows); this thread's packed row is
-    r0 + ROWS (w % R) + ``row``; ``steps`` is the CTA's longest split (every thread takes part in every barrier).
+    ``run(p, g, bi, pol, group, r0, nrows, k_begin, k_end, steps, w, row, smem, st)``: split w of the CTA, this
+    thread's packed row ``row``; ``steps`` is the CTA's longest split (every thread takes part in every barrier).
     The row's O goes to st[0:D], its max and sum to st[D], st[D + 1]; returns the split's tile count. The split's
     pages were checked before (block_info.pages_inside).
     """
     ROWS = 16 * MT
-    Q_END = R * ROWS * D
+    Q_END = ROWS * D
 
     @cuda.jit(device=True)
     def run(p, g, bi, pol, group, r0, nrows, k_begin, k_end, steps, w, row, smem, st):
-        sQ = smem[0:Q_END].reshape((R * ROWS, D))
-        base = Q_END + (w // R) * 2 * BCW * D
+        sQ = smem[0:Q_END].reshape((ROWS, D))
+        base = Q_END + w * 2 * BCW * D
         sK = smem[base:base + BCW * D].reshape((BCW, D))
         sV = smem[base + BCW * D:base + 2 * BCW * D].reshape((BCW, D))
         lo, hi, n = tile_range(pol, group, r0, nrows, k_begin, k_end, BCW)
-        srow = (w % R) * ROWS + row  # the thread's row among the split-set's R ROWS
         # ---- [mainloop_decode:init] O = 0, l = 0, m = -inf; the row's query, head (its ALiBi slope), visible keys ----
-        r = r0 + srow
+        r = r0 + row
         qi = r // group
         rpol = policy_set_head(pol, p, g, set_head(bi, bi.hk * group + r % group))
-        row_lo = row_start(pol, qi) if srow < nrows else NOTHING
-        row_hi = row_end(pol, qi) if srow < nrows else 0
+        row_lo = row_start(pol, qi) if row < nrows else NOTHING
+        row_hi = row_end(pol, qi) if row < nrows else 0
         zero(st)
         m = NEG_INF
         l = ZERO
@@ -81,14 +77,14 @@ def make_mainloop_decode(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: 
         for t in range(steps):
             k0 = lo + t * BCW
             # ---- [mainloop_decode:wait] tile t of the split in shared memory ----
-            # MIRROR: a plain copy by the split-set's R ROWS threads (one key row each in turn) between two CTA
-            # barriers, for as many steps as the CTA's longest split; the CUDA C streams a STAGES-deep cp.async ring
-            # per split-set behind __syncwarp (one row group) or the set's named barrier only.
+            # MIRROR: a plain copy by the split's ROWS threads (one key row each in turn) between two CTA barriers,
+            # for as many steps as the CTA's longest split; the CUDA C streams a STAGES-deep cp.async ring per warp
+            # behind __syncwarp only.
             cuda.syncthreads()  # every thread is done with the previous tile
             if t < n:
                 nk = min(BCW, hi - k0)
                 page, prow = page_pos(p, bi, k0)
-                for y in range(srow, BCW, R * ROWS):
+                for y in range(row, BCW, ROWS):
                     if y < nk:
                         slot, at = key_index(p, g, bi, page, prow, y)
                         for c in range(D):
@@ -105,7 +101,7 @@ def make_mainloop_decode(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: 
                 # MIRROR: every tile is masked; the CUDA C masks edge tiles only (interior ones see every key).
                 for y in range(BCW):
                     j = k0 + y
-                    x = score(rpol, dot_rows(sQ, srow, sK, y), qi, j)[0]
+                    x = score(rpol, dot_rows(sQ, row, sK, y), qi, j)[0]
                     s[y] = NEG_INF if j < row_lo or j >= row_hi else x
                 # ---- [mainloop_decode:softmax] online softmax of the block; O rescaled unless no row's max moved ----
                 # MIRROR: the rescale is skipped per row; the CUDA C skips it for a warp whose rows all kept theirs.
