@@ -7,7 +7,7 @@ B = 16384 / N, H = 2048 / d, bf16 unless --dtype says otherwise).
 
 Cases: ``plain`` (forward and backward), ``softcap`` / ``alibi`` (forward and backward with that feature, softcap
 30, slopes 2^-1..2^-H), ``fp8`` (the FP8 forward, per-head descales), ``decode`` (one decode step: batch
---batch, 32 query heads on 8 kv heads, d 128, N cached keys).
+--batch, 32 query heads on --kv-heads (8) kv heads, d 128, N cached keys).
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--batch", type=int, default=64, help="decode only: sequences in the batch")
+    ap.add_argument("--kv-heads", type=int, default=8, help="decode only: kv heads under the 32 query heads")
     args = ap.parse_args()
     import cupy
 
@@ -49,7 +50,7 @@ def main() -> None:
     if args.case == "decode":
         from rawflash import bench_decode
 
-        case = bench_decode.DecodeCase(batch=args.batch, cache=args.seqlen, heads=32, kv_heads=8, head_dim=128)
+        case = bench_decode.DecodeCase(batch=args.batch, cache=args.seqlen, heads=32, kv_heads=args.kv_heads, head_dim=128)
         q, kc, vc, kn, vn, lens, table = bench_decode._inputs(case)
         _, public = bench_decode._rawflash(case, q, kc, vc, kn, vn, lens, table)
         for _ in range(4):
