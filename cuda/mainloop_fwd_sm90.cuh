@@ -60,8 +60,7 @@ template <typename T_, int D, int BR_, int BC, bool OVERLAP, class Pol_> struct 
     st.sm.init();
     auto softmax = [&](int step) {                                           // S of block `step` -> P, fo
       const int k0 = kv.block(step) * BC;
-      pol.template transform<T>(s, q0 + wq, k0);
-      if (kv.is_edge(step)) pol.mask(s, q0 + wq, k0);
+      pol.template scores<T>(s, q0 + wq, k0, kv.is_edge(step));
       st.sm.template update<T>(s, pol.template softmax_scale<T>(), fo);
     };
     // ---- [mainloop_fwd_sm90:first_scores] S_0 = Q_i K_0^T and its softmax; K_1 streams in meanwhile ----

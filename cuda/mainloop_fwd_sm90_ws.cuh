@@ -188,8 +188,7 @@ struct Fa3FwdPipeline {
     st.sm.init();
     auto softmax = [&](int step) {                                           // S of block `step` -> P, fo
       const int k0 = kv.block(step) * BC;
-      pol.template transform<T>(s, q0 + wq, k0);
-      if (kv.is_edge(step)) pol.mask(s, q0 + wq, k0);
+      pol.template scores<T>(s, q0 + wq, k0, kv.is_edge(step));
       st.sm.template update<T>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2, Derived::STALE_LOG2);
     };
     mbar_wait(sm.q_full(qs), pipes.q.parity());

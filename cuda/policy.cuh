@@ -148,6 +148,12 @@ template <int MASK_, bool GENERAL_> struct Policy {
             if (8 * j + e >= hi || (MASK_ == WINDOW && 8 * j + e < lo)) s.v[i][j][2 * h + e] = -INFINITY;
       }
   }
+  // A tile's scores as the forward's softmax takes them: through the transform, then (edge blocks only) the mask.
+  template <typename T, int MT, int NT> __device__ __forceinline__ void scores(Acc<MT, NT>& s, int r0, int c0,
+                                                                               bool edge) const {
+    transform<T>(s, r0, c0);
+    if (edge) mask(s, r0, c0);
+  }
   // The same for a transposed tile (S^T): rows are keys k0.., columns queries q0.. .
   template <int MT, int NT> __device__ __forceinline__ void mask_t(Acc<MT, NT>& s, int k0, int q0) const {
     for_each(s, [&](float& x, int row, int col) {

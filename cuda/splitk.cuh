@@ -55,8 +55,7 @@ __device__ __forceinline__ void splitk_block(const SplitK<BR, D, NWARPS>& sk, co
   Acc<MT, NT> s;
   zero(s);
   gemm_abt<MT, NT, D, 1>(s, sQ, 0, sK, kw);                                     // FA1 Alg.1 l.9: S_ij slice
-  pol.template transform<T>(s, q0, k0 + kw);
-  if (edge) pol.mask(s, q0, k0 + kw);
+  pol.template scores<T>(s, q0, k0 + kw, edge);
   pol.template prescale<T>(s);
   float mx[2 * MT], base[2 * MT], sum[2 * MT];
   row_max(mx, s);                                                              // FA1 Alg.1 l.10: m~ of this slice
