@@ -190,28 +190,31 @@ ARCH_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
         **{("fa2_fwd", d, dt): TileConfig(128, 32, 4, why="sm_80: 128 x 64 spills 16 B") for d in (96, 128) for dt in _16BIT},
         # early_dv / opaque_tile (register switches, TileConfig): offline, NVRTC 13.0, session 8, registers before
         # -> after, pre-skeleton in brackets. fa2_bwd causal atomic: 16-bit d = 96 220 -> 214 [208], d = 192 213 ->
-        # 207 [201], float32 d = 192 202 -> 197 [192]; no spill, the other instantiations of these rows -8 .. +5.
-        # Untimed: none of these runs on the H200 (sm_90 keeps its rows and its SASS).
+        # 207 [201], float32 d = 192 202 -> 197 [192]; no spill; the plain instantiations of these rows move -8 ..
+        # +5 (the float32 d = 192 deterministic ones 163 / 165 -> 168 [179 / 168]). Untimed: none of these runs on
+        # the H200 (the sm_90 rows keep the switches off, and all 657 sm_90 instantiations their SASS).
         **{("fa2_bwd", 96, dt): TileConfig(32, 128, 8, early_dv=True,
-                                           why="sm_80: Br = 64 spills; 106 KB of shared memory; early dV: 6 fewer "
+                                           why="sm_80: Br = 64 spills; 106 KB of shared memory; early dV: 1-6 fewer "
                                                "registers") for dt in _16BIT},
         **{("fa2_bwd", 128, dt): TileConfig(32, 128, 8, why="sm_80: Br = 64 spills; 106 KB of shared memory")
            for dt in _16BIT},
         **{("fa2_bwd", 192, dt): TileConfig(32, 64, 8, wc=2, early_dv=True,
-                                            why="warps also split d: 16 x d/2 per warp; early dV: 6 fewer registers")
+                                            why="warps also split d: 16 x d/2 per warp; early dV: 4-8 fewer "
+                                                "registers")
            for dt in _16BIT},
         ("fa2_bwd", 192, "float32"): TileConfig(16, 32, 8, wc=4, early_dv=True,
-                                                why="sm_80: 163 KB per block; Br = 32 spills; early dV: 5 fewer "
-                                                    "registers"),
+                                                why="sm_80: 163 KB per block; Br = 32 spills; early dV: 5-6 fewer "
+                                                    "registers (atomic dQ), 3-5 more (deterministic: 168)"),
         ("fa2_bwd", 256, "float32"): TileConfig(16, 32, 8, wc=4, why="sm_80: 163 KB per block; Br = 32 spills"),
-        # The serial walk (the ablation's no-seq-parallel) of the float32 forwards: 64 causal 190 -> 182 [177],
-        # 128 230 -> 226 [220] (offline, as above).
+        # The serial walk (the ablation's no-seq-parallel) of the float32 forwards (offline, as above): d = 64 190 ->
+        # 182 [177] causal, 185 -> 180 [182]; d = 128 230 -> 226 [220], causal 230 -> 233 [238]. The other
+        # instantiations of these rows do not walk tiles: the switch leaves their code as it was.
         ("fa2_fwd", 64, "float32"): TileConfig(64, 32, 4, opaque_tile=True,
                                                why="fp32 FMA path: keep registers low (sm_80: 168 registers without "
-                                                   "min_blocks); opaque serial tiles: 8 fewer registers"),
+                                                   "min_blocks); opaque serial tiles: 5-8 fewer registers"),
         ("fa2_fwd", 128, "float32"): TileConfig(64, 32, 4, opaque_tile=True,
                                                 why="fp32 FMA path: keep registers low; opaque serial tiles: 4 fewer "
-                                                    "registers"),
+                                                    "registers (3 more causal, within the pre-skeleton 238)"),
         ("fa2_bwd", 32, "float32"): TileConfig(32, 64, 4, why="fp32 FMA path (sm_80: min_blocks=3 spills 24-68 B)"),
         **{("fa1_fwd", 128, dt): TileConfig(16, 64, 4, min_blocks=2, why="73 KB: fits sm_86 / sm_89's 99 KB")
            for dt in _16BIT},
