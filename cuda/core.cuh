@@ -19,6 +19,19 @@ using u64 = unsigned long long;
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
+
+// x, hidden from the optimiser (an empty asm): the compiler can no longer derive it from earlier values, so it does
+// not strength-reduce what depends on it across a loop (fwd.cuh's serial tile loop, mainloop_bwd_sm80's EARLY_DV).
+__device__ __forceinline__ int opaque(int x) {
+  asm("" : "+r"(x));
+  return x;
+}
+// The same at this point of every iteration of a loop, for a value the loop does not change (volatile: the asm is
+// neither hoisted out of the loop nor merged): what depends on it is computed where it is used, not carried.
+__device__ __forceinline__ int opaque_here(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 // A compile-time bool as a type, so one generic lambda body can be instantiated masked and unmasked.

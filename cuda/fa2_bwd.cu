@@ -59,10 +59,10 @@ template <typename T> __global__ void fa2_bwd_preprocess(const __grid_constant__
 }
 
 template <typename T, int D, int BR, int BC, int NWARPS, int WC, int MIN_BLOCKS, int KUNROLL, int MASK, bool GENERAL,
-          bool ATOMIC_DQ, int SMEM_BYTES>
+          bool ATOMIC_DQ, bool EARLY_DV, int SMEM_BYTES>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa2_bwd(const __grid_constant__ rf::BwdParams p) {
   using namespace rf;
-  using Mainloop = MainloopBwdSm80<T, D, BR, BC, NWARPS, WC, KUNROLL, ATOMIC_DQ, Policy<MASK, GENERAL>>;
+  using Mainloop = MainloopBwdSm80<T, D, BR, BC, NWARPS, WC, KUNROLL, ATOMIC_DQ, Policy<MASK, GENERAL>, EARLY_DV>;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
   bwd_kernel<Mainloop>(p);
 }

@@ -9,13 +9,6 @@
 
 namespace rf {
 
-// x, hidden from the optimiser (an empty asm): the compiler can no longer derive it from earlier values, so it does
-// not strength-reduce what depends on it across the serial tile loop below.
-__device__ __forceinline__ int opaque(int x) {
-  asm("" : "+r"(x));
-  return x;
-}
-
 // Whether a scheduler hands one CTA several query tiles in turn (QTileScheduler's SERIAL: the ablation of FA2's
 // sequence parallelism); the others give a CTA one tile.
 template <class Scheduler> struct WalksTiles {
@@ -25,13 +18,23 @@ template <int BR, bool VARLEN> struct WalksTiles<QTileScheduler<BR, true, VARLEN
   static constexpr bool value = true;
 };
 
-template <class Mainloop, class Scheduler> __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
+// OPAQUE_TILE (a tile-row switch, configs.TileConfig.opaque_tile; the serial walk only): each tile's (b, h, i) is
+// hidden from the optimiser at the tile's start instead of the next index at its end, so the tile's base addresses
+// are computed per tile, not carried through the mainloop (fewer registers for the sm_80 float32 rows that set it;
+// NOTES, session 8).
+template <class Mainloop, class Scheduler, bool OPAQUE_TILE = false>
+__device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
   extern __shared__ __align__(16) char smem[];
   Scheduler tiles;
   // ---- [fwd:schedule] this CTA's query tiles: one (sequence parallelism), or all of a (b, h) in turn ----
   if (!tiles.start(p)) return;
   do {
     // ---- [fwd:setup] the sequence, head and kv head of the tile; its variant policy ----
+    if constexpr (WalksTiles<Scheduler>::value && OPAQUE_TILE) {
+      tiles.b = opaque_here(tiles.b);
+      tiles.h = opaque_here(tiles.h);
+      tiles.i = opaque_here(tiles.i);
+    }
     const typename Mainloop::Pol::Info bi(p, tiles.b, tiles.h);
     const int q0 = tiles.i * Mainloop::BR;
     if (q0 >= bi.seqlen_q) continue;
@@ -44,7 +47,7 @@ template <class Mainloop, class Scheduler> __device__ __forceinline__ void fwd_k
     // The serial walk only: the next tile's index must not be derivable from this one's, or the compiler carries
     // the next tile's output row addresses, strength-reduced, through the whole mainloop (14 registers at d = 128
     // on sm_80; NOTES, session 6).
-    if constexpr (WalksTiles<Scheduler>::value) tiles.i = opaque(tiles.i);
+    if constexpr (WalksTiles<Scheduler>::value && !OPAQUE_TILE) tiles.i = opaque(tiles.i);
   } while (tiles.advance());
 }
 

@@ -4,6 +4,9 @@
 // dS^T element by element through the policy (scores, mask on edge blocks, the transform's derivative), dV_j +=
 // P^T dO_i, dK_j += dS^T Q_i; with ATOMIC_DQ, dQ_i += dS K_j through shared memory (dS^T) and float32 atomics.
 // Q_i, dO_i, L_i, D_i are double-buffered: the next iteration's stream in (cp.async) behind this one's products.
+// EARLY_DV (a tile-row switch, configs.TileConfig.early_dv; plain policy only): P^T and dV_j += P^T dO_i come
+// before dP^T = V_j dO_i^T, the pre-skeleton order, with the block's first query row hidden from the optimiser
+// (opaque): fewer registers for the sm_80 rows that set it (ptxas of sm_80; NOTES, session 8).
 #pragma once
 #include "bwd.cuh"
 #include "epilogue.cuh"
@@ -30,12 +33,14 @@ __device__ __forceinline__ void load_query_block(const Tile<T, BR, D>& sQ, const
   }
 }
 
-template <typename T_, int D, int BR_, int BC_, int NWARPS, int WC, int KUNROLL, bool ATOMIC_DQ, class Pol_>
+template <typename T_, int D, int BR_, int BC_, int NWARPS, int WC, int KUNROLL, bool ATOMIC_DQ, class Pol_,
+          bool EARLY_DV_ = false>
 struct MainloopBwdSm80 {
   using T = T_;
   using Pol = Pol_;
   static constexpr int BR = BR_, BC = BC_, NTHREADS = NWARPS * 32, WK = NWARPS / WC, MTK = BC_ / (16 * WK);
   static constexpr int NQ = BR_ / 8, DW = D / WC;
+  static constexpr bool EARLY_DV = EARLY_DV_ && !Pol_::GENERAL;  // the general policy needs dP^T with P^T
   // dQ_i (BR x D) is split into QROWS x QCOLS warp tiles of 16 x DQW, done DQC columns at a time.
   static constexpr int QROWS = BR_ / 16, QCOLS = dq_column_groups(NWARPS / QROWS, D), DQW = D / QCOLS;
   static constexpr int DQC_MAX = sizeof(T_) == 2 ? 64 : 32;                  // float32 keeps a second sum block live
@@ -76,7 +81,8 @@ struct MainloopBwdSm80 {
     };
     if (walk.total > 0) issue(0);
     for (int it = 0; it < walk.total; ++it) {
-      const int q0 = walk.enter<BR>(p, it, bh, pol), stage = it & 1;
+      const int q0 = EARLY_DV ? opaque(walk.enter<BR>(p, it, bh, pol)) : walk.enter<BR>(p, it, bh, pol);
+      const int stage = it & 1;
       const bool edge = walk.edge(it);
       const Tile<T, BR, D> sQ{sQ0 + stage * BR * D}, sdO{sdO0 + stage * BR * D};
       const float *sL = sL0 + stage * BR, *sDelta = sDelta0 + stage * BR;
@@ -92,12 +98,17 @@ struct MainloopBwdSm80 {
       Acc<MTK, NQ> pp, ds;
       zero(pp);
       gemm_abt<MTK, NQ, D, KUNROLL>(pp, sK, kw, sQ, 0);
+      if constexpr (EARLY_DV) {  // P^T (Alg.2 l.10) and dV_j += P^T dO_i (l.11) before dP^T is formed
+        pol.template probs_tile<T, true>(pp, q0, k0 + kw, sL, edge);
+        gemm_rb<MTK, DW / 8, NQ / 2>(st.dv, pp, sdO, 0, dc);
+      }
       zero(ds);
       gemm_abt<MTK, NQ, D, KUNROLL>(ds, sV, kw, sdO, 0);
       // ---- [mainloop_bwd_sm80:probs] Alg.2 l.10 and l.13: P^T = exp2(S^T - L), dS^T = P^T * (dP^T - D) ----
-      pol.template backward_tile<T, true>(pp, ds, q0, k0 + kw, sL, sDelta, edge);
+      if constexpr (EARLY_DV) pol.template dscores_tile<true>(pp, ds, sDelta);
+      else pol.template backward_tile<T, true>(pp, ds, q0, k0 + kw, sL, sDelta, edge);
       // ---- [mainloop_bwd_sm80:dkdv] Alg.2 l.11 and l.15: dV_j += P^T dO_i, dK_j += dS^T Q_i (scale at the end) ----
-      gemm_rb<MTK, DW / 8, NQ / 2>(st.dv, pp, sdO, 0, dc);
+      if constexpr (!EARLY_DV) gemm_rb<MTK, DW / 8, NQ / 2>(st.dv, pp, sdO, 0, dc);
       gemm_rb<MTK, DW / 8, NQ / 2>(st.dk, ds, sQ, 0, dc);
       // ---- [mainloop_bwd_sm80:dq] Alg.2 l.14: dQ_i += scale * dS K_j, through shared memory and float32 atomics ----
       if constexpr (ATOMIC_DQ) {

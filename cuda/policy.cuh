@@ -262,6 +262,22 @@ template <int MASK_, bool GENERAL_> struct Policy {
       });
     }
   }
+  // The plain policy's backward_tile in its two halves, for a mainloop that runs a product between them
+  // (mainloop_bwd_sm80's EARLY_DV): P from q.k (edge blocks masked: P = 0 where hidden), then dS from P and dP.
+  // (backward_tile keeps its one loop: written as these two calls, the SASS of the kernels using it changes.)
+  template <typename T, bool TRANSPOSED, int MT, int NT>
+  __device__ __forceinline__ void probs_tile(Acc<MT, NT>& s, int q0, int k0, const float* L, bool edge) const {
+    static_assert(!GENERAL_, "the general policy's P and dS come from backward(), one element at a time");
+    if (edge) {
+      if constexpr (TRANSPOSED) mask_t(s, k0, q0);
+      else mask(s, q0, k0);
+    }
+    for_each(s, [&](float& x, int row, int col) { x = exp2_<T>(__fmul_rn(x, scale_log2) - L[TRANSPOSED ? col : row]); });
+  }
+  template <bool TRANSPOSED, int MT, int NT>
+  __device__ __forceinline__ static void dscores_tile(Acc<MT, NT>& pr, Acc<MT, NT>& dp, const float* D) {
+    for_each2(pr, dp, [&](float& x, float& y, int row, int col) { y = x * (y - D[TRANSPOSED ? col : row]); });
+  }
   // P and dS of every element of a 16-bit tile (hidden elements of edge blocks 0), soft-capping (CAP) and ALiBi
   // compiled in or out.
   template <typename T, bool TRANSPOSED, bool CAP, bool ALIBI, int MT, int NT>

@@ -32,7 +32,10 @@ class TileConfig:
     stages: (decode_split) depth of each warp's cp.async ring of key tiles; (FA3 forms) stages of the K_j / V_j
     ring; q_stages: (FA3 forwards) Q_i buffers, 2 to copy a persistent CTA's next Q_i while its tile runs. For
     decode_split, br is the packed query rows of one CTA (16 per m-tile), bc the keys of one warp tile, warps the
-    splits one CTA runs.
+    splits one CTA runs. Register switches, which change the code ptxas allocates for and nothing it computes:
+    early_dv: (fa2_bwd, plain policy) P^T and dV_j += P^T dO_i before dP^T (mainloop_bwd_sm80.cuh's EARLY_DV);
+    opaque_tile: (fa2_fwd's serial walk, the ablation's SEQ_PARALLEL = false) each tile's coordinates hidden from
+    the optimiser (fwd.cuh's OPAQUE_TILE).
     """
 
     br: int
@@ -44,6 +47,8 @@ class TileConfig:
     stages: int = 1
     q_stages: int = 1
     general_min_blocks: int = 0  # min_blocks of the general policy's instantiations when lower (0: min_blocks)
+    early_dv: bool = False
+    opaque_tile: bool = False
     why: str = ""
 
     @property
@@ -183,12 +188,33 @@ TABLE: dict[tuple[str, int, str], TileConfig] = _rows()
 ARCH_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
     "sm_80": {
         **{("fa2_fwd", d, dt): TileConfig(128, 32, 4, why="sm_80: 128 x 64 spills 16 B") for d in (96, 128) for dt in _16BIT},
-        **{("fa2_bwd", d, dt): TileConfig(32, 128, 8, why="sm_80: Br = 64 spills; 106 KB of shared memory")
-           for d in (96, 128) for dt in _16BIT},
-        **{("fa2_bwd", d, "float32"): TileConfig(16, 32, 8, wc=4, why="sm_80: 163 KB per block; Br = 32 spills")
-           for d in (192, 256)},
-        ("fa2_fwd", 64, "float32"): TileConfig(64, 32, 4, why="fp32 FMA path: keep registers low (sm_80: 168 "
-                                                              "registers without min_blocks)"),
+        # early_dv / opaque_tile (register switches, TileConfig): offline, NVRTC 13.0, session 8, registers before
+        # -> after, pre-skeleton in brackets. fa2_bwd causal atomic: 16-bit d = 96 220 -> 214 [208], d = 192 213 ->
+        # 207 [201], float32 d = 192 202 -> 197 [192]; no spill; the plain instantiations of these rows move -8 ..
+        # +5 (the float32 d = 192 deterministic ones 163 / 165 -> 168 [179 / 168]). Untimed: none of these runs on
+        # the H200 (the sm_90 rows keep the switches off, and all 657 sm_90 instantiations their SASS).
+        **{("fa2_bwd", 96, dt): TileConfig(32, 128, 8, early_dv=True,
+                                           why="sm_80: Br = 64 spills; 106 KB of shared memory; early dV: 1-6 fewer "
+                                               "registers") for dt in _16BIT},
+        **{("fa2_bwd", 128, dt): TileConfig(32, 128, 8, why="sm_80: Br = 64 spills; 106 KB of shared memory")
+           for dt in _16BIT},
+        **{("fa2_bwd", 192, dt): TileConfig(32, 64, 8, wc=2, early_dv=True,
+                                            why="warps also split d: 16 x d/2 per warp; early dV: 4-8 fewer "
+                                                "registers")
+           for dt in _16BIT},
+        ("fa2_bwd", 192, "float32"): TileConfig(16, 32, 8, wc=4, early_dv=True,
+                                                why="sm_80: 163 KB per block; Br = 32 spills; early dV: 5-6 fewer "
+                                                    "registers (atomic dQ), 3-5 more (deterministic: 168)"),
+        ("fa2_bwd", 256, "float32"): TileConfig(16, 32, 8, wc=4, why="sm_80: 163 KB per block; Br = 32 spills"),
+        # The serial walk (the ablation's no-seq-parallel) of the float32 forwards (offline, as above): d = 64 190 ->
+        # 182 [177] causal, 185 -> 180 [182]; d = 128 230 -> 226 [220], causal 230 -> 233 [238]. The other
+        # instantiations of these rows do not walk tiles: the switch leaves their code as it was.
+        ("fa2_fwd", 64, "float32"): TileConfig(64, 32, 4, opaque_tile=True,
+                                               why="fp32 FMA path: keep registers low (sm_80: 168 registers without "
+                                                   "min_blocks); opaque serial tiles: 5-8 fewer registers"),
+        ("fa2_fwd", 128, "float32"): TileConfig(64, 32, 4, opaque_tile=True,
+                                                why="fp32 FMA path: keep registers low; opaque serial tiles: 4 fewer "
+                                                    "registers (3 more causal, within the pre-skeleton 238)"),
         ("fa2_bwd", 32, "float32"): TileConfig(32, 64, 4, why="fp32 FMA path (sm_80: min_blocks=3 spills 24-68 B)"),
         **{("fa1_fwd", 128, dt): TileConfig(16, 64, 4, min_blocks=2, why="73 KB: fits sm_86 / sm_89's 99 KB")
            for dt in _16BIT},
@@ -221,10 +247,10 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     # verb (92 -> 124, 136 -> 184 B; the d = 192 one stopped): float32 at d = 256 is the accuracy path. Session 5:
     # the 16-bit d = 256 general backwards stopped spilling when the transform's parts became branches once per
     # tile; the float32 window forward spills 4 B more (240 -> 244) for the run-time test of transforms().
-    ("fa2_fwd<float, 256, 64, 16, 4, 1, 1, 0, true, true, true, true, 98304>", "sm_80"): 140,
-    ("fa2_fwd<float, 256, 64, 16, 4, 1, 1, 2, true, true, true, true, 98304>", "sm_80"): 244,
-    ("fa2_bwd<float, 128, 32, 64, 8, 2, 1, 1, 2, true, true, 139776>", "sm_80"): 16,
-    ("fa2_bwd<float, 256, 16, 32, 8, 4, 1, 1, 2, true, true, 133376>", "sm_80"): 28,
+    ("fa2_fwd<float, 256, 64, 16, 4, 1, 1, 0, true, true, true, true, false, 98304>", "sm_80"): 140,
+    ("fa2_fwd<float, 256, 64, 16, 4, 1, 1, 2, true, true, true, true, false, 98304>", "sm_80"): 244,
+    ("fa2_bwd<float, 128, 32, 64, 8, 2, 1, 1, 2, true, true, false, 139776>", "sm_80"): 16,
+    ("fa2_bwd<float, 256, 16, 32, 8, 4, 1, 1, 2, true, true, false, 133376>", "sm_80"): 28,
     ("fa2_bwd_dq<float, 256, 64, 16, 4, 1, 1, 0, true, 164352>", "sm_80"): 124,
     ("fa2_bwd_dq<float, 256, 64, 16, 4, 1, 1, 2, true, 164352>", "sm_80"): 184,
     # decode, float32 at d = 192, 256: 16 rows x d of float32 O per warp is 96 or 128 registers a thread before S,

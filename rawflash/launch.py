@@ -266,7 +266,7 @@ def fa2_fwd(p: Problem, cfg: TileConfig, *, defer_norm: bool = True, seq_paralle
     d = p.padded_head_dim
     smem = smem_fa2_fwd(cfg, d, p.itemsize, split_q)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.mask, p.general,
-            defer_norm, seq_parallel, split_q, smem)
+            defer_norm, seq_parallel, split_q, cfg.opaque_tile, smem)
     grid = query_tile_grid(p, cfg.br, "fa2_fwd") if seq_parallel else _check_grid((1, p.heads, p.batch), "fa2_fwd")
     return Launch("fa2_fwd", "fa2_fwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
 
@@ -392,7 +392,7 @@ def fa2_bwd(p: Problem, cfg: TileConfig, *, atomic_dq: bool = True) -> Launch:
     d = p.padded_head_dim
     smem = smem_fa2_bwd(cfg, d, p.itemsize, atomic_dq)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.wc, cfg.min_blocks, cfg.kunroll, p.mask, p.general,
-            atomic_dq, smem)
+            atomic_dq, cfg.early_dv, smem)
     return Launch("fa2_bwd", "fa2_bwd.cu", args, key_tile_grid(p, cfg.bc, "fa2_bwd"), (cfg.threads, 1, 1), smem, cfg)
 
 

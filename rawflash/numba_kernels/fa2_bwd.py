@@ -60,11 +60,12 @@ def make_fa2_bwd_preprocess(T: str) -> Twin:
 
 @functools.lru_cache(maxsize=None)
 def make_fa2_bwd(T: str, D: int, BR: int, BC: int, NWARPS: int, WC: int, MIN_BLOCKS: int, KUNROLL: int, MASK: int,
-                 GENERAL: bool, ATOMIC_DQ: bool, SMEM_BYTES: int) -> Twin:
+                 GENERAL: bool, ATOMIC_DQ: bool, EARLY_DV: bool, SMEM_BYTES: int) -> Twin:
     """The twin of ``fa2_bwd<...>``, taking the CUDA template's arguments in order (``Launch.template_args``).
 
-    MIN_BLOCKS has no counterpart; SMEM_BYTES is the CUDA C's size, the twin's own is ``Twin.smem``. With ATOMIC_DQ
-    the kernel adds dQ (times scale) into dq_ws, which must start at 0.
+    MIN_BLOCKS has no counterpart, nor has EARLY_DV (the order of two products: the same results); SMEM_BYTES is
+    the CUDA C's size, the twin's own is ``Twin.smem``. With ATOMIC_DQ the kernel adds dQ (times scale) into dq_ws,
+    which must start at 0.
     """
     ml = make_mainloop_bwd_sm80(T, D, BR, BC, NWARPS, WC, KUNROLL, ATOMIC_DQ, MASK, GENERAL)
     return Twin(make_bwd_kernel("fa2_bwd", ml), ml.NTHREADS, ml.SMEM_BYTES)
