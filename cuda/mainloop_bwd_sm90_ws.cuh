@@ -255,6 +255,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
         const int ys = odd ? y ^ 2 : y;  // this lane's column slot in this store
         const int row = qr + g + 8 * hh, col = 8 * ys + 2 * t;  // col % 32 / 4 is the 16-byte chunk in the panel
         const u32 at = tile + col / 32 * (BR_ * 128) + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+        // (picked by a select: dq.v[0][ys], an index that depends on the lane, would put dq in local memory)
         const float x0 = odd ? dq.v[0][y ^ 2][2 * hh] : dq.v[0][y][2 * hh];
         const float x1 = odd ? dq.v[0][y ^ 2][2 * hh + 1] : dq.v[0][y][2 * hh + 1];
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(p.scale * x0), "f"(p.scale * x1) : "memory");

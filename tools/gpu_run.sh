@@ -13,13 +13,22 @@
 #                "softcap fp8 plain decode"), d = 128, N = PROFILE_N (4096); one file ncu_<case>.txt per case
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
 # TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
-# (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype at once) (SANITIZE_ONLY=decode, splitk or fa3: that part of its workload alone); TAR_TO=path packs every log into one archive at the end (for
-# machines that return only a few files).
+# (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype as its own process, side
+# by side; SANITIZE_ONLY=decode, splitk, fa3 or fp8: that part of its workload alone); TAR_TO=path packs every log
+# into one archive at the end (for machines that return only a few files).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 status=0
+# compute-sanitizer TOOL over tools/sanitize.py's workload for DTYPES, into LOG; prints its summary line
+sanitize_one() {  # TOOL LOG DTYPES...
+  local tool=$1 log=$2; shift 2
+  compute-sanitizer --tool "$tool" --error-exitcode 9 python3 tools/sanitize.py "$@" > "$log" 2>&1; local rc=$?
+  echo "compute-sanitizer $tool $*: exit $rc; $(grep -c 'ERROR SUMMARY: 0 errors\|0 hazards displayed' "$log") clean summaries"
+  tail -3 "$log"
+  return $rc
+}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests sanitize)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -40,28 +49,20 @@ while [ $i -lt ${#steps[@]} ]; do
       RAWFLASH_FA3=0 python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_hopper.py 2>&1 \
         | tee "$OUT/gpu_hopper_cp_async.log" | tail -15 || status=1 ;;
     sanitize)
-      if [ "${SANITIZE_JOBS:-1}" -gt 1 ]; then  # every (tool, dtype) as its own process, side by side
-        pids=()
-        for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
-          for dt in ${SANITIZE_DTYPES:-float16 bfloat16 float32}; do
-            compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize.py $dt \
-              > "$OUT/sanitize_${tool}_$dt.log" 2>&1 &
-            pids+=("$!:$tool:$dt")
-          done
-        done
-        for x in "${pids[@]}"; do
-          wait "${x%%:*}"; rc=$?; f="$OUT/sanitize_$(echo "${x#*:}" | tr : _).log"
-          echo "compute-sanitizer ${x#*:}: exit $rc; $(grep -c 'ERROR SUMMARY: 0 errors\|0 hazards displayed' "$f") clean summaries; $(tail -1 "$f")"
-          [ $rc -eq 0 ] || status=1
-        done
-        continue
-      fi
+      pids=()
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
-        compute-sanitizer --tool $tool --error-exitcode 9 python3 tools/sanitize.py ${SANITIZE_DTYPES:-float16 bfloat16 float32} \
-          > "$OUT/sanitize_$tool.log" 2>&1; rc=$?
-        echo "compute-sanitizer $tool: exit $rc; $(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitize_$tool.log") clean summaries"
-        tail -3 "$OUT/sanitize_$tool.log"
-        [ $rc -eq 0 ] || status=1
+        if [ "${SANITIZE_JOBS:-1}" -gt 1 ]; then  # one process per (tool, dtype), side by side
+          for dt in ${SANITIZE_DTYPES:-float16 bfloat16 float32}; do
+            sanitize_one $tool "$OUT/sanitize_${tool}_$dt.log" $dt > "$OUT/.summary_${tool}_$dt" &
+            pids+=("$!:${tool}_$dt")
+          done
+        else
+          sanitize_one $tool "$OUT/sanitize_$tool.log" ${SANITIZE_DTYPES:-float16 bfloat16 float32} || status=1
+        fi
+      done
+      for x in ${pids[@]+"${pids[@]}"}; do
+        wait "${x%%:*}" || status=1
+        cat "$OUT/.summary_${x#*:}"; rm -f "$OUT/.summary_${x#*:}"
       done ;;
     fp8)
       python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_fp8.py -s 2>&1 | tee "$OUT/gpu_fp8.log" \
