@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The one command that checks rawflash on a GPU machine: precompile, GPU tests, compute-sanitizer, benchmark.
-#   tools/gpu_run.sh [tests] [tests-mma] [hopper] [hopper-cp-async] [fp8] [sanitize] [bench-decode] [bench-decode-quick] [bench-features] [SCRIPT.py] [bench ARGS...]
+#   tools/gpu_run.sh [tests] [numba] [tests-mma] [hopper] [hopper-cp-async] [fp8] [sanitize] [bench-decode] [bench-decode-quick] [bench-features] [SCRIPT.py] [bench ARGS...]
 #   (no argument: tests, sanitize; bench takes every argument after it, so it comes last)
 #     tests      every GPU test (the default forward path: wgmma on an H200 where it applies)
+#     numba      only tests/test_numba_gpu.py (the Numba twins on the GPU), in NUMBA_JOBS (default 8) processes
+#                side by side, each a run of consecutive tests: compiling the twins (6 - 8 s each) is the cost, on
+#                the CPU cores (use TESTS="tests --ignore=tests/test_numba_gpu.py" with tests to avoid running them twice)
 #     tests-mma  the kernel tests again with RAWFLASH_WGMMA=0 (the mma.sync forward on the same GPU)
 #     hopper     only tests/test_gpu_hopper.py and tests/test_gpu_fa3.py (the wgmma and FA3 forms)
 #     hopper-cp-async  tests/test_gpu_hopper.py with RAWFLASH_FA3=0 (the backward's cp.async wgmma form too)
@@ -39,6 +42,21 @@ while [ $i -lt ${#steps[@]} ]; do
   case $step in
     tests)
       python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
+    numba)
+      python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider tests/test_numba_gpu.py 2>/dev/null \
+        | grep '::' > "$OUT/.numba_ids"
+      n=$(wc -l < "$OUT/.numba_ids"); jobs=${NUMBA_JOBS:-8}; per=$(( (n + jobs - 1) / jobs )); pids=()
+      for j in $(seq 0 $((jobs - 1))); do  # consecutive runs of the ids: a twin's tests share its compiled kernels
+        sed -n "$((j * per + 1)),$(((j + 1) * per))p" "$OUT/.numba_ids" > "$OUT/.numba_ids_$j"
+        [ -s "$OUT/.numba_ids_$j" ] || continue
+        mapfile -t ids < "$OUT/.numba_ids_$j"  # ids hold spaces: one array element per line
+        python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$OUT/numba_gpu_$j.log" 2>&1 &
+        pids+=("$!")
+      done
+      for x in "${pids[@]}"; do wait "$x" || status=1; done
+      echo "numba GPU tests: $n collected in ${#pids[@]} processes"
+      for j in $(seq 0 $((jobs - 1))); do [ -f "$OUT/numba_gpu_$j.log" ] && tail -1 "$OUT/numba_gpu_$j.log"; done
+      cat "$OUT"/numba_gpu_*.log > "$OUT/numba_gpu.log"; rm -f "$OUT"/numba_gpu_*.log "$OUT"/.numba_ids* ;;
     tests-mma)
       RAWFLASH_WGMMA=0 python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 \
         | tee "$OUT/gpu_tests_mma.log" | tail -15 || status=1 ;;
