@@ -2,7 +2,7 @@
 float64 reference on reduced cases: contiguous and paged, one and two query rows); PyTorch SDPA's flash backend is
 timed on the same contiguous shapes when PyTorch is importable. Prints one table; nothing is written to configs.py.
 
-    python3 tools/tune_decode.py [--repeats N]
+    python3 tools/tune_decode.py [--repeats N] [--case SUBSTRING] [--br ROWS]
 """
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ CANDIDATES = {
     # 52 KB, 4 CTAs); the split count follows each row (forms.decode_splits models its stages and CTAs per SM)
     (128, "bfloat16"): [TileConfig(16, 16, 4, stages=2), TileConfig(16, 16, 4, stages=3), TileConfig(16, 16, 2, stages=3),
                         TileConfig(16, 16, 2, stages=4), TileConfig(16, 32, 2, stages=3), TileConfig(16, 32, 4, stages=3),
-                        TileConfig(16, 16, 2, stages=2), TileConfig(16, 16, 8, stages=2)],
+                        TileConfig(16, 16, 2, stages=2), TileConfig(16, 16, 8, stages=2),
+                        # session 9 (untimed): 32 packed rows, so MQA 32/1 reads its cache once (one row group, and
+                        # decode_split appends itself); 255 registers, 24 B spilled after the key loop (offline SASS)
+                        TileConfig(32, 16, 4, stages=2), TileConfig(32, 16, 4, stages=3), TileConfig(32, 16, 2, stages=3)],
     (64, "bfloat16"): [TileConfig(32, 32, 4, stages=3), TileConfig(16, 32, 4, stages=2), TileConfig(16, 16, 4, stages=2),
                        TileConfig(32, 16, 4, stages=2), TileConfig(16, 32, 2, stages=3)],
 }
@@ -53,18 +56,20 @@ def _valid(case, cfg) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--case", default="", help="only the shapes whose name contains this (e.g. 'h32/1': MQA)")
+    ap.add_argument("--br", type=int, default=0, help="only the candidates of this many packed rows (and the table's)")
     args = ap.parse_args()
     import cupy
 
     lines = []
     for (d, dtype), cands in CANDIDATES.items():
         current = tile_config("decode_split", d, dtype, "sm_90")
-        for case in SHAPES[d]:
+        for case in (c for c in SHAPES[d] if args.case in c.name):
             arrays = bd._inputs(case)
             if _torch() is not None and not case.page:
                 ms = time_ms(bd._torch_call("torch-flash", case, *arrays[:3]), repeats=args.repeats)
                 lines.append((case.name, "torch-flash", ms, case.bytes_moved() / ms / 1e6, "ok"))
-            for cfg in cands:
+            for cfg in (c for c in cands if not args.br or c.br == args.br or c == current):
                 label = f"br{cfg.br} bc{cfg.bc} w{cfg.warps} s{cfg.stages}" + (" (table)" if cfg == current else "")
                 try:
                     status = _valid(case, cfg)
