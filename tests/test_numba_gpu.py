@@ -173,8 +173,9 @@ def _check_features(q, k, v, extra, grads_too=True, deterministic=False):
     dev = {n: _device(x)[0] if isinstance(x, np.ndarray) else x for n, x in extra.items()}
     out, lse = rawflash.forward(*_device(q, k, v), backend="numba", **dev)
     out, lse = _host(out), _host(lse)
-    _check(out, *(reference.forward(q, k, v, upcast=u, **extra)[0] for u in (True, False)), q.dtype, 2, "out")
-    _check(lse, *(reference.forward(q, k, v, upcast=u, **extra)[1] for u in (True, False)), q.dtype, 2, "lse")
+    (ref_out, ref_lse), (base_out, base_lse) = (reference.forward(q, k, v, upcast=u, **extra) for u in (True, False))
+    _check(out, ref_out, base_out, q.dtype, 2, "out")
+    _check(lse, ref_lse, base_lse, q.dtype, 2, "lse")
     if not grads_too:
         return
     dout = np.random.default_rng(11).standard_normal(q.shape).astype(q.dtype)
