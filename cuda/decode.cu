@@ -82,7 +82,8 @@ template <typename T, int D, int MT, int BCW, int STAGES, int WARPS, int SMEM_BY
 __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
   using Mainloop = MainloopDecode<T, D, MT, BCW, STAGES, WARPS>;
-  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
+  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   constexpr int ROWS = Mainloop::ROWS;
   extern __shared__ __align__(16) char smem[];
   // ---- [decode:schedule] split s of kv head hk's packed rows [r0, r0 + ROWS) of sequence b ----
@@ -169,7 +170,7 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
   using namespace rf;
   static_assert(THREADS % 32 == 0 && THREADS >= 64, "whole warps");
   static_assert(SMEM_BYTES == THREADS * 16 + MAX_SPLITS * 4 + THREADS / 32 * 4,
-                "rawflash/launch.py and the kernel disagree on shared memory");
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   extern __shared__ __align__(16) char smem[];
   float4* part = (float4*)smem;                      // per (split group, column chunk) partial sums
   float* w = (float*)(smem + THREADS * 16);          // each split's lse, then its weight e^(lse_s - lse)

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa1_fwd(const __grid_
   using State = SplitKState<BR, D, NWARPS>;
   constexpr int NTHREADS = NWARPS * 32, MT = BR / 16, OWN = SK::OWN, QT = BR * D * (int)sizeof(T);
   static_assert(2 * QT + 2 * BC * D * (int)sizeof(T) + SK::BYTES == SMEM_BYTES,
-                "rawflash/launch.py and the kernel disagree on shared memory");
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   // ---- [fa1_fwd:setup] (batch, head, split) from the grid; the state of this head in HBM ----
   extern __shared__ __align__(16) char smem[];
   const typename Pol::Info bi(p, blockIdx.y, blockIdx.x);

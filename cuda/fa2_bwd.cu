@@ -63,7 +63,8 @@ template <typename T, int D, int BR, int BC, int NWARPS, int WC, int MIN_BLOCKS,
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa2_bwd(const __grid_constant__ rf::BwdParams p) {
   using namespace rf;
   using Mainloop = MainloopBwdSm80<T, D, BR, BC, NWARPS, WC, KUNROLL, ATOMIC_DQ, Policy<MASK, GENERAL>, EARLY_DV>;
-  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
+  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   bwd_kernel<Mainloop>(p);
 }
 
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa2_bwd_dq(const __gr
   using Pol = Policy<MASK, GENERAL>;
   constexpr int NTHREADS = NWARPS * 32, MT = BR / (16 * NWARPS), NT = BC / 8;
   static_assert((2 * BC + 2 * BR) * D * (int)sizeof(T) + 2 * BR * 4 == SMEM_BYTES,
-                "rawflash/launch.py and the kernel disagree on shared memory");
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   // ---- [fa2_bwd:dq_setup] query block i of head h; warp w owns rows wq.. ----
   extern __shared__ __align__(16) char smem[];
   const Tile<T, BC, D> sK{(T*)smem}, sV{(T*)(smem + BC * D * sizeof(T))};

@@ -9,6 +9,7 @@ fa2_bwd_sm90(const __grid_constant__ rf::BwdParams p) {
   using namespace rf;
   using Pol = Policy<MASK, GENERAL>;
   using Mainloop = typename Select<SPLIT_D, MainloopBwdSm90SplitD<T, D, BR, BC, Pol>, MainloopBwdSm90<T, D, BR, BC, Pol>>::type;
-  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
+  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   bwd_kernel<Mainloop>(p);
 }

@@ -16,6 +16,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa2_fwd(const __grid_
   using Pol = Policy<MASK, GENERAL>;
   using Mainloop = typename Select<SPLIT_Q, MainloopFwdSm80<T, D, BR, BC, NWARPS, KUNROLL, DEFER_NORM, Pol>,
                                    MainloopFwdSplitK<T, D, BR, BC, NWARPS, DEFER_NORM, Pol>>::type;
-  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
+  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   fwd_kernel<Mainloop, QTileScheduler<BR, !SEQ_PARALLEL, GENERAL>, OPAQUE_TILE>(p);
 }

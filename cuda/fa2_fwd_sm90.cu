@@ -8,6 +8,7 @@ template <typename T, int D, int BR, int BC, int MIN_BLOCKS, int MASK, bool GENE
 __global__ void __launch_bounds__(BR / 64 * 128, MIN_BLOCKS) fa2_fwd_sm90(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
   using Mainloop = MainloopFwdSm90<T, D, BR, BC, OVERLAP, Policy<MASK, GENERAL>>;
-  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
+  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   fwd_kernel<Mainloop, QTileScheduler<BR, false, GENERAL>>(p);
 }

@@ -44,6 +44,7 @@ __global__ void __launch_bounds__((BC / 64 + 1) * 128, 1)
     fa3_bwd_sm90(const __grid_constant__ rf::BwdParams p, const __grid_constant__ rf::TmaBwd tma) {
   using namespace rf;
   using Mainloop = MainloopBwdSm90Ws<T, D, BR, BC, STAGES, Policy<MASK, GENERAL>, DETERMINISTIC>;
-  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
+  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   bwd_kernel_ws<Mainloop>(p, tma);
 }

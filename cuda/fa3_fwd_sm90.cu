@@ -68,7 +68,8 @@ __global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
     fa3_fwd_sm90(const __grid_constant__ rf::FwdParams p, const __grid_constant__ rf::TmaFwd tma) {
   using namespace rf;
   using Mainloop = MainloopFwdSm90Ws<T, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>, QSTAGES>;
-  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
+  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   fwd_kernel_ws<Mainloop, Fa3Scheduler<BR, SCHEDULE, GENERAL>>(p, tma);
 }
 
@@ -78,6 +79,7 @@ __global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
     fa3_fwd_sm90_fp8(const __grid_constant__ rf::FwdParams p, const __grid_constant__ rf::TmaFwd tma) {
   using namespace rf;
   using Mainloop = MainloopFwdSm90Fp8<OutT, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, false>, QSTAGES>;
-  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES, "rawflash/launch.py and the kernel disagree on shared memory");
+  static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
+                "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   fwd_kernel_ws<Mainloop, Fa3Scheduler<BR, SCHEDULE, false>>(p, tma);
 }

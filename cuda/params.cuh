@@ -1,7 +1,7 @@
 // The parameter structs: everything a kernel reads besides its template arguments, one struct per direction,
 // passed by value as `const __grid_constant__` (it lives in the constant bank, like plain kernel arguments).
 //
-// rawflash/params.py builds the same layout as a one-element NumPy structured array, field for field
+// rawflash/kernels/params.py builds the same layout as a one-element NumPy structured array, field for field
 // in this order (tests/test_params.py compares the two); 8-byte fields come first so neither side pads.
 // Strides are in elements: batch (sb), sequence (ss), head (sh); head_dim is contiguous.
 // Per-row float32 buffers (lse, L, D, dQ's accumulator rows, split-KV partial lse) share one layout:

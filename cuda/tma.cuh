@@ -4,10 +4,10 @@
 //
 // A TMA copy moves a whole box of a tensor (here: 64 columns x ROWS rows of one (batch, head) of q, k or v)
 // from global to shared memory with one instruction from one thread, described by a tensor map that the host
-// encodes (rawflash/tma.py, cuTensorMapEncodeTiled) and passes by value as a `__grid_constant__` parameter. With
-// the 128-byte swizzle the box lands in exactly the Sw128 layout of hopper.cuh (chunk c of row r at c ^ (r % 8)),
-// so wgmma reads it as it reads a cp.async tile. Out-of-bounds rows and columns are filled with zeros: that is
-// how a head_dim that is not a multiple of 64 runs without a padding copy in HBM.
+// encodes (rawflash/kernels/tma.py, cuTensorMapEncodeTiled) and passes by value as a `__grid_constant__`
+// parameter. With the 128-byte swizzle the box lands in exactly the Sw128 layout of hopper.cuh (chunk c of row r at
+// c ^ (r % 8)), so wgmma reads it as it reads a cp.async tile. Out-of-bounds rows and columns are filled with
+// zeros: that is how a head_dim that is not a multiple of 64 runs without a padding copy in HBM.
 //
 // Completion is counted in bytes by an mbarrier: the producer arms it with the bytes it expects
 // (arrive.expect_tx) and the copies complete the phase; consumers wait for the phase's parity. A stage's

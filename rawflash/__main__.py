@@ -1,5 +1,5 @@
 """``python -m rawflash``: the ``rawflash`` command line."""
-from .cli import main
+from .cli.commands import main
 
 if __name__ == "__main__":
     main(prog_name="rawflash")

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, configs, forms, reference, settings, validation
+from . import arrays, reference, settings, validation
+from .kernels import configs, forms
 from .validation import Checked, Features
 
 Array = Any  # a CuPy array, a NumPy array, or any object with __dlpack__ / __cuda_array_interface__
@@ -136,7 +137,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     c = validation.check_forward(q, k, v, causal, scale, kernel, backend, feats)
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if c.problem.dtype == configs.FP8 or fp8 is True or incoherent is True:
-        from . import fp8_forward
+        from .kernels import fp8_forward
 
         return fp8_forward.forward(q, k, v, c, feats, descales, out_dtype, fp8, incoherent, kernel, backend,
                                    _check_switches(kernel, switches, c), env)
@@ -153,11 +154,11 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     _require_gpu(backend)
     with _device(c):
         if backend == "numba":
-            from . import numba_backend
+            from .kernels import numba_backend
 
             out, lse = numba_backend.forward(c.problem, q, k, v, c.scale, kernel, sw, c.extras)
         else:
-            from . import cupy_backend
+            from .kernels import cupy_backend
 
             out, lse = cupy_backend.forward(c.problem, q, k, v, c.scale, kernel, sw, c.extras, env)
     return arrays.export(out, to_numpy), arrays.export(lse, to_numpy)
@@ -221,11 +222,11 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
     _require_gpu(backend)
     with _device(c):
         if backend == "numba":
-            from . import numba_backend
+            from .kernels import numba_backend
 
             grads = numba_backend.backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras)
         else:
-            from . import cupy_backend
+            from .kernels import cupy_backend
 
             grads = cupy_backend.backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras, env)
     return tuple(arrays.export(g, to_numpy) for g in grads)
@@ -408,14 +409,14 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
     _require_gpu(backend)
     with _device(c):
         if backend == "numba":
-            from . import numba_backend
+            from .kernels import numba_backend
 
             out, lse = numba_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras)
             if p.new_keys and numba_backend.copies_caches(k_cache):  # the twins appended to copies: the caller's too
                 _append_in_place(k_cache, v_cache, np.broadcast_to(np.asarray(reference._host(lens)), (p.batch,)),
                                  k_new, v_new, block_table)
         else:
-            from . import cupy_backend
+            from .kernels import cupy_backend
 
             out, lse = cupy_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras, env)
             if to_numpy and p.new_keys:  # the device appended to copies of NumPy caches: append to the caller's too

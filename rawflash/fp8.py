@@ -172,7 +172,7 @@ def _quantize_host(x, granularity, kv, group, incoherent, seed):
 def _quantize_device(x, granularity, kv, group, incoherent, seed):
     import cupy
 
-    from . import cupy_backend, launch
+    from .kernels import cupy_backend, launch
     from .validation import dtype_name
 
     b, s, h, d = (int(n) for n in x.shape)

@@ -12,8 +12,8 @@ import numbers
 
 import numpy as np
 
-from . import configs, registry
-from .launch import MAX_GRID_YZ, Problem
+from .kernels import configs, registry
+from .kernels.launch import MAX_GRID_YZ, Problem
 
 BACKENDS = ("cupy", "numba", "reference")
 KERNELS = registry.api_kernels()  # the forward's kernel= values

@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rawflash.sysinfo import gpu_available  # noqa: F401  (tests import it from here)
+from rawflash.cli.sysinfo import gpu_available  # noqa: F401  (tests import it from here)
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
 
 def skip_unless_sm90(what: str) -> None:
     """Skip the calling test unless the GPU is sm_90 (Hopper): ``what`` says which sm_90a code it needs."""
-    from rawflash import cupy_backend
+    from rawflash.kernels import cupy_backend
 
     if cupy_backend.device_arch() != "sm_90":
         pytest.skip(f"{what} is sm_90a code")

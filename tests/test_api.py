@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import rawflash
-from rawflash import cupy_backend, reference
+from rawflash import reference
+from rawflash.kernels import cupy_backend
 from conftest import gpu_available, random_qkv
 
 

@@ -1,7 +1,8 @@
 """The benchmark's case lists and ratio pairing (no GPU needed: nothing here times anything)."""
 from __future__ import annotations
 
-from rawflash import bench, forms, iomodel
+from rawflash.cli import bench, iomodel
+from rawflash.kernels import forms
 
 
 def test_feature_cases_are_the_targets_cases():
@@ -57,9 +58,9 @@ def test_fp8_rows_are_compared_with_bfloat16():
 def test_bench_takes_the_fp8_dtype():
     from click.testing import CliRunner
 
-    from rawflash import cli, sysinfo
+    from rawflash.cli import commands, sysinfo
 
-    result = CliRunner().invoke(cli.main, ["bench", "--dtype", "float8_e4m3fn", "--head-dims", "128"])
+    result = CliRunner().invoke(commands.main, ["bench", "--dtype", "float8_e4m3fn", "--head-dims", "128"])
     if not sysinfo.gpu_available():
         assert result.exit_code != 2 or "Invalid value" not in result.output, result.output
         assert "GPU" in result.output

@@ -16,8 +16,9 @@ from click.testing import CliRunner
 
 import rawflash
 from conftest import gpu_available, random_qkv
-from rawflash import _compile, accuracy, cli, configs, forms, introspect, iomodel, launch, ncu, occupancy, registry, sysinfo
-from rawflash.launch import Problem
+from rawflash.cli import accuracy, commands, introspect, iomodel, ncu, occupancy, sysinfo
+from rawflash.kernels import compile, configs, forms, launch, registry
+from rawflash.kernels.launch import Problem
 
 SMALL = ["--batch", "2", "--seqlen-q", "300", "--seqlen-k", "200", "--heads", "8", "--kv-heads", "2",
          "--head-dim", "64", "--dtype", "float16", "--causal"]
@@ -26,7 +27,7 @@ no_gpu = pytest.mark.skipif(gpu_available(), reason="checks the path taken witho
 
 
 def invoke(*args, code=0):
-    result = CliRunner().invoke(cli.main, [str(a) for a in args])
+    result = CliRunner().invoke(commands.main, [str(a) for a in args])
     assert "Traceback" not in result.output
     assert result.exit_code == code, result.output
     if code:
@@ -41,11 +42,11 @@ def invoke_json(*args, code=0):
 # ---------------------------------------------------------------- info, list, the registry
 def test_info_prints_versions_cache_and_gpus():
     out = invoke("info").output
-    for word in ("nvrtc", "driver", "cupy", "numpy", "numba-cuda", "kernel cache", str(_compile.cache_dir())):
+    for word in ("nvrtc", "driver", "cupy", "numpy", "numba-cuda", "kernel cache", str(compile.cache_dir())):
         assert word in out
     report = invoke_json("info")
     assert report["cuda"]["nvrtc"].count(".") == 1
-    assert report["kernel cache"]["path"] == str(_compile.cache_dir())
+    assert report["kernel cache"]["path"] == str(compile.cache_dir())
     if gpu_available():
         assert report["gpus"][0]["sms"] > 0
     else:
@@ -69,8 +70,8 @@ def test_list_shows_every_variant_and_every_tile_row():
 def test_registry_names_sources_and_tile_rows():
     for name, v in registry.REGISTRY.items():
         assert v.name == name and v.numba_factory == f"make_{name}"
-        assert all((_compile.cuda_dir() / src).is_file() for src in v.sources)
-        text = "".join((_compile.cuda_dir() / src).read_text() for src in v.sources)
+        assert all((compile.cuda_dir() / src).is_file() for src in v.sources)
+        text = "".join((compile.cuda_dir() / src).read_text() for src in v.sources)
         for kernel in (*v.forms, *v.helpers):
             assert f"{kernel.kernel}(" in text
     rows = {r for v in registry.REGISTRY.values() for f in v.forms for r in f.tile_rows}
@@ -118,7 +119,7 @@ def test_occupancy_offline_agrees_with_ptxas_calculator_and_register_cap(arch):
     lau = forms.fa2_forward(dataclasses.replace(introspect.kernel_problem(SMALL_PROBLEM), arch=arch))
     assert lau.kernel == ("fa3_fwd_sm90" if arch == "sm_90" else "fa2_fwd"), "the target's own forward kernel"
     row = rows[lau.kernel]
-    ptxas = _compile.compile_offline(lau.source, lau.name_expression, lau.compile_arch(arch))
+    ptxas = compile.compile_offline(lau.source, lau.name_expression, lau.compile_arch(arch))
     ours = occupancy.occupancy(arch, lau.threads, ptxas.registers, ptxas.static_smem + lau.smem)
     assert row["instantiation"] == lau.name_expression
     assert (row["regs"], row["spills"], row["smem"]) == (ptxas.registers, ptxas.spills, ptxas.static_smem + lau.smem)
@@ -291,7 +292,7 @@ def test_check_cupy_without_gpu_is_a_clear_error():
 def test_check_numba_backend_missing_is_a_clear_error(monkeypatch):
     real = accuracy.importlib.util.find_spec
     monkeypatch.setattr(accuracy.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "rawflash.numba_backend" else real(name, *a))
+                        lambda name, *a: None if name == "rawflash.kernels.numba_backend" else real(name, *a))
     result = invoke("check", "--backend", "numba", code=1)
     assert "numba_backend.py is missing" in result.output
 
@@ -305,7 +306,7 @@ def test_ablate_without_gpu_is_a_clear_error():
 @no_gpu
 @pytest.mark.slow
 def test_demo_without_gpu_runs_what_it_can():
-    result = CliRunner().invoke(cli.main, ["demo", "--json"])
+    result = CliRunner().invoke(commands.main, ["demo", "--json"])
     assert "Traceback" not in result.output
     report = json.loads(result.stdout)
     status = report["simulator"]["status"]
@@ -388,7 +389,7 @@ def test_gpu_check_cupy_backend():
 
 @gpu
 def test_gpu_io_measure_or_clear_ncu_message():
-    result = CliRunner().invoke(cli.main, ["io", "--batch", "1", "--heads", "2", "--seqlen-q", "512", "--measure",
+    result = CliRunner().invoke(commands.main, ["io", "--batch", "1", "--heads", "2", "--seqlen-q", "512", "--measure",
                                            "--json"])
     report = json.loads(result.stdout)
     if ncu.ncu_path() is None:
@@ -423,8 +424,9 @@ def test_accuracy_inputs_are_not_zeros():
 
 def test_info_list_explain_do_not_import_numba():
     """numba must stay unloaded until a command chooses the simulator or not (NUMBA_ENABLE_CUDASIM is read once)."""
-    code = ("import sys; from click.testing import CliRunner; from rawflash import cli; "
-            "[CliRunner().invoke(cli.main, a, catch_exceptions=False) for a in (['info'], ['list'], ['explain'])]; "
+    code = ("import sys; from click.testing import CliRunner; from rawflash.cli import commands; "
+            "[CliRunner().invoke(commands.main, a, catch_exceptions=False) "
+            "for a in (['info'], ['list'], ['explain'])]; "
             "assert 'numba' not in sys.modules, 'numba was imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=sysinfo.child_env())
     assert done.returncode == 0, done.stderr

@@ -14,8 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import gpu_available
-from rawflash import cli, configs, forms, introspect, iomodel, launch, occupancy, sysinfo
-from rawflash.launch import Problem
+from rawflash.cli import commands, introspect, iomodel, occupancy, sysinfo
+from rawflash.kernels import configs, forms, launch
+from rawflash.kernels.launch import Problem
 
 no_gpu = pytest.mark.skipif(gpu_available(), reason="checks the path taken without a GPU")
 TARGETED = ("launch-config", "occupancy", "io", "explain", "list", "demo")
@@ -26,7 +27,7 @@ TINY = ["--batch", "1", "--seqlen-q", "40", "--seqlen-k", "70", "--heads", "4", 
 
 
 def run(*args):
-    return CliRunner().invoke(cli.main, [str(a) for a in args])
+    return CliRunner().invoke(commands.main, [str(a) for a in args])
 
 
 def run_json(*args, code=0):
@@ -37,13 +38,13 @@ def run_json(*args, code=0):
 
 
 def options_of(name: str) -> dict[str, click.Parameter]:
-    command = cli.main.commands[name]
+    command = commands.main.commands[name]
     return {opt: p for p in command.params for opt in (*p.opts, *p.secondary_opts)}
 
 
 # ---------------------------------------------------------------- the options
 def test_every_command_takes_json():
-    for name, command in cli.main.commands.items():
+    for name, command in commands.main.commands.items():
         assert "--json" in options_of(name), name
         assert "--json" in run(name, "--help").output
 
@@ -54,7 +55,7 @@ def test_one_target_option_with_the_same_choices():
         opt = options_of(name)["--gpu"]
         assert list(opt.type.choices) == choices, name
         assert options_of(name)["--arch"].hidden, f"{name}: --arch is a hidden deprecated alias"
-    for name in set(cli.main.commands) - set(TARGETED):
+    for name in set(commands.main.commands) - set(TARGETED):
         assert "--gpu" not in options_of(name) and "--arch" not in options_of(name), name
 
 
@@ -62,15 +63,15 @@ def test_same_shape_options_and_causal_flag_everywhere():
     for name in SHAPED:
         have = options_of(name)
         assert all(o in have for o in SHAPE_OPTIONS), name
-    for name in cli.main.commands:
+    for name in commands.main.commands:
         have = options_of(name)
         if "--causal" in have:
             assert have["--causal"].is_flag and "--no-causal" in have, f"{name}: --causal/--no-causal"
 
 
 def test_bench_causal_defaults_to_both():
-    assert cli._causal_modes(None) == [False, True]
-    assert cli._causal_modes(True) == [True] and cli._causal_modes(False) == [False]
+    assert commands._causal_modes(None) == [False, True]
+    assert commands._causal_modes(True) == [True] and commands._causal_modes(False) == [False]
     assert options_of("bench")["--causal"].default is None
 
 
@@ -80,19 +81,19 @@ def test_an_invalid_call_exits_2_from_every_command(name):
     bad = ["--heads", "6", "--kv-heads", "4", "--head-dim", "32", "--backend" if name == "check" else None,
            "reference" if name == "check" else None]
     result = run(name, *[a for a in bad if a])
-    assert result.exit_code == cli.EXIT_INVALID, result.output
+    assert result.exit_code == commands.EXIT_INVALID, result.output
     assert "heads of q must be a multiple of kv_heads" in result.output
 
 
-@pytest.mark.parametrize("name", sorted(cli.main.commands))
+@pytest.mark.parametrize("name", sorted(commands.main.commands))
 def test_a_bad_option_value_exits_2_from_every_command(name):
     opts = options_of(name)
     bad = (["--gpu", "B200"] if "--gpu" in opts else ["--dtype", "float64"] if "--dtype" in opts else
            ["--no-such-option"])
     result = run(name, *bad)
-    assert result.exit_code == cli.EXIT_INVALID, result.output
-    report = run_json(name, *bad, code=cli.EXIT_INVALID)
-    assert report["exit_code"] == cli.EXIT_INVALID and report["command"] == name
+    assert result.exit_code == commands.EXIT_INVALID, result.output
+    report = run_json(name, *bad, code=commands.EXIT_INVALID)
+    assert report["exit_code"] == commands.EXIT_INVALID and report["command"] == name
 
 
 def test_errors_are_json_with_json():
@@ -114,7 +115,7 @@ def test_no_gpu_errors_are_json_and_exit_1(args):
 
 
 def test_deprecated_arch_still_works_and_says_so():
-    result = CliRunner().invoke(cli.main, ["launch-config", *TINY, "--arch", "sm_80", "--json"])
+    result = CliRunner().invoke(commands.main, ["launch-config", *TINY, "--arch", "sm_80", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["target"].startswith("sm_80")
     assert "--arch is deprecated" in result.stderr
@@ -260,8 +261,9 @@ def _child_cli(*args, sim=True, timeout=300):
 
 
 def test_explain_numba_shows_the_twins_launches():
-    code = ("import json, dataclasses; from rawflash import introspect, numba_backend, launch; "
-            "from rawflash.launch import Problem; p = Problem(1, 40, 70, 4, 2, 64, 'float16', True); "
+    code = ("import json, dataclasses; from rawflash.kernels import launch, numba_backend; "
+            "from rawflash.cli import introspect; "
+            "from rawflash.kernels.launch import Problem; p = Problem(1, 40, 70, 4, 2, 64, 'float16', True); "
             "print(json.dumps([[t.kernel, 'x'.join(map(str, t.grid)), str(t.threads), t.smem] "
             "for t in numba_backend.twin_launches(p, 'fa2', 'both', False)]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=sysinfo.child_env())
@@ -280,18 +282,18 @@ def test_check_numba_on_the_simulator_defaults_to_seconds_and_shows_progress():
     done = _child_cli("check", "--backend", "numba", "--json", sim=False)  # the command switches the simulator on
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
-    shape = cli.SIMULATOR_SHAPE
+    shape = commands.SIMULATOR_SHAPE
     assert report["shape"].startswith(f"batch {shape['batch']}, seqlen_q {shape['seqlen_q']}")
-    assert report["verdict"] == "passed" and float(report["simulator estimate"].split()[0]) < cli.SIMULATOR_WARN_S
+    assert report["verdict"] == "passed" and float(report["simulator estimate"].split()[0]) < commands.SIMULATOR_WARN_S
     assert "simulating fa2_fwd" in done.stderr and "simulating fa2_bwd" in done.stderr
     assert "warning" not in done.stderr
 
 
 @no_gpu
 def test_check_numba_warns_with_an_estimate_for_a_large_shape():
-    code = ("import sys; from rawflash import cli, introspect; real = introspect.simulator_seconds; "
+    code = ("import sys; from rawflash.cli import commands, introspect; real = introspect.simulator_seconds; "
             "introspect.simulator_seconds = lambda p, *a, **k: 5400.0 if p.seqlen_q == 40 else real(p, *a, **k); "
-            "cli.main(['check', '--backend', 'numba', '--seqlen-q', '40', '--heads', '1', '--head-dim', '16'])")
+            "commands.main(['check', '--backend', 'numba', '--seqlen-q', '40', '--heads', '1', '--head-dim', '16'])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=sysinfo.child_env(),
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -300,14 +302,14 @@ def test_check_numba_warns_with_an_estimate_for_a_large_shape():
 
 
 def test_simulator_estimates_order_the_shapes():
-    code = ("import json; from rawflash import introspect, cli; from rawflash.launch import Problem; "
-            "s = cli.SIMULATOR_SHAPE; small = Problem(s['batch'], s['seqlen_q'], s['seqlen_q'], s['heads'], "
+    code = ("import json; from rawflash.cli import commands, introspect; from rawflash.kernels.launch import Problem; "
+            "s = commands.SIMULATOR_SHAPE; small = Problem(s['batch'], s['seqlen_q'], s['seqlen_q'], s['heads'], "
             "s['heads'], s['head_dim'], 'bfloat16', False); old = Problem(1, 256, 256, 4, 4, 64, 'bfloat16', False); "
             "print(json.dumps([introspect.simulator_seconds(small), introspect.simulator_seconds(old)]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=sysinfo.child_env())
     assert done.returncode == 0, done.stderr
     small, old = json.loads(done.stdout)
-    assert small < 10 and old > cli.SIMULATOR_WARN_S  # old: the former default, 41-45 s measured on 2 cores
+    assert small < 10 and old > commands.SIMULATOR_WARN_S  # old: the former default, 41-45 s measured on 2 cores
 
 
 def test_python_m_rawflash_runs_the_command_line():
@@ -324,8 +326,8 @@ def test_check_numba_without_numba_says_how_to_install_it():
             "        if name == 'numba' or name.startswith('numba.'):\n"
             "            raise ModuleNotFoundError(\"No module named 'numba'\")\n"
             "sys.meta_path.insert(0, Block())\n"
-            "from rawflash import cli\n"
-            "cli.main(['check', '--backend', 'numba', '--json'])\n")
+            "from rawflash.cli import commands\n"
+            "commands.main(['check', '--backend', 'numba', '--json'])\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=sysinfo.child_env(),
                           timeout=120)
     report = json.loads(done.stdout)

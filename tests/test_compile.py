@@ -11,8 +11,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from rawflash import _compile, configs, forms, launch
-from rawflash.occupancy import ARCHS as ARCHS_LIMITS
+from rawflash.cli.occupancy import ARCHS as ARCHS_LIMITS
+from rawflash.kernels import compile, configs, forms, launch
 
 pytestmark = pytest.mark.compile
 ARCHS = ("sm_80", "sm_90")
@@ -24,7 +24,7 @@ def _nvrtc_available() -> bool:
         from cupy.cuda import nvrtc
 
         nvrtc.getVersion()
-        _compile.cuda_include_dir()
+        compile.cuda_include_dir()
         return True
     except Exception:
         return False
@@ -33,7 +33,7 @@ def _nvrtc_available() -> bool:
 def _compile_one(item):
     source, expr, arch = item
     try:
-        return (expr, arch), _compile.compile_offline(source, expr, arch)
+        return (expr, arch), compile.compile_offline(source, expr, arch)
     except Exception as err:  # reported per instantiation by the test below
         return (expr, arch), err
 
@@ -77,23 +77,23 @@ def test_smem_mismatch_fails_to_compile():
     lau = forms.fa2_forward(launch.Problem(1, 1, 1, 1, 1, 64, "float16", False), forms.Switches(wgmma=False))
     wrong = lau.name_expression.replace(f", {lau.smem}>", f", {lau.smem + 16}>")
     with pytest.raises(RuntimeError, match="disagree on shared memory"):
-        _compile.compile_offline(lau.source, wrong, "sm_90")
+        compile.compile_offline(lau.source, wrong, "sm_90")
 
 
 def test_source_hash_covers_every_included_byte(tmp_path):
     """The cache key is the assembled source: one changed byte in an included header changes it."""
     import shutil
 
-    src = _compile.cuda_dir()
+    src = compile.cuda_dir()
     copy = tmp_path / "cuda"
     shutil.copytree(src, copy)
-    before = _compile.source_hash("fa2_fwd.cu", copy)
-    assert before == _compile.source_hash("fa2_fwd.cu", src)
+    before = compile.source_hash("fa2_fwd.cu", copy)
+    assert before == compile.source_hash("fa2_fwd.cu", src)
     header = copy / "core.cuh"  # included by every kernel, through its headers
     header.write_text(header.read_text() + "\n// one more byte\n")
-    assert _compile.source_hash("fa2_fwd.cu", copy) != before
+    assert compile.source_hash("fa2_fwd.cu", copy) != before
     splitk = copy / "splitk.cuh"
-    text = _compile.assemble("fa2_fwd.cu", copy)
+    text = compile.assemble("fa2_fwd.cu", copy)
     assert splitk.read_text().splitlines()[-2] in text and '#include "' not in text
 
 
@@ -101,7 +101,7 @@ def test_ptxas_log_parsing():
     log = ("ptxas info    : Used 168 registers, used 1 barriers, 512 bytes smem, 400 bytes cmem[0]\n"
            "ptxas info    : Function properties for k\n"
            "    24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n")
-    got = _compile.parse_ptxas(log)
+    got = compile.parse_ptxas(log)
     assert got == dict(registers=168, static_smem=512, stack_bytes=24, spill_stores=8, spill_loads=12)
     with pytest.raises(ValueError):
-        _compile.parse_ptxas("nothing here")
+        compile.parse_ptxas("nothing here")

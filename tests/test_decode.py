@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import rawflash
-from rawflash import forms, launch, reference
-from rawflash.configs import tile_config
+from rawflash import reference
+from rawflash.kernels import forms, launch
+from rawflash.kernels.configs import tile_config
 from conftest import DTYPES
 from test_numba_gpu import PTX_CHECK as _FWD_PTX_CHECK
 
@@ -343,9 +344,9 @@ def _explain(*args, code=0):
 
     from click.testing import CliRunner
 
-    from rawflash import cli
+    from rawflash.cli import commands
 
-    result = CliRunner().invoke(cli.main, ["explain", "--decode", *map(str, args), "--json"])
+    result = CliRunner().invoke(commands.main, ["explain", "--decode", *map(str, args), "--json"])
     assert result.exit_code == code, result.output
     return json.loads(result.stdout)
 
@@ -611,7 +612,7 @@ def test_decode_gpu_public_call_does_not_synchronise():
 def test_decode_gpu_work_buffers_are_reused():
     import cupy
 
-    from rawflash import cupy_backend
+    from rawflash.kernels import cupy_backend
 
     a = cupy_backend.decode_workspace(5, (2, 1, 8, 64), (2, 8, 1))
     assert cupy_backend.decode_workspace(5, (2, 1, 8, 64), (2, 8, 1))[0] is a[0]
@@ -701,7 +702,8 @@ def test_decode_twin_16bit(dtype):
 
 def _sim_plan(kw, extra):
     """The plan backend='numba' runs for a SIM_CASES case (the problem as the validation makes it)."""
-    from rawflash import numba_backend, validation
+    from rawflash import validation
+    from rawflash.kernels import numba_backend
 
     args, _ = _case(dtype="float32", **kw)
     c = validation.check_decode(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"], args["k_new"],
@@ -732,7 +734,8 @@ def test_decode_twin_appends_on_its_own(name, kw, extra):
     on copies): float32 NumPy caches reach the simulated kernels unchanged, so after numba_backend.decode they must
     hold exactly the appended keys, including keys no query row sees (a split that loads no tile still writes the
     new keys of its range)."""
-    from rawflash import numba_backend, validation
+    from rawflash import validation
+    from rawflash.kernels import numba_backend
 
     args, opts = _case(dtype="float32", **kw)
     kc, vc = args["k_cache"].copy(), args["v_cache"].copy()
@@ -754,7 +757,8 @@ def test_decode_twin_appends_on_its_own(name, kw, extra):
 
 def _twin_call(args, lens, table=None, splits=2):
     """The twin backend called past the validation (which would refuse these lengths and tables)."""
-    from rawflash import numba_backend, validation
+    from rawflash import validation
+    from rawflash.kernels import numba_backend
 
     ok_lens = np.zeros_like(lens)
     c = validation.check_decode(args["q"], args["k_cache"], args["v_cache"], ok_lens, args["k_new"], args["v_new"],
@@ -790,7 +794,7 @@ def test_decode_twin_pages_outside_the_cache_give_nan_rows():
 
 # the forward twins' check up to their signature: NVVM present, no GPU needed (sm_90), arr()
 DECODE_PTX_CHECK = _FWD_PTX_CHECK[:_FWD_PTX_CHECK.index("def signature")] + r"""
-from rawflash import launch
+from rawflash.kernels import launch
 from rawflash.numba_kernels.params import DecodeParams
 
 def signature(dtype):  # p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws
@@ -825,7 +829,7 @@ def test_decode_twins_compile_to_ptx():
     import subprocess
     import sys
 
-    from rawflash import sysinfo
+    from rawflash.cli import sysinfo
 
     env = sysinfo.child_env()
     env.pop("NUMBA_ENABLE_CUDASIM", None)

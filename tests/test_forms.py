@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rawflash import _compile, configs, forms, launch, registry
-from rawflash.forms import Switches
-from rawflash.launch import Problem
+from rawflash.kernels import compile, configs, forms, launch, registry
+from rawflash.kernels.forms import Switches
+from rawflash.kernels.launch import Problem
 from rawflash.settings import Settings, load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +101,9 @@ def test_settings_and_switches_force_mma_sync():
 def test_settings_are_read_from_the_environment_only_in_settings():
     assert load({"RAWFLASH_WGMMA": "0"}).wgmma is False and load({}).wgmma is True
     assert load({"RAWFLASH_TILE_ARCH": "sm_80"}).tile_arch == "sm_80"
-    for path in (ROOT / "rawflash").rglob("*.py"):
+    paths = list((ROOT / "rawflash").rglob("*.py"))
+    assert {p.parent.name for p in paths} >= {"rawflash", "kernels", "cli", "numba_kernels", "distributed"}
+    for path in paths:
         if path.name == "settings.py":
             continue
         text = path.read_text()
@@ -273,4 +275,4 @@ def test_registry_names_every_form_row_and_source():
             assert (ROOT / "cuda" / f.source).is_file()
             assert f.mainloop == "-" or (ROOT / "cuda" / f.mainloop).is_file(), f.mainloop
             assert (f.twin is None) == bool(f.no_twin), f"{f.kernel}: a twin, or the reason there is none"
-            assert f"__global__" in (ROOT / "cuda" / f.source).read_text() and f.kernel in _compile.assemble(f.source)
+            assert f"__global__" in (ROOT / "cuda" / f.source).read_text() and f.kernel in compile.assemble(f.source)

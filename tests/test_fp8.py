@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 import rawflash
-from rawflash import configs, forms, fp8, launch
-from rawflash.launch import Problem
+from rawflash import fp8
+from rawflash.kernels import configs, forms, launch
+from rawflash.kernels.launch import Problem
 
 
 def test_sigma_is_a_permutation_of_each_slice():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rawflash import _compile
+from rawflash.kernels import compile
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def _lse_sum(cuda_dir: Path, cache: Path) -> float:
 
 def test_header_change_is_compiled_not_served_from_cache(tmp_path):
     cuda, cache = tmp_path / "cuda", tmp_path / "cache"
-    shutil.copytree(_compile.cuda_dir(), cuda)
+    shutil.copytree(compile.cuda_dir(), cuda)
     first = _lse_sum(cuda, cache)
     files = sorted(p.name for p in cache.rglob("*") if p.is_file())
     assert files, "the first process must have written the compiled kernel to the disk cache"

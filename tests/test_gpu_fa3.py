@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import rawflash
-from rawflash import forms, launch
+from rawflash.kernels import forms, launch
 from conftest import skip_unless_sm90
 from test_gpu_kernels import check_backward, check_forward
 
@@ -66,7 +66,7 @@ def test_fa3_dynamic_schedule_counters_return_to_zero():
     bitwise to the one-tile-per-CTA grid (the same tiles computed the same way), and the counters read back 0."""
     import cupy
 
-    from rawflash import cupy_backend
+    from rawflash.kernels import cupy_backend
     from conftest import random_qkv
 
     for i, (b, n, h, causal) in enumerate([(3, 1100, 12, True), (1, 300, 2, False), (5, 2048, 8, True),
@@ -125,7 +125,7 @@ def _bwd_cases():
 
 @pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", _bwd_cases())
 def test_fa3_backward(sq, sk, h, hk, d, dtype, causal):
-    from rawflash import cupy_backend
+    from rawflash.kernels import cupy_backend
 
     p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
     assert forms.backward_plan(p)[1].kernel == "fa3_bwd_sm90"
@@ -147,7 +147,7 @@ DET_CASES = [  # (sq, sk, h, hk, d, dtype, causal): ragged, seqlen_q != seqlen_k
 
 
 def _det_plan(sq, sk, h, hk, d, dtype, causal, **features):
-    from rawflash import cupy_backend
+    from rawflash.kernels import cupy_backend
 
     p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch(), **features)
     main = forms.backward_plan(p, deterministic=True)[1]

@@ -190,7 +190,7 @@ def test_window_skips_key_blocks():
     """A window of 64 keys over 8192: the work is that of the window (the time does not grow with N)."""
     import cupy
 
-    from rawflash import bench
+    from rawflash.cli import bench
 
     times = []
     for n in (2048, 8192):

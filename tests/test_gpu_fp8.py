@@ -158,8 +158,9 @@ def test_192_key_tiles_with_64_byte_swizzled_vt(causal, stages):
     inputs by the FP8 bounds of the default tiles, with sequence lengths that are no multiple of 192."""
     import cupy
 
-    from rawflash import configs, cupy_backend, validation
-    from rawflash.configs import TileConfig
+    from rawflash import validation
+    from rawflash.kernels import configs, cupy_backend
+    from rawflash.kernels.configs import TileConfig
 
     q, k, v = _qkv(2, 333, 517, 4, 2, 128, seed=11)
     (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x, "head", kv_heads=2) for x in (q, k, v))

@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 import rawflash
-from rawflash import forms, launch
+from rawflash.kernels import forms, launch
 from conftest import skip_unless_sm90
 from test_gpu_kernels import check_backward, check_forward
 
@@ -47,7 +47,7 @@ def test_wgmma_forward(sq, sk, h, hk, d, dtype, causal, overlap):
 
 
 def test_default_path_on_h200_is_fa3():
-    from rawflash import cupy_backend
+    from rawflash.kernels import cupy_backend
 
     p = launch.Problem(1, 1, 1, 1, 1, 128, "bfloat16", False, cupy_backend.device_arch())
     assert forms.fa2_forward(p).kernel == "fa3_fwd_sm90"
@@ -87,7 +87,7 @@ def _bwd_cases():
 
 @pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", _bwd_cases())
 def test_wgmma_backward(sq, sk, h, hk, d, dtype, causal):
-    from rawflash import cupy_backend
+    from rawflash.kernels import cupy_backend
 
     p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
     assert forms.backward_plan(p)[1].kernel in ("fa2_bwd_sm90", "fa3_bwd_sm90")

@@ -120,7 +120,7 @@ def test_split_k_float32(d, causal):
 def test_fa1_splits(heads, sq, sk, d, dtype, causal):
     """fa1's query blocks dealt to its splits (launch.fa1_splits): one block per split and key block, several, one
     split per head, and causal rows that see no key."""
-    from rawflash import forms, launch
+    from rawflash.kernels import forms, launch
 
     p = launch.Problem(1, sq, sk, heads, heads, d, dtype, causal)
     assert forms.forward_plan(p, "fa1")[0].grid[2] == launch.fa1_splits(p, forms.forward_plan(p, "fa1")[0].config)

@@ -1,9 +1,9 @@
-"""Tests of rawflash.iomodel: hand-computed byte counts, causal tile skipping against brute force, rooflines."""
+"""Tests of rawflash.cli.iomodel: hand-computed byte counts, causal tile skipping against brute force, rooflines."""
 import numpy as np
 import pytest
 
-from rawflash import iomodel
-from rawflash.iomodel import Shape, flops, io_bytes, roofline, visible_blocks
+from rawflash.cli import iomodel
+from rawflash.cli.iomodel import Shape, flops, io_bytes, roofline, visible_blocks
 
 LENGTHS = [(1, 1), (3, 3), (17, 17), (64, 128), (113, 203), (127, 129), (203, 113), (256, 128), (300, 64)]
 TILES = [(16, 16), (16, 32), (32, 16), (64, 64), (7, 5)]

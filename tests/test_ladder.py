@@ -1,4 +1,4 @@
-"""The ladder (``rawflash ablate --ladder``, ``rawflash.ablation.LADDER``) and fa1's splits, without a GPU: the rung
+"""The ladder (``rawflash ablate --ladder``, ``rawflash.cli.ablation.LADDER``) and fa1's splits, without a GPU: the rung
 table, the bytes each rung is predicted to move (checked against iomodel with the rung's own plan), the speedup
 over the rung below, the chart, and the command's no-GPU path. The GPU test at the end runs the climb for real."""
 from __future__ import annotations
@@ -9,8 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import gpu_available
-from rawflash import ablation, api, cli, forms, iomodel, launch
-from rawflash.launch import Problem
+from rawflash import api
+from rawflash.cli import ablation, commands, iomodel
+from rawflash.kernels import forms, launch
+from rawflash.kernels.launch import Problem
 
 FA3_SWITCHES = {"warp_specialize", "pingpong", "persistent"}  # FA3's switches (overlap is the wgmma form's too)
 no_gpu = pytest.mark.skipif(gpu_available(), reason="checks the path taken without a GPU")
@@ -18,7 +20,7 @@ SHAPE = Problem(4, 4096, 4096, 16, 16, 128, "bfloat16", False)
 
 
 def _invoke(*args, code=0):
-    result = CliRunner().invoke(cli.main, [str(a) for a in args])
+    result = CliRunner().invoke(commands.main, [str(a) for a in args])
     assert "Traceback" not in result.output
     assert result.exit_code == code, result.output
     return result

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rawflash import registry
+from rawflash.kernels import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = ROOT / "cuda"

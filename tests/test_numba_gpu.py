@@ -225,8 +225,8 @@ class Device:  # device functions compile for the current device; without a GPU:
     compute_capability = (9, 0)
 if not cuda.is_available():
     dispatcher.get_current_device = compiler.get_current_device = lambda: Device()
-from rawflash import forms, numba_backend as nb
-from rawflash.launch import Problem
+from rawflash.kernels import forms, numba_backend as nb
+from rawflash.kernels.launch import Problem
 from rawflash.numba_kernels.params import BwdParams, FwdParams
 
 def arr(dtype, ndim):
@@ -275,7 +275,7 @@ def test_twins_compile_to_ptx():
     import subprocess
     import sys
 
-    from rawflash import sysinfo
+    from rawflash.cli import sysinfo
 
     env = sysinfo.child_env()
     env.pop("NUMBA_ENABLE_CUDASIM", None)

@@ -413,8 +413,8 @@ def _planned():
     """Every launch the backend plans over dtypes, head dims, both policies, switches and both backwards."""
     import dataclasses
 
-    from rawflash import configs, forms, numba_backend
-    from rawflash.launch import Problem
+    from rawflash.kernels import configs, forms, numba_backend
+    from rawflash.kernels.launch import Problem
 
     out = {}
     for dtype, d, arch in itertools.product(configs.DTYPES, configs.SPECIALISED_HEAD_DIMS, ("sm_90", "sm_80")):
@@ -433,7 +433,7 @@ def test_twins_run_the_planned_forms_and_fit_an_h200():
     """Every launch planned for the twins is an mma.sync form or helper with a twin; its twin CTA has at most 1024
     threads and 227 KB of shared memory; the twins' shared memory is the CUDA C's layout with float32 tiles (the
     backward keeps one stage of Q_i, dO_i, L_i, D_i where the CUDA C has two)."""
-    from rawflash import launch, numba_backend
+    from rawflash.kernels import launch, numba_backend
 
     limit = 232448
     kinds = set()

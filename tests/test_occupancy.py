@@ -1,4 +1,4 @@
-"""rawflash.occupancy against NVIDIA's header-only calculator, hand-checked cases, and refused input."""
+"""rawflash.cli.occupancy against NVIDIA's header-only calculator, hand-checked cases, and refused input."""
 from __future__ import annotations
 
 import itertools
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rawflash.occupancy import ARCHS, arch_from_capability, occupancy
+from rawflash.cli.occupancy import ARCHS, arch_from_capability, occupancy
 
 pytestmark = pytest.mark.compile
 

@@ -23,12 +23,12 @@ def test_wheel_contains_cuda_sources(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
-    found = subprocess.run([sys.executable, "-c", "from rawflash import _compile; print(_compile.cuda_dir())"],
+    found = subprocess.run([sys.executable, "-c", "from rawflash.kernels import compile; print(compile.cuda_dir())"],
                            cwd=tmp_path, env={"PYTHONPATH": str(target)}, check=True, capture_output=True, text=True)
     assert Path(found.stdout.strip()) == target / "rawflash" / "cuda"
 
 
 def test_checkout_finds_its_cuda_folder():
-    from rawflash import _compile
+    from rawflash.kernels import compile
 
-    assert _compile.cuda_dir() in (ROOT / "cuda", Path(_compile.__file__).parent / "cuda")
+    assert compile.cuda_dir() in (ROOT / "cuda", Path(compile.__file__).parents[1] / "cuda")

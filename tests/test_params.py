@@ -1,4 +1,4 @@
-"""The parameter structs of cuda/params.cuh and their NumPy twins in rawflash/params.py agree field for field.
+"""The parameter structs of cuda/params.cuh and their NumPy twins in rawflash/kernels/params.py agree field for field.
 
 A kernel reads its FwdParams / BwdParams from the bytes of a one-element NumPy structured array, so the two
 layouts must match exactly: same fields, same order, same C types (8-byte fields first, so neither side pads).
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rawflash import params
-from rawflash.launch import Problem
+from rawflash.kernels import params
+from rawflash.kernels.launch import Problem
 
 HEADER = Path(__file__).resolve().parents[1] / "cuda" / "params.cuh"
 CTYPES = {"const void*": "ptr", "void*": "ptr", "float*": "ptr", "const float*": "ptr", "const int*": "ptr", "int*": "ptr",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rawflash import cli, introspect, occupancy, sysinfo
+from rawflash.cli import commands, introspect, occupancy, sysinfo
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -48,7 +48,7 @@ def test_install_table_names_every_extra():
 
 def test_command_line_section_names_every_command_and_gpu_model():
     section = README[README.index("## Command line"):README.index("## GPU tests and benchmark")]
-    for name in cli.main.commands:
+    for name in commands.main.commands:
         assert name in section, name
     for model in ("H200", "A100-80GB-SXM", "L4", "RTX-4090"):
         assert model in section and model in introspect.MODELS

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from rawflash import sysinfo
+from rawflash.cli import sysinfo
 
 TINY_BACKWARD_BOUND_S = 60.0
 """Generous: the tiny bf16 backward takes about 1 s on an idle 2-core machine and about 5 s with both cores busy;
@@ -30,7 +30,8 @@ PRELUDE = """
     import json, time
     import ml_dtypes, numpy as np
     import rawflash
-    from rawflash import forms, numba_backend, validation
+    from rawflash import validation
+    from rawflash.kernels import forms, numba_backend
 
     def inputs(shape, dtype, seed=0):
         b, sq, sk, h, hk, d = shape

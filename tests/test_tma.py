@@ -1,4 +1,4 @@
-"""The host side of the TMA tensor maps (rawflash/tma.py) without a GPU: how an array becomes the 4-d (head_dim,
+"""The host side of the TMA tensor maps (rawflash/kernels/tma.py) without a GPU: how an array becomes the 4-d (head_dim,
 rows, heads, batch) description the driver encodes, and which arrays TMA cannot describe. The encoding itself
 needs the driver; tests/test_gpu_fa3.py runs it (strided views included)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rawflash import tma
+from rawflash.kernels import tma
 
 
 class FakeArray:
@@ -80,8 +80,8 @@ def test_empty_tensors_are_refused_before_the_driver():
 
 @pytest.mark.parametrize("d,expected", [(128, "fa2_fwd_sm90"), (96, "fa2_fwd"), (40, "fa2_fwd_sm90")])
 def test_a_call_tma_cannot_describe_runs_another_form(d, expected):
-    from rawflash import forms
-    from rawflash.launch import Problem
+    from rawflash.kernels import forms
+    from rawflash.kernels.launch import Problem
 
     p = Problem(1, 4, 0, 2, 2, d, "float16", False, "sm_90")
     assert forms.forward_plan(p)[0].kernel == "fa3_fwd_sm90"

@@ -23,7 +23,10 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_ships_py_typed_license_and_main(wheel):
     z = zipfile.ZipFile(wheel)
     names = set(z.namelist())
-    assert {"rawflash/py.typed", "rawflash/__main__.py", "rawflash/cli.py"} <= names
+    assert {"rawflash/py.typed", "rawflash/__main__.py", "rawflash/cli/__main__.py"} <= names
+    for folder in ("rawflash", "rawflash/kernels", "rawflash/cli", "rawflash/numba_kernels", "rawflash/distributed"):
+        modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / folder).glob("*.py")}
+        assert f"{folder}/__init__.py" in modules and modules <= names, f"{folder}: {sorted(modules - names)} missing"
     licenses = [n for n in names if n.endswith("/licenses/LICENSE")]
     assert licenses and z.read(licenses[0]).decode() == (ROOT / "LICENSE").read_text()
     metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
@@ -42,6 +45,10 @@ def test_installed_wheel_runs_python_m_rawflash(wheel, tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert '"variants"' in done.stdout
+    for module in ("rawflash", "rawflash.cli"):  # the console script's own module too: rawflash.cli:main
+        done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True)
+        assert done.returncode == 0 and "Usage:" in done.stdout, (module, done.stderr)
     where = subprocess.run([sys.executable, "-c", "import rawflash; print(rawflash.__file__)"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, check=True)
     assert Path(where.stdout.strip()).parent == target / "rawflash", "the wheel's copy ran, not the checkout"

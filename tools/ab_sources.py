@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     import cupy
 
-    from rawflash import bench
+    from rawflash.cli import bench
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sources", default="cuda", help="comma-separated CUDA source folders; the first is the base")
@@ -107,8 +107,8 @@ def decode_ab(sources: list[str], names: list[str], args) -> None:
     kernels timed; the share of the copy bandwidth measured in the same run."""
     import cupy
 
-    from rawflash import bench_decode
-    from rawflash.bench import time_ms
+    from rawflash.cli import bench_decode
+    from rawflash.cli.bench import time_ms
 
     roof = bench_decode.copy_bandwidth()
     rows, checked = [], {}

@@ -12,7 +12,7 @@ import json
 
 def _time(fn, repeats: int) -> float:
     """rawflash bench's timer (CUDA events, L2 flushed before each repeat, the median)."""
-    from rawflash.bench import time_ms
+    from rawflash.cli.bench import time_ms
 
     return time_ms(fn, repeats=repeats)
 
@@ -21,7 +21,8 @@ def main() -> None:
     import cupy
     import ml_dtypes
 
-    from rawflash import cupy_backend, fp8, settings, validation
+    from rawflash import fp8, settings, validation
+    from rawflash.kernels import cupy_backend
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", default="64,128,256")

@@ -23,7 +23,9 @@ GRIDS = {"one tile per CTA": dict(persistent=False), "static": dict(persistent=T
 def main() -> None:
     import cupy
 
-    from rawflash import bench, cupy_backend, forms, settings, validation
+    from rawflash import settings, validation
+    from rawflash.cli import bench
+    from rawflash.kernels import cupy_backend, forms
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")

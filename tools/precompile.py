@@ -17,11 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def _compile(item):
     source, expr, target, root = item
-    from rawflash import _compile
+    from rawflash.kernels import compile
 
     t = time.time()
     try:
-        fn = _compile.get_kernel(source, expr, target, root)
+        fn = compile.get_kernel(source, expr, target, root)
         return expr, fn.num_regs, fn.local_size_bytes, time.time() - t, None
     except Exception as err:  # report and go on: one broken instantiation must not hide the others
         return expr, 0, 0, time.time() - t, str(err)[:2000]
@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--filter", default="")
     ap.add_argument("--cuda-dir", default=None, help="another CUDA source folder (default: the installed one)")
     args = ap.parse_args()
-    from rawflash import cupy_backend, forms
+    from rawflash.kernels import cupy_backend, forms
 
     arch = cupy_backend.device_arch()
     root = str(Path(args.cuda_dir).resolve()) if args.cuda_dir else None

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rawflash  # noqa: E402
-from rawflash import bench  # noqa: E402
+from rawflash.cli import bench  # noqa: E402
 
 CASES = ("plain", "softcap", "alibi", "fp8", "decode")
 
@@ -48,7 +48,7 @@ def main() -> None:
 
     batch, heads = 16384 // args.seqlen, 2048 // args.head_dim
     if args.case == "decode":
-        from rawflash import bench_decode
+        from rawflash.cli import bench_decode
 
         case = bench_decode.DecodeCase(batch=args.batch, cache=args.seqlen, heads=32, kv_heads=args.kv_heads, head_dim=128)
         q, kc, vc, kn, vn, lens, table = bench_decode._inputs(case)

@@ -105,7 +105,7 @@ def _splitk(dtype: str) -> None:
 
 def _fa3_forms(q, k, v, causal: bool) -> None:
     """On an H200: the cp.async wgmma forward, and FA3's with each of its switches flipped."""
-    from rawflash import cupy_backend, forms, launch
+    from rawflash.kernels import cupy_backend, forms, launch
 
     arch = cupy_backend.device_arch()
     if arch != "sm_90":
@@ -140,7 +140,8 @@ def _fa3(dtype: str) -> None:
 def _fp8(dtype: str) -> None:
     """The FP8 forward (sm_90 only): quantised inside (fp8=True, incoherent=True) and from e4m3 inputs with per-head
     descales, ragged shapes, GQA, causal both ways, every FA3 switch."""
-    from rawflash import cupy_backend, fp8
+    from rawflash import fp8
+    from rawflash.kernels import cupy_backend
 
     if dtype == "float32" or cupy_backend.device_arch() != "sm_90":
         return

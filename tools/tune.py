@@ -1,4 +1,4 @@
-"""Time candidate tile configurations on a GPU (the numbers behind rawflash/configs.py).
+"""Time candidate tile configurations on a GPU (the numbers behind rawflash/kernels/configs.py).
 
     python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] [--which fwd,bwd,fwd_sm90,fwd_fa3,bwd_sm90,fwd_fp8]
 
@@ -17,8 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from rawflash import bench, configs, forms, reference  # noqa: E402
-from rawflash.configs import TileConfig  # noqa: E402
+from rawflash import reference  # noqa: E402
+from rawflash.cli import bench  # noqa: E402
+from rawflash.kernels import configs, forms  # noqa: E402
+from rawflash.kernels.configs import TileConfig  # noqa: E402
 
 CANDIDATES = {
     ("fa2_fwd", 64): [TileConfig(128, 64, 4, kunroll=k) for k in (1, 2, 4)] + [TileConfig(128, 128, 4, kunroll=k) for k in (1, 2)]

@@ -13,10 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rawflash import bench_decode as bd  # noqa: E402
-from rawflash import cupy_backend, settings, validation  # noqa: E402
-from rawflash.bench import _torch, time_ms  # noqa: E402
-from rawflash.configs import TileConfig, tile_config  # noqa: E402
+from rawflash import settings, validation  # noqa: E402
+from rawflash.cli import bench_decode as bd  # noqa: E402
+from rawflash.cli.bench import _torch, time_ms  # noqa: E402
+from rawflash.kernels import cupy_backend  # noqa: E402
+from rawflash.kernels.configs import TileConfig, tile_config  # noqa: E402
 
 CANDIDATES = {
     # session 4: the 3-stage rows keep two tiles in flight per warp (16 x 16 x 4 x 3: 100 KB, 2 CTAs per SM; x 2 warps:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
-from .. import iomodel
+from ..cli import iomodel
 from .comm import ComputeOnly, Communicator
 from .ring import ring_attention, ring_attention_backward
 from .sharding import check_layout, num_chunks

@@ -12,10 +12,10 @@ import functools
 
 import numpy as np
 
-from . import _compile, forms, launch, params, tma
-from .arrays import kernel_ready, pad_head_dim
+from ..arrays import kernel_ready, pad_head_dim
+from ..settings import Settings
+from . import compile, forms, launch, params, tma
 from .launch import Launch, Problem
-from .settings import Settings
 
 HEAD_DIM_MULTIPLE = 8  # the kernels move head_dim in 16-byte chunks and store pairs: other sizes are zero-padded
 
@@ -51,8 +51,8 @@ def run(lau: Launch, args: tuple, env: Settings = Settings()) -> None:
     limit = _smem_optin(cupy.cuda.runtime.getDevice())
     if lau.smem > limit:
         raise ValueError(f"{lau.name_expression} needs {lau.smem} B of shared memory per block and this GPU allows "
-                         f"{limit} B: its tile row in rawflash/configs.py does not fit this GPU")
-    fn = _compile.get_kernel(lau.source, lau.name_expression, lau.target, env.cuda_dir)
+                         f"{limit} B: its tile row in rawflash/kernels/configs.py does not fit this GPU")
+    fn = compile.get_kernel(lau.source, lau.name_expression, lau.target, env.cuda_dir)
     if lau.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < lau.smem:
         fn.max_dynamic_shared_size_bytes = lau.smem
     fn(lau.grid, lau.block, args, shared_mem=lau.smem)

@@ -23,7 +23,8 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from . import iomodel, reference
+from .. import reference
+from . import iomodel
 
 IMPLS = ("rawflash-fa2", "rawflash-fa2-det", "rawflash-fa2-wgmma", "rawflash-fa2-mma", "rawflash-fa1", "rawflash-naive",
          "torch-flash", "torch-cudnn", "cupy-naive")
@@ -165,7 +166,7 @@ def default_impls(available: list[str], deterministic: bool = False) -> list[str
 def make_inputs(case: Case, seed: int = 0):
     import cupy
 
-    from .validation import check_choice
+    from ..validation import check_choice
 
     check_choice(case.dtype, "dtype", ("float16", "bfloat16", "float32", FP8))
     rng = cupy.random.default_rng(seed)
@@ -174,7 +175,7 @@ def make_inputs(case: Case, seed: int = 0):
     shape_k = (case.batch, case.seqlen, case.kv_heads, case.head_dim)
     q, k, v = (rng.standard_normal(s, dtype=cupy.float32).astype(dt) for s in (shape_q, shape_k, shape_k))
     if case.dtype == FP8:  # the fourth value is then the descales (an FP8 case is a forward)
-        from . import fp8
+        from .. import fp8
 
         (q, qd), (k, kd), (v, vd) = (fp8.quantize(x, "head", kv_heads=case.kv_heads) for x in (q, k, v))
         return q, k, v, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
@@ -188,7 +189,8 @@ def bound_call(case: Case, q, k, v, dout, override=None):
     the call returns. ``override`` replaces tile rows (tools/tune.py)."""
     import rawflash
 
-    from . import cupy_backend, forms, settings, validation
+    from .. import settings, validation
+    from ..kernels import cupy_backend, forms
 
     kernel, switches = RAWFLASH_IMPLS[case.impl]
     env = settings.load()
@@ -301,7 +303,7 @@ def _validate_fp8(case: Case, q, k, v, descales: dict, got) -> tuple[bool, str]:
     """The FP8 forward against the float64 reference of its dequantised inputs, by ``FP8_BOUNDS``."""
     import cupy
 
-    from . import fp8
+    from .. import fp8
 
     qf, kf, vf = (fp8.dequantize(x, descales[f"{n}_descale"], kv_heads=case.kv_heads) for x, n in
                   ((q, "q"), (k, "k"), (v, "v")))
@@ -461,7 +463,8 @@ def feature_bound(case: FeatureCase, q, k, v, dout, feats):
     the host, is timed beside it)."""
     import rawflash
 
-    from . import cupy_backend, forms, settings, validation
+    from .. import settings, validation
+    from ..kernels import cupy_backend, forms
 
     f = validation.Features(**{n: feats.get(n, d) for n, d in (("window", (-1, -1)), ("softcap", 0.0),
                                                                   ("alibi_slopes", None), ("sinks", None),

@@ -1,6 +1,6 @@
 """The Numba twins on Numba's CUDA simulator: tiny forwards and a backward graded against the float64 reference.
 
-Run as ``NUMBA_ENABLE_CUDASIM=1 python -m rawflash.demo_sim`` (``rawflash demo`` does so on a machine without a
+Run as ``NUMBA_ENABLE_CUDASIM=1 python -m rawflash.cli.demo_sim`` (``rawflash demo`` does so on a machine without a
 GPU). The simulator is chosen when numba is first imported, so this must run in a process of its own.
 Exit status: 0 every grade passed, 1 a grade failed or the run raised, 3 the Numba backend is not installed.
 The last line of output is ``RESULT <json>`` with the grades, for the parent process.
@@ -20,19 +20,19 @@ RUNS = (("fa2", True), ("fa1", False))
 
 def main() -> int:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # before numba is imported anywhere in this process
-    from rawflash import accuracy
-    from rawflash.launch import Problem
+    from rawflash.cli import accuracy
+    from rawflash.kernels.launch import Problem
 
     p = Problem(**SHAPE)
     print(f"simulator: fa2 forward and backward, fa1 forward, on {SHAPE}", flush=True)
     try:
         accuracy.prepare_backend("numba")
-        import rawflash.numba_backend  # noqa: F401  (a missing twin shows up here, before any work)
+        import rawflash.kernels.numba_backend  # noqa: F401  (a missing twin shows up here, before any work)
     except (ImportError, accuracy.Unavailable) as err:
         print(f"the Numba backend is not available: {err}", flush=True)
         _result({"status": "missing", "why": str(err)})
         return EXIT_MISSING
-    import rawflash.numba_backend as nb
+    import rawflash.kernels.numba_backend as nb
 
     nb.simulator_progress = _progress
     rows = []

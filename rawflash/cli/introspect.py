@@ -12,9 +12,11 @@ import functools
 
 import numpy as np
 
-from . import _compile, accuracy, configs, forms, iomodel, launch, occupancy, registry, sysinfo, validation
-from .cupy_backend import run_head_dim
-from .launch import Launch, Problem
+from .. import validation
+from ..kernels import compile, configs, forms, launch, registry
+from ..kernels.cupy_backend import run_head_dim
+from ..kernels.launch import Launch, Problem
+from . import accuracy, iomodel, occupancy, sysinfo
 
 DEFAULT_GPU = "H200"
 """The target where neither a GPU nor ``--gpu`` says otherwise: the H200 test machine (sm_90)."""
@@ -282,8 +284,8 @@ class Resources:
 
 
 @functools.lru_cache(maxsize=None)
-def _offline(source: str, name_expression: str, arch: str) -> _compile.CompileReport:
-    return _compile.compile_offline(source, name_expression, arch)
+def _offline(source: str, name_expression: str, arch: str) -> compile.CompileReport:
+    return compile.compile_offline(source, name_expression, arch)
 
 
 def resources(lau: Launch, tgt: Target) -> Resources:
@@ -293,7 +295,7 @@ def resources(lau: Launch, tgt: Target) -> Resources:
         return Resources(rep.registers, rep.static_smem, rep.spills)
     from cupy.cuda import driver
 
-    fn = _compile.get_kernel(lau.source, lau.name_expression, lau.target)
+    fn = compile.get_kernel(lau.source, lau.name_expression, lau.target)
     if lau.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < lau.smem:  # opt in, as cupy_backend.run does
         fn.max_dynamic_shared_size_bytes = lau.smem
     ptr = getattr(fn, "ptr", None) or fn.kernel.ptr
@@ -305,7 +307,7 @@ def fit_problem(smem: int, arch: str) -> str | None:
     """Why a CTA with ``smem`` bytes of shared memory cannot run on ``arch``, or None if it fits."""
     limits = occupancy.ARCHS.get(arch)
     if limits is None:
-        return f"no occupancy rules for {arch} (rawflash.occupancy knows {', '.join(sorted(occupancy.ARCHS))})"
+        return f"no occupancy rules for {arch} (rawflash.cli.occupancy knows {', '.join(sorted(occupancy.ARCHS))})"
     if smem > limits.smem_per_block_optin:
         return (f"does not fit: {smem / 1024:.1f} KB of shared memory per CTA, {arch} allows "
                 f"{limits.smem_per_block_optin / 1024:.0f} KB: not launched, the call raises ValueError")
@@ -545,7 +547,7 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
 def twin_rows(p: Problem, kernel: str, direction: str, deterministic: bool, tgt: Target) -> list[dict]:
     """The Numba twins' launches (``numba_backend.twin_launches``) of the validated problem ``p`` as the backend
     receives it, with tile counts and whether their float32 shared memory fits ``tgt``."""
-    from . import numba_backend
+    from ..kernels import numba_backend
 
     rows = []
     dirs = ("fwd", "bwd") if direction == "both" else (direction,)
@@ -734,7 +736,7 @@ def simulator_seconds(p: Problem, kernel: str = "fa2", deterministic: bool = Fal
     """A rough estimate of the seconds Numba's CPU simulator takes for a forward (and backward) of ``p`` through the
     Numba backend (``numba_backend.twin_launches``; imports numba). Calibrated on a 2-core machine; a busy machine
     is slower."""
-    from . import numba_backend
+    from ..kernels import numba_backend
 
     total = 0.0
     direction = "both" if backward else "fwd"

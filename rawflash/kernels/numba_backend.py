@@ -31,9 +31,9 @@ from numba import config as numba_config
 from . import forms, launch, registry
 from .cupy_backend import run_head_dim
 from .launch import Launch, Problem
-from .numba_kernels import Twin, decode as _decode, fa1_fwd, fa2_bwd, fa2_fwd  # noqa: F401  (applies the numpy shim first)
-from .numba_kernels.params import BwdParams, DecodeParams, FwdParams
-from .settings import Settings
+from ..numba_kernels import Twin, decode as _decode, fa1_fwd, fa2_bwd, fa2_fwd  # noqa: F401  (the numpy shim first)
+from ..numba_kernels.params import BwdParams, DecodeParams, FwdParams
+from ..settings import Settings
 
 SIMULATOR = bool(numba_config.ENABLE_CUDASIM)
 # The twins favour clarity over occupancy (one thread per row); small test grids would warn on every launch.
@@ -71,7 +71,7 @@ def twin_of(lau: Launch, api_kernel: str = "fa2") -> Twin:
     if lau.kernel not in TWIN_FACTORIES:
         raise NotImplementedError(_no_twin(lau.kernel, api_kernel))
     module, factory = TWIN_FACTORIES[lau.kernel]
-    return getattr(importlib.import_module(f"{__package__}.numba_kernels.{module}"), factory)(*lau.template_args)
+    return getattr(importlib.import_module(f"rawflash.numba_kernels.{module}"), factory)(*lau.template_args)
 
 
 def run_problem(p: Problem) -> Problem:
@@ -193,7 +193,8 @@ def prepare(p: Problem, extras: dict | None, *arrays) -> Prepared:
 
 
 def _params(cls, pr: Problem, scale: float, extras: dict, **more):
-    """FwdParams / BwdParams of one call (rawflash/params.py's fields, as numba_kernels/params.py keeps them)."""
+    """FwdParams / BwdParams of one call (``kernels/params.py``'s fields, as ``numba_kernels/params.py`` keeps
+    them)."""
     left, right = pr.window_bounds
     slopes = extras.get("alibi_slopes")
     return cls(batch=pr.batch, seqlen_q=pr.seqlen_q, seqlen_k=pr.seqlen_k, heads=pr.heads, kv_heads=pr.kv_heads,
@@ -387,7 +388,7 @@ def _simulator_internals():
 
 def _twin_modules() -> list[dict]:
     """The globals of every twin module imported so far (``rawflash.numba_kernels.*``)."""
-    prefix = f"{__package__}.numba_kernels."
+    prefix = "rawflash.numba_kernels."
     return [m.__dict__ for name, m in list(sys.modules.items()) if name.startswith(prefix) and m is not None]
 
 

@@ -464,7 +464,7 @@ def io_bytes(kernel, direction, shape, *, Br=None, Bc=None, splits=1):
         'fa1' 'bwd' is FA1's Algorithm 4 (rawflash has no such kernel; it is the paper's baseline).
     shape : Shape
     Br, Bc : int, optional
-        Tile sizes, required for 'fa1' and 'fa2' (take them from ``rawflash.configs``); ignored for 'naive'.
+        Tile sizes, required for 'fa1' and 'fa2' (take them from ``rawflash.kernels.configs``); ignored for 'naive'.
     splits : int
         'fa1' 'fwd': the CTAs that share the Q blocks of a (batch, head) (its launch's grid z,
         ``launch.fa1_splits``); each reads the K/V blocks its Q blocks see. Ignored elsewhere.

@@ -15,8 +15,8 @@ import subprocess
 import sys
 from typing import Callable
 
+from ..kernels.launch import Problem
 from . import accuracy, bench, introspect, iomodel, sysinfo
-from .launch import Problem
 
 SHAPE = Problem(batch=4, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16",
                 causal=True)
@@ -78,7 +78,7 @@ def _timings(p: Problem, host: dict, q, k, v, dout, out, lse) -> list[dict]:
 def simulator_demo(step: Callable[[str], None]) -> dict:
     """The Numba twins on the CUDA simulator, in a child process; its status and grades."""
     env = sysinfo.child_env(NUMBA_ENABLE_CUDASIM="1")
-    proc = subprocess.Popen([sys.executable, "-m", "rawflash.demo_sim"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "rawflash.cli.demo_sim"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     result = {"status": "failed", "why": "the simulator process printed no result"}
     for line in proc.stdout:

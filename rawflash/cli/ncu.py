@@ -34,7 +34,7 @@ def command(ncu: str, log: str, problem: dict, kernel: str, direction: str) -> l
     """The ncu command line that profiles one call of ``kernel`` in ``direction`` on ``problem``."""
     spec = json.dumps({"problem": problem, "kernel": kernel, "direction": direction})
     return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--metrics", ",".join(METRICS),
-            "--csv", "--print-units", "base", "--log-file", log, sys.executable, "-m", "rawflash.ncu", spec]
+            "--csv", "--print-units", "base", "--log-file", log, sys.executable, "-m", "rawflash.cli.ncu", spec]
 
 
 def parse(text: str) -> dict:
@@ -86,8 +86,8 @@ def _profiled_call(spec: dict) -> None:
     import cupy
 
     import rawflash
-    from rawflash import accuracy
-    from rawflash.launch import Problem
+    from rawflash.cli import accuracy
+    from rawflash.kernels.launch import Problem
 
     p = Problem(**spec["problem"])
     x = {k: cupy.asarray(v) for k, v in accuracy.random_inputs(p).items()}

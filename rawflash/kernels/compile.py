@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import settings
+from .. import settings
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$", re.M)
@@ -39,7 +39,7 @@ def cuda_dir(override: str | None = None) -> Path:
     """The folder holding the ``.cu``/``.cuh`` sources: ``override`` when given (``settings.cuda_dir``, from
     ``RAWFLASH_CUDA_DIR``: to try a kernel change without reinstalling), else inside an installed wheel, else
     ``cuda/`` of a checkout."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the rawflash package folder (this file is in rawflash/kernels/)
     candidates = [Path(override)] if override else [here / "cuda", here.parent / "cuda"]
     for candidate in candidates:
         if (candidate / "core.cuh").is_file():

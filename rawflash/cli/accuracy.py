@@ -15,8 +15,9 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from . import reference, sysinfo
-from .launch import Problem
+from .. import reference
+from ..kernels.launch import Problem
+from . import sysinfo
 
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 REFERENCE_BUDGET = 8 << 30
@@ -56,8 +57,9 @@ def prepare_backend(backend: str, enable_simulator=None) -> str:
             raise Unavailable("backend 'cupy' needs a CUDA GPU and none is visible; use --backend reference, or "
                               "--backend numba (Numba's CUDA simulator on the CPU)")
         return f"backend 'cupy': CUDA C through NVRTC on {sysinfo.current_gpu().name}"
-    if importlib.util.find_spec("rawflash.numba_backend") is None:
-        raise Unavailable("backend 'numba' is not in this installation yet (rawflash/numba_backend.py is missing)")
+    if importlib.util.find_spec("rawflash.kernels.numba_backend") is None:
+        raise Unavailable("backend 'numba' is not in this installation yet "
+                          "(rawflash/kernels/numba_backend.py is missing)")
     if sysinfo.gpu_available():
         return f"backend 'numba': Numba CUDA kernels on {sysinfo.current_gpu().name}"
     if "numba" in sys.modules:

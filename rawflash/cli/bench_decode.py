@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from . import reference
+from .. import reference
 from .bench import _torch, time_ms
 
 IMPLS = ("rawflash", "torch-flash", "torch-cudnn", "torch-efficient")
@@ -137,7 +137,8 @@ def _rawflash(case: DecodeCase, q, kc, vc, kn, vn, lens, table, override=None):
     """(the kernels of one step bound once, the public call); ``override`` replaces tile rows in the bound one."""
     import rawflash
 
-    from . import cupy_backend, settings, validation
+    from .. import settings, validation
+    from ..kernels import cupy_backend
 
     causal = case.sq > 1
     c = validation.check_decode(q, kc, vc, lens, kn, vn, table, causal, None, "cupy", validation.Features())

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import click
 
-from . import _compile, accuracy, configs, forms, introspect, launch, registry, settings, sysinfo, validation
+from .. import settings, validation
+from ..kernels import compile, configs, forms, launch, registry
+from . import accuracy, introspect, sysinfo
 from . import bench as bench_mod
 from . import report as report_mod
 
@@ -78,7 +80,7 @@ class _Group(click.Group):
 @click.version_option(package_name="rawflash")
 def main():
     """rawflash: FlashAttention as raw CUDA C kernels, with the numbers that explain them."""
-    _compile.progress = _step  # slow compiles say so on stderr
+    compile.progress = _step  # slow compiles say so on stderr
 
 
 # ---------------------------------------------------------------- shared options and helpers
@@ -343,8 +345,9 @@ def launch_config(spec, kernel, direction, deterministic, gpu, arch, sms, as_jso
                                lambda dl: dl and dl[1].kernel)
     _emit({"shape": _shape_text(p), "target": tgt.description, "launches": rows,
            "notes": ["tiles, skipped: (Q block, K block) tiles over all (batch, head), causal skipping from iomodel",
-                     "ctas_per_sm: rawflash.occupancy with the compiled register count; waves = CTAs / (ctas_per_sm "
-                     "* SMs)"] + (["naive: the two cuBLAS products are not listed"] if kernel == "naive" else [])},
+                     "ctas_per_sm: rawflash.cli.occupancy with the compiled register count; "
+                     "waves = CTAs / (ctas_per_sm * SMs)"]
+           + (["naive: the two cuBLAS products are not listed"] if kernel == "naive" else [])},
           as_json)
 
 
@@ -542,7 +545,7 @@ def _duration(seconds: float) -> str:
 def _simulator_progress(callback) -> None:
     """Set (or clear) the Numba backend's progress callback; nothing to do when it could not be imported."""
     try:
-        from . import numba_backend
+        from ..kernels import numba_backend
     except ImportError:
         return
     numba_backend.simulator_progress = callback
@@ -583,9 +586,9 @@ class _SimulatorProgress:
 def ablate(ctx, dtype, head_dims, seqlens, causal, repeats, ladder, out_dir, as_json):
     """FA2 forward with each of its three ideas off alone, and all three off (B = 16384/N, H = 2048/d). GPU only.
 
-    --ladder: every rung of rawflash.ablation.LADDER on the same shapes, each validated, then timed, with its speedup
-    over the rung below and the HBM bytes 'rawflash io' predicts for it. Without a GPU it prints the rungs and the
-    predicted bytes, writes nothing and exits 1 (timing needs a GPU).
+    --ladder: every rung of rawflash.cli.ablation.LADDER on the same shapes, each validated, then timed, with its
+    speedup over the rung below and the HBM bytes 'rawflash io' predicts for it. Without a GPU it prints the rungs and
+    the predicted bytes, writes nothing and exits 1 (timing needs a GPU).
     """
     from . import ablation
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from ..settings import Settings
 from . import configs, launch, registry
 from .configs import TileConfig
 from .launch import Launch, Problem
-from .settings import Settings
 
 Override = dict[tuple[str, int, str], TileConfig]
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, configs, fp8, reference, validation
-from .validation import Checked, Features
+from .. import arrays, fp8, reference, validation
+from ..validation import Checked, Features
+from . import configs
 
 
 def forward(q, k, v, c: Checked, feats: Features, descales: dict, out_dtype, use_fp8, incoherent, kernel: str,

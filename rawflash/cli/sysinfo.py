@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from . import _compile
+from ..kernels import compile
 
 H200_SMS = 132
 """SMs of the H200 test machine: the default for wave counts where no GPU is visible."""
@@ -94,7 +94,7 @@ def cuda_versions() -> dict:
 
 def package_versions() -> dict:
     """Versions of CuPy and the packages rawflash uses or compares against, without importing them."""
-    from . import __version__
+    from .. import __version__
 
     out = {"rawflash": __version__}
     try:
@@ -116,7 +116,7 @@ def _version(dist: str) -> str:
 
 def cache_summary() -> dict:
     """Where compiled kernels persist (CuPy's disk cache, used on a GPU) and how much is there."""
-    path = _compile.cache_dir()
+    path = compile.cache_dir()
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
     return {"path": str(path), "exists": path.is_dir(), "files": len(files),
             "bytes": sum(p.stat().st_size for p in files)}
@@ -130,7 +130,7 @@ def tools() -> dict:
 def sources() -> dict:
     """Where the CUDA sources and the CUDA headers NVRTC compiles against were found."""
     out = {}
-    for key, probe in (("cuda sources", _compile.cuda_dir), ("cuda headers", _compile.cuda_include_dir)):
+    for key, probe in (("cuda sources", compile.cuda_dir), ("cuda headers", compile.cuda_include_dir)):
         try:
             out[key] = str(probe())
         except Exception as err:
@@ -140,7 +140,7 @@ def sources() -> dict:
 
 def child_env(**extra: str) -> dict:
     """This process's environment for a ``python -m rawflash.<module>`` child, with this rawflash importable."""
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding the rawflash package
     path = os.environ.get("PYTHONPATH")
     return dict(os.environ, PYTHONPATH=root + (os.pathsep + path if path else ""), **extra)
 
@@ -152,4 +152,4 @@ def summary() -> dict:
     return {"gpus": devices or "none visible (cupy.cuda.is_available() is False): GPU commands are unavailable; "
                                "offline compiles, models, the reference and the Numba simulator still work",
             "cuda": cuda_versions(), "packages": package_versions(), "kernel cache": cache_summary(),
-            "compile report cache": _compile.report_cache_summary(), "paths": sources(), "tools": tools()}
+            "compile report cache": compile.report_cache_summary(), "paths": sources(), "tools": tools()}

@@ -14,8 +14,9 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from . import accuracy, bench, forms, iomodel
-from .launch import Problem
+from ..kernels import forms
+from ..kernels.launch import Problem
+from . import accuracy, bench, iomodel
 
 VALIDATION_SEQLEN = 203  # ragged: not a multiple of any tile
 
@@ -230,7 +231,7 @@ def ladder_cases(dtype: str, head_dims, seqlens, causal: bool, tokens: int = 163
 def plan_of(r: Rung, p: Problem) -> tuple[list | None, str]:
     """The launches ``r`` makes for ``p`` (no GPU needed), or None and why it is not built (a switch
     ``rawflash.forward`` does not take yet) or cannot run (ValueError from the plan, e.g. wgmma off sm_90)."""
-    from . import api
+    from .. import api
 
     unknown = sorted(set(r.kwargs) - set(api.SWITCHES))
     if unknown:
