@@ -1,6 +1,7 @@
 """Time candidate tile configurations on a GPU (the numbers behind rawflash/kernels/configs.py).
 
     python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] [--which fwd,bwd,fwd_sm90,fwd_fa3,bwd_sm90,fwd_fp8]
+    python3 tools/tune.py --which fwd_fa3 --head-dims 128 --features window,dense   # bench --features' cases instead
 
 Each candidate is passed as a tile-row override (nothing in configs.TABLE changes), validated on a small problem
 by flash-attn's rule, then its kernels alone are timed (bench.bound_call) on the FA2 paper's shape (B = 16384 / N,
@@ -88,14 +89,68 @@ def valid(case: bench.Case, override: dict) -> str:
     return "ok"
 
 
+def valid_feature(case: bench.FeatureCase, override: dict) -> str:
+    """flash-attn's rule on a small problem with ``case``'s features (one sequence of 381, 2 heads) run with the
+    candidate."""
+    small = bench.FeatureCase(case.name, case.direction, 1, 381, 2, case.head_dim, case.causal,
+                              tuple((n, (64, 0) if n == "window" else x) for n, x in case.opts), switches=case.switches)
+    q, k, v, dout, feats = bench._feature_inputs(small)
+    bound = bench.feature_bound(small, q, k, v, dout, feats, override)
+    bound.launch()
+    got = bound.result()
+    host = {n: x.get() if hasattr(x, "get") else x for n, x in feats.items()}
+    hq, hk, hv, hdo = (x.get() for x in (q, k, v, dout))
+    if case.direction == "fwd":
+        pairs = [(got[0], reference.forward(hq, hk, hv, causal=case.causal, **host)[0],
+                  reference.forward(hq, hk, hv, causal=case.causal, upcast=False, **host)[0], 2)]
+    else:
+        refs = reference.backward(hdo, hq, hk, hv, causal=case.causal, **host)
+        bases = reference.backward(hdo, hq, hk, hv, causal=case.causal, upcast=False, **host)
+        pairs = [(g, r, b, 3) for g, r, b in zip(got, refs, bases)]
+    for g, ref, base, factor in pairs:
+        ok, err, _, bound_ = reference.error_ratio_ok(np.asarray(g.get(), np.float64), ref, base, hq.dtype, factor)
+        if not ok:
+            return f"invalid: error {err:.3g} > {bound_:.3g}"
+    return "ok"
+
+
+def tune_features(kernel: str, dims: list[int], prefixes: list[str]) -> None:
+    """Each candidate row on bench --features' cases whose names start with one of ``prefixes`` (bfloat16,
+    kernels alone), validated first on a small problem with the same features."""
+    for d in dims:
+        key = (kernel, d, "bfloat16")
+        cases = [c for c in bench.feature_cases(d) if c.name.startswith(tuple(prefixes))]
+        for cand in [None] + CANDIDATES.get(key, CANDIDATES.get((kernel, d), [])):
+            override = None if cand is None else {key: cand}
+            label = "table rows" if cand is None else (f"Br={cand.br} Bc={cand.bc} warps={cand.warps} "
+                                                       f"st={cand.stages} qst={cand.q_stages}")
+            for case in cases:
+                try:
+                    status = valid_feature(case, override)
+                    if status == "ok":
+                        q, k, v, dout, feats = bench._feature_inputs(case)
+                        ms = bench.time_ms(bench.feature_bound(case, q, k, v, dout, feats, override).launch, repeats=10)
+                        status = f"{case.flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s ({ms:.4f} ms)"
+                        del q, k, v, dout, feats
+                except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
+                    status = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+                print(f"{case.direction} d={d} {case.name}: {label}: {status}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", default="4096", help="one or more, comma-separated")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--which", default="fwd,bwd", help=f"comma-separated, of {', '.join(WHICH)}")
+    ap.add_argument("--features", default="", help="comma-separated prefixes of bench --features' case names "
+                    "(e.g. window,dense): time the candidates on those cases instead of the FA2 sweep's shapes")
     args = ap.parse_args()
     dims = [int(x) for x in args.head_dims.split(",")]
+    if args.features:
+        for which in args.which.split(","):
+            tune_features(WHICH[which][0], dims, args.features.split(","))
+        return
     for which in args.which.split(","):
         (kernel, impl), direction = WHICH[which], which.split("_")[0]
         dtype = DTYPE_OF.get(which, args.dtype)

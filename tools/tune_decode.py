@@ -2,7 +2,9 @@
 float64 reference on reduced cases: contiguous and paged, one and two query rows); PyTorch SDPA's flash backend is
 timed on the same contiguous shapes when PyTorch is importable. Prints one table; nothing is written to configs.py.
 
-    python3 tools/tune_decode.py [--repeats N] [--case SUBSTRING] [--br ROWS]
+    python3 tools/tune_decode.py [--repeats N] [--case SUBSTRING] [--br ROWS] [--splits 16,32,64,128]
+
+--splits times each row at those split counts too (beside forms.decode_splits's choice, marked "(model)").
 """
 from __future__ import annotations
 
@@ -37,11 +39,11 @@ SHAPES = {128: [bd.DecodeCase(8, 32768), bd.DecodeCase(1, 32768), bd.DecodeCase(
           64: [bd.DecodeCase(8, 8192, heads=16, kv_heads=16, head_dim=64), bd.DecodeCase(8, 32768, head_dim=64)]}
 
 
-def _bound(case, cfg, arrays):
+def _bound(case, cfg, arrays, splits=None):
     q, kc, vc, kn, vn, lens, table = arrays
     c = validation.check_decode(q, kc, vc, lens, kn, vn, table, case.sq > 1, None, "cupy", validation.Features())
     override = {("decode_split", case.head_dim, case.dtype): cfg}
-    return cupy_backend.bind_decode(c.problem, q, kc, vc, kn, vn, c.scale, None, c.extras, settings.load(), override)
+    return cupy_backend.bind_decode(c.problem, q, kc, vc, kn, vn, c.scale, splits, c.extras, settings.load(), override)
 
 
 def _valid(case, cfg) -> str:
@@ -54,11 +56,17 @@ def _valid(case, cfg) -> str:
     return "ok"
 
 
+def _model_splits(bound) -> str:
+    """The split count a bound decode call runs (cupy_backend.bind_decode keeps its DecodePlan), '?' when unbound."""
+    return "?" if bound is None else str(bound.plan_info.num_splits)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--case", default="", help="only the shapes whose name contains this (e.g. 'h32/1': MQA)")
     ap.add_argument("--br", type=int, default=0, help="only the candidates of this many packed rows (and the table's)")
+    ap.add_argument("--splits", default="", help="comma-separated split counts to time beside the model's choice")
     args = ap.parse_args()
     import cupy
 
@@ -68,21 +76,30 @@ def main() -> None:
         for case in (c for c in SHAPES[d] if args.case in c.name):
             arrays = bd._inputs(case)
             if _torch() is not None and not case.page:
-                ms = time_ms(bd._torch_call("torch-flash", case, *arrays[:3]), repeats=args.repeats)
-                lines.append((case.name, "torch-flash", ms, case.bytes_moved() / ms / 1e6, "ok"))
+                for peer in ("torch-flash", "torch-cudnn"):
+                    try:
+                        ms = time_ms(bd._torch_call(peer, case, *arrays[:3]), repeats=args.repeats)
+                        lines.append((case.name, peer, ms, case.bytes_moved() / ms / 1e6, "ok"))
+                    except Exception as err:  # a backend PyTorch does not offer for this shape
+                        lines.append((case.name, peer, float("nan"), float("nan"), f"unavailable: {type(err).__name__}"))
             for cfg in (c for c in cands if not args.br or c.br == args.br or c == current):
                 label = f"br{cfg.br} bc{cfg.bc} w{cfg.warps} s{cfg.stages}" + (" (table)" if cfg == current else "")
                 try:
                     status = _valid(case, cfg)
-                    ms = time_ms(_bound(case, cfg, arrays).launch, repeats=args.repeats) if status == "ok" else float("nan")
                 except Exception as err:  # a candidate that does not fit (shared memory) is reported
-                    status, ms = f"failed: {type(err).__name__}: {str(err)[:80]}", float("nan")
-                lines.append((case.name, label, ms, case.bytes_moved() / ms / 1e6, status))
+                    status = f"failed: {type(err).__name__}: {str(err)[:80]}"
+                for splits in [None] + [int(x) for x in args.splits.split(",") if x]:
+                    bound, ms = None, float("nan")
+                    if status == "ok":
+                        bound = _bound(case, cfg, arrays, splits)
+                        ms = time_ms(bound.launch, repeats=args.repeats)
+                    shown = f" splits={splits if splits else str(_model_splits(bound)) + ' (model)'}"
+                    lines.append((case.name, label + shown, ms, case.bytes_moved() / ms / 1e6, status))
             del arrays
             cupy.get_default_memory_pool().free_all_blocks()
-    print(f"{'case':40s} {'row':30s} {'ms':>8s} {'GB/s':>8s}  status")
+    print(f"{'case':40s} {'row':46s} {'ms':>8s} {'GB/s':>8s}  status")
     for name, label, ms, gbs, status in lines:
-        print(f"{name:40s} {label:30s} {ms:8.4f} {gbs:8.0f}  {status}")
+        print(f"{name:40s} {label:46s} {ms:8.4f} {gbs:8.0f}  {status}")
 
 
 if __name__ == "__main__":

@@ -458,9 +458,9 @@ def _feature_inputs(case: FeatureCase):
     return q, k, v, dout, feats
 
 
-def feature_bound(case: FeatureCase, q, k, v, dout, feats):
+def feature_bound(case: FeatureCase, q, k, v, dout, feats, override=None):
     """The call of ``case`` bound once (its kernels alone are timed; the public call, which checks cu_seqlens on
-    the host, is timed beside it)."""
+    the host, is timed beside it); ``override`` replaces tile rows (tools/tune.py --features)."""
     import rawflash
 
     from .. import settings, validation
@@ -473,10 +473,10 @@ def feature_bound(case: FeatureCase, q, k, v, dout, feats):
     if case.direction == "fwd":
         c = validation.check_forward(q, k, v, case.causal, None, "fa2", "cupy", f)
         return cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", forms.Switches(**dict(case.switches)),
-                                         extras=c.extras, env=env)
+                                         extras=c.extras, env=env, override=override)
     out, lse = rawflash.forward(q, k, v, causal=case.causal, **feats)
     c = validation.check_backward(dout, q, k, v, out, lse, case.causal, None, False, "cupy", f)
-    return cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, False, c.extras, env)
+    return cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, False, c.extras, env, override)
 
 
 def run_features(repeats: int = 10) -> list[dict]:
