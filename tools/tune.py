@@ -73,17 +73,23 @@ def valid(case: bench.Case, override: dict) -> str:
     if case.dtype == configs.FP8:  # the FP8 bounds against the reference of the dequantised inputs
         ok, why = bench._validate_fp8(small, q, k, v, dout, got)
         return "ok" if ok else f"invalid: {why}"
+    return _rule(case.direction, case.causal, got, q, k, v, dout, {})
+
+
+def _rule(direction: str, causal: bool, got, q, k, v, dout, feats: dict) -> str:
+    """flash-attn's rule (forward 2x, gradients 3x the naive error) for a bound call's result against the float64
+    reference of the same inputs and feature arguments."""
+    host = {n: x.get() if hasattr(x, "get") else x for n, x in feats.items()}
     hq, hk, hv, hdo = (x.get() for x in (q, k, v, dout))
-    if case.direction == "fwd":
-        pairs = [(got[0], reference.forward(hq, hk, hv, causal=case.causal)[0],
-                  reference.forward(hq, hk, hv, causal=case.causal, upcast=False)[0], 2)]
+    if direction == "fwd":
+        pairs = [(got[0], reference.forward(hq, hk, hv, causal=causal, **host)[0],
+                  reference.forward(hq, hk, hv, causal=causal, upcast=False, **host)[0], 2)]
     else:
-        refs = reference.backward(hdo, hq, hk, hv, causal=case.causal)
-        bases = reference.backward(hdo, hq, hk, hv, causal=case.causal, upcast=False)
+        refs = reference.backward(hdo, hq, hk, hv, causal=causal, **host)
+        bases = reference.backward(hdo, hq, hk, hv, causal=causal, upcast=False, **host)
         pairs = [(g, r, b, 3) for g, r, b in zip(got, refs, bases)]
     for g, ref, base, factor in pairs:
-        g = g.get()
-        ok, err, _, bound_ = reference.error_ratio_ok(np.asarray(g, np.float64), ref, base, hq.dtype, factor)
+        ok, err, _, bound_ = reference.error_ratio_ok(np.asarray(g.get(), np.float64), ref, base, hq.dtype, factor)
         if not ok:
             return f"invalid: error {err:.3g} > {bound_:.3g}"
     return "ok"
@@ -97,21 +103,7 @@ def valid_feature(case: bench.FeatureCase, override: dict) -> str:
     q, k, v, dout, feats = bench._feature_inputs(small)
     bound = bench.feature_bound(small, q, k, v, dout, feats, override)
     bound.launch()
-    got = bound.result()
-    host = {n: x.get() if hasattr(x, "get") else x for n, x in feats.items()}
-    hq, hk, hv, hdo = (x.get() for x in (q, k, v, dout))
-    if case.direction == "fwd":
-        pairs = [(got[0], reference.forward(hq, hk, hv, causal=case.causal, **host)[0],
-                  reference.forward(hq, hk, hv, causal=case.causal, upcast=False, **host)[0], 2)]
-    else:
-        refs = reference.backward(hdo, hq, hk, hv, causal=case.causal, **host)
-        bases = reference.backward(hdo, hq, hk, hv, causal=case.causal, upcast=False, **host)
-        pairs = [(g, r, b, 3) for g, r, b in zip(got, refs, bases)]
-    for g, ref, base, factor in pairs:
-        ok, err, _, bound_ = reference.error_ratio_ok(np.asarray(g.get(), np.float64), ref, base, hq.dtype, factor)
-        if not ok:
-            return f"invalid: error {err:.3g} > {bound_:.3g}"
-    return "ok"
+    return _rule(case.direction, case.causal, bound.result(), q, k, v, dout, feats)
 
 
 def tune_features(kernel: str, dims: list[int], prefixes: list[str]) -> None:

@@ -89,12 +89,15 @@ def main() -> None:
                 except Exception as err:  # a candidate that does not fit (shared memory) is reported
                     status = f"failed: {type(err).__name__}: {str(err)[:80]}"
                 for splits in [None] + [int(x) for x in args.splits.split(",") if x]:
-                    bound, ms = None, float("nan")
+                    bound, ms, why = None, float("nan"), status
                     if status == "ok":
-                        bound = _bound(case, cfg, arrays, splits)
-                        ms = time_ms(bound.launch, repeats=args.repeats)
-                    shown = f" splits={splits if splits else str(_model_splits(bound)) + ' (model)'}"
-                    lines.append((case.name, label + shown, ms, case.bytes_moved() / ms / 1e6, status))
+                        try:
+                            bound = _bound(case, cfg, arrays, splits)
+                            ms = time_ms(bound.launch, repeats=args.repeats)
+                        except Exception as err:  # e.g. a split count whose grid or work buffers do not fit
+                            why = f"failed: {type(err).__name__}: {str(err)[:80]}"
+                    shown = f" splits={splits if splits else _model_splits(bound) + ' (model)'}"
+                    lines.append((case.name, label + shown, ms, case.bytes_moved() / ms / 1e6, why))
             del arrays
             cupy.get_default_memory_pool().free_all_blocks()
     print(f"{'case':40s} {'row':46s} {'ms':>8s} {'GB/s':>8s}  status")
