@@ -128,7 +128,9 @@ def backward(dout, q, k, v, *, causal=False, scale=None, window=(-1, -1), softca
         Summed over the query heads that share each kv head. float64 when ``upcast``, else the input dtype.
         Rows of dq that see no key are exactly 0.
     dsinks : ndarray (heads,), only when ``sinks`` is given
-        ``-sum_i exp(sink - lse_i) D_i`` over every row of every sequence (float64, or float32 when not upcast).
+        ``-sum_i exp(sink - lse_i) D_i`` over every row of every sequence (float64, or float32 when not upcast;
+        then each row's sink probability and its share are rounded to the input dtype first, as autograd rounds
+        the sink's column of a naive implementation that concatenates the sink to the scores).
     """
     opts = _Options(causal, scale, window, softcap, alibi_slopes, sinks)
     named = {"q": q, "k": k, "v": v, "dout": dout}
@@ -170,7 +172,11 @@ def _backward_dense(named, opts, upcast):
     if att.sinks is None:
         return grads
     with np.errstate(invalid="ignore"):  # rows with lse = +-inf contribute 0
-        share = np.where(np.isfinite(lse[..., None]), np.exp(att.sinks - lse[..., None]), 0.0) * delta
+        sink_probs = np.where(np.isfinite(lse[..., None]), np.exp(att.sinks - lse[..., None]), 0.0)
+    # The sink is one more column of the scores (as gpt-oss's reference concatenates it): its probability and its
+    # gradient P_sink * (0 - D) are elements of the probability and score-gradient tensors, rounded to the input
+    # dtype like the rest of them, before the sum over rows in the accumulator dtype (a no-op when upcast).
+    share = _round(_round(sink_probs, dtype) * delta, dtype)
     dsinks = -np.sum(share, axis=(0, 3, 4)).reshape(-1)
     return (*grads, dsinks.astype(np.float64 if upcast else _accumulator(dtype)))
 
