@@ -16,7 +16,7 @@ import pytest
 
 import rawflash
 from rawflash import reference
-from rawflash.kernels import forms, launch
+from rawflash.kernels import configs, forms, launch
 from rawflash.kernels.configs import tile_config
 from conftest import DTYPES
 from test_numba_gpu import PTX_CHECK as _FWD_PTX_CHECK
@@ -242,7 +242,7 @@ def test_decode_append_is_folded_iff_one_row_group(heads, kv_heads, sq, d, dtype
     p = launch.Problem(3, sq, 4096, heads, kv_heads, d, dtype, sq > 1, seqused_k=True, new_keys=sq,
                        window=window)
     plan = forms.decode_plan(p, 8)
-    cfg = tile_config("decode_split", d, dtype, "sm_90")
+    cfg = next(lau.config for lau in plan.launches if lau.kernel == "decode_split")
     one_group = (heads // kv_heads) * sq <= cfg.br
     assert plan.split_appends == one_group == forms.decode_split_appends(p, cfg)
     kernels = [lau.kernel for lau in plan.launches]
@@ -364,10 +364,13 @@ def test_explain_decode_shows_the_split_plan():
     assert split["grid"] == "x".join(map(str, want.launches[0].grid))
     asked = _explain("--batch", 2, "--seqlen-q", 4, "--seqlen-k", 1000, "--num-splits", 7)
     assert asked["split plan"]["num_splits"] == 7 and "you" in asked["split plan"]["chosen by"]
-    mqa = _explain("--batch", 2, "--seqlen-q", 1, "--seqlen-k", 1000, "--heads", 32, "--kv-heads", 1,
+    mqa = _explain("--batch", 2, "--seqlen-q", 2, "--seqlen-k", 1000, "--heads", 32, "--kv-heads", 1,
                    "--num-splits", 40)
     assert [r["kernel"] for r in mqa["launches"]] == ["decode_append", "decode_split", "decode_combine"]
     assert mqa["split plan"]["append"].startswith("decode_append first: 2 row groups")
+    assert "many packed rows" in next(r for r in mqa["launches"] if r["kernel"] == "decode_split")["note"]
+    one = _explain("--batch", 2, "--seqlen-q", 1, "--seqlen-k", 1000, "--heads", 32, "--kv-heads", 1)
+    assert [r["kernel"] for r in one["launches"]][0] == "decode_split", "MQA 32 / 1: one row group of 32"
 
 
 def test_explain_decode_refuses_what_decode_refuses():
@@ -841,3 +844,19 @@ def test_decode_twins_compile_to_ptx():
         pytest.skip(got["skip"])
     assert not got["failed"], "\n".join(got["failed"])
     assert got["compiled"] == 32
+
+
+@pytest.mark.parametrize("heads,kv_heads,sq,dtype,wide", [(32, 1, 1, "bfloat16", True), (32, 8, 4, "float16", False),
+                                                        (32, 8, 8, "bfloat16", True), (16, 1, 1, "bfloat16", False)])
+def test_many_packed_rows_take_the_32_row_tile(heads, kv_heads, sq, dtype, wide):
+    """More than 16 packed rows per kv head at d = 128 (MQA 32 / 1, long speculative chunks): 32-row tiles
+    (configs.MANY_ROWS_DECODE), so each row group reads the cache once per 32 rows and MQA 32 / 1 is one row group
+    (the append folded into decode_split); 16 rows or fewer keep the table's row. Other head dims keep theirs."""
+    p = launch.Problem(8, sq, 32768, heads, kv_heads, 128, dtype, sq > 1, seqused_k=True, new_keys=sq)
+    cfg = next(lau.config for lau in forms.decode_plan(p).launches if lau.kernel == "decode_split")
+    assert cfg == (configs.MANY_ROWS_DECODE[("decode_split", 128, dtype)] if wide else
+                   tile_config("decode_split", 128, dtype, "sm_90"))
+    assert forms.decode_split_appends(p, cfg) == ((heads // kv_heads) * sq <= cfg.br)
+    d64 = dataclasses.replace(p, head_dim=64)
+    assert next(lau.config for lau in forms.decode_plan(d64).launches if lau.kernel == "decode_split") == \
+        tile_config("decode_split", 64, dtype, "sm_90")

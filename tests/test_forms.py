@@ -78,8 +78,26 @@ def test_short_causal_calls_take_their_own_rows(d, short, table):
     assert shape(fwd(seqlen_q=1, seqlen_k=1024)) == short
     assert shape(fwd(seqlen_q=1024, seqlen_k=1025)) == table, "more keys than SHORT_CAUSAL_SEQLEN"
     assert shape(fwd(causal=False)) == table
-    assert shape(fwd(window=(64, 0))) == table, "the general policy keeps the table's rows"
+    assert shape(fwd(softcap=5.0)) == table, "the general policy keeps the table's rows"
     assert fwd().smem == launch.smem_fa3_fwd_sm90(fwd().config, d) <= 232448
+
+
+@pytest.mark.parametrize("d", [96, 128])
+def test_short_windows_take_their_own_rows(d):
+    fwd = lambda **kw: forms.fa2_forward(Problem(**{**dict(batch=2, seqlen_q=16384, seqlen_k=16384, heads=4,  # noqa: E731
+                                                        kv_heads=4, head_dim=d, dtype="bfloat16", causal=True,
+                                                        arch="sm_90"), **kw}))
+    row = configs.WINDOW_ROWS[("fa3_fwd_sm90", d, "bfloat16")]
+    assert fwd(window=(1024, 0)).config == row, "the measured case: (1024, 0) causal"
+    assert fwd(window=(64, 17), causal=False).config == row, "two-sided, 81 keys beside the diagonal"
+    assert fwd(window=(1025, 0)).config == configs.TABLE[("fa3_fwd_sm90", d, "bfloat16")], "wider than the span"
+    assert fwd(window=(64, -1), causal=False).config != row, "unbounded on the right"
+    assert fwd(window=(-1, 0), causal=False).config != row, "unbounded on the left (causal as a window)"
+    assert fwd(causal=False).config != row and fwd(softcap=5.0).config != row
+    assert fwd(window=(1024, 0)).smem <= 232448
+    names = {lau.name_expression for lau in forms.all_instantiations("sm_90")}
+    assert fwd(window=(8, 0), seqlen_q=1, seqlen_k=1).name_expression in names
+    assert fwd(window=(4096, 0)).name_expression in names, "a wide window's table row is instantiated too"
 
 
 @pytest.mark.parametrize("d,dtype,arch", [(128, "float32", "sm_90"), (128, "bfloat16", "sm_80"),

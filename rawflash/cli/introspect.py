@@ -22,6 +22,17 @@ DEFAULT_GPU = "H200"
 """The target where neither a GPU nor ``--gpu`` says otherwise: the H200 test machine (sm_90)."""
 DEFAULT_ARCH = "sm_90"
 ELEMENTWISE_NOTE = "elementwise: no tiles"
+SITUATION_NOTES = {  # forms.situations' names, as explain says them
+    "short_causal": f"short causal row (<= {configs.SHORT_CAUSAL_SEQLEN} keys)",
+    "short_window": f"short window row (<= {configs.SHORT_WINDOW_SPAN} keys beside the diagonal)",
+    "many_decode_rows": f"many packed rows' row (> {configs.MANY_DECODE_ROWS} query rows per kv head)",
+}
+
+
+def situation_notes(p: Problem, lau: Launch) -> list[str]:
+    """Which situation's tile row (configs.SITUATION_ROWS, forms.situations) ``lau`` runs, if any."""
+    return [f"the {SITUATION_NOTES[name]}: configs.SITUATION_ROWS[{name!r}]" for name in forms.situations(p)
+            if lau.config is not None and lau.config in configs.SITUATION_ROWS[name].values()]
 
 
 # ---------------------------------------------------------------- the call, validated as the API validates it
@@ -534,9 +545,7 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                                                   else ""))
                 if lau.config.q_stages > 1:
                     add_note(row, f"{lau.config.q_stages} Q_i buffers (the next tile's Q_i copied during this one)")
-                if lau.config in configs.SHORT_CAUSAL_ROWS.values() and forms.short_causal(p):
-                    add_note(row, f"the short causal row (<= {configs.SHORT_CAUSAL_SEQLEN} keys: "
-                                  "configs.SHORT_CAUSAL_ROWS)")
+            add_note(row, *situation_notes(p, lau))
             if row["kernel"] == "fa3_bwd_sm90" and deterministic:
                 add_note(row, "deterministic: dQ reduce-adds in a fixed order per query block (int32 semaphores)")
     report["predicted"] = [_brief_io(io_row(p, kernel if d == "fwd" else "fa2", d, tgt)) for d in dirs]
@@ -684,7 +693,8 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
         row = launch_row(kp, "decode", lau)
         row.pop("note", None)
         row["tiles"] = row["skipped"] = None
-        report["launches"].append(add_note(row, roles[lau.kernel], fit_problem(row["smem"], tgt.arch)))
+        report["launches"].append(add_note(row, roles[lau.kernel], *situation_notes(kp, lau),
+                                           fit_problem(row["smem"], tgt.arch)))
     tiles = launch.cdiv(max(1, kp.seqlen_k), cfg.bc)
     cache_bytes = 2 * p.batch * (x["cache_seqlens"] + new_keys) * p.kv_heads * p.head_dim * p.itemsize
     combine = plan.launches[-1].kernel  # forms.decode_combine's choice

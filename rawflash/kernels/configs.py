@@ -234,6 +234,36 @@ SHORT_CAUSAL_ROWS: dict[tuple[str, int, str], TileConfig] = {
        for d in (96, 128) for dt in _16BIT},
 }
 
+# Sliding windows of at most SHORT_WINDOW_SPAN keys (left + right, the diagonal's key aside; the general policy):
+# a query tile sees a band of keys whose two ends are partly masked, and 128-key blocks waste less of it than the
+# table's 176. tools/tune.py --which fwd_fa3 --features window,dense, session 10 (H200, bf16, d = 128, N = 16384,
+# window (1024, 0) causal, TFLOP/s over the visible pairs): 463 vs the table's 128 x 176: 420, 128 x 128 with one
+# Q_i buffer 456, 128 x 160: 421 (2 Q_i buffers: 429), 128 x 112: 416. Measured at d = 128 only; d = 96 shares its
+# rows. Wider windows keep the table's rows (unmeasured: they approach dense attention).
+SHORT_WINDOW_SPAN = 1024
+WINDOW_ROWS: dict[tuple[str, int, str], TileConfig] = {
+    ("fa3_fwd_sm90", d, dt): TileConfig(128, 128, 12, stages=2, q_stages=2,
+                                        why="463 vs 128x176: 420 (window (1024, 0), N = 16384)")
+    for d in (96, 128) for dt in _16BIT
+}
+
+# Decode calls that pack more than 16 query rows per kv head (the GQA group x seqlen_q: MQA 32 / 1, speculative
+# chunks): with the table's 16-row row every 16 rows are a row group of their own, and each row group's CTAs read
+# the whole cache again; 32 rows read it once per 32. At d = 128 the 32-row tile takes 255 registers and spills
+# 24 B after its key loop (KNOWN_SPILLS). tools/tune_decode.py, session 10 (H200, bf16, b 8, N = 32768, MQA 32 / 1,
+# d = 128, the model's split counts): 32 x 16, 4 warps, 2 stages 0.0629 ms vs the table's 16 x 16: 0.0727;
+# 32 x 16 x 4 with 3 stages 0.0683 - 0.0703, with 2 warps 0.0691; torch-cudnn 0.0557 - 0.0568. Measured at d = 128.
+MANY_DECODE_ROWS = 16
+MANY_ROWS_DECODE: dict[tuple[str, int, str], TileConfig] = {
+    ("decode_split", 128, dt): TileConfig(32, 16, 4, stages=2, why="0.0629 vs 16x16: 0.0727 ms (MQA b 8 N 32768)")
+    for dt in _16BIT
+}
+
+# The rows of a situation (forms.situations names the ones that hold for a call), before the table's.
+SITUATION_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
+    "short_causal": SHORT_CAUSAL_ROWS, "short_window": WINDOW_ROWS, "many_decode_rows": MANY_ROWS_DECODE,
+}
+
 # Instantiations allowed to spill (name expression, arch) -> bytes of spill stores + loads, each with its reason.
 # tests/test_compile.py fails if anything else spills, or if one of these stops spilling.
 KNOWN_SPILLS: dict[tuple[str, str], int] = {
@@ -260,6 +290,10 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     ("decode_split<float, 192, 1, 16, 2, 2, 110592>", "sm_80"): 48,
     ("decode_split<float, 256, 1, 16, 2, 2, 147456>", "sm_80"): 56,
     ("decode_split<float, 256, 1, 16, 2, 2, 147456>", "sm_90"): 48,
+    # MANY_ROWS_DECODE's 32-row tile at d = 128 (MQA 32 / 1): 255 registers, the spill after the key loop (session
+    # 9's SASS); measured faster than the 16-row tile that does not spill (0.0629 vs 0.0727 ms, session 10).
+    ("decode_split<__half, 128, 2, 16, 2, 4, 73728>", "sm_90"): 16,
+    ("decode_split<__nv_bfloat16, 128, 2, 16, 2, 4, 73728>", "sm_90"): 24,
 }
 
 
@@ -278,10 +312,12 @@ def arch_family(arch: str) -> str:
 
 def tile_config(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90",
                 override: dict[tuple[str, int, str], TileConfig] | None = None, general: bool = False,
-                short_causal: bool = False) -> TileConfig:
+                situations: tuple[str, ...] = ()) -> TileConfig:
     """The row for ``kernel`` at the specialised head_dim covering ``head_dim``, for ``dtype`` (a name) on ``arch``;
     ``general``: for the general policy's instantiations (a row's ``general_min_blocks`` then applies);
-    ``short_causal``: a plain causal call of at most SHORT_CAUSAL_SEQLEN keys (SHORT_CAUSAL_ROWS where they have one).
+    ``situations``: names of SITUATION_ROWS that hold for the call (rawflash.kernels.forms.situations decides); the
+    first with a row for the key gives it, on the sm_90 family (the rows were measured on the H200; other
+    architectures keep their table rows).
 
     ``override`` (tools/tune.py's candidates) takes precedence over the table, keyed like it.
     """
@@ -290,8 +326,9 @@ def tile_config(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90",
         return override[key]
     if key not in TABLE:
         raise KeyError(f"no tile configuration for kernel={kernel!r}, head_dim={head_dim}, dtype={dtype!r}")
-    if short_causal and key in SHORT_CAUSAL_ROWS:
-        return SHORT_CAUSAL_ROWS[key]
+    for name in situations if arch_family(arch) == "sm_90" else ():  # measured on the H200 only
+        if key in SITUATION_ROWS[name]:
+            return SITUATION_ROWS[name][key]
     row = ARCH_ROWS.get(arch_family(arch), {}).get(key, TABLE[key])
     if general and row.general_min_blocks:
         row = dataclasses.replace(row, min_blocks=row.general_min_blocks)

@@ -101,8 +101,29 @@ def short_causal(p: Problem) -> bool:
     return p.mask == launch.CAUSAL and not p.general and p.seqlen_k <= configs.SHORT_CAUSAL_SEQLEN
 
 
+def short_window(p: Problem) -> bool:
+    """Whether ``p`` takes configs.WINDOW_ROWS: a window bounded on both sides (causal bounds the right at 0) whose
+    keys beside the diagonal number at most SHORT_WINDOW_SPAN."""
+    left, right = p.window_bounds
+    return p.mask == launch.WINDOW and left >= 0 and right >= 0 and left + right <= configs.SHORT_WINDOW_SPAN
+
+
+def many_decode_rows(p: Problem) -> bool:
+    """Whether ``p`` takes configs.MANY_ROWS_DECODE: more than MANY_DECODE_ROWS packed query rows per kv head."""
+    return (p.heads // p.kv_heads) * p.seqlen_q > configs.MANY_DECODE_ROWS
+
+
+SITUATIONS = {"short_causal": short_causal, "short_window": short_window, "many_decode_rows": many_decode_rows}
+
+
+def situations(p: Problem) -> tuple[str, ...]:
+    """The names of configs.SITUATION_ROWS whose predicate holds for ``p`` (each row is keyed by its kernel, so a
+    decode situation never changes a forward's row)."""
+    return tuple(name for name, holds in SITUATIONS.items() if holds(p))
+
+
 def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
-    return configs.tile_config(kernel, p.padded_head_dim, p.dtype, p.arch, override, p.general, short_causal(p))
+    return configs.tile_config(kernel, p.padded_head_dim, p.dtype, p.arch, override, p.general, situations(p))
 
 
 def hopper_form_fits(kernel: str, p: Problem) -> bool:
@@ -393,9 +414,12 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=False)),
                                  fa2_forward(p, Switches(wgmma=True, warp_specialize=False, overlap=False))]
                 if hopper_form_fits("fa3_fwd_sm90", p):
-                    # a plain causal p of one key takes configs.SHORT_CAUSAL_ROWS; a longer twin, the table's rows
+                    # a plain causal p of one key takes configs.SHORT_CAUSAL_ROWS, a short window WINDOW_ROWS; a
+                    # longer twin, or a wider window, the table's rows
                     n = configs.SHORT_CAUSAL_SEQLEN + 1
                     sizes = (p, dataclasses.replace(p, seqlen_q=n, seqlen_k=n)) if short_causal(p) else (p,)
+                    if short_window(p):
+                        sizes += (dataclasses.replace(p, window=(configs.SHORT_WINDOW_SPAN + 1, 0)),)
                     launches += [fa2_forward(x, Switches(wgmma=True, warp_specialize=True)) for x in sizes]
                     if not p.general and d in (64, 128):  # FA3's ablation, at the FA2 paper's head dims
                         launches += [fa2_forward(x, sw) for sw in ABLATIONS.values() if sw.warp_specialize
@@ -417,6 +441,9 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                 if not p.general and not p.causal:  # decode has one instantiation per (dtype, head_dim)
                     dp = dataclasses.replace(p, seqlen_k=4096, new_keys=1)
                     launches += decode_plan(dp, 8).launches  # the fold and the warp combine
+                    wide = dataclasses.replace(dp, heads=configs.MANY_DECODE_ROWS + 16)  # MANY_ROWS_DECODE's rows
+                    if many_decode_rows(wide):
+                        launches += decode_plan(wide, 8).launches
                     launches += [launch.decode_append(dp), launch.decode_combine(dp)]  # and the other forms
                 for lau in launches:
                     out.setdefault(lau.name_expression, lau)
