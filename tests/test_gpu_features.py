@@ -113,7 +113,7 @@ def check_feature(sq, sk, h, hk, d, dtype, opts, seed=0, backward=True, determin
     grads = rawflash.backward(_device(dout), _device(q), _device(k), _device(v), _device(out), _device(lse), **dq_,
                               deterministic=deterministic)
     refs = reference.backward(dout, q, k, v, **extra)
-    bases = reference.backward(dout, q, k, v, upcast=False, **extra)
+    bases = reference.backward_bases(dout, q, k, v, refs, **extra)
     names = ("dq", "dk", "dv", "dsinks")
     assert len(grads) == len(refs) == (4 if "sinks" in extra else 3)
     for name, g, ref, base in zip(names, grads, refs, bases):

@@ -82,7 +82,7 @@ def _assert_forward_ok(q, k, v, out, lse, **features):
 def _assert_backward_ok(dout, q, k, v, grads, out=None, lse=None, **features):
     given = {} if out is None else {"out": out, "lse": lse}
     refs = reference.backward(dout, q, k, v, **features, **given)
-    bases = reference.backward(dout, q, k, v, upcast=False, **features, **given)
+    bases = reference.backward_bases(dout, q, k, v, refs, **features, **given)
     assert len(grads) == len(refs) == (4 if "sinks" in features else 3)
     for name, ours, ref, base, like in zip(("dq", "dk", "dv", "dsinks"), grads, refs, bases, (q, k, v, None)):
         if like is None:

@@ -406,3 +406,26 @@ def test_naive_dsinks_rounds_each_rows_share():
     err = lambda g: float(np.abs(g.astype(np.float64) - exact).max())
     assert err(rounded_out) > 0.0015  # the float16 O alone costs this much
     assert reference.error_ratio_ok(rounded_out, exact, naive, np.float32, 3)[0]
+
+
+def test_dsinks_base_is_the_larger_of_the_naive_and_flashattentions_floor():
+    """reference.backward_bases: dq, dk, dv keep the naive bases; dsinks takes whichever of the naive and the
+    float64 backward from the rounded exact O is further from the exact gradient (test_numba_sim.py's bfloat16
+    varlen + window + sinks case: the floor 0.00202, the naive 0.00066, the twin on the simulator 0.00202), and
+    is the naive one without sinks."""
+    from test_numba_sim import SMALL16, _feature_inputs
+
+    opts = dict(varlen=True, window=(4, 0), causal=True, sinks="random")
+    q, k, v, extra = _feature_inputs(SMALL16, "bfloat16", opts, 0)
+    dout = np.random.default_rng(7).standard_normal(q.shape).astype(q.dtype)
+    exact = reference.backward(dout, q, k, v, **extra)
+    naive = reference.backward(dout, q, k, v, upcast=False, **extra)
+    bases = reference.backward_bases(dout, q, k, v, exact, **extra)
+    for got, want in zip(bases[:3], naive[:3]):
+        assert np.array_equal(got, want)
+    err = lambda g: float(np.abs(np.asarray(g, np.float64) - exact[3]).max())
+    assert err(bases[3]) > 3 * err(naive[3]) and bases[3].dtype == naive[3].dtype == np.float32
+    plain = {n: x for n, x in extra.items() if n != "sinks"}
+    exact3 = reference.backward(dout, q, k, v, **plain)
+    assert all(np.array_equal(a, b) for a, b in zip(reference.backward_bases(dout, q, k, v, exact3, **plain),
+                                                    reference.backward(dout, q, k, v, upcast=False, **plain)))
