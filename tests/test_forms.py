@@ -176,9 +176,10 @@ def test_api_refuses_bad_wgmma_switch_before_launch():
     (128, "bfloat16", "sm_90", False, "fa3_bwd_sm90"), (40, "float16", "sm_90", False, "fa3_bwd_sm90"),
     (128, "bfloat16", "sm_90", True, "fa3_bwd_sm90"), (64, "float16", "sm_90", True, "fa3_bwd_sm90"),
     (256, "bfloat16", "sm_90", True, "fa2_bwd"), (128, "float32", "sm_90", True, "fa2_bwd"),
-    (128, "bfloat16", "sm_80", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa2_bwd_sm90"),
+    (128, "bfloat16", "sm_80", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa3_bwd_sm90"),
     (96, "bfloat16", "sm_90", False, "fa3_bwd_sm90"), (32, "float16", "sm_90", False, "fa3_bwd_sm90"),
-    (192, "bfloat16", "sm_90", False, "fa2_bwd"),
+    (192, "bfloat16", "sm_90", False, "fa3_bwd_sm90"), (224, "float16", "sm_90", False, "fa3_bwd_sm90"),
+    (192, "float16", "sm_90", True, "fa2_bwd"),
     (128, "float32", "sm_90", False, "fa2_bwd"), (128, "bfloat16", "sm_80", False, "fa2_bwd")])
 def test_backward_form_choice(d, dtype, arch, deterministic, expected):
     assert forms.backward_plan(_problem(d, dtype, arch), deterministic)[1].kernel == expected
@@ -273,6 +274,6 @@ def test_registry_names_every_form_row_and_source():
     for v in registry.REGISTRY.values():
         for f in v.forms:
             assert (ROOT / "cuda" / f.source).is_file()
-            assert f.mainloop == "-" or (ROOT / "cuda" / f.mainloop).is_file(), f.mainloop
+            assert all(m == "-" or (ROOT / "cuda" / m).is_file() for m in f.mainloops), f.mainloops
             assert (f.twin is None) == bool(f.no_twin), f"{f.kernel}: a twin, or the reason there is none"
             assert f"__global__" in (ROOT / "cuda" / f.source).read_text() and f.kernel in compile.assemble(f.source)
