@@ -254,6 +254,29 @@ def test_backward_split_d_form_for_large_head_dims(d, split):
     assert lau.template_args[7] is split and lau.smem <= 232448
 
 
+@pytest.mark.parametrize("d,split,smem", [(64, False, None), (128, False, 231464), (160, True, 182312),
+                                          (192, True, 182312), (200, True, 231464), (256, True, 231464)])
+@pytest.mark.parametrize("features", [{}, {"causal": True}, {"window": (64, 32), "softcap": 5.0},
+                                      {"varlen": True, "total_q": 700, "total_k": 500}])
+def test_fa3_backward_column_split_for_large_head_dims(d, split, smem, features):
+    """fa3_bwd_sm90 at d = 192 / 256: the column split (64 keys for two consumer warpgroups and the producer, 384
+    threads; key tiles of 64), within 227 KB; deterministic=True there keeps fa2_bwd + fa2_bwd_dq, and the column
+    split refuses DETERMINISTIC."""
+    features = dict(features)
+    p = _problem(d, causal=features.pop("causal", False), **features)
+    lau = forms.backward_plan(p)[1]
+    assert lau.kernel == "fa3_bwd_sm90" and launch.fa3_bwd_split_d(lau.config) is split
+    assert lau.block == (384, 1, 1) and lau.grid[0] == p.k_tiles(64 if split else 128)
+    assert smem is None or lau.smem == smem
+    assert lau.smem <= 232448 and lau.name_expression in {x.name_expression for x in forms.all_instantiations("sm_90")}
+    det = [x.kernel for x in forms.backward_plan(p, deterministic=True)]
+    assert det == (["fa2_bwd_preprocess", "fa2_bwd", "fa2_bwd_dq"] if split else
+                   ["fa2_bwd_preprocess", "fa3_bwd_sm90", "fa2_bwd_convert_dq"])
+    if split:
+        with pytest.raises(ValueError, match="no deterministic form"):
+            launch.fa3_bwd_sm90(p, lau.config, deterministic=True)
+
+
 def test_override_replaces_a_tile_row_without_touching_the_table():
     before = dict(configs.TABLE)
     cand = configs.TileConfig(128, 128, 8)
