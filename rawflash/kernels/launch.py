@@ -207,9 +207,10 @@ def smem_fa3_fwd_sm90_fp8(cfg: TileConfig, d: int) -> int:
 
 
 def fa3_bwd_split_d(cfg: TileConfig) -> bool:
-    """fa3_bwd_sm90's column split (mainloop_bwd_sm90_ws_split_d.cuh): more consumer warpgroups (all warpgroups but
-    the producer) than 64-key slices, so they share the keys and split dK, dV and dQ's columns."""
-    return cfg.threads // 128 - 1 > cfg.bc // 64
+    """fa3_bwd_sm90's column split (mainloop_bwd_sm90_ws_split_d.cuh): its two consumer warpgroups share a key block
+    of 64 and split dK, dV and dQ's columns (fa3_bwd_sm90.cu's Fa3BwdMainloop picks it by the same BC == 64); 128
+    keys are 64 per consumer warpgroup (mainloop_bwd_sm90_ws.cuh)."""
+    return cfg.bc == 64
 
 
 def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
@@ -423,6 +424,9 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
     (scheduler.cuh's KTileScheduler)."""
     if deterministic and fa3_bwd_split_d(cfg):
         raise ValueError("fa3_bwd_sm90's column split (head_dim > 128) has no deterministic form")
+    if cfg.threads != 384 or cfg.bc not in (64, 128):
+        raise ValueError(f"fa3_bwd_sm90 runs a producer and two consumer warpgroups (12 warps) on 64 or 128 keys; "
+                         f"got {cfg.warps} warps, bc = {cfg.bc}")
     d = tma_head_dim(p)
     smem = smem_fa3_bwd_sm90(cfg, d)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, deterministic, smem)
