@@ -1,6 +1,7 @@
 // mainloop_bwd_sm90_ws: FA2's backward mainloop (Alg.2 l.6-16, atomic dQ) with FlashAttention-3's warp
-// specialisation, for float16 / bfloat16 and head_dim up to 128 (sm_90a). No Numba twin: mainloop_bwd_sm80's twin
-// computes the same results.
+// specialisation, for float16 / bfloat16 and head_dim up to 128 (sm_90a; 192 and 256: its column-split sibling
+// mainloop_bwd_sm90_ws_split_d.cuh, which runs this file's producer, bwd_ws_produce). No Numba twin:
+// mainloop_bwd_sm80's twin computes the same results.
 //
 // A CTA owns key block K_j, V_j (BC = 64 keys per consumer warpgroup) of one kv head. Its producer warpgroup's
 // first warp copies K_j, V_j once with TMA, then streams Q_i, dO_i (TMA) and L_i, D_i (plain loads by its 32
