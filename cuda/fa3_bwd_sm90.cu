@@ -1,8 +1,11 @@
-// fa3_bwd_sm90: the backward skeleton of bwd.cuh split by warpgroup role (FA3's warp specialisation) with
-// mainloop_bwd_sm90_ws.cuh: a producer warpgroup copies (TMA), two consumer warpgroups of 64 keys each compute
-// (wgmma, 16-bit, sm_90a, dQ by TMA reduce-add; DETERMINISTIC: in a fixed order per query block, by two warps of
-// the producer warpgroup). fa2_bwd_preprocess runs before it and fa2_bwd_convert_dq after it.
+// fa3_bwd_sm90: the backward skeleton of bwd.cuh split by warpgroup role (FA3's warp specialisation): a producer
+// warpgroup copies (TMA), two consumer warpgroups compute (wgmma, 16-bit, sm_90a). BC = 128 (head_dim <= 128):
+// mainloop_bwd_sm90_ws.cuh, 64 keys per consumer warpgroup, dQ by TMA reduce-add (DETERMINISTIC: in a fixed order
+// per query block, by two warps of the producer warpgroup). BC = 64 (head_dim 192, 256):
+// mainloop_bwd_sm90_ws_split_d.cuh, both consumer warpgroups on the same 64 keys, split by queries for the scores
+// and by columns for dK, dV and dQ (atomic dQ only). fa2_bwd_preprocess runs before it and fa2_bwd_convert_dq after.
 #include "mainloop_bwd_sm90_ws.cuh"
+#include "mainloop_bwd_sm90_ws_split_d.cuh"
 
 namespace rf {
 
@@ -39,11 +42,23 @@ template <class Mainloop> __device__ __forceinline__ void bwd_kernel_ws(const Bw
 
 }  // namespace rf
 
+namespace rf {
+// The mainloop of a tile row: 64 keys (BC) for two consumer warpgroups is the column split (launch.py's
+// fa3_bwd_split_d); it has no DETERMINISTIC form.
+template <typename T, int D, int BR, int BC, int STAGES, class Pol, bool DET> struct Fa3BwdMainloop {
+  static_assert(BC == 128 || !DET, "the column split has no ordered dQ (deterministic=True: fa2_bwd + fa2_bwd_dq)");
+  using type = typename Select<BC == 64, MainloopBwdSm90WsSplitD<T, D, BR, BC, STAGES, Pol>,
+                               MainloopBwdSm90Ws<T, D, BR, BC, STAGES, Pol, DET>>::type;
+};
+}  // namespace rf
+
+// (three warpgroups either way: a producer and two consumers)
 template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, bool DETERMINISTIC, int SMEM_BYTES>
-__global__ void __launch_bounds__((BC / 64 + 1) * 128, 1)
+__global__ void __launch_bounds__(3 * 128, 1)
     fa3_bwd_sm90(const __grid_constant__ rf::BwdParams p, const __grid_constant__ rf::TmaBwd tma) {
   using namespace rf;
-  using Mainloop = MainloopBwdSm90Ws<T, D, BR, BC, STAGES, Policy<MASK, GENERAL>, DETERMINISTIC>;
+  using Mainloop = typename Fa3BwdMainloop<T, D, BR, BC, STAGES, Policy<MASK, GENERAL>, DETERMINISTIC>::type;
+  static_assert(Mainloop::NTHREADS == 3 * 128, "the launch bounds");
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   bwd_kernel_ws<Mainloop>(p, tma);

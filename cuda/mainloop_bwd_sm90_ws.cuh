@@ -1,6 +1,7 @@
 // mainloop_bwd_sm90_ws: FA2's backward mainloop (Alg.2 l.6-16, atomic dQ) with FlashAttention-3's warp
-// specialisation, for float16 / bfloat16 and head_dim up to 128 (sm_90a). No Numba twin: mainloop_bwd_sm80's twin
-// computes the same results.
+// specialisation, for float16 / bfloat16 and head_dim up to 128 (sm_90a; 192 and 256: its column-split sibling
+// mainloop_bwd_sm90_ws_split_d.cuh, which runs this file's producer, bwd_ws_produce). No Numba twin:
+// mainloop_bwd_sm80's twin computes the same results.
 //
 // A CTA owns key block K_j, V_j (BC = 64 keys per consumer warpgroup) of one kv head. Its producer warpgroup's
 // first warp copies K_j, V_j once with TMA, then streams Q_i, dO_i (TMA) and L_i, D_i (plain loads by its 32
@@ -33,6 +34,64 @@ namespace rf {
 struct TmaBwd {
   TmaDesc q, k, v, dout, dq;
 };
+
+// The producer of both FA3 backward mainloops (this one and mainloop_bwd_sm90_ws_split_d's): its warpgroup gives
+// registers back, and its warp WARP (the first one) copies; Sm is the mainloop's shared memory, which has K_j, V_j
+// (k(), v()), the ring's Q_i, dO_i, L_i, D_i (q(s), dout(s), lse2(s), delta(s)) and their barriers (kv_full(),
+// full(s), empty(s)).
+template <int REGS, int WARP> __device__ __forceinline__ bool bwd_ws_producer_start(const TmaBwd& tma) {
+  regs_release<REGS>();
+  if (warp_id() != WARP) return false;
+  if (lane_id() == 0) {
+    tma_prefetch_desc(tma.q);
+    tma_prefetch_desc(tma.k);
+    tma_prefetch_desc(tma.v);
+    tma_prefetch_desc(tma.dout);
+    tma_prefetch_desc(tma.dq);
+  }
+  return true;
+}
+template <typename T, int D, int BR, int BC, int STAGES, class Pol, class Walk, class Sm>
+__device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
+                                               int k0, const Walk& walk, const Sm& sm) {
+  constexpr int KV = BC * D * 2, QB = BR * D * 2;
+  const int bq = p.cu_seqlens_q ? 0 : bi.b, bk = p.cu_seqlens_k ? 0 : bi.b;
+  // ---- [mainloop_bwd_sm90_ws:load_kv] Alg.2 l.6: K_j, V_j, once ----
+  if (lane_id() == 0) {
+    mbar_expect_tx(sm.kv_full(), 2 * KV);
+#pragma unroll
+    for (int c = 0; c < D; c += 64) {
+      tma_load_4d(tma.k, sm.k().base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
+      tma_load_4d(tma.v, sm.v().base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
+    }
+  }
+  // ---- [mainloop_bwd_sm90_ws:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i of every step into the next free stage ----
+  typename Pol::Info bh = bi;
+  PipeState<STAGES> pipe;
+#pragma unroll 1
+  for (int it = 0; it < walk.total; ++it, pipe.advance()) {
+    const int s = pipe.stage(), q0 = walk.block(it) * BR;
+    bh.set_head(p, walk.head(it));
+    mbar_wait(sm.empty(s), pipe.parity() ^ 1);
+    if (lane_id() == 0) {
+      mbar_expect_tx(sm.full(s), 2 * QB);
+#pragma unroll
+      for (int c = 0; c < D; c += 64) {
+        tma_load_4d(tma.q, sm.q(s).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.full(s), c, bh.q_row0 + q0, bh.h, bq);
+        tma_load_4d(tma.dout, sm.dout(s).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.full(s), c,
+                    bh.q_row0 + q0, bh.h, bq);
+      }
+    }
+    // rows past the sequence get L = D = 0 (their P and dS are zeroed by the consumers)
+    const int nq = min(BR, bh.seqlen_q - q0);
+#pragma unroll
+    for (int r = lane_id(); r < BR; r += 32) {
+      sm.lse2(s)[r] = r < nq ? p.lse2[bh.row0 + q0 + r] : 0.f;
+      sm.delta(s)[r] = r < nq ? p.delta[bh.row0 + q0 + r] : 0.f;
+    }
+    mbar_arrive(sm.full(s));
+  }
+}
 
 template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET_ = false> struct MainloopBwdSm90Ws {
   using T = T_;
@@ -118,55 +177,11 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // DET: warps 1 and 2 of the producer warpgroup write dQ, of the even and the odd steps (dQ buffer 0 and 1)
   __device__ __forceinline__ static bool is_dq_writer() { return DET && (warp_id() == 4 * NWG + 1 || warp_id() == 4 * NWG + 2); }
   __device__ __forceinline__ static bool producer_start(const TmaBwd& tma) {
-    regs_release<PRODUCER_REGS>();
-    if (warp_id() != 4 * NWG) return false;
-    if (lane_id() == 0) {
-      tma_prefetch_desc(tma.q);
-      tma_prefetch_desc(tma.k);
-      tma_prefetch_desc(tma.v);
-      tma_prefetch_desc(tma.dout);
-      tma_prefetch_desc(tma.dq);
-    }
-    return true;
+    return bwd_ws_producer_start<PRODUCER_REGS, 4 * NWG>(tma);
   }
   __device__ __forceinline__ static void produce(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
                                                  int k0, const Walk& walk, const Smem& sm) {
-    const int bq = p.cu_seqlens_q ? 0 : bi.b, bk = p.cu_seqlens_k ? 0 : bi.b;
-    // ---- [mainloop_bwd_sm90_ws:load_kv] Alg.2 l.6: K_j, V_j, once ----
-    if (lane_id() == 0) {
-      mbar_expect_tx(sm.kv_full(), 2 * KV);
-#pragma unroll
-      for (int c = 0; c < D; c += 64) {
-        tma_load_4d(tma.k, sm.k().base + c / 64 * Sw128<T, BC_, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
-        tma_load_4d(tma.v, sm.v().base + c / 64 * Sw128<T, BC_, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
-      }
-    }
-    // ---- [mainloop_bwd_sm90_ws:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i of every step into the next free stage ----
-    typename Pol::Info bh = bi;
-    PipeState<STAGES> pipe;
-#pragma unroll 1
-    for (int it = 0; it < walk.total; ++it, pipe.advance()) {
-      const int s = pipe.stage(), q0 = walk.block(it) * BR;
-      bh.set_head(p, walk.head(it));
-      mbar_wait(sm.empty(s), pipe.parity() ^ 1);
-      if (lane_id() == 0) {
-        mbar_expect_tx(sm.full(s), 2 * QB);
-#pragma unroll
-        for (int c = 0; c < D; c += 64) {
-          tma_load_4d(tma.q, sm.q(s).base + c / 64 * Sw128<T, BR_, D>::PANEL_BYTES, sm.full(s), c, bh.q_row0 + q0, bh.h, bq);
-          tma_load_4d(tma.dout, sm.dout(s).base + c / 64 * Sw128<T, BR_, D>::PANEL_BYTES, sm.full(s), c,
-                      bh.q_row0 + q0, bh.h, bq);
-        }
-      }
-      // rows past the sequence get L = D = 0 (their P and dS are zeroed by the consumers)
-      const int nq = min(BR, bh.seqlen_q - q0);
-#pragma unroll
-      for (int r = lane_id(); r < BR; r += 32) {
-        sm.lse2(s)[r] = r < nq ? p.lse2[bh.row0 + q0 + r] : 0.f;
-        sm.delta(s)[r] = r < nq ? p.delta[bh.row0 + q0 + r] : 0.f;
-      }
-      mbar_arrive(sm.full(s));
-    }
+    bwd_ws_produce<T, D, BR, BC, STAGES, Pol>(p, tma, bi, k0, walk, sm);
   }
 
   // ---------------------------------------------------------------- the dQ writer (DET)

@@ -194,9 +194,10 @@ def test_api_refuses_bad_wgmma_switch_before_launch():
     (128, "bfloat16", "sm_90", False, "fa3_bwd_sm90"), (40, "float16", "sm_90", False, "fa3_bwd_sm90"),
     (128, "bfloat16", "sm_90", True, "fa3_bwd_sm90"), (64, "float16", "sm_90", True, "fa3_bwd_sm90"),
     (256, "bfloat16", "sm_90", True, "fa2_bwd"), (128, "float32", "sm_90", True, "fa2_bwd"),
-    (128, "bfloat16", "sm_80", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa2_bwd_sm90"),
+    (128, "bfloat16", "sm_80", True, "fa2_bwd"), (256, "bfloat16", "sm_90", False, "fa3_bwd_sm90"),
     (96, "bfloat16", "sm_90", False, "fa3_bwd_sm90"), (32, "float16", "sm_90", False, "fa3_bwd_sm90"),
-    (192, "bfloat16", "sm_90", False, "fa2_bwd"),
+    (192, "bfloat16", "sm_90", False, "fa3_bwd_sm90"), (224, "float16", "sm_90", False, "fa3_bwd_sm90"),
+    (192, "float16", "sm_90", True, "fa2_bwd"),
     (128, "float32", "sm_90", False, "fa2_bwd"), (128, "bfloat16", "sm_80", False, "fa2_bwd")])
 def test_backward_form_choice(d, dtype, arch, deterministic, expected):
     assert forms.backward_plan(_problem(d, dtype, arch), deterministic)[1].kernel == expected
@@ -271,6 +272,29 @@ def test_backward_split_d_form_for_large_head_dims(d, split):
     assert lau.template_args[7] is split and lau.smem <= 232448
 
 
+@pytest.mark.parametrize("d,split,smem", [(64, False, None), (128, False, 231464), (160, True, 182312),
+                                          (192, True, 182312), (200, True, 231464), (256, True, 231464)])
+@pytest.mark.parametrize("features", [{}, {"causal": True}, {"window": (64, 32), "softcap": 5.0},
+                                      {"varlen": True, "total_q": 700, "total_k": 500}])
+def test_fa3_backward_column_split_for_large_head_dims(d, split, smem, features):
+    """fa3_bwd_sm90 at d = 192 / 256: the column split (64 keys for two consumer warpgroups and the producer, 384
+    threads; key tiles of 64), within 227 KB; deterministic=True there keeps fa2_bwd + fa2_bwd_dq, and the column
+    split refuses DETERMINISTIC."""
+    features = dict(features)
+    p = _problem(d, causal=features.pop("causal", False), **features)
+    lau = forms.backward_plan(p)[1]
+    assert lau.kernel == "fa3_bwd_sm90" and launch.fa3_bwd_split_d(lau.config) is split
+    assert lau.block == (384, 1, 1) and lau.grid[0] == p.k_tiles(64 if split else 128)
+    assert smem is None or lau.smem == smem
+    assert lau.smem <= 232448 and lau.name_expression in {x.name_expression for x in forms.all_instantiations("sm_90")}
+    det = [x.kernel for x in forms.backward_plan(p, deterministic=True)]
+    assert det == (["fa2_bwd_preprocess", "fa2_bwd", "fa2_bwd_dq"] if split else
+                   ["fa2_bwd_preprocess", "fa3_bwd_sm90", "fa2_bwd_convert_dq"])
+    if split:
+        with pytest.raises(ValueError, match="no deterministic form"):
+            launch.fa3_bwd_sm90(p, lau.config, deterministic=True)
+
+
 def test_override_replaces_a_tile_row_without_touching_the_table():
     before = dict(configs.TABLE)
     cand = configs.TileConfig(128, 128, 8)
@@ -291,6 +315,6 @@ def test_registry_names_every_form_row_and_source():
     for v in registry.REGISTRY.values():
         for f in v.forms:
             assert (ROOT / "cuda" / f.source).is_file()
-            assert f.mainloop == "-" or (ROOT / "cuda" / f.mainloop).is_file(), f.mainloop
+            assert all(m == "-" or (ROOT / "cuda" / m).is_file() for m in f.mainloops), f.mainloops
             assert (f.twin is None) == bool(f.no_twin), f"{f.kernel}: a twin, or the reason there is none"
             assert f"__global__" in (ROOT / "cuda" / f.source).read_text() and f.kernel in compile.assemble(f.source)

@@ -1,5 +1,6 @@
 """FA3's forms on an sm_90 GPU (fa3_fwd_sm90: TMA producer warpgroup, consumer warpgroups, ping-pong, persistent
-tiles; fa3_bwd_sm90: the same split for the backward's main pass), by flash-attn's rule against the float64 reference: ragged lengths, seqlen_q != seqlen_k both ways,
+tiles; fa3_bwd_sm90: the same split for the backward's main pass, and its column split at head_dim 192 / 256),
+by flash-attn's rule against the float64 reference: ragged lengths, seqlen_q != seqlen_k both ways,
 MHA / GQA / MQA, causal both ways, head dims that are not a multiple of 64 (zero-filled by the copies), each of
 FA3's switches off in turn, grids with more tiles than SMs (the persistent loop), large logits, and agreement
 with the cp.async wgmma form. Features (windows, soft-capping, ALiBi, sinks, packed lengths) run through the
@@ -136,6 +137,88 @@ def test_fa3_backward(sq, sk, h, hk, d, dtype, causal):
 def test_fa3_backward_long_gqa_causal(d):
     """Many query blocks per key block and 4 query heads per kv head: a long walk through the stages."""
     check_backward(1, 1000, 1500, 8, 2, d, "bfloat16", True, False, seed=3)
+
+
+# ---------------------------------------------------------------- head_dim 192 / 256: the column split
+SPLIT_D_DIMS = [160, 192, 224, 256]  # (160 and 224 run as 192 and 256, their extra columns zero-filled)
+
+
+def _split_d_plan(sq, sk, h, hk, d, dtype, causal, **features):
+    from rawflash.kernels import cupy_backend
+
+    p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch(), **features)
+    main = forms.backward_plan(p)[1]
+    assert main.kernel == "fa3_bwd_sm90" and launch.fa3_bwd_split_d(main.config), main.name_expression
+    return main
+
+
+def _split_d_cases():
+    out = []
+    for i, (sq, dtype, causal) in enumerate(itertools.product(SEQLENS, ("float16", "bfloat16"), (False, True))):
+        d, (h, hk) = SPLIT_D_DIMS[i % len(SPLIT_D_DIMS)], HEADS[(i // len(SPLIT_D_DIMS)) % len(HEADS)]
+        out.append(pytest.param(*sq, h, hk, d, dtype, causal,
+                                id=f"{dtype}-{'causal' if causal else 'full'}-{sq[0]}x{sq[1]}-d{d}-h{h}/{hk}"))
+    return out
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", _split_d_cases())
+def test_fa3_backward_split_d(sq, sk, h, hk, d, dtype, causal):
+    """fa3_bwd_sm90's column split (head_dim 192 / 256: two consumer warpgroups on 64 keys, each with half of dK,
+    dV and dQ's columns; dQ by vector atomics) on ragged shapes, seqlen_q != seqlen_k both ways, MHA / GQA / MQA."""
+    _split_d_plan(sq, sk, h, hk, d, dtype, causal)
+    check_backward(2, sq, sk, h, hk, d, dtype, causal, False)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [192, 256])
+def test_fa3_backward_split_d_long_gqa_causal(d, dtype):
+    """Many query blocks per key block, 4 query heads per kv head: both stages of the ring and both P^T, dS^T
+    buffers reused many times over."""
+    _split_d_plan(1000, 1500, 8, 2, d, dtype, True)
+    check_backward(1, 1000, 1500, 8, 2, d, dtype, True, False, seed=3)
+
+
+SPLIT_D_FEATURES = [  # the general policy through the column split's policy calls (S^T halves of 32 queries)
+    ("window+softcap", dict(window=(64, 17), softcap=20.0)),
+    ("softcap+alibi+window", dict(softcap=20.0, alibi="batch", window=(32, 32))),
+    ("alibi-batch-causal", dict(alibi="batch", causal=True)),
+    ("varlen-causal", dict(varlen=True, causal=True)),
+    ("varlen+window+sinks+causal", dict(varlen=True, window=(40, 0), causal=True, sinks="random")),
+    ("seqused", dict(seqused=True, causal=True)),
+    ("sinks", dict(sinks="random")),
+]
+
+
+@pytest.mark.parametrize("d,dtype", [(192, "bfloat16"), (256, "float16"), (224, "bfloat16")])
+@pytest.mark.parametrize("name,opts", SPLIT_D_FEATURES, ids=[c[0] for c in SPLIT_D_FEATURES])
+def test_fa3_backward_split_d_features(name, opts, d, dtype):
+    from test_gpu_features import check_feature
+
+    opts = dict(opts)
+    causal = opts.get("causal", False)
+    plan_opts = {k: v for k, v in opts.items() if k in ("window", "softcap")}
+    _split_d_plan(203, 113, 4, 2, d, dtype, causal, **plan_opts)
+    check_feature(203, 113, 4, 2, d, dtype, opts, seed=5)
+
+
+def test_fa3_split_d_and_cp_async_form_agree(monkeypatch):
+    """d = 256 through the column split and through fa2_bwd_sm90's (cp.async, two warpgroups on 64 keys; RAWFLASH_FA3=0):
+    the same gradients up to rounding (the float32 dQ sums in another order)."""
+    import cupy
+
+    from conftest import random_qkv
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(2, 777, 1031, 8, 2, 256, "bfloat16", seed=4))
+    dout = cupy.asarray(np.random.default_rng(4).standard_normal(q.shape).astype(q.dtype))
+    out, lse = rawflash.forward(q, k, v, causal=True)
+    _split_d_plan(777, 1031, 8, 2, 256, "bfloat16", True)
+    a = rawflash.backward(dout, q, k, v, out, lse, causal=True)
+    monkeypatch.setenv("RAWFLASH_FA3", "0")
+    b = rawflash.backward(dout, q, k, v, out, lse, causal=True)
+    for name, x, y in zip(("dq", "dk", "dv"), a, b):
+        x, y = x.astype(cupy.float32), y.astype(cupy.float32)
+        diff = float(cupy.abs(x - y).max()) / max(1e-6, float(cupy.abs(y).max()))
+        assert diff < 2e-2, f"{name}: the two backward forms differ by {diff} (relative to the largest value)"
 
 
 # ---------------------------------------------------------------- deterministic=True: FA3's ordered dQ

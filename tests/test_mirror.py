@@ -3,7 +3,7 @@ no GPU).
 
 - Every ``cuda/*.cu`` / ``*.cuh`` file with section anchors (``// ---- [stem:name] ... ----``) has a twin module
   ``rawflash/numba_kernels/<stem>.py`` whose anchors (``# ---- [stem:name] ... ----``) are the same names in the
-  same order, or the registry declares the file twin-less: a form whose ``source`` or ``mainloop`` is that file has
+  same order, or the registry declares the file twin-less: a form whose ``source`` or one of whose ``mainloops`` is that file has
   ``twin=None`` and says why (``no_twin``). Twin modules of headers without anchors carry none either.
 - Every form and helper of the registry with a twin names a module that exists and has its factory
   ``make_<kernel>``.
@@ -47,7 +47,7 @@ def _cuda_of(twin: Path) -> Path | None:
 
 
 def _declared_twinless(cu: Path) -> list[registry.Form]:
-    return [f for v in registry.REGISTRY.values() for f in v.forms if cu.name in (f.source, f.mainloop)]
+    return [f for v in registry.REGISTRY.values() for f in v.forms if cu.name in (f.source, *f.mainloops)]
 
 
 def test_the_cuda_tree_has_anchored_files():
@@ -69,7 +69,7 @@ def test_every_anchored_cuda_file_has_a_twin_or_is_declared_twinless(cu):
     for f in forms:
         assert f.twin is None and f.no_twin.strip(), (
             f"{cu.relative_to(ROOT)} has no twin module, but the registry's form {f.kernel!r} (source {f.source}, "
-            f"mainloop {f.mainloop}) names twin {f.twin!r} and no reason for having none")
+            f"mainloops {f.mainloops}) names twin {f.twin!r} and no reason for having none")
 
 
 @pytest.mark.parametrize("py", TWIN_FILES, ids=lambda p: p.name)

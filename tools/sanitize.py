@@ -120,11 +120,13 @@ def _fa3_forms(q, k, v, causal: bool) -> None:
 def _fa3(dtype: str) -> None:
     """FA3's forms alone (racecheck and synccheck of the whole workload are slow): forward with every switch,
     backward (atomic and deterministic, whose dQ writer orders the reduce-adds), over ragged shapes, GQA and a grid
-    with more tiles than SMs; the deterministic backward also with a two-sided window on packed sequences."""
+    with more tiles than SMs; the deterministic backward also with a two-sided window on packed sequences. At
+    head_dim 192 / 256 the atomic backward is the column split (mainloop_bwd_sm90_ws_split_d: its P^T, dS^T
+    buffers shared by two warpgroups), also on packed sequences with a window and soft-capping."""
     if dtype == "float32":
         return
     for b, sq, sk, h, hk, d in ((1, 203, 113, 4, 2, 64), (2, 300, 1029, 4, 1, 128), (5, 700, 700, 12, 4, 96),
-                                (1, 129, 257, 2, 2, 256)):
+                                (1, 129, 257, 2, 2, 256), (2, 203, 330, 4, 2, 192), (1, 600, 450, 4, 1, 256)):
         for causal in (False, True):
             q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
             out, lse = rawflash.forward(q, k, v, causal=causal)
@@ -135,6 +137,10 @@ def _fa3(dtype: str) -> None:
     qq, kk, vv, packed = _varlen(q, k, v)
     o, l = rawflash.forward(qq, kk, vv, window=(100, 30), **packed)
     rawflash.backward(cupy.ones_like(qq), qq, kk, vv, o, l, window=(100, 30), deterministic=True, **packed)
+    q, k, v = (cupy.asarray(x) for x in random_qkv(3, 300, 200, 4, 2, 256, dtype))
+    qq, kk, vv, packed = _varlen(q, k, v)
+    o, l = rawflash.forward(qq, kk, vv, window=(100, 30), softcap=20.0, **packed)
+    rawflash.backward(cupy.ones_like(qq), qq, kk, vv, o, l, window=(100, 30), softcap=20.0, **packed)
 
 
 def _fp8(dtype: str) -> None:

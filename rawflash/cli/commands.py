@@ -302,7 +302,8 @@ def list_(gpu, arch, sms, as_json):
 def _variant_entry(v: registry.Variant) -> dict:
     return {"source": f"cuda/{v.source}", "direction": v.direction, "api": f"kernel={v.api_kernel!r}",
             "paper algorithm": v.paper_algorithm, "warp partition": v.warp_partition,
-            "forms": {f.kernel: f"{f.arch}+, cuda/{f.source} with cuda/{f.mainloop}" for f in v.forms},
+            "forms": {f.kernel: f"{f.arch}+, cuda/{f.source} with " + " or ".join(f"cuda/{m}" for m in f.mainloops)
+                      for f in v.forms},
             "helpers": [h.kernel for h in v.helpers],
             "supports": list(v.supports),
             "numba twin": f"{v.numba_factory} in {v.numba_module}" + ("" if v.has_numba_twin() else " (absent)")}

@@ -148,6 +148,12 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     # 64 query rows per step, `stages` stages of Q_i, dO_i, L_i, D_i. The shape of fa2_bwd_sm90's d <= 128 row.
     put("fa3_bwd_sm90", (32, 64, 96, 128), _16BIT, TileConfig(64, 128, 12, stages=2, why="fa2_bwd_sm90's shape; "
                                                                                         "untuned"))
+    # d = 192, 256: the column split (launch.fa3_bwd_split_d, mainloop_bwd_sm90_ws_split_d.cuh): both consumer
+    # warpgroups share 64 keys (dK, dV of 64 x d do not fit one warpgroup), each holding dK, dV for half of the
+    # columns; 2 stages of Q_i, dO_i fit beside K_j, V_j at d = 256 (231464 B) only with dQ by atomics.
+    put("fa3_bwd_sm90", (192, 256), _16BIT, TileConfig(64, 64, 12, stages=2,
+                                                       why="dK, dV of 64 x d/2 per consumer warpgroup; 231 KB at "
+                                                           "d = 256; not measured"))
     # fa2_bwd_sm90 (wgmma, sm_90a): a warpgroup per 64 keys, 64 query rows per step (one wgmma of dQ_i).
     put("fa2_bwd_sm90", (64, 128), _16BIT, TileConfig(64, 128, 8, why="FA3's d<=128 shape: 2 warpgroups x 64 keys"))
     # d 256: 8 warps on 64 keys = SPLIT_D, each warpgroup holds dK, dV for half of the columns (2 x 64 registers).

@@ -203,8 +203,8 @@ def forward_plan_without_tma(p: Problem, kernel: str = "fa2", switches: Switches
 
 def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, settings: Settings = Settings(),
                       override: Override | None = None, warp_specialize: bool | None = None) -> Launch:
-    """The backward's main pass: for the atomic-dQ pass on Hopper FA3's warp-specialised form where it fits (head_dim
-    <= 128), else the cp.async wgmma form, else mma.sync."""
+    """The backward's main pass: for the atomic-dQ pass on Hopper FA3's warp-specialised form where it fits (every
+    head_dim; 192 and 256 by its column split), else the cp.async wgmma form, else mma.sync."""
     fa3 = atomic_dq and hopper_form_fits("fa3_bwd_sm90", p)
     if _use_wgmma(wgmma, fa3 or (atomic_dq and hopper_form_fits("fa2_bwd_sm90", p)), "fa2_bwd_sm90",
                   " and the atomic dQ pass", f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, atomic_dq={atomic_dq}",
@@ -213,9 +213,8 @@ def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, se
         if use_fa3 and fa3:
             return launch.fa3_bwd_sm90(p, _config("fa3_bwd_sm90", p, override))
         if use_fa3:
-            raise ValueError(f"warp_specialize=True (backward) needs an sm_90 GPU, float16 or bfloat16, a head_dim of "
-                             f"at most 128 and the atomic dQ pass; got arch {p.arch}, {p.dtype}, head_dim "
-                             f"{p.head_dim}, atomic_dq={atomic_dq}")
+            raise ValueError(f"warp_specialize=True (backward) needs an sm_90 GPU, float16 or bfloat16 and the atomic "
+                             f"dQ pass; got arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, atomic_dq={atomic_dq}")
         if atomic_dq and hopper_form_fits("fa2_bwd_sm90", p):
             return launch.fa2_bwd_sm90(p, _config("fa2_bwd_sm90", p, override))
     return launch.fa2_bwd(p, _config("fa2_bwd", p, override), atomic_dq=atomic_dq)
@@ -238,12 +237,13 @@ def forward_plan(p: Problem, kernel: str = "fa2", switches: Switches = Switches(
 def backward_plan(p: Problem, deterministic: bool = False, settings: Settings = Settings(),
                   override: Override | None = None, wgmma: bool | None = None) -> list[Launch]:
     """Every launch a backward call makes, in order. ``deterministic``: where the default main pass is FA3's form
-    (Hopper, 16-bit, head_dim <= 128), that form with its dQ reduce-adds in a fixed order and the same convert
-    pass; elsewhere the main pass without atomic dQ and a separate dQ pass (fa2_bwd_dq)."""
+    with 64 keys per consumer (Hopper, 16-bit, head_dim <= 128), that form with its dQ reduce-adds in a fixed order
+    and the same convert pass; elsewhere (its column split at head_dim 192 / 256 included) the main pass without
+    atomic dQ and a separate dQ pass (fa2_bwd_dq)."""
     pre = launch.fa2_bwd_preprocess(p)
     if deterministic:
         main = fa2_backward_main(p, True, wgmma, settings, override) if hopper_form_fits("fa3_bwd_sm90", p) else None
-        if main is not None and main.kernel == "fa3_bwd_sm90":
+        if main is not None and main.kernel == "fa3_bwd_sm90" and not launch.fa3_bwd_split_d(main.config):
             return [pre, launch.fa3_bwd_sm90(p, main.config, deterministic=True), launch.fa2_bwd_convert_dq(p)]
         return deterministic_without_fa3(p, wgmma, settings, override)
     return [pre, fa2_backward_main(p, True, wgmma, settings, override), launch.fa2_bwd_convert_dq(p)]
@@ -432,7 +432,9 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=False))
                 if hopper_form_fits("fa3_bwd_sm90", p):
                     fa3 = fa2_backward_main(p, True, wgmma=True, warp_specialize=True)
-                    launches += [fa3, launch.fa3_bwd_sm90(p, fa3.config, deterministic=True)]
+                    launches.append(fa3)
+                    if not launch.fa3_bwd_split_d(fa3.config):  # (the column split has no ordered dQ)
+                        launches.append(launch.fa3_bwd_sm90(p, fa3.config, deterministic=True))
                 if not p.general:  # the teaching kernels and the ablation run the plain policy only
                     launches += [*forward_plan(p, "fa1"), *forward_plan(p, "naive")]
                     if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures

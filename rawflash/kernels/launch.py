@@ -206,11 +206,21 @@ def smem_fa3_fwd_sm90_fp8(cfg: TileConfig, d: int) -> int:
     return smem_fa3_fwd_sm90(cfg, d, 1)
 
 
+def fa3_bwd_split_d(cfg: TileConfig) -> bool:
+    """fa3_bwd_sm90's column split (mainloop_bwd_sm90_ws_split_d.cuh): its two consumer warpgroups share a key block
+    of 64 and split dK, dV and dQ's columns (fa3_bwd_sm90.cu's Fa3BwdMainloop picks it by the same BC == 64); 128
+    keys are 64 per consumer warpgroup (mainloop_bwd_sm90_ws.cuh)."""
+    return cfg.bc == 64
+
+
 def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
-    """mainloop_bwd_sm90_ws.cuh SMEM_BYTES: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i); two dS^T; two
-    float32 dQ_i tiles (all warpgroups' slices); `stages` x (L_i, D_i) float32; 1 + 2 stages mbarriers."""
-    return (1024 + (2 * cfg.bc + 2 * cfg.stages * cfg.br) * d * 2 + 2 * cfg.bc * cfg.br * 2 + 2 * cfg.br * d * 4
-            + 2 * cfg.stages * cfg.br * 4 + 8 * (1 + 2 * cfg.stages))
+    """SMEM_BYTES of mainloop_bwd_sm90_ws.cuh: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i); two dS^T; two
+    float32 dQ_i tiles (all warpgroups' slices); `stages` x (L_i, D_i) float32; 1 + 2 stages mbarriers. The column
+    split (``fa3_bwd_split_d``, mainloop_bwd_sm90_ws_split_d.cuh) has two P^T and two dS^T and no dQ_i tiles."""
+    tiles = 2 * cfg.bc * cfg.br * 2 * (2 if fa3_bwd_split_d(cfg) else 1)
+    dq = 0 if fa3_bwd_split_d(cfg) else 2 * cfg.br * d * 4
+    return (1024 + (2 * cfg.bc + 2 * cfg.stages * cfg.br) * d * 2 + tiles + dq + 2 * cfg.stages * cfg.br * 4
+            + 8 * (1 + 2 * cfg.stages))
 
 
 def smem_fa1_fwd(cfg: TileConfig, d: int, itemsize: int) -> int:
@@ -406,10 +416,17 @@ def fa2_bwd_sm90(p: Problem, cfg: TileConfig) -> Launch:
 
 
 def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> Launch:
-    """FA3's backward main pass (sm_90a, dQ by TMA reduce-add): a TMA producer warpgroup and bc / 64 consumer
-    warpgroups, one CTA per (key block, kv head, batch). ``deterministic``: the reduce-adds into each query
-    block's dQ rows in a fixed order (``dq_semaphores`` int32 counters, zeroed before the launch); the grid is the
-    same, its key tiles taken last-first under a mask bounded on the right (scheduler.cuh's KTileScheduler)."""
+    """FA3's backward main pass (sm_90a): a TMA producer warpgroup and two consumer warpgroups, one CTA per (key
+    block, kv head, batch); 64 keys per consumer and dQ by TMA reduce-add, or at bc = 64 the column split
+    (``fa3_bwd_split_d``, head_dim 192 / 256: dQ by vector atomics). ``deterministic`` (not the column split): the
+    reduce-adds into each query block's dQ rows in a fixed order (``dq_semaphores`` int32 counters, zeroed before
+    the launch); the grid is the same, its key tiles taken last-first under a mask bounded on the right
+    (scheduler.cuh's KTileScheduler)."""
+    if deterministic and fa3_bwd_split_d(cfg):
+        raise ValueError("fa3_bwd_sm90's column split (head_dim > 128) has no deterministic form")
+    if cfg.threads != 384 or cfg.bc not in (64, 128):
+        raise ValueError(f"fa3_bwd_sm90 runs a producer and two consumer warpgroups (12 warps) on 64 or 128 keys; "
+                         f"got {cfg.warps} warps, bc = {cfg.bc}")
     d = tma_head_dim(p)
     smem = smem_fa3_bwd_sm90(cfg, d)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, deterministic, smem)

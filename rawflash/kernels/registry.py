@@ -44,6 +44,9 @@ class Form:
         Why there is no twin (when ``twin`` is None), and which twin computes the same results instead.
     rows : tuple of str
         Its rows in ``configs.TABLE`` (default: ``(kernel,)``).
+    more_mainloops : tuple of str
+        Other mainloop headers of the same ``__global__`` template, picked by its tile row (fa3_bwd_sm90's column
+        split at head_dim 192 / 256).
     """
 
     kernel: str
@@ -54,6 +57,12 @@ class Form:
     twin: str | None
     no_twin: str = ""
     rows: tuple[str, ...] = ()
+    more_mainloops: tuple[str, ...] = ()
+
+    @property
+    def mainloops(self) -> tuple[str, ...]:
+        """Every mainloop header of the form, ``mainloop`` first."""
+        return (self.mainloop, *self.more_mainloops)
 
     @property
     def tile_rows(self) -> tuple[str, ...]:
@@ -157,7 +166,7 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
              Form("fa2_bwd_sm90", "fa2_bwd_sm90.cu", "mainloop_bwd_sm90.cuh", "sm_90", HALF_DTYPES, None,
                   _NO_TWIN_SM90),
              Form("fa3_bwd_sm90", "fa3_bwd_sm90.cu", "mainloop_bwd_sm90_ws.cuh", "sm_90", HALF_DTYPES, None,
-                  _NO_TWIN_SM90)),
+                  _NO_TWIN_SM90, more_mainloops=("mainloop_bwd_sm90_ws_split_d.cuh",))),
             (Helper("fa2_bwd_preprocess", "fa2_bwd.cu", "D = rowsum(dO * O), L in log2 units, sink terms", "fa2_bwd"),
              Helper("fa2_bwd_convert_dq", "fa2_bwd.cu", "float32 dQ to the input dtype (atomic dQ)", "fa2_bwd"),
              Helper("fa2_bwd_dq", "fa2_bwd.cu", "dQ without atomics, one CTA per Q block (deterministic=True)",

@@ -1,0 +1,233 @@
+// mainloop_bwd_sm90_ws_split_d: FA2's backward mainloop (Alg.2 l.6-16, atomic dQ) with FlashAttention-3's warp
+// specialisation at head_dim 192 and 256 (float16 / bfloat16, sm_90a), the column-split sibling of
+// mainloop_bwd_sm90_ws (which keeps dK, dV of 64 keys x D in one warpgroup's registers: at D = 256 that is 128
+// floats each, more than a consumer has beside S^T and dP^T). No Numba twin: mainloop_bwd_sm80's twin computes the
+// same results.
+//
+// A CTA owns key block K_j, V_j (BC = 64 keys) of one kv head; mainloop_bwd_sm90_ws's producer (bwd_ws_produce)
+// streams Q_i, dO_i, L_i, D_i of every (query head, query block) that sees K_j into a ring of STAGES stages. Its
+// two consumer warpgroups share all 64 keys and split the work twice:
+// - by queries for the scores: warpgroup w forms S^T = K_j Q_w^T and dP^T = V_j dO_w^T for its 32 queries 32w..
+//   (wgmma M = 64 keys, N = 32, K = D), then P^T and dS^T through the policy exactly as mainloop_bwd_sm90_ws, and
+//   writes both in 16-bit to shared memory (double-buffered by step parity, so a step's tiles cannot overwrite the
+//   ones its neighbour is still reading); one named barrier per step joins the two halves;
+// - by columns for the products: warpgroup w accumulates its half of the columns of dV_j += P^T dO_i and
+//   dK_j += dS^T Q_i over all 64 queries (M = 64 keys, N = D / 2, K = 64, A = P^T / dS^T from shared memory) and
+//   computes its half of dQ_i = dS K_j (M = 64 queries, N = D / 2, K = 64 keys), added into the float32 dQ rows
+//   with vector atomics while dK, dV run. (The 64 KB float32 tile a TMA reduce-add would read does not fit beside
+//   two stages at D = 256: 231464 B of shared memory as it is.)
+// Registers of a consumer thread at D = 256: dK, dV halves 64 + 64, S^T and dP^T 16 + 16 or dQ_i's half 64.
+// A half is cut at 64-column panels (an operand starting inside a 128-byte-swizzle panel must end there): at
+// D = 256 one 128-column slice, at D = 192 a 64-column panel and a 32-column half panel (WIDE, NARROW), warpgroup
+// 0 taking columns 0..63 and 64..95, warpgroup 1 128..191 and 96..127.
+// deterministic=True runs fa2_bwd + fa2_bwd_dq at these head dims (forms.py): this mainloop has no ordered dQ.
+#pragma once
+#include "mainloop_bwd_sm90_ws.cuh"
+
+namespace rf {
+
+// dst[0..3] += (a, b, c, d) in global memory, one vector reduction (sm_90; dst 16-byte aligned).
+__device__ __forceinline__ void red_add4(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct MainloopBwdSm90WsSplitD {
+  using T = T_;
+  using Pol = Pol_;
+  static constexpr bool DET = false;
+  using Walk = QIter;
+  static constexpr int BR = BR_, BC = BC_, NWG = 2, NTHREADS = (NWG + 1) * 128;
+  static constexpr int QW = BR_ / NWG, NQ = QW / 8;           // a warpgroup's queries of S^T, dP^T
+  static constexpr int DW = D / NWG, WIDE = DW / 64 * 64, NARROW = DW - WIDE;  // a warpgroup's columns
+  static constexpr int ALIGN = 1024, KV = BC_ * D * 2, QB = BR_ * D * 2, PS = BC_ * BR_ * 2;
+  static constexpr int BARRIERS = 1 + 2 * STAGES;  // K_j, V_j full; per stage full and empty
+  // K_j, V_j; STAGES x (Q_i, dO_i); 2 x P^T, 2 x dS^T; STAGES x (L_i, D_i); the mbarriers
+  static constexpr int SMEM_BYTES = ALIGN + 2 * KV + 2 * STAGES * QB + 4 * PS + 2 * STAGES * BR_ * 4 + 8 * BARRIERS;
+  // dK, dV (D floats a thread in all) and dQ_i's half (D / 4) or S^T, dP^T (16 + 16): the consumers take 240,
+  // the producer (one warp issuing copies, 32 lanes storing L_i, D_i) keeps 24, FA3's split for two consumer
+  // warpgroups.
+  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+  static constexpr int PS_BARRIER = 1;  // named barrier of the consumer warpgroups: every P^T, dS^T is in shared memory
+  static_assert(BR_ == 64 && BC_ == 64 && D % 64 == 0, "64 keys shared by two warpgroups; dQ_i is one 64-row wgmma");
+  static_assert(NARROW == 0 || NARROW == 32, "a warpgroup's columns: whole panels, or whole panels and a half panel");
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= 65536, "the register file");
+
+  // The column slices of warpgroup w: WIDE columns from wide0 (whole panels), NARROW from narrow0 (a half panel).
+  __device__ __forceinline__ static int wide0(int w) { return w ? D - WIDE : 0; }
+  __device__ __forceinline__ static int narrow0(int w) { return w ? DW : WIDE; }
+
+  struct State {
+    Acc<1, WIDE / 8> dk, dv;
+    Acc<1, NARROW ? NARROW / 8 : 1> dk2, dv2;  // (NARROW = 0: never touched, so never allocated)
+  };
+  struct Smem {
+    u32 base;
+    float* lsd;  // STAGES x L_i, then STAGES x D_i
+    __device__ __forceinline__ explicit Smem(char* smem)
+        : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {
+      lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + 2 * KV + 2 * STAGES * QB + 4 * PS);
+    }
+    __device__ __forceinline__ Sw128<T, BC_, D> k() const { return {base}; }
+    __device__ __forceinline__ Sw128<T, BC_, D> v() const { return {base + KV}; }
+    __device__ __forceinline__ Sw128<T, BR_, D> q(int s) const { return {base + 2 * KV + s * QB}; }
+    __device__ __forceinline__ Sw128<T, BR_, D> dout(int s) const { return {base + 2 * KV + (STAGES + s) * QB}; }
+    // P^T and dS^T of step it: keys x queries, K-major for dK, dV (A operand) and MN-major for dQ_i
+    __device__ __forceinline__ Sw128<T, BC_, BR_> pt(int it) const {
+      return {base + 2 * KV + 2 * STAGES * QB + (it & 1) * PS};
+    }
+    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const {
+      return {base + 2 * KV + 2 * STAGES * QB + (2 + (it & 1)) * PS};
+    }
+    __device__ __forceinline__ float* lse2(int s) const { return lsd + s * BR_; }
+    __device__ __forceinline__ float* delta(int s) const { return lsd + (STAGES + s) * BR_; }
+    __device__ __forceinline__ u32 bar(int i) const {
+      return base + 2 * KV + 2 * STAGES * QB + 4 * PS + 2 * STAGES * BR_ * 4 + 8 * i;
+    }
+    __device__ __forceinline__ u32 kv_full() const { return bar(0); }
+    __device__ __forceinline__ u32 full(int s) const { return bar(1 + s); }
+    __device__ __forceinline__ u32 empty(int s) const { return bar(1 + STAGES + s); }
+    // as mainloop_bwd_sm90_ws: full once the copies' bytes and the producer's 32 lanes' L_i, D_i are in; empty
+    // when every consumer thread (both warpgroups read the whole stage) is done with it
+    __device__ __forceinline__ void init() const {
+      mbar_init(kv_full(), 1);
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(full(s), 33);
+        mbar_init(empty(s), NWG * 128);
+      }
+      mbar_init_fence();
+    }
+  };
+
+  __device__ __forceinline__ static bool is_producer() { return warpgroup_id() == NWG; }
+  __device__ __forceinline__ static int key_row() { return 16 * warp_in_group(); }
+
+  // ---------------------------------------------------------------- producer (mainloop_bwd_sm90_ws's)
+  __device__ __forceinline__ static bool producer_start(const TmaBwd& tma) {
+    return bwd_ws_producer_start<PRODUCER_REGS, 4 * NWG>(tma);
+  }
+  __device__ __forceinline__ static void produce(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
+                                                 int k0, const Walk& walk, const Smem& sm) {
+    bwd_ws_produce<T, D, BR, BC, STAGES, Pol>(p, tma, bi, k0, walk, sm);
+  }
+  // no ordered dQ (DET is false): the skeleton never calls these
+  __device__ __forceinline__ static bool is_dq_writer() { return false; }
+  __device__ __forceinline__ static void write_dq(const BwdParams&, const TmaBwd&, const typename Pol::Info&,
+                                                  const Pol&, int, const Walk&, const Smem&) {}
+
+  // ---------------------------------------------------------------- consumers
+  __device__ __forceinline__ static void consumer_start() { regs_claim<CONSUMER_REGS>(); }
+
+  // dQ_i's columns c0.. (8 NT of them, times the scale) added into the float32 dQ rows, 16 bytes per reduction:
+  // lanes t and t ^ 1 of a quad swap half of their pairs, so the even lane holds 4 columns of row g and the odd
+  // one 4 columns of row g + 8 (mma.sync's C layout gives each lane 2 columns of both rows). Rows past the
+  // sequence and columns past head_dim (a multiple of 8) are not written.
+  template <int NT>
+  __device__ __forceinline__ static void add_dq(const BwdParams& p, const typename Pol::Info& bh, const Acc<1, NT>& dq,
+                                                int q0, int c0) {
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+    const bool odd = t & 1;
+    const int row = q0 + 16 * warp_in_group() + g + (odd ? 8 : 0), col = c0 + 2 * (t & ~1);
+    float* at = p.dq_ws + (bh.row0 + (long long)row) * p.head_dim + col;
+    const bool row_ok = row < bh.seqlen_q;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const float* x = dq.v[0][j];
+      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? x[0] : x[2], 1);
+      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? x[1] : x[3], 1);
+      if (row_ok && col + 8 * j < p.head_dim)
+        red_add4(at + 8 * j, p.scale * (odd ? r0 : x[0]), p.scale * (odd ? r1 : x[1]), p.scale * (odd ? x[2] : r0),
+                 p.scale * (odd ? x[3] : r1));
+    }
+  }
+
+  __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd&, const typename Pol::Info& bi,
+                                                 Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
+    // (w through a shuffle: known to be warp-uniform, so the operands' descriptors are built in uniform registers)
+    const int w = __shfl_sync(0xffffffffu, warpgroup_id(), 0), wq = QW * w, wk = key_row(), cw = wide0(w), cn = narrow0(w);
+    const auto sK = sm.k(), sV = sm.v();
+    typename Pol::Info bh = bi;
+    // ---- [mainloop_bwd_sm90_ws_split_d:init] Alg.2 l.7: dK_j = dV_j = 0 (this warpgroup's columns); K_j, V_j have landed ----
+    zero(st.dk);
+    zero(st.dv);
+    if constexpr (NARROW > 0) {
+      zero(st.dk2);
+      zero(st.dv2);
+    }
+    if (walk.total > 0) mbar_wait(sm.kv_full(), 0);
+    PipeState<STAGES> pipe;
+#pragma unroll 1
+    for (int it = 0; it < walk.total; ++it, pipe.advance()) {
+      const int q0 = walk.block(it) * BR, s = pipe.stage();
+      const bool edge = walk.edge(it);
+      bh.set_head(p, walk.head(it));
+      if constexpr (Pol::GENERAL) pol.set_head(p, bh);
+      const auto sQ = sm.q(s), sdO = sm.dout(s);
+      const auto sP = sm.pt(it), sdS = sm.ds(it);
+      mbar_wait(sm.full(s), pipe.parity());
+      // ---- [mainloop_bwd_sm90_ws_split_d:scores] Alg.2 l.9-10 and l.12: S^T = K_j Q_w^T, dP^T = V_j dO_w^T for
+      // this warpgroup's queries wq.. ----
+      Acc<1, NQ> sc, dp;
+      wgmma_fence();
+      wg_gemm_abt(sc, sK, 0, sQ, wq, false);
+      wgmma_commit();
+      wg_gemm_abt(dp, sV, 0, sdO, wq, false);
+      wgmma_commit();
+      // ---- [mainloop_bwd_sm90_ws_split_d:probs] Alg.2 l.10 and l.13: P^T, dS^T = P^T * (dP^T - D_i), to shared memory ----
+      probs_sm90<T>(pol, sc, dp, q0 + wq, k0 + wk, sm.lse2(s) + wq, sm.delta(s) + wq, edge);
+      // Rows past the sequence: the copies may have read a packed neighbour's rows (not zeros), so P = dS = 0.
+      if (q0 + BR > bh.seqlen_q) {
+        const int nq = bh.seqlen_q - q0 - wq;
+        for_each2(sc, dp, [&](float& x, float& y, int, int col) {
+          if (col >= nq) x = y = 0.f;
+        });
+      }
+      store_acc(sP, sc, wk, wq);
+      store_acc(sdS, dp, wk, wq);
+      fence_async_smem();
+      named_sync(PS_BARRIER, NWG * 128);  // both halves of P^T and dS^T are in shared memory
+      // ---- [mainloop_bwd_sm90_ws_split_d:products] Alg.2 l.14: dQ_i = dS K_j, then l.11 and l.15: dV_j += P^T dO_i,
+      // dK_j += dS^T Q_i, this warpgroup's columns of each ----
+      Acc<1, WIDE / 8> dq;
+      Acc<1, NARROW ? NARROW / 8 : 1> dq2;
+      fence_operand(st.dk);
+      fence_operand(st.dv);
+      wgmma_fence();
+      wg_gemm_atb<BC>(dq, sdS, 0, sK, cw, false);
+      if constexpr (NARROW > 0) wg_gemm_atb<BC>(dq2, sdS, 0, sK, cn, false);
+      wgmma_commit();
+      wg_gemm_ab<BR>(st.dv, sP, 0, sdO, cw, true);
+      wg_gemm_ab<BR>(st.dk, sdS, 0, sQ, cw, true);
+      if constexpr (NARROW > 0) {
+        wg_gemm_ab<BR>(st.dv2, sP, 0, sdO, cn, true);
+        wg_gemm_ab<BR>(st.dk2, sdS, 0, sQ, cn, true);
+      }
+      wgmma_commit();
+      // ---- [mainloop_bwd_sm90_ws_split_d:dq] dQ_i += scale * dS K_j into the float32 rows, while dK_j, dV_j run ----
+      wgmma_wait<1>();
+      fence_operand(dq);
+      add_dq(p, bh, dq, q0, cw);
+      if constexpr (NARROW > 0) {
+        fence_operand(dq2);
+        add_dq(p, bh, dq2, q0, cn);
+      }
+      // (before the next step's barrier: its neighbour's tiles of two steps on overwrite this step's P^T, dS^T)
+      wgmma_wait<0>();
+      fence_operand(st.dk);
+      fence_operand(st.dv);
+      if constexpr (NARROW > 0) {
+        fence_operand(st.dk2);
+        fence_operand(st.dv2);
+      }
+      mbar_arrive(sm.empty(s));  // Q_i, dO_i, L_i, D_i of this stage are no longer read
+    }
+  }
+
+  __device__ __forceinline__ static void store(const BwdParams& p, const typename Pol::Info& bi, int k0,
+                                               const State& st) {
+    const int w = warpgroup_id();
+    store_dkdv<T>(p, bi, st.dk, st.dv, k0 + key_row(), wide0(w));
+    if constexpr (NARROW > 0) store_dkdv<T>(p, bi, st.dk2, st.dv2, k0 + key_row(), narrow0(w));
+  }
+};
+
+}  // namespace rf
