@@ -5,7 +5,8 @@
 #     tests      every GPU test (the default forward path: wgmma on an H200 where it applies)
 #     numba      only tests/test_numba_gpu.py (the Numba twins on the GPU), in NUMBA_JOBS (default 8) processes
 #                side by side, each a run of consecutive tests: compiling the twins (6 - 8 s each) is the cost, on
-#                the CPU cores (use TESTS="tests --ignore=tests/test_numba_gpu.py" with tests to avoid running them twice)
+#                the CPU cores (use TESTS="tests --ignore=tests/test_numba_gpu.py" with tests to avoid running them twice;
+#                NUMBA_K: a pytest -k expression that picks some of them)
 #     tests-mma  the kernel tests again with RAWFLASH_WGMMA=0 (the mma.sync forward on the same GPU)
 #     hopper     only tests/test_gpu_hopper.py and tests/test_gpu_fa3.py (the wgmma and FA3 forms)
 #     hopper-cp-async  tests/test_gpu_hopper.py with RAWFLASH_FA3=0 (the backward's cp.async wgmma form too)
@@ -43,7 +44,7 @@ while [ $i -lt ${#steps[@]} ]; do
     tests)
       python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
     numba)
-      python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider tests/test_numba_gpu.py 2>/dev/null \
+      python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider tests/test_numba_gpu.py ${NUMBA_K:+-k "$NUMBA_K"} 2>/dev/null \
         | grep '::' > "$OUT/.numba_ids"
       n=$(wc -l < "$OUT/.numba_ids"); jobs=${NUMBA_JOBS:-8}; per=$(( (n + jobs - 1) / jobs )); pids=()
       for j in $(seq 0 $((jobs - 1))); do  # consecutive runs of the ids: a twin's tests share its compiled kernels
