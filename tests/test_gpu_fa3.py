@@ -189,8 +189,26 @@ SPLIT_D_FEATURES = [  # the general policy through the column split's policy cal
 ]
 
 
-@pytest.mark.parametrize("d,dtype", [(192, "bfloat16"), (256, "float16"), (224, "bfloat16")])
-@pytest.mark.parametrize("name,opts", SPLIT_D_FEATURES, ids=[c[0] for c in SPLIT_D_FEATURES])
+# Fails on the H200 (session 10): dsinks 0.00412 against a bound of 0.00236 (5.2x the naive error), with FA3's
+# forward's O and lse; with RAWFLASH_FA3=0 (fa2_fwd_sm90's) it passes. dsinks comes from fa2_bwd_preprocess (O, lse),
+# not from the column split. A FlashAttention-2 forward done exactly in float16's precision already misses the rule
+# on this case (0.0026: tests/test_reference.py pins it); FA3's lazy rescale at d = 256 adds to it. Strict: a change
+# to the forward's P rounding (or to the rule's base for dsinks) would show here.
+_SPLIT_D_OPEN = {("sinks", 256, "float16"): "dsinks 0.00412 > 0.00236: FlashAttention's float16 forward alone "
+                                            "misses the rule here (0.0026, test_reference.py)"}
+
+
+def _split_d_feature_params():
+    out = []
+    for d, dtype in ((192, "bfloat16"), (256, "float16"), (224, "bfloat16")):
+        for name, opts in SPLIT_D_FEATURES:
+            why = _SPLIT_D_OPEN.get((name, d, dtype))
+            marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
+            out.append(pytest.param(name, opts, d, dtype, id=f"{name}-{d}-{dtype}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("name,opts,d,dtype", _split_d_feature_params())
 def test_fa3_backward_split_d_features(name, opts, d, dtype):
     from test_gpu_features import check_feature
 

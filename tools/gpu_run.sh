@@ -19,7 +19,8 @@
 # TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
 # (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype as its own process, side
 # by side; SANITIZE_ONLY=decode, splitk, fa3 or fp8: that part of its workload alone); TAR_TO=path packs every log
-# into one archive at the end (for machines that return only a few files).
+# into one archive at the end (for machines that return only a few files). TESTS_K: a pytest -k expression for the
+# tests step.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}
 mkdir -p "$OUT"
@@ -42,7 +43,7 @@ while [ $i -lt ${#steps[@]} ]; do
   step=${steps[$i]}; i=$((i + 1))
   case $step in
     tests)
-      python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TESTS:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
     numba)
       python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider tests/test_numba_gpu.py ${NUMBA_K:+-k "$NUMBA_K"} 2>/dev/null \
         | grep '::' > "$OUT/.numba_ids"

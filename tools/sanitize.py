@@ -55,12 +55,13 @@ def _varlen(q, k, v):
 def _decode(dtype: str) -> None:
     """decode: contiguous and paged caches (pages of 16 and 3), appends crossing a page, an empty sequence, several
     query rows, the features, one and many splits (the warp combine up to 32, the CTA combine at 40), the append in
-    decode_split and (MQA 32/1: two row groups) decode_append before it, an appended key a window hides from every row,
+    decode_split and (MQA 32/1 with 2 query rows: two row groups of 32) decode_append before it, an appended key a
+    window hides from every row,
     and out-of-range device lengths and pages."""
     rng = np.random.default_rng(1)
     dt = random_qkv(1, 1, 1, 1, 1, 8, dtype)[0].dtype
     for d, (h, hk), page, sq in ((64, (4, 2), 0, 1), (128, (4, 1), 16, 3), (256, (2, 2), 3, 1), (96, (8, 2), 0, 2),
-                                 (128, (32, 1), 16, 1)):
+                                 (128, (32, 1), 16, 1), (128, (32, 1), 0, 2)):
         lens = np.array([0, 37, 70], np.int32)
         cap = 80
         if page:
