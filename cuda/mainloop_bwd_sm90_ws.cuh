@@ -93,6 +93,42 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd&
   }
 }
 
+// The shared-memory map both FA3 backward mainloops share, from a 1024-byte-aligned base: K_j, V_j; STAGES x
+// (Q_i, dO_i); MID bytes that are the mainloop's own (mid(): dS^T and the dQ_i slices here, P^T and dS^T in the
+// column split); STAGES x (L_i, D_i) as floats; the ring's mbarriers. A stage is full when the copies' bytes have
+// landed and the producer's 32 lanes have stored L_i, D_i (the first lane's expect_tx counts as one more
+// arrival); empty when every consumer thread (NWG warpgroups) is done with it.
+template <typename T, int D, int BR, int BC, int STAGES, int NWG, int MID> struct BwdWsSmem {
+  static constexpr int ALIGN = 1024, KV = BC * D * 2, QB = BR * D * 2, LD = 2 * STAGES * BR * 4;
+  static constexpr int BARRIERS = 1 + 2 * STAGES;  // K_j, V_j full; per stage full and empty
+  static constexpr int BYTES = ALIGN + 2 * KV + 2 * STAGES * QB + MID + LD + 8 * BARRIERS;
+  u32 base;
+  float* lsd;  // STAGES x L_i, then STAGES x D_i
+  __device__ __forceinline__ explicit BwdWsSmem(char* smem)
+      : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {
+    lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + 2 * KV + 2 * STAGES * QB + MID);
+  }
+  __device__ __forceinline__ Sw128<T, BC, D> k() const { return {base}; }
+  __device__ __forceinline__ Sw128<T, BC, D> v() const { return {base + KV}; }
+  __device__ __forceinline__ Sw128<T, BR, D> q(int s) const { return {base + 2 * KV + s * QB}; }
+  __device__ __forceinline__ Sw128<T, BR, D> dout(int s) const { return {base + 2 * KV + (STAGES + s) * QB}; }
+  __device__ __forceinline__ u32 mid() const { return base + 2 * KV + 2 * STAGES * QB; }
+  __device__ __forceinline__ float* lse2(int s) const { return lsd + s * BR; }
+  __device__ __forceinline__ float* delta(int s) const { return lsd + (STAGES + s) * BR; }
+  __device__ __forceinline__ u32 bar(int i) const { return mid() + MID + LD + 8 * i; }
+  __device__ __forceinline__ u32 kv_full() const { return bar(0); }
+  __device__ __forceinline__ u32 full(int s) const { return bar(1 + s); }
+  __device__ __forceinline__ u32 empty(int s) const { return bar(1 + STAGES + s); }
+  __device__ __forceinline__ void init() const {
+    mbar_init(kv_full(), 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full(s), 33);
+      mbar_init(empty(s), NWG * 128);
+    }
+    mbar_init_fence();
+  }
+};
+
 template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET_ = false> struct MainloopBwdSm90Ws {
   using T = T_;
   using Pol = Pol_;
@@ -100,11 +136,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   using Walk = typename QWalk<DET_>::type;
   static constexpr int BR = BR_, BC = BC_, NWG = BC_ / 64, NTHREADS = (NWG + 1) * 128, NQ = BR_ / 8, DQN = D / NWG;
   static constexpr int NO = D / 8;
-  static constexpr int ALIGN = 1024, KV = BC_ * D * 2, QB = BR_ * D * 2, DS = BC_ * BR_ * 2, DQB = BR_ * DQN * 4;
-  static constexpr int BARRIERS = 1 + 2 * STAGES;  // K_j, V_j full; per stage full and empty
-  // K_j, V_j; STAGES x (Q_i, dO_i); 2 x dS^T; 2 x NWG dQ_i slices; STAGES x (L_i, D_i); the mbarriers
-  static constexpr int SMEM_BYTES =
-      ALIGN + 2 * KV + 2 * STAGES * QB + 2 * DS + 2 * NWG * DQB + 2 * STAGES * BR_ * 4 + 8 * BARRIERS;
+  static constexpr int DS = BC_ * BR_ * 2, DQB = BR_ * DQN * 4;
+  // BwdWsSmem's map with 2 x dS^T and 2 x NWG dQ_i slices as its middle
+  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, 2 * DS + 2 * NWG * DQB>;
+  static constexpr int ALIGN = Map::ALIGN, KV = Map::KV, QB = Map::QB, SMEM_BYTES = Map::BYTES;
   // EARLY_DV: the plain policy at head_dim 128 issues dV_w += P^T dO_i as soon as P^T is formed, so it runs while
   // dS^T is formed (H200, bf16, N = 4096: 456 -> 470 TFLOP/s); at head_dim 64 the same order lost 4 % (346 -> 332),
   // and the general policy needs dP^T for P^T's transform first. P^T (float and A fragments), dP^T, dK and dV are
@@ -131,43 +166,11 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   struct State {
     Acc<1, NO> dk, dv;
   };
-  struct Smem {
-    u32 base;
-    float* lsd;  // STAGES x L_i, then STAGES x D_i
-    __device__ __forceinline__ explicit Smem(char* smem)
-        : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {
-      lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + 2 * KV + 2 * STAGES * QB + 2 * DS +
-                     2 * NWG * DQB);
-    }
-    __device__ __forceinline__ Sw128<T, BC_, D> k() const { return {base}; }
-    __device__ __forceinline__ Sw128<T, BC_, D> v() const { return {base + KV}; }
-    __device__ __forceinline__ Sw128<T, BR_, D> q(int s) const { return {base + 2 * KV + s * QB}; }
-    __device__ __forceinline__ Sw128<T, BR_, D> dout(int s) const { return {base + 2 * KV + (STAGES + s) * QB}; }
-    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const {
-      return {base + 2 * KV + 2 * STAGES * QB + (it & 1) * DS};
-    }
+  struct Smem : Map {
+    __device__ __forceinline__ explicit Smem(char* smem) : Map(smem) {}
+    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const { return {this->mid() + (it & 1) * DS}; }
     // Warpgroup w's float32 dQ_i slice of step it: BR rows of DQN columns, row-major (the dq map's box).
-    __device__ __forceinline__ u32 dq(int w, int it) const {
-      return base + 2 * KV + 2 * STAGES * QB + 2 * DS + (2 * w + (it & 1)) * DQB;
-    }
-    __device__ __forceinline__ float* lse2(int s) const { return lsd + s * BR_; }
-    __device__ __forceinline__ float* delta(int s) const { return lsd + (STAGES + s) * BR_; }
-    __device__ __forceinline__ u32 bar(int i) const {
-      return base + 2 * KV + 2 * STAGES * QB + 2 * DS + 2 * NWG * DQB + 2 * STAGES * BR_ * 4 + 8 * i;
-    }
-    __device__ __forceinline__ u32 kv_full() const { return bar(0); }
-    __device__ __forceinline__ u32 full(int s) const { return bar(1 + s); }
-    __device__ __forceinline__ u32 empty(int s) const { return bar(1 + STAGES + s); }
-    // A stage is full when the copies' bytes have landed and the producer's 32 lanes have stored L_i, D_i (the
-    // first lane's expect_tx counts as one more arrival); empty when every consumer thread is done with it.
-    __device__ __forceinline__ void init() const {
-      mbar_init(kv_full(), 1);
-      for (int s = 0; s < STAGES; ++s) {
-        mbar_init(full(s), 33);
-        mbar_init(empty(s), NWG * 128);
-      }
-      mbar_init_fence();
-    }
+    __device__ __forceinline__ u32 dq(int w, int it) const { return this->mid() + 2 * DS + (2 * w + (it & 1)) * DQB; }
   };
 
   __device__ __forceinline__ static bool is_producer() { return warpgroup_id() == NWG; }

@@ -39,10 +39,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   static constexpr int BR = BR_, BC = BC_, NWG = 2, NTHREADS = (NWG + 1) * 128;
   static constexpr int QW = BR_ / NWG, NQ = QW / 8;           // a warpgroup's queries of S^T, dP^T
   static constexpr int DW = D / NWG, WIDE = DW / 64 * 64, NARROW = DW - WIDE;  // a warpgroup's columns
-  static constexpr int ALIGN = 1024, KV = BC_ * D * 2, QB = BR_ * D * 2, PS = BC_ * BR_ * 2;
-  static constexpr int BARRIERS = 1 + 2 * STAGES;  // K_j, V_j full; per stage full and empty
-  // K_j, V_j; STAGES x (Q_i, dO_i); 2 x P^T, 2 x dS^T; STAGES x (L_i, D_i); the mbarriers
-  static constexpr int SMEM_BYTES = ALIGN + 2 * KV + 2 * STAGES * QB + 4 * PS + 2 * STAGES * BR_ * 4 + 8 * BARRIERS;
+  static constexpr int PS = BC_ * BR_ * 2;
+  // BwdWsSmem's map with 2 x P^T and 2 x dS^T as its middle
+  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, 4 * PS>;
+  static constexpr int ALIGN = Map::ALIGN, KV = Map::KV, QB = Map::QB, SMEM_BYTES = Map::BYTES;
   // dK, dV (D floats a thread in all) and dQ_i's half (D / 4) or S^T, dP^T (16 + 16): the consumers take 240,
   // the producer (one warp issuing copies, 32 lanes storing L_i, D_i) keeps 24, FA3's split for two consumer
   // warpgroups.
@@ -60,42 +60,11 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     Acc<1, WIDE / 8> dk, dv;
     Acc<1, NARROW ? NARROW / 8 : 1> dk2, dv2;  // (NARROW = 0: never touched, so never allocated)
   };
-  struct Smem {
-    u32 base;
-    float* lsd;  // STAGES x L_i, then STAGES x D_i
-    __device__ __forceinline__ explicit Smem(char* smem)
-        : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {
-      lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + 2 * KV + 2 * STAGES * QB + 4 * PS);
-    }
-    __device__ __forceinline__ Sw128<T, BC_, D> k() const { return {base}; }
-    __device__ __forceinline__ Sw128<T, BC_, D> v() const { return {base + KV}; }
-    __device__ __forceinline__ Sw128<T, BR_, D> q(int s) const { return {base + 2 * KV + s * QB}; }
-    __device__ __forceinline__ Sw128<T, BR_, D> dout(int s) const { return {base + 2 * KV + (STAGES + s) * QB}; }
+  struct Smem : Map {
+    __device__ __forceinline__ explicit Smem(char* smem) : Map(smem) {}
     // P^T and dS^T of step it: keys x queries, K-major for dK, dV (A operand) and MN-major for dQ_i
-    __device__ __forceinline__ Sw128<T, BC_, BR_> pt(int it) const {
-      return {base + 2 * KV + 2 * STAGES * QB + (it & 1) * PS};
-    }
-    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const {
-      return {base + 2 * KV + 2 * STAGES * QB + (2 + (it & 1)) * PS};
-    }
-    __device__ __forceinline__ float* lse2(int s) const { return lsd + s * BR_; }
-    __device__ __forceinline__ float* delta(int s) const { return lsd + (STAGES + s) * BR_; }
-    __device__ __forceinline__ u32 bar(int i) const {
-      return base + 2 * KV + 2 * STAGES * QB + 4 * PS + 2 * STAGES * BR_ * 4 + 8 * i;
-    }
-    __device__ __forceinline__ u32 kv_full() const { return bar(0); }
-    __device__ __forceinline__ u32 full(int s) const { return bar(1 + s); }
-    __device__ __forceinline__ u32 empty(int s) const { return bar(1 + STAGES + s); }
-    // as mainloop_bwd_sm90_ws: full once the copies' bytes and the producer's 32 lanes' L_i, D_i are in; empty
-    // when every consumer thread (both warpgroups read the whole stage) is done with it
-    __device__ __forceinline__ void init() const {
-      mbar_init(kv_full(), 1);
-      for (int s = 0; s < STAGES; ++s) {
-        mbar_init(full(s), 33);
-        mbar_init(empty(s), NWG * 128);
-      }
-      mbar_init_fence();
-    }
+    __device__ __forceinline__ Sw128<T, BC_, BR_> pt(int it) const { return {this->mid() + (it & 1) * PS}; }
+    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const { return {this->mid() + (2 + (it & 1)) * PS}; }
   };
 
   __device__ __forceinline__ static bool is_producer() { return warpgroup_id() == NWG; }
