@@ -54,7 +54,7 @@ template <int REGS, int WARP> __device__ __forceinline__ bool bwd_ws_producer_st
 template <typename T, int D, int BR, int BC, int STAGES, class Pol, class Walk, class Sm>
 __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
                                                int k0, const Walk& walk, const Sm& sm) {
-  constexpr int KV = BC * D * 2, QB = BR * D * 2;
+  constexpr int KV = Sm::KV, QB = Sm::QB;  // the bytes of K_j (V_j) and of Q_i (dO_i): BwdWsSmem's
   const int bq = p.cu_seqlens_q ? 0 : bi.b, bk = p.cu_seqlens_k ? 0 : bi.b;
   // ---- [mainloop_bwd_sm90_ws:load_kv] Alg.2 l.6: K_j, V_j, once ----
   if (lane_id() == 0) {
@@ -139,7 +139,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   static constexpr int DS = BC_ * BR_ * 2, DQB = BR_ * DQN * 4;
   // BwdWsSmem's map with 2 x dS^T and 2 x NWG dQ_i slices as its middle
   using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, 2 * DS + 2 * NWG * DQB>;
-  static constexpr int ALIGN = Map::ALIGN, KV = Map::KV, QB = Map::QB, SMEM_BYTES = Map::BYTES;
+  static constexpr int SMEM_BYTES = Map::BYTES;
   // EARLY_DV: the plain policy at head_dim 128 issues dV_w += P^T dO_i as soon as P^T is formed, so it runs while
   // dS^T is formed (H200, bf16, N = 4096: 456 -> 470 TFLOP/s); at head_dim 64 the same order lost 4 % (346 -> 332),
   // and the general policy needs dP^T for P^T's transform first. P^T (float and A fragments), dP^T, dK and dV are

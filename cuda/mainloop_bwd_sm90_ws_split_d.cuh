@@ -42,7 +42,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   static constexpr int PS = BC_ * BR_ * 2;
   // BwdWsSmem's map with 2 x P^T and 2 x dS^T as its middle
   using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, 4 * PS>;
-  static constexpr int ALIGN = Map::ALIGN, KV = Map::KV, QB = Map::QB, SMEM_BYTES = Map::BYTES;
+  static constexpr int SMEM_BYTES = Map::BYTES;
   // dK, dV (D floats a thread in all) and dQ_i's half (D / 4) or S^T, dP^T (16 + 16): the consumers take 240,
   // the producer (one warp issuing copies, 32 lanes storing L_i, D_i) keeps 24, FA3's split for two consumer
   // warpgroups.

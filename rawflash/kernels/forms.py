@@ -443,9 +443,8 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                 if not p.general and not p.causal:  # decode has one instantiation per (dtype, head_dim)
                     dp = dataclasses.replace(p, seqlen_k=4096, new_keys=1)
                     launches += decode_plan(dp, 8).launches  # the fold and the warp combine
-                    wide = dataclasses.replace(dp, heads=configs.MANY_DECODE_ROWS + 16)  # MANY_ROWS_DECODE's rows
-                    if many_decode_rows(wide):
-                        launches += decode_plan(wide, 8).launches
+                    # MQA with twice MANY_DECODE_ROWS query heads: configs.MANY_ROWS_DECODE's rows
+                    launches += decode_plan(dataclasses.replace(dp, heads=2 * configs.MANY_DECODE_ROWS), 8).launches
                     launches += [launch.decode_append(dp), launch.decode_combine(dp)]  # and the other forms
                 for lau in launches:
                     out.setdefault(lau.name_expression, lau)
