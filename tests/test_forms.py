@@ -143,6 +143,21 @@ def test_the_cp_async_wgmma_form_needs_the_64_grid_and_fa3_needs_the_ideas():
         forms.fa2_forward(_problem(), Switches(warp_specialize=True, split_q=False))
 
 
+@pytest.mark.parametrize("d", [80, 96])
+def test_fa3_off_in_the_settings_falls_back_off_the_64_grid(d):
+    """RAWFLASH_FA3=0 (the settings, not the call) at a head_dim the cp.async wgmma form has no row for: the mma.sync
+    forward, not an error (session 11's H200 run found the forward refusing); the call's own warp_specialize=False
+    or wgmma=True there is still refused."""
+    off = Settings(warp_specialize=False)
+    assert forms.fa2_forward(_problem(d=d), settings=off).kernel == "fa2_fwd"
+    assert forms.forward_plan(_problem(d=d, alibi=True), settings=off)[0].kernel == "fa2_fwd"
+    assert forms.fa2_forward(_problem(d=128), settings=off).kernel == "fa2_fwd_sm90"
+    with pytest.raises(ValueError, match="warp_specialize=False on Hopper"):
+        forms.fa2_forward(_problem(d=d), Switches(warp_specialize=False), off)
+    with pytest.raises(ValueError, match="warp_specialize=False on Hopper"):
+        forms.fa2_forward(_problem(d=d), Switches(wgmma=True), off)
+
+
 def test_overlap_switch_reaches_the_template():
     on, off = forms.fa2_forward(_problem(), Switches(overlap=True)), forms.fa2_forward(_problem(), Switches(overlap=False))
     assert on.name_expression != off.name_expression

@@ -181,10 +181,12 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
                                        pingpong=sw.pingpong,
                                        persistent=persistent_default(p) if sw.persistent is None else sw.persistent,
                                        dynamic=fa3_dynamic(p, sw))
-        if not hopper_form_fits("fa2_fwd_sm90", p):
+        if hopper_form_fits("fa2_fwd_sm90", p):
+            return launch.fa2_fwd_sm90(p, _config("fa2_fwd_sm90", p, override), overlap=sw.overlap)
+        if sw.warp_specialize is False or sw.wgmma:  # asked for by the call: refused, not replaced
             raise ValueError(f"warp_specialize=False on Hopper runs the cp.async wgmma form, which needs a head_dim "
-                             f"that pads to a multiple of 64; got {got}")
-        return launch.fa2_fwd_sm90(p, _config("fa2_fwd_sm90", p, override), overlap=sw.overlap)
+                             f"that pads to a multiple of 64; got {got}, wgmma={sw.wgmma}")
+        # the settings' RAWFLASH_FA3=0 at a head_dim the cp.async form has no row for: the mma.sync form
     row = "fa2_fwd" if sw.split_q else "fa2_fwd_splitk"
     return launch.fa2_fwd(p, _config(row, p, override), defer_norm=sw.defer_norm, seq_parallel=sw.seq_parallel,
                           split_q=sw.split_q)
