@@ -18,9 +18,9 @@
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
 # TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
 # (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype as its own process, side
-# by side; SANITIZE_ONLY=decode, splitk, fa3 or fp8: that part of its workload alone); TAR_TO=path packs every log
-# into one archive at the end (for machines that return only a few files). TESTS_K: a pytest -k expression for the
-# tests step.
+# by side; SANITIZE_ONLY=decode, splitk, fa3, fp8 or feature:NAME, e.g. feature:alibi (that feature in every form):
+# that part of its workload alone); TAR_TO=path packs every log into one archive at the end (for machines that
+# return only a few files). TESTS_K: a pytest -k expression for the tests step.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_logs}
 mkdir -p "$OUT"

@@ -40,6 +40,36 @@ def _features(opts: dict, b: int, sk: int, h: int):
     return out
 
 
+def _feature_calls(q, k, v, causal: bool, opts: dict) -> None:
+    """One feature set (a FEATURES entry) on q, k, v: the forward (default form and mma.sync), the backward (atomic
+    and deterministic)."""
+    b, sk, h = q.shape[0], k.shape[1], q.shape[2]
+    feats = _features(opts, b, sk, h)
+    if opts.get("varlen"):
+        q, k, v, packed = _varlen(q, k, v)
+        feats.update(packed)
+    for wgmma in (None, False):
+        o, l = rawflash.forward(q, k, v, causal=causal, wgmma=wgmma, **feats)
+    for det in (False, True):
+        rawflash.backward(cupy.ones_like(q), q, k, v, o, l, causal=causal, deterministic=det, **feats)
+
+
+def _feature(name: str, dtype: str) -> None:
+    """The FEATURES entries that set ``name`` alone (SANITIZE_ONLY=feature:NAME), on CASES, causal and not, in every
+    form: the default one, mma.sync (wgmma=False and RAWFLASH_WGMMA=0's backward) and the cp.async wgmma backward
+    (RAWFLASH_FA3=0)."""
+    for opts in [o for o in FEATURES if name in o]:
+        for env in ({}, {"RAWFLASH_FA3": "0"}, {"RAWFLASH_WGMMA": "0"}):
+            os.environ.update(env)
+            for b, sq, sk, h, hk, d in CASES:
+                for causal in (False, True):
+                    q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
+                    _feature_calls(q, k, v, causal, opts)
+            for key in env:
+                del os.environ[key]
+    cupy.cuda.Device().synchronize()
+
+
 def _varlen(q, k, v):
     """The batch packed as variable-length sequences (each sequence's first rows, different lengths)."""
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
@@ -164,10 +194,14 @@ def _fp8(dtype: str) -> None:
 
 def main() -> None:
     dtypes = sys.argv[1:] or ["float16", "bfloat16", "float32"]
-    only = os.environ.get("SANITIZE_ONLY")  # 'decode', 'splitk', 'fa3' or 'fp8': that part alone (racecheck is slow)
+    # 'decode', 'splitk', 'fa3', 'fp8' or 'feature:NAME' (e.g. feature:alibi): that part alone (racecheck is slow)
+    only = os.environ.get("SANITIZE_ONLY")
     if only:
         for dtype in dtypes:
-            {"decode": _decode, "splitk": _splitk, "fa3": _fa3, "fp8": _fp8}[only](dtype)
+            if only.startswith("feature:"):
+                _feature(only.split(":", 1)[1], dtype)
+            else:
+                {"decode": _decode, "splitk": _splitk, "fa3": _fa3, "fp8": _fp8}[only](dtype)
             cupy.cuda.Device().synchronize()
             print(f"sanitize workload done: {only} {dtype}", flush=True)
         return
@@ -188,16 +222,7 @@ def main() -> None:
                 for det in (False, True):
                     rawflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
                 for opts in FEATURES:
-                    feats = _features(opts, b, sk, h)
-                    qq, kk, vv = (q, k, v)
-                    if opts.get("varlen"):
-                        qq, kk, vv, packed = _varlen(q, k, v)
-                        feats.update(packed)
-                    for wgmma in (None, False):
-                        o, l = rawflash.forward(qq, kk, vv, causal=causal, wgmma=wgmma, **feats)
-                    do = cupy.ones_like(qq)
-                    for det in (False, True):
-                        rawflash.backward(do, qq, kk, vv, o, l, causal=causal, deterministic=det, **feats)
+                    _feature_calls(q, k, v, causal, opts)
                 cupy.cuda.Device().synchronize()
         _decode(dtype)
         _fp8(dtype)
