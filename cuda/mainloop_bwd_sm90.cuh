@@ -136,14 +136,15 @@ __device__ __forceinline__ void probs_ds_sm90(Acc<1, NT>& s, Acc<1, NT>& dp, con
   fence_operand(dp);
   for_each2(s, dp, [&](float& x, float& y, int, int col) { y = x * (y - sDelta[col]); });
 }
-template <typename T, class Pol, int NT>
+// (SPARE_REGS: Policy::backward_tile's, true in FA3's consumers)
+template <typename T, bool SPARE_REGS, class Pol, int NT>
 __device__ __forceinline__ void probs_sm90(const Pol& pol, Acc<1, NT>& s, Acc<1, NT>& dp, int q0, int k_row,
                                            const float* sL, const float* sDelta, bool edge) {
   if constexpr (Pol::GENERAL) {
     wgmma_wait<0>();
     fence_operand(s);
     fence_operand(dp);
-    pol.template backward_tile<T, true>(s, dp, q0, k_row, sL, sDelta, edge);
+    pol.template backward_tile<T, true, SPARE_REGS>(s, dp, q0, k_row, sL, sDelta, edge);
   } else {
     probs_p_sm90<T>(pol, s, q0, k_row, sL, edge);
     probs_ds_sm90<0>(s, dp, sDelta);
@@ -182,7 +183,7 @@ template <typename T_, int D, int BR_, int BC_, class Pol_> struct MainloopBwdSm
       wg_gemm_abt(dp, sm.sV, kw, sdO, 0, false);
       wgmma_commit();
       // ---- [mainloop_bwd_sm90:probs] Alg.2 l.10 and l.13: P^T and dS^T = P^T * (dP^T - D_i) ----
-      probs_sm90<T>(pol, s, dp, q0, k0 + wk, sL, sDelta, edge);
+      probs_sm90<T, false>(pol, s, dp, q0, k0 + wk, sL, sDelta, edge);
       u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
       to_a_operand<T>(p_a, s);
       to_a_operand<T>(ds_a, dp);

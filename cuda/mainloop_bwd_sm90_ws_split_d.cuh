@@ -142,7 +142,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wg_gemm_abt(dp, sV, 0, sdO, wq, false);
       wgmma_commit();
       // ---- [mainloop_bwd_sm90_ws_split_d:probs] Alg.2 l.10 and l.13: P^T, dS^T = P^T * (dP^T - D_i), to shared memory ----
-      probs_sm90<T>(pol, sc, dp, q0 + wq, k0 + wk, sm.lse2(s) + wq, sm.delta(s) + wq, edge);
+      probs_sm90<T, true>(pol, sc, dp, q0 + wq, k0 + wk, sm.lse2(s) + wq, sm.delta(s) + wq, edge);
       // Rows past the sequence: the copies may have read a packed neighbour's rows (not zeros), so P = dS = 0.
       if (q0 + BR > bh.seqlen_q) {
         const int nq = bh.seqlen_q - q0 - wq;

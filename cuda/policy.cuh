@@ -235,8 +235,12 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // keys k0.., L and D indexed by row. The plain policy masks edge blocks only and leaves interior blocks without
   // any mask code (-inf before the exponential gives the same P = dS = 0 as backward()'s select, in ~20 fewer
   // registers than testing visibility per element in every block: NOTES, session 4); the general one runs
-  // backward() per element.
-  template <typename T, bool TRANSPOSED, int MT, int NT>
+  // backward() per element. SPARE_REGS: the caller's threads have registers to spare (FA3's consumers, 240 each):
+  // the general 16-bit elements then run without a predicate and edge tiles zero their hidden elements in a pass
+  // of their own (hide), and ALiBi's one-sided tiles split the bias (backward_alibi_one_side); the forms at the
+  // 255-register cap keep the select inside the element loop and the distance form (the other two spill there:
+  // 8 - 56 B in fa2_bwd at d = 96 / 256 and 16 B in fa2_bwd_sm90's column split, offline; NOTES, session 11).
+  template <typename T, bool TRANSPOSED, bool SPARE_REGS = false, int MT, int NT>
   __device__ __forceinline__ void backward_tile(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, const float* L,
                                                 const float* D, bool edge) const {
     if constexpr (GENERAL_ && sizeof(T) == 4) {  // float32, the accuracy path: every element through score()
@@ -246,10 +250,10 @@ template <int MASK_, bool GENERAL_> struct Policy {
       });
     } else if constexpr (GENERAL_) {  // the transform's parts chosen once per tile
       const bool cap = cap_in > 0.f, alibi = slope_nat != 0.f;
-      if (cap && alibi) backward_general<T, TRANSPOSED, true, true>(s, dp, q0, k0, L, D, edge);
-      else if (cap) backward_general<T, TRANSPOSED, true, false>(s, dp, q0, k0, L, D, edge);
-      else if (alibi) backward_general<T, TRANSPOSED, false, true>(s, dp, q0, k0, L, D, edge);
-      else backward_general<T, TRANSPOSED, false, false>(s, dp, q0, k0, L, D, edge);
+      if (cap && alibi) backward_general<T, TRANSPOSED, true, true, SPARE_REGS>(s, dp, q0, k0, L, D, edge);
+      else if (cap) backward_general<T, TRANSPOSED, true, false, SPARE_REGS>(s, dp, q0, k0, L, D, edge);
+      else if (alibi) backward_general<T, TRANSPOSED, false, true, SPARE_REGS>(s, dp, q0, k0, L, D, edge);
+      else backward_general<T, TRANSPOSED, false, false, SPARE_REGS>(s, dp, q0, k0, L, D, edge);
     } else {
       if (edge) {
         if constexpr (TRANSPOSED) mask_t(s, k0, q0);
@@ -279,10 +283,15 @@ template <int MASK_, bool GENERAL_> struct Policy {
     for_each2(pr, dp, [&](float& x, float& y, int row, int col) { y = x * (y - D[TRANSPOSED ? col : row]); });
   }
   // P and dS of every element of a 16-bit tile (hidden elements of edge blocks 0), soft-capping (CAP) and ALiBi
-  // compiled in or out.
-  template <typename T, bool TRANSPOSED, bool CAP, bool ALIBI, int MT, int NT>
+  // compiled in or out; SPARE_REGS as in backward_tile.
+  template <typename T, bool TRANSPOSED, bool CAP, bool ALIBI, bool SPARE_REGS, int MT, int NT>
   __device__ __forceinline__ void backward_general(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, const float* L,
                                                    const float* D, bool edge) const {
+    if constexpr (SPARE_REGS && ALIBI && !CAP) {
+      const float side = alibi_side<TRANSPOSED, MT, NT>(q0, k0);
+      if (side != 0.f)
+        return backward_alibi_one_side<T, TRANSPOSED>(s, dp, q0, k0, L, D, edge, side * slope_nat * LOG2E);
+    }
     const float slope = slope_nat * LOG2E, base = distance_base<TRANSPOSED>(TRANSPOSED ? k0 : q0, TRANSPOSED ? q0 : k0);
     for_each_index<MT, NT>([&](int i, int j, int e, int row, int col) {
       float &x = s.v[i][j][e], &y = dp.v[i][j][e];
@@ -296,8 +305,55 @@ template <int MASK_, bool GENERAL_> struct Policy {
         sc = __fmul_rn(x, scale_log2);
       }
       if constexpr (ALIBI) sc = fmaf(-slope, distance<TRANSPOSED>(base, i, j, e), sc);
-      x = (edge && !visible(q0 + r, k0 + (TRANSPOSED ? row : col))) ? 0.f : exp2_<T>(sc - L[r]);
+      if constexpr (SPARE_REGS) x = exp2_<T>(sc - L[r]);
+      else x = (edge && !visible(q0 + r, k0 + (TRANSPOSED ? row : col))) ? 0.f : exp2_<T>(sc - L[r]);
       y = x * (y - D[r]) * dz;
+    });
+    if constexpr (SPARE_REGS)
+      if (edge) hide<TRANSPOSED>(s, dp, q0, k0);
+  }
+  // ALiBi's distance i + diag - j over a warp tile of 16 MT x 8 NT (rows queries q0.., columns keys k0..; TRANSPOSED:
+  // rows keys): +1 where it is >= 0 in every element (every key at or before its query's diagonal), -1 where it is
+  // <= 0 in every element, 0 where the tile crosses the diagonal. Uniform over the warp.
+  template <bool TRANSPOSED, int MT, int NT> __device__ __forceinline__ float alibi_side(int q0, int k0) const {
+    const int nq = TRANSPOSED ? 8 * NT : 16 * MT, nk = TRANSPOSED ? 16 * MT : 8 * NT;
+    return q0 + diag - (k0 + nk - 1) >= 0 ? 1.f : q0 + nq - 1 + diag - k0 <= 0 ? -1.f : 0.f;
+  }
+  // backward_general with ALiBi alone on a warp tile that lies on one side of the diagonal (sig = side x slope, log2
+  // units). There the bias separates, -slope |i + diag - j| = sig (j - k0) - sig (i + diag - k0): a key part and a
+  // query part, each a function of one register row or column, so the loops' unrolled copies share them (computed
+  // once per row and per column of the thread's fragment, the query part added to L_i), and a score pays one FFMA
+  // (q.k scale + its key part) and one subtraction before the exponential, as plain attention's scores do, instead of
+  // a multiply, a distance, a multiply-add and a subtraction. Offsets are tile-relative, so the parts stay small
+  // near the diagonal (float32 rounding of the large ones only touches probabilities far below the row's max).
+  template <typename T, bool TRANSPOSED, int MT, int NT>
+  __device__ __forceinline__ void backward_alibi_one_side(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0,
+                                                          const float* L, const float* D, bool edge, float sig) const {
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+    // this thread's first key offset and query distance (i + diag - k0) as floats: one conversion each per tile
+    const float kb = (float)(TRANSPOSED ? g : 2 * t), qb = (float)(q0 + diag - k0 + (TRANSPOSED ? 2 * t : g));
+    for_each_index<MT, NT>([&](int i, int j, int e, int row, int col) {
+      float &x = s.v[i][j][e], &y = dp.v[i][j][e];
+      const int r = TRANSPOSED ? col : row;
+      const int roff = 16 * i + 8 * (e >> 1), coff = 8 * j + (e & 1);  // compile-time parts of row and column
+      const float key = sig * (kb + (float)(TRANSPOSED ? roff : coff));
+      const float lq = fmaf(sig, qb + (float)(TRANSPOSED ? coff : roff), L[r]);
+      x = exp2_<T>(fmaf(x, scale_log2, key) - lq);
+      y = x * (y - D[r]);
+    });
+    if (edge) hide<TRANSPOSED>(s, dp, q0, k0);
+  }
+  // P = dS = 0 where the key is hidden from the query, for the general policy's edge tiles (rows queries q0..,
+  // columns keys k0..; TRANSPOSED: rows keys). A pass of its own after the element-wise one, which then runs without
+  // a predicate: selected per element there, every L_i and D_i load and exponential became predicated and ptxas
+  // loaded L_i, D_i once per element instead of once per register column (FA3 backward, d = 128: 42 shared loads
+  // and 98 integer instructions for a warp tile's 32 scores against plain attention's 16 and ~20; offline SASS,
+  // NOTES session 11). Hidden elements computed on the way may be inf or NaN (a masked score above L_i); they are
+  // overwritten, never used.
+  template <bool TRANSPOSED, int MT, int NT>
+  __device__ __forceinline__ void hide(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0) const {
+    for_each2(s, dp, [&](float& x, float& y, int row, int col) {
+      if (!visible(q0 + (TRANSPOSED ? col : row), k0 + (TRANSPOSED ? row : col))) x = y = 0.f;
     });
   }
   // Scores of a tile (rows queries r0.., columns keys c0..) through soft-capping and ALiBi (GENERAL only, and only

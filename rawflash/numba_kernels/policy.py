@@ -204,9 +204,11 @@ def score(pol, x, i, j):
     # MIRROR: math.tanh for every dtype; the CUDA C's tanh_ is the hardware tanh.approx for bfloat16 and
     # 1 - 2 / (2^(2x log2 e) + 1) with the hardware exp2 and reciprocal for float16. The CUDA C's 16-bit tiles
     # choose soft-capping and ALiBi once per tile and take |i + diag - j| as a float base plus per-register offsets
-    # (Policy::transform, backward_general); this twin computes the same values element by element. The slope is
-    # the policy's own: decode's twin gives each packed row a policy of its head (set_head) where the CUDA C
-    # passes the row's slope.
+    # (Policy::transform, backward_general), and in FA3's backward (SPARE_REGS) ALiBi-only tiles that lie on one
+    # side of the diagonal split the bias into a key part and a query part added to L_i (backward_alibi_one_side)
+    # and edge tiles zero their hidden elements after the element loop (hide); this twin computes the same values
+    # element by element. The slope is the policy's own: decode's twin gives each packed
+    # row a policy of its head (set_head) where the CUDA C passes the row's slope.
     dist = i + pol.diag - j
     adist = float32(dist if dist >= 0 else -dist)
     slope = pol.slope_nat * LOG2E
