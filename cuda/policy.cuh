@@ -239,7 +239,8 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // the general 16-bit elements then run without a predicate and edge tiles zero their hidden elements in a pass
   // of their own (hide), and ALiBi's one-sided tiles split the bias (backward_alibi_one_side); the forms at the
   // 255-register cap keep the select inside the element loop and the distance form (the other two spill there:
-  // 8 - 56 B in fa2_bwd at d = 96 / 256 and 16 B in fa2_bwd_sm90's column split, offline; NOTES, session 11).
+  // 8 - 56 B in fa2_bwd at d = 96 / 256 and 16 B in fa2_bwd_sm90's column split, offline; NOTES, session 11), and
+  // so does FA3's d <= 128 mainloop under a window, which passes false there.
   template <typename T, bool TRANSPOSED, bool SPARE_REGS = false, int MT, int NT>
   __device__ __forceinline__ void backward_tile(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, const float* L,
                                                 const float* D, bool edge) const {
