@@ -55,9 +55,9 @@ def _feature_calls(q, k, v, causal: bool, opts: dict) -> None:
 
 
 def _feature(name: str, dtype: str) -> None:
-    """The FEATURES entries that set ``name`` alone (SANITIZE_ONLY=feature:NAME), on CASES, causal and not, in every
-    form: the default one, mma.sync (wgmma=False and RAWFLASH_WGMMA=0's backward) and the cp.async wgmma backward
-    (RAWFLASH_FA3=0)."""
+    """The FEATURES entries that set ``name`` (SANITIZE_ONLY=feature:NAME), with or without others, on CASES, causal
+    and not, in every form: the default one, mma.sync (wgmma=False and RAWFLASH_WGMMA=0's backward) and the cp.async
+    wgmma backward (RAWFLASH_FA3=0)."""
     for opts in [o for o in FEATURES if name in o]:
         for env in ({}, {"RAWFLASH_FA3": "0"}, {"RAWFLASH_WGMMA": "0"}):
             os.environ.update(env)

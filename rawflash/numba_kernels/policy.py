@@ -207,8 +207,8 @@ def score(pol, x, i, j):
     # (Policy::transform, backward_general), and in FA3's backward (SPARE_REGS) ALiBi-only tiles that lie on one
     # side of the diagonal split the bias into a key part and a query part added to L_i (backward_alibi_one_side)
     # and edge tiles zero their hidden elements after the element loop (hide); this twin computes the same values
-    # element by element. The slope is the policy's own: decode's twin gives each packed
-    # row a policy of its head (set_head) where the CUDA C passes the row's slope.
+    # element by element. The slope is the policy's own: decode's twin gives each packed row a policy of its head
+    # (set_head) where the CUDA C passes the row's slope.
     dist = i + pol.diag - j
     adist = float32(dist if dist >= 0 else -dist)
     slope = pol.slope_nat * LOG2E
