@@ -49,7 +49,7 @@ __device__ __forceinline__ void fwd_kernel_ws(const FwdParams& p, const TmaFwd& 
       const typename Mainloop::Pol pol(p, bi);
       typename Mainloop::State st;
       Mainloop::consume(p, bi, pol, q0, sm, pipes, st);
-      Mainloop::store(p, bi, pol, q0, st);
+      Mainloop::store(p, tma, bi, pol, q0, sm, pipes, st);
     } while (next(false));
   Mainloop::consumer_finish();
 }

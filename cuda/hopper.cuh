@@ -116,6 +116,31 @@ __device__ __forceinline__ void store_acc(const Sw128<T, R, C>& s, const Acc<1, 
     }
 }
 
+// Four 8 x 8 matrices of 16-bit values to shared memory (sm_90): register i of lane l holds row l / 4, columns
+// 2 (l % 4).. of matrix i (mma's C layout, packed in pairs); lanes 8i..8i+7 give the addresses of matrix i's rows.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+// A warp's 16 rows of a C-layout accumulator (MT = 1), row h of each quad times f[h], cast to T, into rows r0..
+// of an Sw128 tile by stmatrix: one instruction per 16 columns (matrices: rows 0-7 and 8-15 of columns 8j..,
+// then of 8j + 8..), each 8-row matrix on 8 different 16-byte bank groups (the swizzle). The epilogue's staging
+// of O for its TMA store.
+template <typename T, int NT, int R, int C>
+__device__ __forceinline__ void stage_rows(const Sw128<T, R, C>& s, const Acc<1, NT>& acc, const float (&f)[2], int r0) {
+  static_assert(NT % 2 == 0, "whole 16-column steps");
+  const int m = lane_id() >> 3, row = r0 + (lane_id() & 7) + 8 * (m & 1);
+#pragma unroll
+  for (int j = 0; j < NT; j += 2) {
+    const u32 r[4] = {pack2<T>(acc.v[0][j][0] * f[0], acc.v[0][j][1] * f[0]),
+                      pack2<T>(acc.v[0][j][2] * f[1], acc.v[0][j][3] * f[1]),
+                      pack2<T>(acc.v[0][j + 1][0] * f[0], acc.v[0][j + 1][1] * f[0]),
+                      pack2<T>(acc.v[0][j + 1][2] * f[1], acc.v[0][j + 1][3] * f[1])};
+    stmatrix_x4(s.addr(row, 8 * (j + (m >> 1))), r);
+  }
+}
+
 // ---------------------------------------------------------------- ordering
 // Before the first wgmma of a batch: registers it reads or accumulates into were written by ordinary code.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -67,6 +67,7 @@ struct MainloopFwdSm90Fp8
   static_assert(BC % 64 == 0 && BC <= 256 && D % 128 == 0 && D <= 256, "whole 64- / 128-byte panels; wgmma N <= 256");
   static_assert(!Pol_::GENERAL, "the FP8 form runs the plain policy (its scale folded with the descales)");
   static constexpr bool PACKED = false;  // fixed lengths only: the copies read batch b
+  static constexpr bool O_VIA_Q = false; // O (OutT) is twice Q_i's bytes: stored from registers
   static constexpr float P_LOG2 = 8.f;  // P in [0, 256] before its cast (e4m3's largest finite value is 448) ...
   // ... and in [0, 430] under a stale max (2^8.75; OnlineSoftmax::update's stale_log2) at head_dim 128: H200,
   // 128 x 128 tiles, +3 - 4 % non-causal (819 -> 852 TFLOP/s at N = 16384), +-1 % causal; at 256 it lost 1 - 3 %.
@@ -106,8 +107,8 @@ struct MainloopFwdSm90Fp8
     st.sm.l[0] *= exp2f(-P_LOG2);
     st.sm.l[1] *= exp2f(-P_LOG2);
   }
-  __device__ __forceinline__ static void store(const FwdParams& p, const Info& bi, const Pol_& pol, int q0,
-                                               const State& st) {
+  __device__ __forceinline__ static void store(const FwdParams& p, const TmaFwd&, const Info& bi, const Pol_& pol,
+                                               int q0, const Smem&, const Pipes&, const State& st) {
     epilogue_fwd<OutT, false>(p, bi, pol, st.o, st.sm, q0 + Base::warp_row(),
                               descale(p, p.v_descale, bi) * exp2f(-P_LOG2));
   }

@@ -12,6 +12,10 @@
 //   - consumer warpgroup w owns query rows 64w..64w+63 of the tile and runs FA2's loop on wgmma exactly as
 //     mainloop_fwd_sm90 does (S = Q K^T from shared memory, P from registers into O += P V, the online softmax,
 //     FA3's intra-warpgroup OVERLAP of the softmax of block j with P_{j-1} V_{j-1});
+//   - the 16-bit form's epilogue (O_VIA_Q) stages each warpgroup's O in its own 64 rows of the tile's Q_i buffer
+//     (stmatrix; no other warpgroup reads those rows, so no barrier between warpgroups), and one thread per
+//     warpgroup stores them with TMA; the buffer goes back to the producer once the store has read it. With two
+//     Q_i buffers the next tile's Q_i is already in the other one; with one (d = 256), its copy waits for that read;
 //   - PINGPONG (FA3 section 3.1): named barriers hand the tensor cores from one consumer warpgroup to the next,
 //     so warpgroup w issues its products while the others run their softmax; each warpgroup waits for its
 //     turn before it issues and passes the turn on after.
@@ -63,6 +67,8 @@ struct Fa3FwdPipeline {
   struct Pipes {
     PipeState<QSTAGES> q;
     PipeState<STAGES> kv;
+    // The Q_i buffer of the tile a consumer has just walked (its epilogue's staging buffer with O_VIA_Q).
+    __device__ __forceinline__ int last_q() const { return (q.n + QSTAGES - 1) % QSTAGES; }
   };
   // Shared-memory addresses: the Q_i buffers, then STAGES stages of K_j and of V_j, then the mbarriers, then the
   // tile index of each Q_i buffer.
@@ -244,8 +250,9 @@ struct Fa3FwdPipeline {
       prev_parity = pipes.kv.parity();
       pipes.kv.advance();
     }
-    // Every product that reads Q_i has been waited for: the producer may bring the next tile's.
-    mbar_arrive(sm.q_empty(qs));
+    // Every product that reads Q_i has been waited for: the producer may bring the next tile's (unless the
+    // epilogue stages O in the buffer: it releases the buffer once its TMA store has read O).
+    if constexpr (!Derived::O_VIA_Q) mbar_arrive(sm.q_empty(qs));
     if (n > 0) {
       // ---- [mainloop_fwd_sm90_ws:last_pv] the last key block: O += P V alone ----
       mbar_wait(sm.v_full(prev), prev_parity);
@@ -276,6 +283,14 @@ struct MainloopFwdSm90Ws
   static_assert(BC % 16 == 0 && BC <= 256 && D % 64 == 0, "a wgmma N of at most 256; panels of 64 columns");
   static constexpr bool PACKED = true;   // the general policy brings packed sequences
   static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
+  // The epilogue through shared memory and a TMA store (Base's note): where the tile has two Q_i buffers, and at
+  // head_dim 256 with one (the next tile's Q_i then waits for the store to read the buffer; a d = 256 tile is long
+  // enough for that, a d = 64 one is not). H200, bf16, kernels alone, against the register epilogue (session 13,
+  // bench/results/NOTES.md): d = 256 +15 % at N = 512, +9 - 11 % at 1024, +2 % at 4096, even at 16384; the d = 64
+  // short causal row (one buffer) -7 - 9 %, d = 128's 128 x 176 even (+-1 %). The general policy at d = 256 keeps
+  // the registers' epilogue (staging spills 8 B there); d = 192 is unmeasured and keeps it too.
+  static constexpr bool O_VIA_Q = QSTAGES == 2 || (D == 256 && !Pol_::GENERAL);
+  static constexpr int EPILOGUE_BARRIER = 1 + Base::NC;  // named barriers 1 + NC + w (ping-pong has 1..NC)
   // FA4's lazy rescale (OnlineSoftmax::update's stale_log2) at head_dim 256, where O's rescale is 2 - 4
   // multiplies per score: H200, bf16, +3 - 6 % (716 -> 763 TFLOP/s at N = 16384); at 64 and 128 the warp's vote
   // and branch cost more than the multiplies they skip (-2 - 5 %), so those keep the exact max. P <= 2^8 before
@@ -300,9 +315,52 @@ struct MainloopFwdSm90Ws
                                                  const Smem& sm, Pipes& pipes, State& st) {
     Base::walk(bi, pol, q0, sm, pipes, st);
   }
-  __device__ __forceinline__ static void store(const FwdParams& p, const Info& bi, const Pol_& pol, int q0,
-                                               const State& st) {
-    epilogue_fwd<T_, false>(p, bi, pol, st.o, st.sm, q0 + Base::warp_row());
+  // FA2 Alg.1 l.12-13. With O_VIA_Q: O_i's rows of this warpgroup, normalised and cast, staged in its rows of the
+  // Q_i buffer and stored by one TMA copy per 64-column panel (rows past seqlen_q and columns past head_dim are
+  // clipped by the tensor map); lse as in epilogue_fwd. A packed sequence's last tile, where this warpgroup's 64
+  // rows run past the sequence (the box would write into the next one), is copied out of the buffer by the
+  // warpgroup's threads instead. (Keeping a second, register path for that tile made ptxas rebuild the key
+  // loop's wgmma descriptors every step: 610 instructions a step against 584 at d = 64, offline.)
+  __device__ __forceinline__ static void store(const FwdParams& p, const TmaFwd& tma, const Info& bi, const Pol_& pol,
+                                               int q0, const Smem& sm, const Pipes& pipes, const State& st) {
+    if constexpr (!O_VIA_Q) {
+      epilogue_fwd<T_, false>(p, bi, pol, st.o, st.sm, q0 + Base::warp_row());
+    } else {
+      using TO = Sw128<T_, BR_, D>;
+      const int wg = warpgroup_id(), r_wg = 64 * wg, rows = bi.seqlen_q - q0 - r_wg;
+      const int qs = pipes.last_q();
+      const TO sQ = sm.q(qs);
+      float f[2], lse[2];
+      st.sm.template finalize<T_, false>(pol.sink_log2(p, bi), f, lse);
+      // ---- [mainloop_fwd_sm90_ws:stage_o] O_i rows of this warp -> its rows of the Q_i buffer ----
+      stage_rows<T_>(sQ, st.o, f, Base::warp_row());
+      fence_async_smem();                                // the writes, before the TMA unit reads them
+      named_sync(EPILOGUE_BARRIER + wg, 128);
+      const bool packed_tail = Pol_::GENERAL && p.cu_seqlens_q && rows < 64;
+      if (packed_tail) {
+        // ---- [mainloop_fwd_sm90_ws:packed_tail] the rows inside the sequence, 16 bytes a thread at a time ----
+        T_* g = bi.template q_like<T_>(p.o, p.o_sb, p.o_ss, p.o_sh) + (long long)(q0 + r_wg) * p.o_ss;
+        for (int idx = threadIdx.x & 127; idx < rows * (D / 8); idx += 128) {
+          const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
+          uint4 x;
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(sQ.addr(r_wg + r, c)));
+          if (c < p.head_dim) *reinterpret_cast<uint4*>(g + r * p.o_ss + c) = x;  // head_dim is a multiple of 8
+        }
+      } else if ((threadIdx.x & 127) == 0) {
+        // ---- [mainloop_fwd_sm90_ws:store_o] one thread: the TMA store, waited for until it has read the buffer ----
+        const int bq = p.cu_seqlens_q ? 0 : bi.b;
+#pragma unroll
+        for (int i = 0; i < TO::PANELS; ++i)
+          tma_store_4d(tma.o, sQ.base + i * TO::PANEL_BYTES + r_wg * 128, 64 * i, bi.q_row0 + q0 + r_wg, bi.h, bq);
+        bulk_commit();
+        bulk_wait_read<0>();
+      }
+      // The buffer back to the producer: each thread once its own reads are done (the tile index, its copies of a
+      // packed tail); the phase completes with the TMA store's thread, after the store has read the buffer.
+      mbar_arrive(sm.q_empty(qs));
+      store_row_values<1>(p.lse + bi.row0, lse, q0 + Base::warp_row(), bi.seqlen_q);
+    }
   }
 };
 

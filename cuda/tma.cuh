@@ -21,9 +21,11 @@ namespace rf {
 struct alignas(128) TmaDesc {
   u64 opaque[16];
 };
-// The forward's tensor maps, one kernel parameter: q, k and v as 4-d tensors (head_dim, rows, heads, batch).
+// The forward's tensor maps, one kernel parameter: q, k, v and o as 4-d tensors (head_dim, rows, heads, batch);
+// o's box is 64 rows (one consumer warpgroup's rows), the 16-bit FA3 epilogue's TMA store (the FP8 form leaves
+// it unused).
 struct TmaFwd {
-  TmaDesc q, k, v;
+  TmaDesc q, k, v, o;
 };
 
 // ---------------------------------------------------------------- mbarrier
@@ -83,6 +85,13 @@ __device__ __forceinline__ void tma_load_tile(const TmaDesc& d, const Tile& t, u
 __device__ __forceinline__ void tma_reduce_add_2d(const TmaDesc& d, u32 src, int c0, int c1) {
   asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];\n"
                ::"l"((u64)&d), "r"(src), "r"(c0), "r"(c1) : "memory");
+}
+// The shared-memory box at src (64 columns x the map's box rows, in the map's swizzle) -> box (c0.., c1.., c2, c3)
+// of the tensor of `d`; committed to the issuing thread's bulk group like the reduce-add. Rows and columns past
+// the tensor's extents are not written (a tile's rows past seqlen_q, columns past head_dim).
+__device__ __forceinline__ void tma_store_4d(const TmaDesc& d, u32 src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+               ::"l"((u64)&d), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // At most N of this thread's committed bulk groups still reading shared memory.

@@ -77,9 +77,22 @@ def test_short_causal_calls_take_their_own_rows(d, short, table):
     assert shape(fwd()) == short and fwd().config == configs.SHORT_CAUSAL_ROWS[("fa3_fwd_sm90", d, "bfloat16")]
     assert shape(fwd(seqlen_q=1, seqlen_k=1024)) == short
     assert shape(fwd(seqlen_q=1024, seqlen_k=1025)) == table, "more keys than SHORT_CAUSAL_SEQLEN"
-    assert shape(fwd(causal=False)) == table
+    assert shape(fwd(causal=False, seqlen_q=1024, seqlen_k=1025)) == table
     assert shape(fwd(softcap=5.0)) == table, "the general policy keeps the table's rows"
     assert fwd().smem == launch.smem_fa3_fwd_sm90(fwd().config, d) <= 232448
+
+
+@pytest.mark.parametrize("d", [96, 128])
+def test_short_calls_without_a_mask_take_their_own_rows(d):
+    fwd = lambda **kw: forms.fa2_forward(Problem(**{**dict(batch=2, seqlen_q=1024, seqlen_k=1024, heads=4,  # noqa: E731
+                                                        kv_heads=4, head_dim=d, dtype="bfloat16", causal=False,
+                                                        arch="sm_90"), **kw}))
+    row, table = configs.SHORT_FULL_ROWS[("fa3_fwd_sm90", d, "bfloat16")], configs.TABLE[("fa3_fwd_sm90", d, "bfloat16")]
+    assert fwd().config == row and fwd(seqlen_q=7, seqlen_k=512).config == row
+    assert fwd(seqlen_k=1025).config == table, "more keys than SHORT_FULL_SEQLEN"
+    assert fwd(causal=True, seqlen_k=2048).config == table
+    assert fwd(softcap=5.0).config == table, "the general policy keeps the table's rows"
+    assert row.q_stages == 2, "the rows that store O through shared memory and TMA (O_VIA_Q)"
 
 
 @pytest.mark.parametrize("d", [96, 128])

@@ -57,9 +57,9 @@ def test_strides_tma_cannot_express_are_refused(strides):
         tma.layout_4d(x, packed=False)
 
 
-def test_the_parameter_is_three_128_byte_maps():
-    assert tma.FWD_DTYPE.itemsize == 3 * tma.DESC_BYTES == 384
-    assert tma.FWD_DTYPE.names == ("q", "k", "v")
+def test_the_parameter_is_four_128_byte_maps():
+    assert tma.FWD_DTYPE.itemsize == 4 * tma.DESC_BYTES == 512
+    assert tma.FWD_DTYPE.names == ("q", "k", "v", "o")
 
 
 def test_the_backward_parameter_adds_the_dq_rows():

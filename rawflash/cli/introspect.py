@@ -24,6 +24,7 @@ DEFAULT_ARCH = "sm_90"
 ELEMENTWISE_NOTE = "elementwise: no tiles"
 SITUATION_NOTES = {  # forms.situations' names, as explain says them
     "short_causal": f"short causal row (<= {configs.SHORT_CAUSAL_SEQLEN} keys)",
+    "short_full": f"short row without a mask (<= {configs.SHORT_FULL_SEQLEN} keys)",
     "short_window": f"short window row (<= {configs.SHORT_WINDOW_SPAN} keys beside the diagonal)",
     "many_decode_rows": f"many packed rows' row (> {configs.MANY_DECODE_ROWS} query rows per kv head)",
 }

@@ -240,6 +240,17 @@ SHORT_CAUSAL_ROWS: dict[tuple[str, int, str], TileConfig] = {
        for d in (96, 128) for dt in _16BIT},
 }
 
+# Non-causal forwards of short sequences (plain policy, seqlen_k <= SHORT_FULL_SEQLEN): a query tile meets few key
+# blocks, so the tile's epilogue weighs more; 128 x 128 with two Q_i buffers stores O through shared memory and a
+# TMA store (mainloop_fwd_sm90_ws.cuh's O_VIA_Q), the table's 128 x 176 (one buffer) from registers. Session 13
+# (H200, bf16, d = 128, kernels alone, expt A/B in bench/results/ab-s13-epilogue.json): N = 512 488 vs 425 TFLOP/s,
+# N = 1024 566 vs 542, N = 2048 616 vs 619 (even), N = 4096 643 vs 660. d = 96 shares the rows (unmeasured).
+SHORT_FULL_SEQLEN = 1024
+SHORT_FULL_ROWS: dict[tuple[str, int, str], TileConfig] = {
+    ("fa3_fwd_sm90", d, dt): TileConfig(128, 128, 12, stages=2, q_stages=2, why="488 / 566 vs 128x176: 425 / 542")
+    for d in (96, 128) for dt in _16BIT
+}
+
 # Sliding windows of at most SHORT_WINDOW_SPAN keys (left + right, the diagonal's key aside; the general policy):
 # a query tile sees a band of keys whose two ends are partly masked, and 128-key blocks waste less of it than the
 # table's 176. tools/tune.py --which fwd_fa3 --features window,dense, session 10 (H200, bf16, d = 128, N = 16384,
@@ -267,7 +278,8 @@ MANY_ROWS_DECODE: dict[tuple[str, int, str], TileConfig] = {
 
 # The rows of a situation (forms.situations names the ones that hold for a call), before the table's.
 SITUATION_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
-    "short_causal": SHORT_CAUSAL_ROWS, "short_window": WINDOW_ROWS, "many_decode_rows": MANY_ROWS_DECODE,
+    "short_causal": SHORT_CAUSAL_ROWS, "short_full": SHORT_FULL_ROWS, "short_window": WINDOW_ROWS,
+    "many_decode_rows": MANY_ROWS_DECODE,
 }
 
 # Instantiations allowed to spill (name expression, arch) -> bytes of spill stores + loads, each with its reason.

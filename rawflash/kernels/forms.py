@@ -101,6 +101,12 @@ def short_causal(p: Problem) -> bool:
     return p.mask == launch.CAUSAL and not p.general and p.seqlen_k <= configs.SHORT_CAUSAL_SEQLEN
 
 
+def short_full(p: Problem) -> bool:
+    """Whether ``p`` takes configs.SHORT_FULL_ROWS: plain attention without a mask over at most SHORT_FULL_SEQLEN
+    keys."""
+    return p.mask == launch.NO_MASK and not p.general and p.seqlen_k <= configs.SHORT_FULL_SEQLEN
+
+
 def short_window(p: Problem) -> bool:
     """Whether ``p`` takes configs.WINDOW_ROWS: a window bounded on both sides (causal bounds the right at 0) whose
     keys beside the diagonal number at most SHORT_WINDOW_SPAN."""
@@ -113,7 +119,8 @@ def many_decode_rows(p: Problem) -> bool:
     return (p.heads // p.kv_heads) * p.seqlen_q > configs.MANY_DECODE_ROWS
 
 
-SITUATIONS = {"short_causal": short_causal, "short_window": short_window, "many_decode_rows": many_decode_rows}
+SITUATIONS = {"short_causal": short_causal, "short_full": short_full, "short_window": short_window,
+              "many_decode_rows": many_decode_rows}
 
 
 def situations(p: Problem) -> tuple[str, ...]:
@@ -416,10 +423,11 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=False)),
                                  fa2_forward(p, Switches(wgmma=True, warp_specialize=False, overlap=False))]
                 if hopper_form_fits("fa3_fwd_sm90", p):
-                    # a plain causal p of one key takes configs.SHORT_CAUSAL_ROWS, a short window WINDOW_ROWS; a
-                    # longer twin, or a wider window, the table's rows
-                    n = configs.SHORT_CAUSAL_SEQLEN + 1
-                    sizes = (p, dataclasses.replace(p, seqlen_q=n, seqlen_k=n)) if short_causal(p) else (p,)
+                    # a plain p of one key takes configs.SHORT_CAUSAL_ROWS or SHORT_FULL_ROWS, a short window
+                    # WINDOW_ROWS; a longer twin, or a wider window, the table's rows
+                    n = max(configs.SHORT_CAUSAL_SEQLEN, configs.SHORT_FULL_SEQLEN) + 1
+                    short = short_causal(p) or short_full(p)
+                    sizes = (p, dataclasses.replace(p, seqlen_q=n, seqlen_k=n)) if short else (p,)
                     if short_window(p):
                         sizes += (dataclasses.replace(p, window=(configs.SHORT_WINDOW_SPAN + 1, 0)),)
                     launches += [fa2_forward(x, Switches(wgmma=True, warp_specialize=True)) for x in sizes]

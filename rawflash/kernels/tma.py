@@ -2,8 +2,9 @@
 
 A TMA copy is described by a 128-byte ``CUtensorMap`` that ``cuTensorMapEncodeTiled`` fills in from the tensor's
 address, sizes and strides, the box one copy moves and the shared-memory swizzle. The kernels take the forward's
-three maps as one ``__grid_constant__`` parameter (``TmaFwd``: q, k, v), the backward its four (``TmaBwd``: q, k, v,
-dO).
+four maps as one ``__grid_constant__`` parameter (``TmaFwd``: q, k, v and o, whose box is one consumer
+warpgroup's 64 rows: the 16-bit epilogue's TMA store), the backward its five (``TmaBwd``: q, k, v, dO and the
+float32 dQ rows).
 
 The driver function is called through ``ctypes`` on ``libcuda``, the driver library CuPy has already loaded:
 one C function with plain integer and pointer arguments needs no binding package (``cuda-bindings`` would be a
@@ -32,7 +33,8 @@ BOX_COLS = 64        # 128 bytes of 16-bit elements: one swizzle row
 MAX_BOX_ROWS = 256
 DESC_BYTES = 128
 
-FWD_DTYPE = np.dtype([("q", np.uint64, 16), ("k", np.uint64, 16), ("v", np.uint64, 16)])
+FWD_DTYPE = np.dtype([("q", np.uint64, 16), ("k", np.uint64, 16), ("v", np.uint64, 16), ("o", np.uint64, 16)])
+O_BOX_ROWS = 64  # the forward's output box: one consumer warpgroup's rows (mainloop_fwd_sm90_ws.cuh's store)
 BWD_DTYPE = np.dtype([("q", np.uint64, 16), ("k", np.uint64, 16), ("v", np.uint64, 16), ("dout", np.uint64, 16),
                       ("dq", np.uint64, 16)])
 
@@ -120,12 +122,14 @@ def encode_rows_f32(x, box_rows: int) -> np.ndarray:
     return _encode(x.data.ptr, FLOAT32, (d, x.size // d), (d * 4,), (32, box_rows), SWIZZLE_128B)
 
 
-def fwd_maps(q, k, v, br: int, bc: int, packed: bool) -> np.ndarray:
-    """The forward's ``TmaFwd`` parameter: q in boxes of br rows, k and v in boxes of bc rows."""
+def fwd_maps(q, k, v, o, br: int, bc: int, packed: bool) -> np.ndarray:
+    """The forward's ``TmaFwd`` parameter: q in boxes of br rows, k and v in boxes of bc rows, the output o in
+    boxes of ``O_BOX_ROWS`` rows."""
     rec = np.zeros(1, FWD_DTYPE)
     rec["q"] = encode(q, br, packed)
     rec["k"] = encode(k, bc, packed)
     rec["v"] = encode(v, bc, packed)
+    rec["o"] = encode(o, O_BOX_ROWS, packed)
     return rec
 
 
@@ -134,7 +138,8 @@ BOX_BYTES = 128
 
 
 def fwd_maps_fp8(q, k, vt, br: int, bc: int, d: int) -> np.ndarray:
-    """The FP8 forward's ``TmaFwd``: q and k (uint8 views of e4m3, 4-d as ``layout_4d``) in boxes of 128 columns by
+    """The FP8 forward's ``TmaFwd`` (its o unused: the FP8 epilogue stores from registers): q and k (uint8 views
+    of e4m3, 4-d as ``layout_4d``) in boxes of 128 columns by
     br / bc rows; the V^T workspace (batch, kv_heads, head_dim, keys) as (keys, head_dim, kv_heads, batch) in boxes
     of 128 keys by ``d`` rows (the compiled head_dim: rows past the caller's are zero-filled), or of 64 keys with
     the 64-byte swizzle when bc is not a multiple of 128."""

@@ -1,0 +1,89 @@
+"""The A/B of CUDA source folders and FA3 forward tile rows on the FA2 sweep's forward (bf16, kernels alone,
+TFLOP/s), each combination validated first (tools/tune.py's rule on a small problem), cuDNN in the same run.
+tools/ab_sources.py compares folders on the table's rows; this also takes a row per combination.
+
+    python tools/ab_rows.py --combo base=old/cuda --combo new=cuda --combo q2=cuda@128,128,2,2 \
+        [--head-dims 64,128,256] [--seqlens 512,1024,2048,4096,16384] [--causal both] [--repeats 5] [--out FILE]
+
+A combination is NAME=DIR, optionally @BR,BC,STAGES,QSTAGES: that fa3_fwd_sm90 row (4 * (BR / 64 + 1) warps)
+for every case's head_dim (a row that does not fit is reported, not timed). Precompile the folders first
+(tools/precompile.py --cuda-dir DIR --filter 'fa3_fwd_sm90<__nv_bfloat16')."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    import cupy
+
+    import tune  # tools/tune.py: the candidates' validation rule
+    from rawflash.cli import bench
+    from rawflash.kernels.configs import TileConfig
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--combo", action="append", required=True)
+    ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,16384")
+    ap.add_argument("--causal", default="both")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    combos = []
+    for c in a.combo:
+        name, rest = c.split("=", 1)
+        src, _, row = rest.partition("@")
+        cfg = None
+        if row:
+            br, bc, st, qst = (int(x) for x in row.split(","))
+            cfg = TileConfig(br, bc, 4 * (br // 64 + 1), stages=st, q_stages=qst)
+        combos.append((name, str(Path(src).resolve()), cfg))
+    causals = {"both": [False, True], "true": [True], "false": [False]}[a.causal]
+    cases = bench.sweep_cases(["rawflash-fa2"], ["fwd"], ["bfloat16"], [int(x) for x in a.head_dims.split(",")],
+                              [int(x) for x in a.seqlens.split(",")], causals)
+    rows = []
+    for case in cases:
+        row = dict(d=case.head_dim, N=case.seqlen, causal=case.causal)
+        q, k, v, dout = bench.make_inputs(case)
+        for name, src, cfg in combos:
+            os.environ["RAWFLASH_CUDA_DIR"] = src
+            ov = None if cfg is None else {("fa3_fwd_sm90", case.head_dim, "bfloat16"): cfg}
+            try:
+                st = tune.valid(case, ov)
+                if st != "ok":
+                    row[name] = st; continue
+                row[name] = case.flops / bench.time_ms(bench.bound_call(case, q, k, v, dout, ov).launch, a.repeats) / 1e9
+            except Exception as e:
+                row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        os.environ.pop("RAWFLASH_CUDA_DIR", None)
+        try:
+            peer = dataclasses.replace(case, impl="torch-cudnn")
+            row["cudnn"] = case.flops / bench.time_ms(bench.runner(peer, q, k, v, dout), a.repeats) / 1e9
+        except Exception as e:
+            row["cudnn"] = f"unavailable {type(e).__name__}"
+        del q, k, v, dout
+        cupy.get_default_memory_pool().free_all_blocks()
+        rows.append(row)
+        print(json.dumps({k: (round(x, 1) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(rows, indent=1))
+    names = [c[0] for c in combos] + ["cudnn"]
+    print("TFLOP/s, bf16 forward; x over", names[0])
+    print(f"{'d':>4} {'N':>6} {'causal':>6} " + " ".join(f"{n[-14:]:>14}" for n in names))
+    for r in rows:
+        b = r.get(names[0]); cells = []
+        for n in names:
+            x = r.get(n, "-")
+            cells.append((f"{x:.0f}" + (f" {x / b:.3f}" if isinstance(b, float) and n != names[0] else "")).rjust(14)
+                         if isinstance(x, float) else str(x)[:14].rjust(14))
+        print(f"{r['d']:>4} {r['N']:>6} {str(r['causal']):>6} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
