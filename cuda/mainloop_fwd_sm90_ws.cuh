@@ -15,7 +15,8 @@
 //   - the 16-bit form's epilogue (O_VIA_Q) stages each warpgroup's O in its own 64 rows of the tile's Q_i buffer
 //     (stmatrix; no other warpgroup reads those rows, so no barrier between warpgroups), and one thread per
 //     warpgroup stores them with TMA; the buffer goes back to the producer once the store has read it. With two
-//     Q_i buffers the next tile's Q_i is already in the other one; with one (d = 256), its copy waits for that read;
+//     Q_i buffers the next tile's Q_i is already in the other one; with one, its copy waits for that read (which
+//     rows stage O is the launch's choice: STAGE_O);
 //   - PINGPONG (FA3 section 3.1): named barriers hand the tensor cores from one consumer warpgroup to the next,
 //     so warpgroup w issues its products while the others run their softmax; each warpgroup waits for its
 //     turn before it issues and passes the turn on after.
@@ -273,9 +274,10 @@ struct Fa3FwdPipeline {
 // Tiles of 64-column panels (Sw128); V_j is read MN-major as it lies, so O += P V needs no transpose; P goes
 // into the A operand as pairs of 16-bit values (to_a_operand). Registers after the hand-over: the producer keeps
 // what its loop needs, the consumers the rest of the 64K.
-template <typename T_, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_, int QSTAGES = 1>
+template <typename T_, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_, int QSTAGES = 1,
+          bool STAGE_O = false>
 struct MainloopFwdSm90Ws
-    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES>, T_,
+    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES, STAGE_O>, T_,
                      Sw128<T_, BR_, D>, Sw128<T_, BC, D>, Sw128<T_, BC, D>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
                      BR_ / 64 == 2 ? 40 : 32, BR_ / 64 == 2 ? 232 : 160, QSTAGES> {
   using Base = typename MainloopFwdSm90Ws::Fa3FwdPipeline;
@@ -283,13 +285,10 @@ struct MainloopFwdSm90Ws
   static_assert(BC % 16 == 0 && BC <= 256 && D % 64 == 0, "a wgmma N of at most 256; panels of 64 columns");
   static constexpr bool PACKED = true;   // the general policy brings packed sequences
   static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
-  // The epilogue through shared memory and a TMA store (Base's note): where the tile has two Q_i buffers, and at
-  // head_dim 256 with one (the next tile's Q_i then waits for the store to read the buffer; a d = 256 tile is long
-  // enough for that, a d = 64 one is not). H200, bf16, kernels alone, against the register epilogue (session 13,
-  // bench/results/NOTES.md): d = 256 +15 % at N = 512, +9 - 11 % at 1024, +2 % at 4096, even at 16384; the d = 64
-  // short causal row (one buffer) -7 - 9 %, d = 128's 128 x 176 even (+-1 %). The general policy at d = 256 keeps
-  // the registers' epilogue (staging spills 8 B there); d = 192 is unmeasured and keeps it too.
-  static constexpr bool O_VIA_Q = QSTAGES == 2 || (D == 256 && !Pol_::GENERAL);
+  // The epilogue through shared memory and a TMA store (Base's note) or from registers: the launch decides
+  // (rawflash/kernels/launch.py's fa3_fwd_stage_o, with its measurements). With one Q_i buffer the next tile's Q_i
+  // waits for the store to have read the buffer.
+  static constexpr bool O_VIA_Q = STAGE_O;
   static constexpr int EPILOGUE_BARRIER = 1 + Base::NC;  // named barriers 1 + NC + w (ping-pong has 1..NC)
   // FA4's lazy rescale (OnlineSoftmax::update's stale_log2) at head_dim 256, where O's rescale is 2 - 4
   // multiplies per score: H200, bf16, +3 - 6 % (716 -> 763 TFLOP/s at N = 16384); at 64 and 128 the warp's vote

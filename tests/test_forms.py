@@ -346,3 +346,17 @@ def test_registry_names_every_form_row_and_source():
             assert all(m == "-" or (ROOT / "cuda" / m).is_file() for m in f.mainloops), f.mainloops
             assert (f.twin is None) == bool(f.no_twin), f"{f.kernel}: a twin, or the reason there is none"
             assert f"__global__" in (ROOT / "cuda" / f.source).read_text() and f.kernel in compile.assemble(f.source)
+
+
+def test_which_fa3_forwards_store_o_through_shared_memory():
+    fwd = lambda **kw: forms.fa2_forward(Problem(**{**dict(batch=2, seqlen_q=4096, seqlen_k=4096, heads=4,  # noqa: E731
+                                                        kv_heads=4, head_dim=128, dtype="bfloat16", causal=False,
+                                                        arch="sm_90"), **kw}))
+    assert not launch.stages_o(fwd()), "128 x 176 with one Q_i buffer: from registers"
+    assert launch.stages_o(fwd(seqlen_q=512, seqlen_k=512)), "SHORT_FULL_ROWS: two Q_i buffers"
+    assert launch.stages_o(fwd(seqlen_q=512, seqlen_k=512, causal=True)), "SHORT_CAUSAL_ROWS"
+    assert launch.stages_o(fwd(head_dim=64)), "192 x 128 with two Q_i buffers"
+    assert launch.stages_o(fwd(head_dim=256)) and not launch.stages_o(fwd(head_dim=256, softcap=5.0))
+    assert not launch.stages_o(fwd(head_dim=192)), "unmeasured: from registers"
+    assert not launch.stages_o(forms.fa2_forward(Problem(2, 4096, 4096, 4, 4, 128, "bfloat16", False, "sm_90"),
+                                                 forms.Switches(warp_specialize=False)))

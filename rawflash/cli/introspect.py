@@ -546,6 +546,8 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                                                   else ""))
                 if lau.config.q_stages > 1:
                     add_note(row, f"{lau.config.q_stages} Q_i buffers (the next tile's Q_i copied during this one)")
+                if launch.stages_o(lau):
+                    add_note(row, "O staged in the Q_i buffer, stored by TMA")
             add_note(row, *situation_notes(p, lau))
             if row["kernel"] == "fa3_bwd_sm90" and deterministic:
                 add_note(row, "deterministic: dQ reduce-adds in a fixed order per query block (int32 semaphores)")

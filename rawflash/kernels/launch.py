@@ -307,6 +307,7 @@ def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, i
 # static schedule (tile t on CTA t % grid) or taking them from a counter as each CTA gets ready (dynamic).
 SCHEDULES = {"one tile per CTA": 0, "persistent, static": 1, "persistent, dynamic": 2}
 SCHEDULE_ARG = {"fa3_fwd_sm90": 9, "fa3_fwd_sm90_fp8": 8}  # SCHEDULE's position among the template arguments
+STAGE_O_ARG = 11  # fa3_fwd_sm90's STAGE_O among its template arguments (fa3_fwd_sm90.cu)
 
 
 def schedule_of(lau: "Launch") -> str | None:
@@ -315,8 +316,25 @@ def schedule_of(lau: "Launch") -> str | None:
     return None if pos is None else {v: k for k, v in SCHEDULES.items()}[lau.template_args[pos]]
 
 
+def stages_o(lau: "Launch") -> bool:
+    """Whether a launch is an FA3 16-bit forward storing O through shared memory and TMA (fa3_fwd_stage_o)."""
+    return lau.kernel == "fa3_fwd_sm90" and lau.template_args[STAGE_O_ARG] is True
+
+
 def fa3_schedule(persistent: bool, dynamic: bool) -> int:
     return SCHEDULES["persistent, dynamic" if dynamic else "persistent, static"] if persistent else 0
+
+
+def fa3_fwd_stage_o(p: Problem, cfg: TileConfig, d: int) -> bool:
+    """Whether fa3_fwd_sm90 stores O through shared memory and a TMA store (STAGE_O: each consumer warpgroup stages
+    its rows in the tile's Q_i buffer; mainloop_fwd_sm90_ws.cuh) rather than from registers: on rows with two Q_i
+    buffers, and at head_dim 256 with one (the next tile's Q_i then waits for the store; a d = 256 tile is long
+    enough for that). H200, bf16, kernels alone, against the registers' epilogue (session 13,
+    bench/results/NOTES.md): d = 256 +15 % at N = 512, +9 - 11 % at 1024, +2 % at 4096, even at 16384; d = 64's
+    short causal row (one buffer) -7 - 9 %; d = 128's 128 x 176 even (+-1 %). The general policy at d = 256 keeps
+    the registers (staging spills 8 B there); d = 192 is unmeasured and keeps them too."""
+    return cfg.q_stages == 2 or (d == 256 and not p.general)
+
 
 
 def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong: bool = True,
@@ -327,7 +345,7 @@ def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong:
     d = tma_head_dim(p)
     smem = smem_fa3_fwd_sm90(cfg, d)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, overlap, pingpong,
-            fa3_schedule(persistent, dynamic), cfg.q_stages, smem)
+            fa3_schedule(persistent, dynamic), cfg.q_stages, fa3_fwd_stage_o(p, cfg, d), smem)
     return Launch("fa3_fwd_sm90", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
