@@ -92,7 +92,7 @@ def test_short_calls_without_a_mask_take_their_own_rows(d):
     assert fwd(seqlen_k=1025).config == table, "more keys than SHORT_FULL_SEQLEN"
     assert fwd(causal=True, seqlen_k=2048).config == table
     assert fwd(softcap=5.0).config == table, "the general policy keeps the table's rows"
-    assert row.q_stages == 2, "the rows that store O through shared memory and TMA (O_VIA_Q)"
+    assert row.q_stages == 2, "the rows that store O through shared memory and TMA (launch.fa3_fwd_stage_o)"
 
 
 @pytest.mark.parametrize("d", [96, 128])

@@ -11,7 +11,6 @@ for every case's head_dim (a row that does not fit is reported, not timed). Prec
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ def main() -> None:
     import cupy
 
     import tune  # tools/tune.py: the candidates' validation rule
+    from ab_sources import peer_tflops, print_table
     from rawflash.cli import bench
     from rawflash.kernels.configs import TileConfig
 
@@ -49,7 +49,7 @@ def main() -> None:
                               [int(x) for x in a.seqlens.split(",")], causals)
     rows = []
     for case in cases:
-        row = dict(d=case.head_dim, N=case.seqlen, causal=case.causal)
+        row = dict(head_dim=case.head_dim, seqlen=case.seqlen, causal=case.causal)
         q, k, v, dout = bench.make_inputs(case)
         for name, src, cfg in combos:
             os.environ["RAWFLASH_CUDA_DIR"] = src
@@ -57,32 +57,20 @@ def main() -> None:
             try:
                 st = tune.valid(case, ov)
                 if st != "ok":
-                    row[name] = st; continue
+                    row[name] = st
+                    continue
                 row[name] = case.flops / bench.time_ms(bench.bound_call(case, q, k, v, dout, ov).launch, a.repeats) / 1e9
             except Exception as e:
                 row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
         os.environ.pop("RAWFLASH_CUDA_DIR", None)
-        try:
-            peer = dataclasses.replace(case, impl="torch-cudnn")
-            row["cudnn"] = case.flops / bench.time_ms(bench.runner(peer, q, k, v, dout), a.repeats) / 1e9
-        except Exception as e:
-            row["cudnn"] = f"unavailable {type(e).__name__}"
+        row["torch-cudnn"] = peer_tflops(case, q, k, v, dout, a.repeats)
         del q, k, v, dout
         cupy.get_default_memory_pool().free_all_blocks()
         rows.append(row)
         print(json.dumps({k: (round(x, 1) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
-    names = [c[0] for c in combos] + ["cudnn"]
-    print("TFLOP/s, bf16 forward; x over", names[0])
-    print(f"{'d':>4} {'N':>6} {'causal':>6} " + " ".join(f"{n[-14:]:>14}" for n in names))
-    for r in rows:
-        b = r.get(names[0]); cells = []
-        for n in names:
-            x = r.get(n, "-")
-            cells.append((f"{x:.0f}" + (f" {x / b:.3f}" if isinstance(b, float) and n != names[0] else "")).rjust(14)
-                         if isinstance(x, float) else str(x)[:14].rjust(14))
-        print(f"{r['d']:>4} {r['N']:>6} {str(r['causal']):>6} " + " ".join(cells))
+    print_table(rows, [c[0] for c in combos] + ["torch-cudnn"], "TFLOP/s (fwd, bfloat16)")
 
 
 if __name__ == "__main__":

@@ -75,27 +75,38 @@ def main() -> None:
                 row[name] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
         os.environ.pop("RAWFLASH_CUDA_DIR", None)
         if not args.no_peer and case.dtype != bench.FP8:
-            try:
-                peer = dataclasses.replace(case, impl="torch-cudnn")
-                row["torch-cudnn"] = case.flops / bench.time_ms(bench.runner(peer, q, k, v, dout), args.repeats) / 1e9
-            except Exception as err:  # no PyTorch, or no cuDNN attention for this case
-                row["torch-cudnn"] = f"unavailable: {type(err).__name__}"
+            row["torch-cudnn"] = peer_tflops(case, q, k, v, dout, args.repeats)
         del q, k, v, dout
         cupy.get_default_memory_pool().free_all_blocks()
         rows.append(row)
         print(json.dumps({k: (round(x, 1) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(sources=names, rows=rows), indent=1))
-    cols = [*names, "torch-cudnn"]
-    print(f"TFLOP/s ({args.direction}, {args.dtype}); x: over {names[0]}")
+    print_table(rows, [*names, "torch-cudnn"], f"TFLOP/s ({args.direction}, {args.dtype})")
+
+
+def peer_tflops(case, q, k, v, dout, repeats: int):
+    """torch-cudnn's TFLOP/s on ``case``'s inputs, or why it is unavailable (no PyTorch, no cuDNN attention)."""
+    from rawflash.cli import bench
+
+    try:
+        peer = dataclasses.replace(case, impl="torch-cudnn")
+        return case.flops / bench.time_ms(bench.runner(peer, q, k, v, dout), repeats) / 1e9
+    except Exception as err:
+        return f"unavailable: {type(err).__name__}"
+
+
+def print_table(rows: list[dict], cols: list[str], title: str) -> None:
+    """One line per case (head_dim, seqlen, causal): each column's TFLOP/s and its ratio to the first column's."""
+    print(f"{title}; x: over {cols[0]}")
     print(f"{'d':>4} {'N':>6} {'causal':>6} " + " ".join(f"{c[-18:]:>18}" for c in cols))
     for r in rows:
-        base = r.get(names[0])
+        base = r.get(cols[0])
         cells = []
         for c in cols:
             x = r.get(c, "-")
             if isinstance(x, float):
-                rel = f" {x / base:5.3f}x" if isinstance(base, float) and c != names[0] else ""
+                rel = f" {x / base:5.3f}x" if isinstance(base, float) and c != cols[0] else ""
                 cells.append(f"{x:.1f}{rel}".rjust(18))
             else:
                 cells.append(str(x)[:18].rjust(18))

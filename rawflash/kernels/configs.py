@@ -242,8 +242,8 @@ SHORT_CAUSAL_ROWS: dict[tuple[str, int, str], TileConfig] = {
 
 # Non-causal forwards of short sequences (plain policy, seqlen_k <= SHORT_FULL_SEQLEN): a query tile meets few key
 # blocks, so the tile's epilogue weighs more; 128 x 128 with two Q_i buffers stores O through shared memory and a
-# TMA store (mainloop_fwd_sm90_ws.cuh's O_VIA_Q), the table's 128 x 176 (one buffer) from registers. Session 13
-# (H200, bf16, d = 128, kernels alone, expt A/B in bench/results/ab-s13-epilogue.json): N = 512 488 vs 425 TFLOP/s,
+# TMA store (launch.fa3_fwd_stage_o), the table's 128 x 176 (one buffer) from registers. Session 13 (H200, bf16,
+# d = 128, kernels alone, bench/results/ab-s13-epilogue-first.json): N = 512 488 vs 425 TFLOP/s,
 # N = 1024 566 vs 542, N = 2048 616 vs 619 (even), N = 4096 643 vs 660. d = 96 shares the rows (unmeasured).
 SHORT_FULL_SEQLEN = 1024
 SHORT_FULL_ROWS: dict[tuple[str, int, str], TileConfig] = {

@@ -336,7 +336,6 @@ def fa3_fwd_stage_o(p: Problem, cfg: TileConfig, d: int) -> bool:
     return cfg.q_stages == 2 or (d == 256 and not p.general)
 
 
-
 def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong: bool = True,
                  persistent: bool = True, dynamic: bool = True) -> Launch:
     """FA3 forward (sm_90a): TMA copies by a producer warpgroup, br / 64 consumer warpgroups; ``overlap`` inside a
