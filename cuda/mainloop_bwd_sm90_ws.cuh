@@ -7,8 +7,11 @@
 // first warp copies K_j, V_j once with TMA, then streams Q_i, dO_i (TMA) and L_i, D_i (plain loads by its 32
 // lanes) of every (query head, query block) the policy says sees K_j into a ring of STAGES stages. The consumer
 // warpgroups compute exactly what mainloop_bwd_sm90's warpgroups do (S^T, dP^T, P^T, dS^T; dV, dK in registers;
-// dQ_i += dS K_j from dS^T in shared memory); they meet each other only at one named barrier per step (every dS^T
-// written), double-buffered so the next step's dS^T cannot overwrite one still being read. Each warpgroup's slice
+// dQ_i += dS K_j from dS^T in shared memory); they meet each other at one named barrier per step (every dS^T
+// written), double-buffered at 64 query rows a step so the next step's dS^T cannot overwrite one still being
+// read; at 128 rows (head_dim <= 64, FlashAttention-3's tile; the warpgroups then split dQ_i's rows instead of its
+// columns) one buffer, guarded by a second barrier (DS_FREE). Each step issues dV, meets the neighbour, issues
+// dQ_i and dK, and writes dQ_i out while dK runs (FlashAttention-3's order). Each warpgroup's slice
 // of dQ_i goes to shared memory (float32, double-buffered) and one thread adds it into the float32 dQ rows with a
 // TMA reduce-add, so the consumers issue no atomics of their own.
 //
@@ -134,46 +137,65 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   using Pol = Pol_;
   static constexpr bool DET = DET_;
   using Walk = typename QWalk<DET_>::type;
-  static constexpr int BR = BR_, BC = BC_, NWG = BC_ / 64, NTHREADS = (NWG + 1) * 128, NQ = BR_ / 8, DQN = D / NWG;
+  static constexpr int BR = BR_, BC = BC_, NWG = BC_ / 64, NTHREADS = (NWG + 1) * 128, NQ = BR_ / 8;
+  // dQ_i's slice of a consumer warpgroup: 64 rows (a warpgroup product's M) by DQN columns. 64 query rows a step
+  // split dQ_i's columns between the warpgroups; 128 rows (ROW_SPLIT, FlashAttention-3's tile at head_dim 64)
+  // split its rows, warpgroup w taking rows 64w.. of every column. Two buffers of each slice (a step's slice is
+  // written while the reduce-add of the step before may still read its own; DET: one per writer warp).
+  // DS_BUFS buffers of dS^T: two at 64 rows, so a warpgroup may write the next step's while its neighbour's dQ_i
+  // product still reads this one; at 128 rows two do not fit beside the rest (227 KB), so one, and a warpgroup
+  // waits at DS_FREE for its neighbour's dQ_i of the step before (done long before, in practice) first.
+  static constexpr bool ROW_SPLIT = BR_ == 128;
+  static constexpr int DQN = ROW_SPLIT ? D : D / NWG, DS_BUFS = ROW_SPLIT ? 1 : 2;
   static constexpr int NO = D / 8;
-  static constexpr int DS = BC_ * BR_ * 2, DQB = BR_ * DQN * 4;
-  // BwdWsSmem's map with 2 x dS^T and 2 x NWG dQ_i slices as its middle
-  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, 2 * DS + 2 * NWG * DQB>;
+  static constexpr int DS = BC_ * BR_ * 2, DQB = 64 * DQN * 4;
+  // BwdWsSmem's map with DS_BUFS x dS^T and 2 x NWG dQ_i slices as its middle
+  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, DS_BUFS * DS + 2 * NWG * DQB>;
   static constexpr int SMEM_BYTES = Map::BYTES;
   // EARLY_DV: the plain policy at head_dim 128 issues dV_w += P^T dO_i as soon as P^T is formed, so it runs while
   // dS^T is formed (H200, bf16, N = 4096: 456 -> 470 TFLOP/s); at head_dim 64 the same order lost 4 % (346 -> 332),
   // and the general policy needs dP^T for P^T's transform first. P^T (float and A fragments), dP^T, dK and dV are
   // then live at once: at 232 registers that spilled 32 B, and the spill code touching registers of products in
   // flight made ptxas serialise every product, so those instantiations take 24 / 240 (FA3's split for two consumer
-  // warpgroups), the others keep 40 / 232.
+  // warpgroups), the others keep 40 / 232. ROW_SPLIT's 128-row scores take 240 too (the general policy spilled
+  // 148 B at 232), with 32 for the producer warpgroup (DET's dQ writer warps spilled at 24).
   static constexpr bool EARLY_DV = !Pol_::GENERAL && D >= 128;
-  static constexpr int PRODUCER_REGS = EARLY_DV ? 24 : 40, CONSUMER_REGS = EARLY_DV ? 240 : 232;
+  static constexpr bool REGS_240 = EARLY_DV || ROW_SPLIT;
+  static constexpr int PRODUCER_REGS = REGS_240 ? 24 : 40, CONSUMER_REGS = REGS_240 ? 240 : 232;
   static constexpr int DS_BARRIER = 1;  // named barrier of the consumer warpgroups: every dS^T is in shared memory
   static constexpr int DQ_BARRIER = 2;  // + w: warpgroup w's dQ_i slice is in shared memory
   // DET: + 2 w + buffer, over warpgroup w and the dQ writer warp: the slice is in shared memory (full) / the
   // writer's reduce-add has read it (empty).
   static constexpr int DQ_FULL = 4, DQ_EMPTY = 4 + 2 * NWG, DQ_PAIR = 128 + 32;
-  static_assert(DQ_EMPTY + 2 * NWG <= 16, "16 named barriers");
+  // DS_BUFS == 1: + w, over both consumer warpgroups: warpgroup w's dQ_i product has read dS^T (w arrives, its
+  // neighbour waits before writing the next step's dS^T)
+  static constexpr int DS_FREE = DQ_EMPTY + 2 * NWG;
+  static_assert(DS_FREE + NWG <= 16, "16 named barriers");
   // DET: a writer that spins this often has waited on a rank nobody will store (a broken invariant, not a slow
   // neighbour: a read takes about 0.5 us, so 2^26 of them take half a minute, while a CTA waits at most for its
   // predecessors' walks of the same query block, milliseconds); it traps, so the launch fails with an error (an
   // illegal instruction) instead of hanging the GPU.
   static constexpr long long SPIN_LIMIT = 1ll << 26;
-  static_assert(NWG == 2 && BR_ == 64 && D % 64 == 0 && DQN % 32 == 0, "2 x 64 keys; dQ_i is one 64-row wgmma");
+  static_assert(NWG == 2 && (BR_ == 64 || BR_ == 128) && D % 64 == 0 && DQN % 32 == 0,
+                "2 x 64 keys; a warpgroup's dQ_i slice is one 64-row wgmma");
   static_assert(DQN % 64 == 0 || 64 % DQN == 0, "column slices within panels");
-  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= 65536, "the register file");
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= launch_regs(NTHREADS) * NTHREADS,
+                "setmaxnreg moves registers within the launch's pool");
 
   struct State {
     Acc<1, NO> dk, dv;
   };
   struct Smem : Map {
     __device__ __forceinline__ explicit Smem(char* smem) : Map(smem) {}
-    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const { return {this->mid() + (it & 1) * DS}; }
-    // Warpgroup w's float32 dQ_i slice of step it: BR rows of DQN columns, row-major (the dq map's box).
-    __device__ __forceinline__ u32 dq(int w, int it) const { return this->mid() + 2 * DS + (2 * w + (it & 1)) * DQB; }
+    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const { return {this->mid() + it % DS_BUFS * DS}; }
+    // Warpgroup w's float32 dQ_i slice of step it: 64 rows of DQN columns in panels of 32 (the dq map's box).
+    __device__ __forceinline__ u32 dq(int w, int it) const { return this->mid() + DS_BUFS * DS + (2 * w + (it & 1)) * DQB; }
   };
 
   __device__ __forceinline__ static bool is_producer() { return warpgroup_id() == NWG; }
+  // Warpgroup w's dQ_i slice: its first query row within the block and its first column.
+  __device__ __forceinline__ static int dq_row(int w) { return ROW_SPLIT ? 64 * w : 0; }
+  __device__ __forceinline__ static int dq_col(int w) { return ROW_SPLIT ? 0 : w * DQN; }
   __device__ __forceinline__ static int key_row() { return 64 * warpgroup_id() + 16 * warp_in_group(); }
 
   // ---------------------------------------------------------------- producer
@@ -230,7 +252,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
         for (int w = 0; w < NWG; ++w)
 #pragma unroll
           for (int c = 0; c < DQN; c += 32)
-            tma_reduce_add_2d(tma.dq, sm.dq(w, it) + c / 32 * (BR_ * 128), w * DQN + c, (int)(bh.row0 + q0));
+            tma_reduce_add_2d(tma.dq, sm.dq(w, it) + c / 32 * (64 * 128), dq_col(w) + c, (int)(bh.row0 + q0) + dq_row(w));
         bulk_commit();
         bulk_wait_read<0>();
       }
@@ -250,8 +272,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // ---------------------------------------------------------------- consumers
   __device__ __forceinline__ static void consumer_start() { regs_claim<CONSUMER_REGS>(); }
 
-  // dQ_i's slice (columns w*DQN.., times the scale) from registers to this warpgroup's shared tile, then one thread
-  // adds the tile into the float32 dQ rows (rows past the sequence carry zeros: their dS is 0). The tile is cut
+  // dQ_i's slice (rows dq_row(w).., columns dq_col(w).., times the scale) from registers to this warpgroup's shared
+  // tile, then one thread adds the tile into the float32 dQ rows (rows past the sequence carry zeros: their dS is
+  // 0). The tile is cut
   // into panels of 32 columns (128 bytes a row) with the 128-byte swizzle (16-byte chunk c of row r at c ^ r % 8),
   // the layout the dq map's box reads. A 64-bit store is served a half-warp at a time (lanes of groups g = 0..3,
   // then 4..7), and groups g and g ^ 1 swizzle one chunk pair onto the same banks, so lanes of odd g store the
@@ -272,7 +295,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       for (int hh = 0; hh < 2; ++hh) {
         const int ys = odd ? y ^ 2 : y;  // this lane's column slot in this store
         const int row = qr + g + 8 * hh, col = 8 * ys + 2 * t;  // col % 32 / 4 is the 16-byte chunk in the panel
-        const u32 at = tile + col / 32 * (BR_ * 128) + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+        const u32 at = tile + col / 32 * (64 * 128) + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
         // (picked by a select: dq.v[0][ys], an index that depends on the lane, would put dq in local memory)
         const float x0 = odd ? dq.v[0][y ^ 2][2 * hh] : dq.v[0][y][2 * hh];
         const float x1 = odd ? dq.v[0][y ^ 2][2 * hh + 1] : dq.v[0][y][2 * hh + 1];
@@ -286,7 +309,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
     named_sync(DQ_BARRIER + w, 128);
     if ((threadIdx.x & 127) == 0) {
 #pragma unroll
-      for (int c = 0; c < DQN; c += 32) tma_reduce_add_2d(tma.dq, tile + c / 32 * (BR_ * 128), w * DQN + c, (int)(bh.row0 + q0));
+      for (int c = 0; c < DQN; c += 32)
+        tma_reduce_add_2d(tma.dq, tile + c / 32 * (64 * 128), dq_col(w) + c, (int)(bh.row0 + q0) + dq_row(w));
       bulk_commit();
     }
   }
@@ -324,7 +348,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
       if constexpr (!EARLY_DV) {
         // SPARE_REGS but under a window (two-sided visibility in the hide pass: 16 / 52 B spilled at d = 128 bf16)
-        probs_sm90<T, Pol::MASK != WINDOW>(pol, sc, dp, q0, k0 + wk, sL, sDelta, edge);
+        // and on 128-row tiles (128 B spilled at d = 64 bf16 without a mask)
+        probs_sm90<T, Pol::MASK != WINDOW && !ROW_SPLIT>(pol, sc, dp, q0, k0 + wk, sL, sDelta, edge);
         if (q0 + BR > bh.seqlen_q) {
           const int nq = bh.seqlen_q - q0;
           for_each2(sc, dp, [&](float& x, float& y, int, int col) {
@@ -345,27 +370,37 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       }
       to_a_operand<T>(ds_a, dp);
       const auto sdS = sm.ds(it);
+      if constexpr (DS_BUFS == 1)
+        if (it > 0) named_sync(DS_FREE + 1 - w, NWG * 128);  // the neighbour's dQ_i of step it - 1 has read dS^T
       store_acc(sdS, dp, wk, 0);
       fence_async_smem();
-      fence_operand(st.dk);
-      if constexpr (!EARLY_DV) fence_operand(st.dv);  // (not while dV runs: ptxas would serialise the products)
-      wgmma_fence();
-      if constexpr (!EARLY_DV) wg_gemm_rb(st.dv, p_a, sdO, 0, 0);
-      wg_gemm_rb(st.dk, ds_a, sQ, 0, 0);
-      wgmma_commit();
-      // ---- [mainloop_bwd_sm90_ws:dq] Alg.2 l.14: dQ_i += scale * dS K_j, columns w*D/NWG.. from every dS^T ----
+      if constexpr (!EARLY_DV) {
+        fence_operand(st.dv);  // (not while dV runs: ptxas would serialise the products)
+        wgmma_fence();
+        wg_gemm_rb(st.dv, p_a, sdO, 0, 0);
+        wgmma_commit();
+      }
+      // ---- [mainloop_bwd_sm90_ws:dq] Alg.2 l.14-15: dQ_i += scale * dS K_j (warpgroup w's slice, from every
+      // dS^T), then dK_w += dS^T Q_i; dQ_i's slice goes out while dK runs (FlashAttention-3's order) ----
       // (the reduce-add of two steps ago has read its dQ tile before anyone passes the barrier and rewrites it)
       if (!DET && (threadIdx.x & 127) == 0) bulk_wait_read<1>();
       named_sync(DS_BARRIER, NWG * 128);
       Acc<1, DQN / 8> dq;
-      wg_gemm_atb<BC>(dq, sdS, 0, sK, w * DQN, false);
+      fence_operand(st.dk);
+      wgmma_fence();
+      wg_gemm_atb<BC>(dq, sdS, dq_row(w), sK, dq_col(w), false);
       wgmma_commit();
-      wgmma_wait<0>();
+      wg_gemm_rb(st.dk, ds_a, sQ, 0, 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV and dQ_i are done; dK may run
       fence_operand(dq);
+      if constexpr (DS_BUFS == 1)
+        if (it + 1 < walk.total) named_arrive(DS_FREE + w, NWG * 128);
+      reduce_dq_tma(p, tma, sm, bh, dq, q0, it);
+      wgmma_wait<0>();
       fence_operand(st.dk);
       fence_operand(st.dv);
       mbar_arrive(sm.empty(s));  // Q_i, dO_i, L_i, D_i of this stage are no longer read
-      reduce_dq_tma(p, tma, sm, bh, dq, q0, it);
     }
     if (!DET && (threadIdx.x & 127) == 0) bulk_wait_read<0>();  // shared memory outlives the last reduce-add's reads
   }

@@ -50,7 +50,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   static constexpr int PS_BARRIER = 1;  // named barrier of the consumer warpgroups: every P^T, dS^T is in shared memory
   static_assert(BR_ == 64 && BC_ == 64 && D % 64 == 0, "64 keys shared by two warpgroups; dQ_i is one 64-row wgmma");
   static_assert(NARROW == 0 || NARROW == 32, "a warpgroup's columns: whole panels, or whole panels and a half panel");
-  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= 65536, "the register file");
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= launch_regs(NTHREADS) * NTHREADS,
+                "setmaxnreg moves registers within the launch's pool");
 
   // The column slices of warpgroup w: WIDE columns from wide0 (whole panels), NARROW from narrow0 (a half panel).
   __device__ __forceinline__ static int wide0(int w) { return w ? D - WIDE : 0; }

@@ -58,7 +58,8 @@ struct Fa3FwdPipeline {
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
   static_assert(QSTAGES == 1 || QSTAGES == 2, "one or two Q_i buffers (four tile-index slots of 4 bytes)");
   static_assert(TV::BYTES == KV_BYTES, "a stage holds K_j and V_j in halves of one size");
-  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NC <= 65536, "the register file");
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NC <= launch_regs(NTHREADS) * NTHREADS,
+                "setmaxnreg moves registers within the launch's pool");
 
   struct State {
     Acc<1, NO> o;

@@ -126,6 +126,11 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Registers each thread of a CTA of THREADS holds at launch under __launch_bounds__(THREADS, 1): the register
+// file shared out in steps of 8. setmaxnreg only moves registers within this pool (THREADS x launch_regs, not the
+// whole 65536 of the file): a claim larger than what the other warpgroups released waits forever (a hang, not an
+// error: 32 / 240 over three warpgroups asks for 65536 of a pool of 64512).
+constexpr int launch_regs(int threads) { return 65536 / threads / 8 * 8; }
 // Give registers back (producer) or take them (consumers); every warp of a warpgroup runs the same one.
 template <int REGS> __device__ __forceinline__ void regs_release() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rawflash.kernels import compile, configs, forms, launch, registry
+from rawflash.kernels import compile, configs, forms, launch, registry, tma
 from rawflash.kernels.forms import Switches
 from rawflash.kernels.launch import Problem
 from rawflash.settings import Settings, load
@@ -300,7 +300,7 @@ def test_backward_split_d_form_for_large_head_dims(d, split):
     assert lau.template_args[7] is split and lau.smem <= 232448
 
 
-@pytest.mark.parametrize("d,split,smem", [(64, False, None), (128, False, 231464), (160, True, 182312),
+@pytest.mark.parametrize("d,split,smem", [(64, False, 199720), (128, False, 231464), (160, True, 182312),
                                           (192, True, 182312), (200, True, 231464), (256, True, 231464)])
 @pytest.mark.parametrize("features", [{}, {"causal": True}, {"window": (64, 32), "softcap": 5.0},
                                       {"varlen": True, "total_q": 700, "total_k": 500}])
@@ -321,6 +321,21 @@ def test_fa3_backward_column_split_for_large_head_dims(d, split, smem, features)
     if split:
         with pytest.raises(ValueError, match="no deterministic form"):
             launch.fa3_bwd_sm90(p, lau.config, deterministic=True)
+
+
+@pytest.mark.parametrize("d,rows,ds_buffers", [(32, 128, 1), (64, 128, 1), (96, 64, 2), (128, 64, 2)])
+def test_fa3_backward_query_rows_per_step(d, rows, ds_buffers):
+    """fa3_bwd_sm90 takes 128 query rows a step at head_dim <= 64 (its consumers split dQ_i's rows; one dS^T buffer)
+    and 64 above (dQ_i's columns; two), default and deterministic alike; the dQ map's box is one warpgroup's 64
+    rows either way; rows other than 64 / 128, or 128 on the column split, are refused before launch."""
+    p = _problem(d)
+    for lau in (forms.backward_plan(p)[1], forms.backward_plan(p, deterministic=True)[1]):
+        assert lau.kernel == "fa3_bwd_sm90" and lau.config.br == rows
+        assert launch.fa3_bwd_ds_buffers(lau.config) == ds_buffers and lau.template_args[2] == rows
+    assert tma.DQ_BOX_ROWS == 64
+    for bad in (dataclasses.replace(lau.config, br=96), configs.TileConfig(128, 64, 12, stages=2)):
+        with pytest.raises(ValueError, match="64 query rows"):
+            launch.fa3_bwd_sm90(p, bad)
 
 
 def test_override_replaces_a_tile_row_without_touching_the_table():

@@ -1,13 +1,15 @@
-"""The A/B of CUDA source folders and FA3 forward tile rows on the FA2 sweep's forward (bf16, kernels alone,
+"""The A/B of CUDA source folders and FA3 tile rows on the FA2 sweep's forward or backward (bf16, kernels alone,
 TFLOP/s), each combination validated first (tools/tune.py's rule on a small problem), cuDNN in the same run.
 tools/ab_sources.py compares folders on the table's rows; this also takes a row per combination.
 
     python tools/ab_rows.py --combo base=old/cuda --combo new=cuda --combo q2=cuda@128,128,2,2 \
-        [--head-dims 64,128,256] [--seqlens 512,1024,2048,4096,16384] [--causal both] [--repeats 5] [--out FILE]
+        [--direction fwd] [--head-dims 64,128,256] [--seqlens 512,1024,2048,4096,16384] [--causal both] \
+        [--repeats 5] [--out FILE]
 
-A combination is NAME=DIR, optionally @BR,BC,STAGES,QSTAGES: that fa3_fwd_sm90 row (4 * (BR / 64 + 1) warps)
-for every case's head_dim (a row that does not fit is reported, not timed). Precompile the folders first
-(tools/precompile.py --cuda-dir DIR --filter 'fa3_fwd_sm90<__nv_bfloat16')."""
+A combination is NAME=DIR, optionally @BR,BC,STAGES[,QSTAGES]: that fa3_fwd_sm90 row (4 * (BR / 64 + 1) warps),
+or with --direction bwd that fa3_bwd_sm90 row (12 warps), for every case's head_dim (a row that does not fit is
+reported, not timed). Precompile the folders first (tools/precompile.py --cuda-dir DIR --filter
+'fa3_fwd_sm90<__nv_bfloat16'); a row not in the table compiles at its first call."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +31,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--combo", action="append", required=True)
+    ap.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,16384")
     ap.add_argument("--causal", default="both")
@@ -41,11 +44,13 @@ def main() -> None:
         src, _, row = rest.partition("@")
         cfg = None
         if row:
-            br, bc, st, qst = (int(x) for x in row.split(","))
-            cfg = TileConfig(br, bc, 4 * (br // 64 + 1), stages=st, q_stages=qst)
+            br, bc, st, *qst = (int(x) for x in row.split(","))
+            warps = 4 * (br // 64 + 1) if a.direction == "fwd" else 12
+            cfg = TileConfig(br, bc, warps, stages=st, q_stages=qst[0] if qst else 1)
         combos.append((name, str(Path(src).resolve()), cfg))
     causals = {"both": [False, True], "true": [True], "false": [False]}[a.causal]
-    cases = bench.sweep_cases(["rawflash-fa2"], ["fwd"], ["bfloat16"], [int(x) for x in a.head_dims.split(",")],
+    kernel = "fa3_fwd_sm90" if a.direction == "fwd" else "fa3_bwd_sm90"
+    cases = bench.sweep_cases(["rawflash-fa2"], [a.direction], ["bfloat16"], [int(x) for x in a.head_dims.split(",")],
                               [int(x) for x in a.seqlens.split(",")], causals)
     rows = []
     for case in cases:
@@ -53,7 +58,7 @@ def main() -> None:
         q, k, v, dout = bench.make_inputs(case)
         for name, src, cfg in combos:
             os.environ["RAWFLASH_CUDA_DIR"] = src
-            ov = None if cfg is None else {("fa3_fwd_sm90", case.head_dim, "bfloat16"): cfg}
+            ov = None if cfg is None else {(kernel, case.head_dim, "bfloat16"): cfg}
             try:
                 st = tune.valid(case, ov)
                 if st != "ok":
@@ -70,7 +75,7 @@ def main() -> None:
         print(json.dumps({k: (round(x, 1) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
-    print_table(rows, [c[0] for c in combos] + ["torch-cudnn"], "TFLOP/s (fwd, bfloat16)")
+    print_table(rows, [c[0] for c in combos] + ["torch-cudnn"], f"TFLOP/s ({a.direction}, bfloat16)")
 
 
 if __name__ == "__main__":

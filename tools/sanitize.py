@@ -153,10 +153,11 @@ def _fa3(dtype: str) -> None:
     backward (atomic and deterministic, whose dQ writer orders the reduce-adds), over ragged shapes, GQA and a grid
     with more tiles than SMs; the deterministic backward also with a two-sided window on packed sequences. At
     head_dim 192 / 256 the atomic backward is the column split (mainloop_bwd_sm90_ws_split_d: its P^T, dS^T
-    buffers shared by two warpgroups), also on packed sequences with a window and soft-capping."""
+    buffers shared by two warpgroups), at head_dim 64 it takes 128 query rows a step (one dQ_i buffer, the rows
+    split between the warpgroups); both also on packed sequences with a window and soft-capping."""
     if dtype == "float32":
         return
-    for b, sq, sk, h, hk, d in ((1, 203, 113, 4, 2, 64), (2, 300, 1029, 4, 1, 128), (5, 700, 700, 12, 4, 96),
+    for b, sq, sk, h, hk, d in ((1, 203, 300, 4, 2, 64), (2, 300, 1029, 4, 1, 128), (5, 700, 700, 12, 4, 96),
                                 (1, 129, 257, 2, 2, 256), (2, 203, 330, 4, 2, 192), (1, 600, 450, 4, 1, 256)):
         for causal in (False, True):
             q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
@@ -168,10 +169,11 @@ def _fa3(dtype: str) -> None:
     qq, kk, vv, packed = _varlen(q, k, v)
     o, l = rawflash.forward(qq, kk, vv, window=(100, 30), **packed)
     rawflash.backward(cupy.ones_like(qq), qq, kk, vv, o, l, window=(100, 30), deterministic=True, **packed)
-    q, k, v = (cupy.asarray(x) for x in random_qkv(3, 300, 200, 4, 2, 256, dtype))
-    qq, kk, vv, packed = _varlen(q, k, v)
-    o, l = rawflash.forward(qq, kk, vv, window=(100, 30), softcap=20.0, **packed)
-    rawflash.backward(cupy.ones_like(qq), qq, kk, vv, o, l, window=(100, 30), softcap=20.0, **packed)
+    for d in (64, 256):  # 128 query rows a step (d = 64) and the column split (d = 256), packed, general policy
+        q, k, v = (cupy.asarray(x) for x in random_qkv(3, 300, 200, 4, 2, d, dtype))
+        qq, kk, vv, packed = _varlen(q, k, v)
+        o, l = rawflash.forward(qq, kk, vv, window=(100, 30), softcap=20.0, **packed)
+        rawflash.backward(cupy.ones_like(qq), qq, kk, vv, o, l, window=(100, 30), softcap=20.0, **packed)
 
 
 def _fp8(dtype: str) -> None:
@@ -182,7 +184,7 @@ def _fp8(dtype: str) -> None:
 
     if dtype == "float32" or cupy_backend.device_arch() != "sm_90":
         return
-    for b, sq, sk, h, hk, d in ((1, 203, 113, 4, 2, 64), (2, 300, 1029, 4, 1, 128), (1, 129, 257, 2, 2, 256)):
+    for b, sq, sk, h, hk, d in ((1, 203, 300, 4, 2, 64), (2, 300, 1029, 4, 1, 128), (1, 129, 257, 2, 2, 256)):
         for causal in (False, True):
             q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
             rawflash.forward(q, k, v, causal=causal, fp8=True)

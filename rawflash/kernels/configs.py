@@ -146,8 +146,13 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
                                                            why="untuned guess (not measured): 161 KB"))
     # fa3_bwd_sm90 (TMA + warp specialisation, sm_90a): 2 consumer warpgroups x 64 keys and a producer warpgroup;
     # 64 query rows per step, `stages` stages of Q_i, dO_i, L_i, D_i. The shape of fa2_bwd_sm90's d <= 128 row.
-    put("fa3_bwd_sm90", (32, 64, 96, 128), _16BIT, TileConfig(64, 128, 12, stages=2, why="fa2_bwd_sm90's shape; "
-                                                                                        "untuned"))
+    put("fa3_bwd_sm90", (96, 128), _16BIT, TileConfig(64, 128, 12, stages=2, why="fa2_bwd_sm90's shape; untuned"))
+    # d <= 64: 128 query rows a step (FlashAttention-3's hdim-64 tile): the consumers split dQ_i's rows instead of
+    # its columns, with one dS^T buffer (two do not fit in 227 KB beside the rest). H200, bf16, kernels alone,
+    # session 14 (bench/results/ab-s14-bwd*.json), N = 4096 / 16384 full / causal: 461 / 380 / 477 / 462 TFLOP/s
+    # against the 64-row tile's 357 / 317 / 379 / 358 (session 13's code), cuDNN 457 / 386 / 483 / 453.
+    put("fa3_bwd_sm90", (32, 64), _16BIT, TileConfig(128, 128, 12, stages=2,
+                                                     why="461/380/477/462 vs 64x128: 357/317/379/358; 195 KB"))
     # d = 192, 256: the column split (launch.fa3_bwd_split_d, mainloop_bwd_sm90_ws_split_d.cuh): both consumer
     # warpgroups share 64 keys (dK, dV of 64 x d do not fit one warpgroup), each holding dK, dV for half of the
     # columns; 2 stages of Q_i, dO_i fit beside K_j, V_j at d = 256 (231464 B) only with dQ by atomics.
@@ -310,6 +315,12 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     ("decode_split<float, 256, 1, 16, 2, 2, 147456>", "sm_90"): 48,
     # MANY_ROWS_DECODE's 32-row tile at d = 128 (MQA 32 / 1): 255 registers, the spill after the key loop (session
     # 9's SASS); measured faster than the 16-row tile that does not spill (0.0629 vs 0.0727 ms, session 10).
+    # FA3's deterministic backward at d = 64 (128 query rows a step, 24 / 240 registers: 40 / 232 spills 148 B in
+    # the consumers' general policy): the plain ones spill the walk's bounds in the producer warpgroup's 24 (its
+    # dQ writer warps), outside the consumers' products; the general one without a mask one register of the score
+    # transform's loop (4 B stored and loaded once a step; session 14's SASS).
+    **{(f"fa3_bwd_sm90<{t}, 64, 128, 128, 2, {m}, {g}, true, 199720>", "sm_90"): n
+       for t in ("__half", "__nv_bfloat16") for m, g, n in ((0, "false", 16), (1, "false", 40), (0, "true", 8))},
     ("decode_split<__half, 128, 2, 16, 2, 4, 73728>", "sm_90"): 16,
     ("decode_split<__nv_bfloat16, 128, 2, 16, 2, 4, 73728>", "sm_90"): 24,
 }
