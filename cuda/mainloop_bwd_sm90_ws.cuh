@@ -158,7 +158,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // then live at once: at 232 registers that spilled 32 B, and the spill code touching registers of products in
   // flight made ptxas serialise every product, so those instantiations take 24 / 240 (FA3's split for two consumer
   // warpgroups), the others keep 40 / 232. ROW_SPLIT's 128-row scores take 240 too (the general policy spilled
-  // 148 B at 232), with 32 for the producer warpgroup (DET's dQ writer warps spilled at 24).
+  // 148 B at 232); the producer warpgroup keeps 24 there (32 / 240 is more than the launch's pool, launch_regs),
+  // where DET's dQ writer warps spill a few bytes (configs.KNOWN_SPILLS).
   static constexpr bool EARLY_DV = !Pol_::GENERAL && D >= 128;
   static constexpr bool REGS_240 = EARLY_DV || ROW_SPLIT;
   static constexpr int PRODUCER_REGS = REGS_240 ? 24 : 40, CONSUMER_REGS = REGS_240 ? 240 : 232;
