@@ -6,8 +6,8 @@ two side by side (a change against the tree it started from). No GPU needed.
 Each instantiation of ``forms.all_instantiations('sm_90')`` whose name contains ``--filter`` is compiled to PTX by
 NVRTC (as the library does), assembled by ``ptxas`` (the CUDA toolkit's, ``--ptxas``) and disassembled by
 ``nvdisasm`` (``pip install nvidia-cuda-nvdisasm``, or the toolkit's; ``--nvdisasm``). Of the loops (backward
-branches) whose body holds wgmma (HGMMA), the one where the softmax's exponentials (MUFU) are densest is the key
-loop; the tool prints its instructions, HGMMA, MUFU and R2UR counts. ``--against`` compiles the same name in another source
+branches) whose body holds wgmma (HGMMA, or QGMMA for FP8), the one where the softmax's exponentials (MUFU) are
+densest is the key loop; the tool prints its instructions, HGMMA (QGMMA), MUFU and R2UR counts. ``--against`` compiles the same name in another source
 folder (``RAWFLASH_CUDA_DIR``'s meaning); a template argument the other tree lacks can be dropped with ``--drop
 POS`` (its position in the name's argument list).
 
@@ -60,8 +60,11 @@ def sass_of(ptx: str, ptxas: str, nvdisasm: str) -> list[str]:
     return text.splitlines()
 
 
+GMMA = ("HGMMA", "QGMMA")  # wgmma on 16-bit and on 8-bit operands
+
+
 def key_loop(lines: list[str]) -> dict:
-    """Counts of the key loop: the innermost wgmma loop with the most HGMMA."""
+    """Counts of the key loop: of the loops holding wgmma (HGMMA; QGMMA for FP8), the one where MUFU is densest."""
     labels, ins = {}, []
     for line in lines:
         m = re.match(r"^\.L_x_(\d+):", line.strip())
@@ -77,14 +80,15 @@ def key_loop(lines: list[str]) -> dict:
         m = re.search(r"BRA.*\.L_x_(\d+)", t)
         if m and labels.get(m.group(1), 1 << 30) <= i:
             body = ins[labels[m.group(1)]:i + 1]
-            if any(op(b) == "HGMMA" for b in body):
+            if any(op(b) in GMMA for b in body):
                 loops.append((labels[m.group(1)], i, Counter(op(b) for b in body)))
     if not loops:
         return {}
     # the softmax's exponentials are densest in the key loop (the tile loops around it add their prologue and
     # epilogue; a loop of the first or last key block has few)
     s, e, c = max(loops, key=lambda lp: (lp[2]["MUFU"] / (lp[1] - lp[0] + 1), lp[0] - lp[1]))
-    return {"instructions": e - s + 1, "HGMMA": c["HGMMA"], "MUFU": c["MUFU"], "R2UR": c["R2UR"]}
+    gmma = {g: c[g] for g in GMMA if c[g]}
+    return {"instructions": e - s + 1, **gmma, "MUFU": c["MUFU"], "R2UR": c["R2UR"]}
 
 
 def _one(item):
