@@ -22,10 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
-    import cupy
-
     import tune  # tools/tune.py: the candidates' validation rule
-    from ab_sources import peer_tflops, print_table
+    from ab_sources import peer_tflops, print_table, record_row
     from rawflash.cli import bench
     from rawflash.kernels.configs import TileConfig
 
@@ -70,9 +68,7 @@ def main() -> None:
         os.environ.pop("RAWFLASH_CUDA_DIR", None)
         row["torch-cudnn"] = peer_tflops(case, q, k, v, dout, a.repeats)
         del q, k, v, dout
-        cupy.get_default_memory_pool().free_all_blocks()
-        rows.append(row)
-        print(json.dumps({k: (round(x, 1) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
+        record_row(rows, row)
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
     print_table(rows, [c[0] for c in combos] + ["torch-cudnn"], f"TFLOP/s ({a.direction}, bfloat16)")

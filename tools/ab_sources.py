@@ -26,8 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-    import cupy
-
     from rawflash.cli import bench
 
     ap = argparse.ArgumentParser()
@@ -77,12 +75,20 @@ def main() -> None:
         if not args.no_peer and case.dtype != bench.FP8:
             row["torch-cudnn"] = peer_tflops(case, q, k, v, dout, args.repeats)
         del q, k, v, dout
-        cupy.get_default_memory_pool().free_all_blocks()
-        rows.append(row)
-        print(json.dumps({k: (round(x, 1) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
+        record_row(rows, row)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(sources=names, rows=rows), indent=1))
     print_table(rows, [*names, "torch-cudnn"], f"TFLOP/s ({args.direction}, {args.dtype})")
+
+
+def record_row(rows: list[dict], row: dict) -> None:
+    """A case's row done: its inputs' memory back to the pool (the caller has dropped them), the row kept and
+    printed as one JSON line."""
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    rows.append(row)
+    print(json.dumps({k: (round(x, 1) if isinstance(x, float) else x) for k, x in row.items()}), flush=True)
 
 
 def peer_tflops(case, q, k, v, dout, repeats: int):
