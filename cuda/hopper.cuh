@@ -17,6 +17,10 @@ namespace rf {
 
 
 __device__ __forceinline__ int warpgroup_id() { return threadIdx.x >> 7; }
+// The same index through a shuffle from lane 0: the compiler then knows it is warp-uniform and keeps what is built
+// from it (the wgmma descriptors' row offsets) in uniform registers, instead of moving each descriptor from a
+// vector register (R2UR) in the key loop. Only where the whole warp is converged (it is a full-mask shuffle).
+__device__ __forceinline__ int uniform_warpgroup_id() { return __shfl_sync(0xffffffffu, warpgroup_id(), 0); }
 __device__ __forceinline__ int warp_in_group() { return (threadIdx.x >> 5) & 3; }
 
 // Descriptor fields: start address, leading and stride byte offsets (all >> 4), and the layout type (bits 62-63):
@@ -141,6 +145,28 @@ __device__ __forceinline__ void stage_rows(const Sw128<T, R, C>& s, const Acc<1,
   }
 }
 
+// The transpose of store_acc: element (row r0 + r, column c) of a warp's 16 rows of a C-layout accumulator goes to
+// row c, column r0 + r of an Sw128 tile, by stmatrix .trans (one instruction per 16 columns; each 8 x 8 matrix is
+// stored as 8 rows of 16 bytes, one per accumulator column, on 8 bank groups through the swizzle). The backward's
+// 80-row tile keeps dS_i this way round (rows queries) from its dS_i^T accumulator.
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, const u32 (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+template <typename T, int NT, int R, int C>
+__device__ __forceinline__ void store_acc_transposed(const Sw128<T, R, C>& s, const Acc<1, NT>& acc, int r0) {
+  static_assert(NT % 2 == 0, "whole 16-column steps");
+  // lanes 8m..8m+7 address matrix m: accumulator rows r0 + 8 (m % 2).., columns 8 (j + m / 2)..
+  const int m = lane_id() >> 3, i = lane_id() & 7;
+#pragma unroll
+  for (int j = 0; j < NT; j += 2) {
+    const u32 r[4] = {pack2<T>(acc.v[0][j][0], acc.v[0][j][1]), pack2<T>(acc.v[0][j][2], acc.v[0][j][3]),
+                      pack2<T>(acc.v[0][j + 1][0], acc.v[0][j + 1][1]),
+                      pack2<T>(acc.v[0][j + 1][2], acc.v[0][j + 1][3])};
+    stmatrix_x4_trans(s.addr(8 * (j + (m >> 1)) + i, r0 + 8 * (m & 1)), r);
+  }
+}
+
 // ---------------------------------------------------------------- ordering
 // Before the first wgmma of a batch: registers it reads or accumulates into were written by ordinary code.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -197,6 +223,16 @@ __device__ __forceinline__ void wg_gemm_atb(Acc<1, NT>& acc, const Sw128<T, RA, 
 #pragma unroll
   for (int k = 0; k < K; k += 16)
     Wgmma<T, 8 * NT, 1, 1>::ss(acc.v[0], sa.desc_mn(k, m0), sb.desc_mn(k, n0), (k > 0 || accumulate) ? 1 : 0);
+}
+
+// acc (+)= A B^T with A[m][k] read from sa stored [k][m] (columns m0..m0+63, MN-major) and B = rows b0.. of sb
+// ([n][k], K-major), k over rows [0, K) of sa. Used for dQ_i^T = K_j^T dS_i^T with dS_i kept untransposed.
+template <int K, typename T, int NT, int RA, int CA, int RB, int CB>
+__device__ __forceinline__ void wg_gemm_atbt(Acc<1, NT>& acc, const Sw128<T, RA, CA>& sa, int m0,
+                                             const Sw128<T, RB, CB>& sb, int b0, bool accumulate) {
+#pragma unroll
+  for (int k = 0; k < K; k += 16)
+    Wgmma<T, 8 * NT, 1, 0>::ss(acc.v[0], sa.desc_mn(k, m0), sb.desc_k(b0, k), (k > 0 || accumulate) ? 1 : 0);
 }
 
 // acc (+)= A B with A = rows a0..a0+63 of sa ([m][k], K-major) and B from sb stored [k][n] (columns n0..,

@@ -170,7 +170,7 @@ template <typename T_, int D, int BR_, int BC_, class Pol_> struct MainloopBwdSm
   __device__ __forceinline__ static void run(const BwdParams& p, const typename Pol::Info& bi, Pol& pol, int k0,
                                              const QIter& walk, char* smem, State& st) {
     const Sm sm(smem);
-    const int w = warpgroup_id(), kw = 64 * w, wk = key_row();
+    const int w = uniform_warpgroup_id(), kw = 64 * w, wk = key_row();
     walk_sm90<NTHREADS, T, D, BR, BC>(p, bi, pol, k0, walk, sm, st, [&](int q0, bool edge, const typename Pol::Info& bh,
                                                                         const Sw128<T, BR, D>& sQ,
                                                                         const Sw128<T, BR, D>& sdO, const float* sL,
@@ -229,7 +229,7 @@ template <typename T_, int D, int BR_, int BC_, class Pol_> struct MainloopBwdSm
     const Sm sm(smem);
     const Sw128<T, BC, BR> sP{sm.sdS.base + DS};
     float* const sdP = (float*)(sm.extra + DS);
-    const int w = warpgroup_id(), wk = key_row(), dc = w * DW, tw = threadIdx.x & 127;
+    const int w = uniform_warpgroup_id(), wk = key_row(), dc = w * DW, tw = threadIdx.x & 127;
     walk_sm90<NTHREADS, T, D, BR, BC>(p, bi, pol, k0, walk, sm, st, [&](int q0, bool edge, const typename Pol::Info& bh,
                                                                         const Sw128<T, BR, D>& sQ,
                                                                         const Sw128<T, BR, D>& sdO, const float* sL,

@@ -145,12 +145,17 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // DS_BUFS buffers of dS^T: two at 64 rows, so a warpgroup may write the next step's while its neighbour's dQ_i
   // product still reads this one; at 128 rows two do not fit beside the rest (227 KB), so one, and a warpgroup
   // waits at DS_FREE for its neighbour's dQ_i of the step before (done long before, in practice) first.
-  static constexpr bool ROW_SPLIT = BR_ == 128;
-  static constexpr int DQN = ROW_SPLIT ? D : D / NWG, DS_BUFS = ROW_SPLIT ? 1 : 2;
+  // 80 rows (SWAP_DQ, FlashAttention-3's non-causal tile at head_dim 128): a warpgroup product's M is 64, so dQ_i
+  // (80 x D) is computed transposed, dQ_i^T = K_j^T dS_i^T (M = D, warpgroup w taking head columns 64w..), from
+  // dS_i stored untransposed (its B operand, K-major); the slice (80 rows by 64 columns) then goes to shared
+  // memory row by row for the reduce-add, one buffer of it (two do not fit beside 2 x dS).
+  static constexpr bool ROW_SPLIT = BR_ == 128, SWAP_DQ = BR_ == 80;
+  static constexpr int DQN = ROW_SPLIT ? D : D / NWG, DS_BUFS = ROW_SPLIT ? 1 : 2, DQ_BUFS = SWAP_DQ ? 1 : 2;
+  static constexpr int DQ_ROWS = SWAP_DQ ? BR_ : 64;  // the rows of a dQ_i slice (tma.dq_box_rows)
   static constexpr int NO = D / 8;
-  static constexpr int DS = BC_ * BR_ * 2, DQB = 64 * DQN * 4;
-  // BwdWsSmem's map with DS_BUFS x dS^T and 2 x NWG dQ_i slices as its middle
-  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, DS_BUFS * DS + 2 * NWG * DQB>;
+  static constexpr int DS = BC_ * BR_ * 2, DQB = DQ_ROWS * DQN * 4, DQ_PANEL = DQ_ROWS * 128;
+  // BwdWsSmem's map with DS_BUFS x dS^T (dS) and DQ_BUFS x NWG dQ_i slices as its middle
+  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, DS_BUFS * DS + DQ_BUFS * NWG * DQB>;
   static constexpr int SMEM_BYTES = Map::BYTES;
   // EARLY_DV: the plain policy at head_dim 128 issues dV_w += P^T dO_i as soon as P^T is formed, so it runs while
   // dS^T is formed (H200, bf16, N = 4096: 456 -> 470 TFLOP/s); at head_dim 64 the same order lost 4 % (346 -> 332),
@@ -160,8 +165,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // warpgroups), the others keep 40 / 232. ROW_SPLIT's 128-row scores take 240 too (the general policy spilled
   // 148 B at 232); the producer warpgroup keeps 24 there (32 / 240 is more than the launch's pool, launch_regs),
   // where DET's dQ writer warps spill a few bytes (configs.KNOWN_SPILLS).
-  static constexpr bool EARLY_DV = !Pol_::GENERAL && D >= 128;
-  static constexpr bool REGS_240 = EARLY_DV || ROW_SPLIT;
+  // SWAP_DQ's 80-row tile takes 24 / 240 without EARLY_DV (dQ_i^T's 40 accumulators beside dK, dV and dS).
+  static constexpr bool EARLY_DV = !Pol_::GENERAL && D >= 128 && !SWAP_DQ;
+  static constexpr bool REGS_240 = EARLY_DV || ROW_SPLIT || SWAP_DQ;
   static constexpr int PRODUCER_REGS = REGS_240 ? 24 : 40, CONSUMER_REGS = REGS_240 ? 240 : 232;
   static constexpr int DS_BARRIER = 1;  // named barrier of the consumer warpgroups: every dS^T is in shared memory
   static constexpr int DQ_BARRIER = 2;  // + w: warpgroup w's dQ_i slice is in shared memory
@@ -177,8 +183,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   // predecessors' walks of the same query block, milliseconds); it traps, so the launch fails with an error (an
   // illegal instruction) instead of hanging the GPU.
   static constexpr long long SPIN_LIMIT = 1ll << 26;
-  static_assert(NWG == 2 && (BR_ == 64 || BR_ == 128) && D % 64 == 0 && DQN % 32 == 0,
-                "2 x 64 keys; a warpgroup's dQ_i slice is one 64-row wgmma");
+  static_assert(NWG == 2 && (BR_ == 64 || BR_ == 128 || (BR_ == 80 && D == 128)) && D % 64 == 0 && DQN % 32 == 0,
+                "2 x 64 keys; a warpgroup's dQ_i slice is one 64-row wgmma (80 rows: of dQ_i^T at head_dim 128)");
+  static_assert(!(SWAP_DQ && DET_), "80 rows have one dQ_i buffer; the ordered dQ's writers need two");
   static_assert(DQN % 64 == 0 || 64 % DQN == 0, "column slices within panels");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= launch_regs(NTHREADS) * NTHREADS,
                 "setmaxnreg moves registers within the launch's pool");
@@ -188,9 +195,13 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   };
   struct Smem : Map {
     __device__ __forceinline__ explicit Smem(char* smem) : Map(smem) {}
-    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const { return {this->mid() + it % DS_BUFS * DS}; }
-    // Warpgroup w's float32 dQ_i slice of step it: 64 rows of DQN columns in panels of 32 (the dq map's box).
-    __device__ __forceinline__ u32 dq(int w, int it) const { return this->mid() + DS_BUFS * DS + (2 * w + (it & 1)) * DQB; }
+    // dS^T of step it (rows keys); SWAP_DQ: dS_i untransposed (rows queries, columns keys)
+    using DsTile = typename Select<SWAP_DQ, Sw128<T_, BR_, BC_>, Sw128<T_, BC_, BR_>>::type;
+    __device__ __forceinline__ DsTile ds(int it) const { return {this->mid() + it % DS_BUFS * DS}; }
+    // Warpgroup w's float32 dQ_i slice of step it: DQ_ROWS rows of DQN columns in panels of 32 (the dq map's box).
+    __device__ __forceinline__ u32 dq(int w, int it) const {
+      return this->mid() + DS_BUFS * DS + (DQ_BUFS * w + it % DQ_BUFS) * DQB;
+    }
   };
 
   __device__ __forceinline__ static bool is_producer() { return warpgroup_id() == NWG; }
@@ -253,7 +264,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
         for (int w = 0; w < NWG; ++w)
 #pragma unroll
           for (int c = 0; c < DQN; c += 32)
-            tma_reduce_add_2d(tma.dq, sm.dq(w, it) + c / 32 * (64 * 128), dq_col(w) + c, (int)(bh.row0 + q0) + dq_row(w));
+            tma_reduce_add_2d(tma.dq, sm.dq(w, it) + c / 32 * DQ_PANEL, dq_col(w) + c, (int)(bh.row0 + q0) + dq_row(w));
         bulk_commit();
         bulk_wait_read<0>();
       }
@@ -285,23 +296,39 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   __device__ __forceinline__ static void reduce_dq_tma(const BwdParams& p, const TmaBwd& tma, const Smem& sm,
                                                        const typename Pol::Info& bh, const Acc<1, NT>& dq, int q0,
                                                        int it) {
-    const int w = warpgroup_id(), g = lane_id() >> 2, t = lane_id() & 3, qr = 16 * warp_in_group();
+    const int w = uniform_warpgroup_id(), g = lane_id() >> 2, t = lane_id() & 3, qr = 16 * warp_in_group();
     const u32 tile = sm.dq(w, it);
     if constexpr (DET) named_sync(DQ_EMPTY + 2 * w + (it & 1), DQ_PAIR);  // the writer has read this buffer
-    static_assert(NT % 4 == 0, "column slots y and y ^ 2 lie in one 32-column panel");
-    const bool odd = g & 1;
+    if constexpr (SWAP_DQ) {
+      // dq holds dQ_i^T: row 16 (warp) + g + 8 hh is head column dq_col(w) + that, column 8y + 2t + e query row
+      // 8y + 2t + e. One float a store: a warp's 32 lanes cover 4 query rows (2t + e: row % 8 takes 4 values
+      // of one parity) by 8 columns (two 16-byte chunks), whose swizzled chunks are 8 distinct ones: no conflict.
 #pragma unroll
-    for (int y = 0; y < NT; ++y)
+      for (int y = 0; y < NT; ++y)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int ys = odd ? y ^ 2 : y;  // this lane's column slot in this store
-        const int row = qr + g + 8 * hh, col = 8 * ys + 2 * t;  // col % 32 / 4 is the 16-byte chunk in the panel
-        const u32 at = tile + col / 32 * (64 * 128) + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
-        // (picked by a select: dq.v[0][ys], an index that depends on the lane, would put dq in local memory)
-        const float x0 = odd ? dq.v[0][y ^ 2][2 * hh] : dq.v[0][y][2 * hh];
-        const float x1 = odd ? dq.v[0][y ^ 2][2 * hh + 1] : dq.v[0][y][2 * hh + 1];
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(p.scale * x0), "f"(p.scale * x1) : "memory");
-      }
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int row = 8 * y + 2 * t + e, col = qr + g + 8 * hh;
+            const u32 at = tile + col / 32 * DQ_PANEL + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(p.scale * dq.v[0][y][2 * hh + e]) : "memory");
+          }
+    } else {
+      static_assert(SWAP_DQ || NT % 4 == 0, "column slots y and y ^ 2 lie in one 32-column panel");
+      const bool odd = g & 1;
+#pragma unroll
+      for (int y = 0; y < NT; ++y)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int ys = odd ? y ^ 2 : y;  // this lane's column slot in this store
+          const int row = qr + g + 8 * hh, col = 8 * ys + 2 * t;  // col % 32 / 4 is the 16-byte chunk in the panel
+          const u32 at = tile + col / 32 * DQ_PANEL + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+          // (picked by a select: dq.v[0][ys], an index that depends on the lane, would put dq in local memory)
+          const float x0 = odd ? dq.v[0][y ^ 2][2 * hh] : dq.v[0][y][2 * hh];
+          const float x1 = odd ? dq.v[0][y ^ 2][2 * hh + 1] : dq.v[0][y][2 * hh + 1];
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(p.scale * x0), "f"(p.scale * x1) : "memory");
+        }
+    }
     fence_async_smem();
     if constexpr (DET) {  // the dQ writer adds it, in its turn (write_dq)
       named_arrive(DQ_FULL + 2 * w + (it & 1), DQ_PAIR);
@@ -311,14 +338,14 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
     if ((threadIdx.x & 127) == 0) {
 #pragma unroll
       for (int c = 0; c < DQN; c += 32)
-        tma_reduce_add_2d(tma.dq, tile + c / 32 * (64 * 128), dq_col(w) + c, (int)(bh.row0 + q0) + dq_row(w));
+        tma_reduce_add_2d(tma.dq, tile + c / 32 * DQ_PANEL, dq_col(w) + c, (int)(bh.row0 + q0) + dq_row(w));
       bulk_commit();
     }
   }
 
   __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
                                                  Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
-    const int w = warpgroup_id(), kw = 64 * w, wk = key_row();
+    const int w = uniform_warpgroup_id(), kw = 64 * w, wk = key_row();
     const auto sK = sm.k(), sV = sm.v();
     typename Pol::Info bh = bi;
     // ---- [mainloop_bwd_sm90_ws:init] Alg.2 l.7: dK_j = dV_j = 0; K_j, V_j have landed ----
@@ -373,7 +400,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       const auto sdS = sm.ds(it);
       if constexpr (DS_BUFS == 1)
         if (it > 0) named_sync(DS_FREE + 1 - w, NWG * 128);  // the neighbour's dQ_i of step it - 1 has read dS^T
-      store_acc(sdS, dp, wk, 0);
+      if constexpr (SWAP_DQ) store_acc_transposed(sdS, dp, wk);  // dS_i: rows queries, columns keys
+      else store_acc(sdS, dp, wk, 0);
       fence_async_smem();
       if constexpr (!EARLY_DV) {
         fence_operand(st.dv);  // (not while dV runs: ptxas would serialise the products)
@@ -383,13 +411,14 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       }
       // ---- [mainloop_bwd_sm90_ws:dq] Alg.2 l.14-15: dQ_i += scale * dS K_j (warpgroup w's slice, from every
       // dS^T), then dK_w += dS^T Q_i; dQ_i's slice goes out while dK runs (FlashAttention-3's order) ----
-      // (the reduce-add of two steps ago has read its dQ tile before anyone passes the barrier and rewrites it)
-      if (!DET && (threadIdx.x & 127) == 0) bulk_wait_read<1>();
+      // (the reduce-add of DQ_BUFS steps ago has read its dQ tile before anyone passes the barrier and rewrites it)
+      if (!DET && (threadIdx.x & 127) == 0) bulk_wait_read<DQ_BUFS - 1>();
       named_sync(DS_BARRIER, NWG * 128);
-      Acc<1, DQN / 8> dq;
+      Acc<1, (SWAP_DQ ? BR : DQN) / 8> dq;  // SWAP_DQ: dQ_i^T, head columns dq_col(w).. by all BR query rows
       fence_operand(st.dk);
       wgmma_fence();
-      wg_gemm_atb<BC>(dq, sdS, dq_row(w), sK, dq_col(w), false);
+      if constexpr (SWAP_DQ) wg_gemm_atbt<BC>(dq, sK, dq_col(w), sdS, 0, false);
+      else wg_gemm_atb<BC>(dq, sdS, dq_row(w), sK, dq_col(w), false);
       wgmma_commit();
       wg_gemm_rb(st.dk, ds_a, sQ, 0, 0);
       wgmma_commit();

@@ -112,8 +112,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
 
   __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd&, const typename Pol::Info& bi,
                                                  Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
-    // (w through a shuffle: known to be warp-uniform, so the operands' descriptors are built in uniform registers)
-    const int w = __shfl_sync(0xffffffffu, warpgroup_id(), 0), wq = QW * w, wk = key_row(), cw = wide0(w), cn = narrow0(w);
+    const int w = uniform_warpgroup_id(), wq = QW * w, wk = key_row(), cw = wide0(w), cn = narrow0(w);
     const auto sK = sm.k(), sV = sm.v();
     typename Pol::Info bh = bi;
     // ---- [mainloop_bwd_sm90_ws_split_d:init] Alg.2 l.7: dK_j = dV_j = 0 (this warpgroup's columns); K_j, V_j have landed ----

@@ -39,7 +39,7 @@ template <typename T_, int D, int BR_, int BC, bool OVERLAP, class Pol_> struct 
     auto sK = [&](int s) { return Sw128<T, BC, D>{k_base + (s & 1) * KV_BYTES}; };
     auto sV = [&](int s) { return Sw128<T, BC, D>{v_base + (s & 1) * KV_BYTES}; };
     const T *q = bi.template q<T>(p), *k = bi.template k<T>(p), *v = bi.template v<T>(p);
-    const int nrows = min(BR, bi.seqlen_q - q0), wg_row = 64 * warpgroup_id(), wq = warp_row();
+    const int nrows = min(BR, bi.seqlen_q - q0), wg_row = 64 * uniform_warpgroup_id(), wq = warp_row();
     const BlockRange kv = pol.kv_blocks(q0, nrows, BC);                      // blocks no row sees: never loaded
     const int n = kv.n();
     auto load = [&](const Sw128<T, BC, D>& s, const T* g, long long ss, int step) {

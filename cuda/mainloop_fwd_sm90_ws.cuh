@@ -183,7 +183,7 @@ struct Fa3FwdPipeline {
   // Alg.1 l.5-11 for one tile: every visible key block through the ring, O and the softmax state left in st.
   __device__ __forceinline__ static void walk(const Info& bi, const Pol& pol, int q0, const Smem& sm, Pipes& pipes,
                                               State& st) {
-    const int nrows = min(BR, bi.seqlen_q - q0), wg_row = 64 * warpgroup_id(), wq = warp_row();
+    const int nrows = min(BR, bi.seqlen_q - q0), wg_row = 64 * uniform_warpgroup_id(), wq = warp_row();
     const BlockRange kv = pol.kv_blocks(q0, nrows, BC);
     const int n = kv.n();
     const int qs = pipes.q.stage();

@@ -332,10 +332,38 @@ def test_fa3_backward_query_rows_per_step(d, rows, ds_buffers):
     for lau in (forms.backward_plan(p)[1], forms.backward_plan(p, deterministic=True)[1]):
         assert lau.kernel == "fa3_bwd_sm90" and lau.config.br == rows
         assert launch.fa3_bwd_ds_buffers(lau.config) == ds_buffers and lau.template_args[2] == rows
-    assert tma.DQ_BOX_ROWS == 64
+    assert tma.DQ_BOX_ROWS == 64 and tma.dq_box_rows(rows) == 64
     for bad in (dataclasses.replace(lau.config, br=96), configs.TileConfig(128, 64, 12, stages=2)):
         with pytest.raises(ValueError, match="64 query rows"):
             launch.fa3_bwd_sm90(p, bad)
+
+
+@pytest.mark.parametrize("d", [96, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fa3_backward_80_rows_on_long_sequences(d, dtype):
+    """Plain attention over >= LONG_BWD_SEQLEN query rows without a mask (LONG_CAUSAL_BWD_SEQLEN causal) takes the
+    80-row backward tile (dQ_i^T by the warpgroups, one dQ_i buffer, the dQ map's box all 80 rows, 231720 B);
+    shorter sequences, the general policy and the deterministic backward keep 64 rows; the 80-row tile is refused
+    where it cannot run."""
+    n, nc = configs.LONG_BWD_SEQLEN, configs.LONG_CAUSAL_BWD_SEQLEN
+    p = Problem(1, n, n, 4, 4, d, dtype, False, "sm_90")
+    for x in (p, dataclasses.replace(p, seqlen_q=nc, seqlen_k=nc, causal=True)):
+        main = forms.backward_plan(x)[1]
+        assert main.kernel == "fa3_bwd_sm90" and main.config.br == launch.FA3_BWD_SWAP_ROWS == 80
+        assert main.template_args[1:5] == (128, 80, 128, 2) and main.smem == 231720 <= 232448
+        assert launch.fa3_bwd_ds_buffers(main.config) == 2 and launch.fa3_bwd_dq_buffers(main.config) == 1
+        det = forms.backward_plan(x, deterministic=True)[1]
+        assert det.kernel == "fa3_bwd_sm90" and det.config.br == 64 and det.template_args[7] is True
+    assert tma.dq_box_rows(80) == 80
+    for other in (dataclasses.replace(p, seqlen_q=nc - 1, seqlen_k=nc, causal=True), dataclasses.replace(p, softcap=5.0),
+                  dataclasses.replace(p, seqlen_q=n - 1), dataclasses.replace(p, window=(64, 64))):
+        assert forms.backward_plan(other)[1].config.br == 64
+    with pytest.raises(ValueError, match="80-row tile runs head_dim 128"):
+        launch.fa3_bwd_sm90(p, main.config, deterministic=True)
+    with pytest.raises(ValueError, match="80-row tile runs head_dim 128"):
+        launch.fa3_bwd_sm90(dataclasses.replace(p, head_dim=64), main.config)
+    names = {lau.name_expression for lau in forms.all_instantiations("sm_90")}
+    assert main.name_expression in names
 
 
 def test_override_replaces_a_tile_row_without_touching_the_table():

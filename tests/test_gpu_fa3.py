@@ -139,6 +139,25 @@ def test_fa3_backward_long_gqa_causal(d):
     check_backward(1, 1000, 1500, 8, 2, d, "bfloat16", True, False, seed=3)
 
 
+ROWS_80_CASES = [(1024, 1024, 4, 4, 128, "bfloat16", False), (1085, 131, 4, 1, 96, "float16", False),
+                 (2111, 1000, 4, 2, 128, "float16", False), (1090, 2500, 2, 2, 112, "bfloat16", False),
+                 (8192, 8192, 2, 1, 128, "bfloat16", True), (8230, 8000, 2, 2, 96, "float16", True)]
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", ROWS_80_CASES,
+                         ids=[f"{c[5]}-{'causal' if c[6] else 'full'}-{c[0]}x{c[1]}-d{c[4]}-h{c[2]}/{c[3]}"
+                              for c in ROWS_80_CASES])
+def test_fa3_backward_80_rows(sq, sk, h, hk, d, dtype, causal):
+    """The 80-row tile (plain, >= LONG_BWD_SEQLEN query rows, LONG_CAUSAL_BWD_SEQLEN causal: dQ_i^T by the
+    warpgroups, dS_i stored untransposed by stmatrix .trans): last query blocks of 64, 45, 31, 50, 32 and 70 rows,
+    short and long key ranges, seqlen_q != seqlen_k both ways under the mask, GQA / MQA."""
+    from rawflash.kernels import cupy_backend
+
+    p = launch.Problem(1, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
+    assert forms.backward_plan(p)[1].config.br == 80
+    check_backward(1, sq, sk, h, hk, d, dtype, causal, False, seed=8)
+
+
 # ---------------------------------------------------------------- head_dim 192 / 256: the column split
 SPLIT_D_DIMS = [160, 192, 224, 256]  # (160 and 224 run as 192 and 256, their extra columns zero-filled)
 

@@ -27,6 +27,7 @@ SITUATION_NOTES = {  # forms.situations' names, as explain says them
     "short_full": f"short row without a mask (<= {configs.SHORT_FULL_SEQLEN} keys)",
     "short_window": f"short window row (<= {configs.SHORT_WINDOW_SPAN} keys beside the diagonal)",
     "many_decode_rows": f"many packed rows' row (> {configs.MANY_DECODE_ROWS} query rows per kv head)",
+    "long_bwd": f"long backward row (>= {configs.LONG_BWD_SEQLEN} query rows, {configs.LONG_CAUSAL_BWD_SEQLEN} causal)",
 }
 
 

@@ -281,10 +281,26 @@ MANY_ROWS_DECODE: dict[tuple[str, int, str], TileConfig] = {
     for dt in _16BIT
 }
 
+# Backwards of plain attention over at least LONG_BWD_SEQLEN query rows without a mask, LONG_CAUSAL_BWD_SEQLEN
+# causal (FlashAttention-3's non-causal tile at head_dim 128): 80 query rows a step instead of 64, each consumer
+# warpgroup computing dQ_i^T for 64 head columns (mainloop_bwd_sm90_ws.cuh's SWAP_DQ), so a step's fixed costs (the
+# barriers, L_i / D_i, the dQ_i reduce-add) are spread over 25 % more rows. 231720 B of shared memory. The
+# deterministic backward keeps the table's 64 rows (forms.ordered_dq_config: one dQ_i buffer cannot serve its two
+# writer warps). Session 15, H200, bf16, d = 128, kernels alone (bench/results/ab-s15-bwd128.json), TFLOP/s of 80
+# rows against 64 (both with the uniform warpgroup index), N = 1024 / 2048 / 4096 / 16384: without a mask 379 / 461
+# / 520 / 561 against 366 / 441 / 493 / 525; causal 245 / 336 / 416 / 549 against 251 / 339 / 413 / 517 (80 rows
+# waste more of the diagonal's blocks on short causal walks). N < 1024 is not measured.
+LONG_BWD_SEQLEN = 1024
+LONG_CAUSAL_BWD_SEQLEN = 8192
+LONG_BWD_ROWS: dict[tuple[str, int, str], TileConfig] = {
+    ("fa3_bwd_sm90", d, dt): TileConfig(80, 128, 12, stages=2, why="561/549 vs 64x128: 525/517 (N = 16384)")
+    for d in (96, 128) for dt in _16BIT
+}
+
 # The rows of a situation (forms.situations names the ones that hold for a call), before the table's.
 SITUATION_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
     "short_causal": SHORT_CAUSAL_ROWS, "short_full": SHORT_FULL_ROWS, "short_window": WINDOW_ROWS,
-    "many_decode_rows": MANY_ROWS_DECODE,
+    "many_decode_rows": MANY_ROWS_DECODE, "long_bwd": LONG_BWD_ROWS,
 }
 
 # Instantiations allowed to spill (name expression, arch) -> bytes of spill stores + loads, each with its reason.

@@ -119,8 +119,16 @@ def many_decode_rows(p: Problem) -> bool:
     return (p.heads // p.kv_heads) * p.seqlen_q > configs.MANY_DECODE_ROWS
 
 
+def long_bwd(p: Problem) -> bool:
+    """Whether ``p`` takes configs.LONG_BWD_ROWS (the backward's 80-row tile): plain attention over at least
+    LONG_BWD_SEQLEN query rows without a mask, LONG_CAUSAL_BWD_SEQLEN causal."""
+    if p.general or p.mask not in (launch.NO_MASK, launch.CAUSAL):
+        return False
+    return p.seqlen_q >= (configs.LONG_BWD_SEQLEN if p.mask == launch.NO_MASK else configs.LONG_CAUSAL_BWD_SEQLEN)
+
+
 SITUATIONS = {"short_causal": short_causal, "short_full": short_full, "short_window": short_window,
-              "many_decode_rows": many_decode_rows}
+              "many_decode_rows": many_decode_rows, "long_bwd": long_bwd}
 
 
 def situations(p: Problem) -> tuple[str, ...]:
@@ -210,6 +218,15 @@ def forward_plan_without_tma(p: Problem, kernel: str = "fa2", switches: Switches
                             override)
 
 
+def ordered_dq_config(p: Problem, cfg: TileConfig) -> TileConfig:
+    """The tile row of FA3's deterministic backward for a call whose default backward runs ``cfg``: the same, but
+    the table's row where ``cfg`` is the 80-row tile (launch.FA3_BWD_SWAP_ROWS), whose single dQ_i buffer the
+    ordered dQ's two writer warps cannot share."""
+    if cfg.br != launch.FA3_BWD_SWAP_ROWS:
+        return cfg
+    return configs.tile_config("fa3_bwd_sm90", p.padded_head_dim, p.dtype, p.arch, None, p.general)
+
+
 def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, settings: Settings = Settings(),
                       override: Override | None = None, warp_specialize: bool | None = None) -> Launch:
     """The backward's main pass: for the atomic-dQ pass on Hopper FA3's warp-specialised form where it fits (every
@@ -253,7 +270,8 @@ def backward_plan(p: Problem, deterministic: bool = False, settings: Settings = 
     if deterministic:
         main = fa2_backward_main(p, True, wgmma, settings, override) if hopper_form_fits("fa3_bwd_sm90", p) else None
         if main is not None and main.kernel == "fa3_bwd_sm90" and not launch.fa3_bwd_split_d(main.config):
-            return [pre, launch.fa3_bwd_sm90(p, main.config, deterministic=True), launch.fa2_bwd_convert_dq(p)]
+            return [pre, launch.fa3_bwd_sm90(p, ordered_dq_config(p, main.config), deterministic=True),
+                    launch.fa2_bwd_convert_dq(p)]
         return deterministic_without_fa3(p, wgmma, settings, override)
     return [pre, fa2_backward_main(p, True, wgmma, settings, override), launch.fa2_bwd_convert_dq(p)]
 
@@ -445,6 +463,10 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     launches.append(fa3)
                     if not launch.fa3_bwd_split_d(fa3.config):  # (the column split has no ordered dQ)
                         launches.append(launch.fa3_bwd_sm90(p, fa3.config, deterministic=True))
+                    n = max(configs.LONG_BWD_SEQLEN, configs.LONG_CAUSAL_BWD_SEQLEN)
+                    long_p = dataclasses.replace(p, seqlen_q=n, seqlen_k=n)
+                    if long_bwd(long_p):  # a long twin takes configs.LONG_BWD_ROWS where it has a row
+                        launches.append(fa2_backward_main(long_p, True, wgmma=True, warp_specialize=True))
                 if not p.general:  # the teaching kernels and the ablation run the plain policy only
                     launches += [*forward_plan(p, "fa1"), *forward_plan(p, "naive")]
                     if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures

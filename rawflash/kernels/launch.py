@@ -214,18 +214,28 @@ def fa3_bwd_split_d(cfg: TileConfig) -> bool:
 
 
 def fa3_bwd_ds_buffers(cfg: TileConfig) -> int:
-    """The dS^T tiles of mainloop_bwd_sm90_ws.cuh (its DS_BUFS): two at 64 query rows a step, one at 128
+    """The dS^T tiles of mainloop_bwd_sm90_ws.cuh (its DS_BUFS): two at 64 and 80 query rows a step, one at 128
     (ROW_SPLIT: the consumer warpgroups split dQ_i's rows; two would not fit in shared memory)."""
     return 1 if cfg.br == 128 else 2
 
 
+def fa3_bwd_dq_buffers(cfg: TileConfig) -> int:
+    """The float32 dQ_i tiles of mainloop_bwd_sm90_ws.cuh (its DQ_BUFS): two, or one at 80 query rows (SWAP_DQ:
+    dQ_i^T by the warpgroups' products; a second would not fit beside two dS tiles)."""
+    return 1 if cfg.br == FA3_BWD_SWAP_ROWS else 2
+
+
+FA3_BWD_SWAP_ROWS = 80  # mainloop_bwd_sm90_ws.cuh's SWAP_DQ tile (head_dim 128, not deterministic)
+
+
 def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
     """SMEM_BYTES of mainloop_bwd_sm90_ws.cuh: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i);
-    ``fa3_bwd_ds_buffers`` dS^T; two float32 dQ_i tiles (all warpgroups' slices); `stages` x (L_i, D_i) float32;
+    ``fa3_bwd_ds_buffers`` dS^T; ``fa3_bwd_dq_buffers`` float32 dQ_i tiles (all warpgroups' slices, br x d
+    floats each); `stages` x (L_i, D_i) float32;
     1 + 2 stages mbarriers. The column split (``fa3_bwd_split_d``, mainloop_bwd_sm90_ws_split_d.cuh) has two P^T
     and two dS^T and no dQ_i tiles."""
     tiles = cfg.bc * cfg.br * 2 * (4 if fa3_bwd_split_d(cfg) else fa3_bwd_ds_buffers(cfg))
-    dq = 0 if fa3_bwd_split_d(cfg) else 2 * cfg.br * d * 4
+    dq = 0 if fa3_bwd_split_d(cfg) else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4
     return (1024 + (2 * cfg.bc + 2 * cfg.stages * cfg.br) * d * 2 + tiles + dq + 2 * cfg.stages * cfg.br * 4
             + 8 * (1 + 2 * cfg.stages))
 
@@ -448,11 +458,14 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
     (scheduler.cuh's KTileScheduler)."""
     if deterministic and fa3_bwd_split_d(cfg):
         raise ValueError("fa3_bwd_sm90's column split (head_dim > 128) has no deterministic form")
-    if cfg.threads != 384 or cfg.bc not in (64, 128) or cfg.br not in ((64,) if fa3_bwd_split_d(cfg) else (64, 128)):
+    if cfg.threads != 384 or cfg.bc not in (64, 128) or cfg.br not in ((64,) if fa3_bwd_split_d(cfg) else (64, 80, 128)):
         raise ValueError(f"fa3_bwd_sm90 runs a producer and two consumer warpgroups (12 warps) on 64 or 128 keys "
-                         f"and 64 query rows (128 with 128 keys); got {cfg.warps} warps, bc = {cfg.bc}, "
+                         f"and 64 query rows (80 or 128 with 128 keys); got {cfg.warps} warps, bc = {cfg.bc}, "
                          f"br = {cfg.br}")
     d = tma_head_dim(p)
+    if cfg.br == FA3_BWD_SWAP_ROWS and (d != 128 or deterministic):
+        raise ValueError(f"fa3_bwd_sm90's {cfg.br}-row tile runs head_dim 128 (padded) without deterministic=True; "
+                         f"got head_dim {d}, deterministic={deterministic}")
     smem = smem_fa3_bwd_sm90(cfg, d)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, deterministic, smem)
     return Launch("fa3_bwd_sm90", "fa3_bwd_sm90.cu", args, key_tile_grid(p, cfg.bc, "fa3_bwd_sm90"),

@@ -36,6 +36,13 @@ DESC_BYTES = 128
 FWD_DTYPE = np.dtype([("q", np.uint64, 16), ("k", np.uint64, 16), ("v", np.uint64, 16), ("o", np.uint64, 16)])
 O_BOX_ROWS = 64  # the forward's output box: one consumer warpgroup's rows (mainloop_fwd_sm90_ws.cuh's store)
 DQ_BOX_ROWS = 64  # the backward's dQ box: one consumer warpgroup's dQ_i slice (mainloop_bwd_sm90_ws.cuh)
+
+
+def dq_box_rows(br: int) -> int:
+    """The rows of the backward's dQ box for query blocks of br rows (mainloop_bwd_sm90_ws.cuh's DQ_ROWS): one
+    consumer warpgroup's 64-row slice, or the whole block where br is no multiple of 64 (80 rows: a warpgroup then
+    holds a column slice of every row)."""
+    return DQ_BOX_ROWS if br % DQ_BOX_ROWS == 0 else br
 BWD_DTYPE = np.dtype([("q", np.uint64, 16), ("k", np.uint64, 16), ("v", np.uint64, 16), ("dout", np.uint64, 16),
                       ("dq", np.uint64, 16)])
 
@@ -159,9 +166,9 @@ def fwd_maps_fp8(q, k, vt, br: int, bc: int, d: int) -> np.ndarray:
 
 def bwd_maps(q, k, v, dout, dq_ws, br: int, bc: int, packed: bool) -> np.ndarray:
     """The backward's ``TmaBwd`` parameter: q and dout in boxes of br rows, k and v in boxes of bc rows, and the
-    float32 dQ rows dq_ws for the reduce-add in boxes of ``DQ_BOX_ROWS`` rows."""
+    float32 dQ rows dq_ws for the reduce-add in boxes of ``dq_box_rows(br)`` rows."""
     rec = np.zeros(1, BWD_DTYPE)
     for name, x, rows in (("q", q, br), ("k", k, bc), ("v", v, bc), ("dout", dout, br)):
         rec[name] = encode(x, rows, packed)
-    rec["dq"] = encode_rows_f32(dq_ws, DQ_BOX_ROWS)
+    rec["dq"] = encode_rows_f32(dq_ws, dq_box_rows(br))
     return rec
