@@ -33,9 +33,16 @@ struct QIter {
 
 // The same walk with each head's query blocks in ascending order, the edges where they fall: the deterministic
 // backward's order (the key blocks then reach a query block in the order of their ranks, Policy::dq_rank).
+// first: the walk of every head starts at block qb.lo + first and wraps around (0 <= first < n; the rotated
+// order of Policy::dq_start).
 struct QIterAscending : QIter {
-  using QIter::QIter;
-  __device__ __forceinline__ int block(int it) const { return qb.lo + it % n; }
+  int first;
+  __device__ __forceinline__ QIterAscending(const BlockRange& r, int hk, int group, int first_ = 0)
+      : QIter(r, hk, group), first(first_) {}
+  __device__ __forceinline__ int block(int it) const {
+    const int b = it % n + first;
+    return qb.lo + (b >= n ? b - n : b);
+  }
   __device__ __forceinline__ bool edge(int it) const {
     const int i = block(it);
     return i < qb.lo_full || i >= qb.hi_full;

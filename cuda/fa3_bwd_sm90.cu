@@ -25,7 +25,16 @@ template <class Mainloop> __device__ __forceinline__ void bwd_kernel_ws(const Bw
   const int k0 = tile.j * Mainloop::BC;
   if (k0 >= bi.seqlen_k) return;
   Pol pol(p, bi);
-  const typename Mainloop::Walk walk(pol.q_blocks(k0, Mainloop::BC, Mainloop::BR, cdiv(bi.seqlen_q, Mainloop::BR)), tile.hk, group);
+  const BlockRange qb = pol.q_blocks(k0, Mainloop::BC, Mainloop::BR, cdiv(bi.seqlen_q, Mainloop::BR));
+  const auto walk = [&] {  // DET with p.dq_rotate: each key block starts at its own query block (Policy::dq_start)
+    using W = typename Mainloop::Walk;
+    if constexpr (Mainloop::DET) {
+      const int nk = cdiv(bi.seqlen_k, Mainloop::BC);
+      return W(qb, tile.hk, group, pol.dq_rotates(p) && qb.n() > 0 ? Pol::dq_start(tile.j, qb.n(), nk) : 0);
+    } else {
+      return W(qb, tile.hk, group);
+    }
+  }();
   if (Mainloop::is_producer()) {
     // ---- [fa3_bwd_sm90:producer] K_j, V_j, then Q_i, dO_i, L_i, D_i of every step ----
     if (Mainloop::producer_start(tma)) Mainloop::produce(p, tma, bi, k0, walk, sm);

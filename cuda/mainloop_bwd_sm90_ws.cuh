@@ -25,7 +25,11 @@
 // with a writer per buffer one step's wait for its additions to land overlaps the next step's.
 // Each head walks its query blocks in ascending order (QIterAscending) and, under a mask bounded on the right,
 // the key tiles are dispatched last-first (KTileScheduler's reverse): the rank order is then the order in which
-// the key blocks reach a query block, and a CTA waits only on CTAs dispatched before it.
+// the key blocks reach a query block, and a CTA waits only on CTAs dispatched before it. Without a mask bound,
+// where a (sequence, kv head) has at most half as many key blocks as the GPU has SMs (p.dq_rotate), each key
+// block's walk starts at its own query block instead (Policy::dq_start / dq_rank_rotated): in the ascending order
+// key block j waits on key block j - 1's addition of the same step, a chain as long as the key blocks; rotated,
+// each waits on additions made steps earlier (session 15: +12 - 27 % at N = 2048 / 4096).
 #pragma once
 #include "mainloop_bwd_sm90.cuh"
 #include "tma.cuh"
@@ -251,7 +255,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       const int q0 = walk.block(it) * BR_;
       bh.set_head(p, walk.head(it));
       int* sem = semaphore(p, bh, q0);
-      const int rank = pol.dq_rank(q0, BR_, BC_, j);
+      const int rank = pol.dq_rotates(p) ? pol.dq_rank_rotated(q0, BR_, BC_, j) : pol.dq_rank(q0, BR_, BC_, j);
 #pragma unroll
       for (int w = 0; w < NWG; ++w) named_sync(DQ_FULL + 2 * w + buf, DQ_PAIR);
       if (lane_id() == 0) {

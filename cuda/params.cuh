@@ -81,7 +81,8 @@ struct BwdParams {
   int rows_batch, rows_seqlen;    // the per-row buffers' (batch, seqlen): (batch, seqlen_q) or (1, total_q)
   int window_left, window_right;
   float scale, scale_log2, softcap;
-  int pad_;
+  int dq_rotate;                  // deterministic FA3 backward without a mask bound: each key block's walk starts
+                                  // at its own query block (Policy::dq_start; launch.fa3_bwd_dq_rotates), 0 or 1
 };
 
 }  // namespace rf

@@ -131,6 +131,31 @@ template <int MASK_, bool GENERAL_> struct Policy {
     const BlockRange kv = kv_blocks(q0, min(br, seqlen_q - q0), bc);
     return bounded_right() ? kv.hi - 1 - j : j - kv.lo;
   }
+  // The rotated order (BwdParams::dq_rotate: no bound on either side, so every key block sees every query block).
+  // In the ascending order key block j adds into query block i after key block j - 1 has, at the same step of
+  // both walks, so the waits chain up along the key blocks (j of them for key block j). Rotated, key block j of nk
+  // starts its walk at query block s_j = j nq / nk (dq_start) and reaches block i at step t_j = (i - s_j) mod nq;
+  // the key blocks add into block i in the order of (t_j, j), so each waits only for additions made at earlier
+  // steps of the others' walks (or at the same step by a key block with the same start and a lower index). That
+  // order is well founded, and a CTA can wait on CTAs of higher block index, so the grid must hold every key block
+  // of a (sequence, kv head) at once: launch.fa3_bwd_dq_rotates allows it where nk is at most half the SMs.
+  // Rank of j at i: with F(a) = ceil(a nk / nq) the first key block whose start is >= a, the key blocks before j
+  // are those starting in (s_j, i] (if s_j <= i) or in [0, i] and (s_j, nq) (if s_j > i), then those starting at
+  // s_j with a lower index.
+  // (32-bit unsigned products: the host allows the rotation only for nk <= SMs / 2, so a nk and j nq stay far
+  // below 2^32 for any query length an int holds in rows; 64-bit divisions spilled the dQ writer warps' 24
+  // registers)
+  __device__ __forceinline__ static int dq_start(int j, int nq, int nk) { return (int)((u32)j * (u32)nq / (u32)nk); }
+  // (the host's flag, checked against the mask; the host sets it without a mask only, so the masked
+  // instantiations compile no rotation)
+  template <class P> __device__ __forceinline__ bool dq_rotates(const P& p) const {
+    return MASK_ == NO_MASK && p.dq_rotate;
+  }
+  __device__ __forceinline__ int dq_rank_rotated(int q0, int br, int bc, int j) const {
+    const int nq = cdiv(seqlen_q, br), nk = cdiv(seqlen_k, bc), i = q0 / br, s = dq_start(j, nq, nk);
+    const auto F = [&](int a) { return (int)(((u32)a * (u32)nk + (u32)nq - 1) / (u32)nq); };
+    return (s <= i ? F(i + 1) - F(s + 1) : F(i + 1) + nk - F(s + 1)) + j - F(s);
+  }
 
   // Hidden scores to -inf; rows of s are queries r0.., columns keys c0.. .
   template <int MT, int NT> __device__ __forceinline__ void mask(Acc<MT, NT>& s, int r0, int c0) const {

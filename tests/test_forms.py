@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rawflash.kernels import compile, configs, forms, launch, registry, tma
+from rawflash.kernels import compile, configs, forms, launch, params, registry, tma
 from rawflash.kernels.forms import Switches
 from rawflash.kernels.launch import Problem
 from rawflash.settings import Settings, load
@@ -336,6 +336,21 @@ def test_fa3_backward_query_rows_per_step(d, rows, ds_buffers):
     for bad in (dataclasses.replace(lau.config, br=96), configs.TileConfig(128, 64, 12, stages=2)):
         with pytest.raises(ValueError, match="64 query rows"):
             launch.fa3_bwd_sm90(p, bad)
+
+
+def test_deterministic_rotated_order_only_without_a_mask_and_few_key_blocks():
+    """deterministic=True walks the rotated order (BwdParams::dq_rotate) without a mask bound only, and only where a
+    (sequence, kv head)'s key blocks number at most half the SMs (a CTA may wait on one dispatched after it)."""
+    cfg = configs.TileConfig(64, 128, 12, stages=2)
+    p = Problem(2, 4096, 4096, 8, 8, 64, "bfloat16", False, "sm_90")  # 32 key blocks
+    assert launch.fa3_bwd_dq_rotates(p, cfg, 132)
+    assert not launch.fa3_bwd_dq_rotates(p, cfg, 63)
+    assert launch.fa3_bwd_dq_rotates(dataclasses.replace(p, seqlen_k=66 * 128), cfg, 132)
+    assert not launch.fa3_bwd_dq_rotates(dataclasses.replace(p, seqlen_k=66 * 128 + 1), cfg, 132)
+    for masked in (dataclasses.replace(p, causal=True), dataclasses.replace(p, window=(100, 100)),
+                   dataclasses.replace(p, window=(-1, 5))):
+        assert not launch.fa3_bwd_dq_rotates(masked, cfg, 132)
+    assert "dq_rotate" in params.BWD_DTYPE.names
 
 
 @pytest.mark.parametrize("d", [96, 128])

@@ -291,6 +291,9 @@ DET_FEATURES = [  # the general policy: windows bounded on either side or both, 
     ("varlen-causal", dict(varlen=True, causal=True), 128, "float16"),
     ("varlen+window+sinks+causal", dict(varlen=True, window=(40, 0), causal=True, sinks="random"), 64, "bfloat16"),
     ("seqused", dict(seqused=True, causal=True), 128, "bfloat16"),
+    # without a mask bound: the rotated order (BwdParams::dq_rotate), per sequence and with seqused_k's key counts
+    ("varlen-full+softcap", dict(varlen=True, softcap=10.0), 64, "bfloat16"),
+    ("seqused-full+alibi", dict(seqused=True, alibi="heads"), 128, "float16"),
 ]
 
 
@@ -322,6 +325,24 @@ def test_fa3_deterministic_bitwise_equal_20_runs(d, causal):
     dout = cupy.asarray(np.random.default_rng(9).standard_normal(q.shape).astype(q.dtype))
     out, lse = rawflash.forward(q, k, v, causal=causal)
     _twenty_runs(dout, q, k, v, out, lse, causal=causal)
+
+
+@pytest.mark.parametrize("sq,sk,d", [(2048, 4096, 64), (4096, 700, 128), (300, 4000, 96)])
+def test_fa3_deterministic_rotated_order_bitwise_equal_20_runs(sq, sk, d):
+    """Without a mask the key blocks walk the rotated order (each from its own query block, Policy::dq_start):
+    more key blocks than query blocks, fewer, and many of them; flash-attn's rule once, bitwise the same 20 times."""
+    import cupy
+
+    from conftest import random_qkv
+    from rawflash.kernels import cupy_backend
+
+    p = launch.Problem(1, sq, sk, 4, 2, d, "bfloat16", False, cupy_backend.device_arch())
+    assert launch.fa3_bwd_dq_rotates(p, _det_plan(sq, sk, 4, 2, d, "bfloat16", False).config, cupy_backend._sms())
+    check_backward(1, sq, sk, 4, 2, d, "bfloat16", False, True, seed=4)
+    q, k, v = (cupy.asarray(x) for x in random_qkv(1, sq, sk, 4, 2, d, "bfloat16", seed=5))
+    dout = cupy.asarray(np.random.default_rng(5).standard_normal(q.shape).astype(q.dtype))
+    out, lse = rawflash.forward(q, k, v)
+    _twenty_runs(dout, q, k, v, out, lse)
 
 
 def test_fa3_deterministic_packed_window_bitwise_equal_20_runs():

@@ -392,6 +392,44 @@ def test_dq_ranks_order_the_key_blocks_of_every_query_block(left, right, mask):
             assert arrival == sorted(arrival), where
 
 
+@pytest.mark.parametrize("sq, sk, br, bc", [(1, 1, 8, 8), (7, 64, 8, 8), (64, 9, 16, 8), (33, 40, 8, 16),
+                                            (100, 100, 8, 8), (40, 300, 8, 16), (300, 40, 16, 8), (129, 257, 16, 16)])
+def test_rotated_dq_ranks_follow_the_walks(sq, sk, br, bc):
+    """deterministic=True without a mask, the rotated order (Policy::dq_start / dq_rank_rotated): key block j walks
+    the query blocks from dq_start(j) around; at every query block the ranks are 0 .. nk - 1, each once, in the
+    order of (the step at which each key block arrives, j), so a key block waits only for additions its
+    neighbours made at earlier steps of their walks (or at the same step with a lower index): no cycle. A protocol
+    run with every CTA resident (one step a round; a CTA adds only when its rank is up) finishes in nq rounds when
+    nk <= nq, where the ascending order needs nq + nk - 1."""
+    from rawflash.numba_kernels import policy
+
+    pol = _policy(sq, sk, -1, -1, 0)
+    nq, nk = -(-sq // br), -(-sk // bc)
+    starts = [policy.dq_start(j, nq, nk) for j in range(nk)]
+    assert starts == sorted(starts) and all(0 <= s < nq for s in starts)
+    for i in range(nq):
+        ranks = {j: policy.dq_rank_rotated(pol, i * br, br, bc, j) for j in range(nk)}
+        assert sorted(ranks.values()) == list(range(nk)), (i, ranks)
+        order = sorted(range(nk), key=lambda j: ((i - starts[j]) % nq, j))
+        assert [ranks[j] for j in order] == list(range(nk)), (i, ranks)
+
+    def rounds(step_block, rank):  # all CTAs at once: in a round each adds if its turn had come by the round's start
+        step, count, n = [0] * nk, [0] * nq, 0
+        while min(step) < nq:
+            ready = [j for j in range(nk) if step[j] < nq and count[step_block(j, step[j])] == rank(step_block(j, step[j]), j)]
+            assert ready, "deadlock"
+            for j in ready:
+                count[step_block(j, step[j])] += 1
+                step[j] += 1
+            n += 1
+        return n
+
+    ranks_ascending = lambda i, j: policy.dq_rank(pol, i * br, br, bc, j)  # noqa: E731
+    rotated = rounds(lambda j, t: (starts[j] + t) % nq, lambda i, j: policy.dq_rank_rotated(pol, i * br, br, bc, j))
+    assert rounds(lambda j, t: t, ranks_ascending) == nq + nk - 1
+    assert rotated == nq if nk <= nq else rotated <= nq + nk - 1
+
+
 # ---------------------------------------------------------------- the package
 def test_numpy_row_stack_shim():
     import numpy

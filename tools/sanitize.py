@@ -155,7 +155,8 @@ def _fa3(dtype: str) -> None:
     head_dim 192 / 256 the atomic backward is the column split (mainloop_bwd_sm90_ws_split_d: its P^T, dS^T
     buffers shared by two warpgroups), at head_dim 64 it takes 128 query rows a step (one dQ_i buffer, the rows
     split between the warpgroups); both also on packed sequences with a window and soft-capping. Plain attention
-    without a mask over >= 2048 query rows takes 80 rows a step at head_dim 96 / 128 (dQ_i^T, one dQ_i buffer)."""
+    without a mask over >= 1024 query rows takes 80 rows a step at head_dim 96 / 128 (dQ_i^T, one dQ_i buffer);
+    the deterministic backward without a mask walks the rotated order (every case above without one too)."""
     if dtype == "float32":
         return
     for b, sq, sk, h, hk, d in ((1, 203, 300, 4, 2, 64), (2, 300, 1029, 4, 1, 128), (5, 700, 700, 12, 4, 96),
@@ -166,9 +167,10 @@ def _fa3(dtype: str) -> None:
             _fa3_forms(q, k, v, causal)
             for det in (False, True):
                 rawflash.backward(cupy.ones_like(q), q, k, v, out, lse, causal=causal, deterministic=det)
-    q, k, v = (cupy.asarray(x) for x in random_qkv(1, 2085, 300, 2, 1, 128, dtype))  # the 80-row tile
-    out, lse = rawflash.forward(q, k, v)
-    rawflash.backward(cupy.ones_like(q), q, k, v, out, lse)
+    q, k, v = (cupy.asarray(x) for x in random_qkv(1, 2085, 300, 2, 1, 128, dtype))  # the 80-row tile, and the
+    out, lse = rawflash.forward(q, k, v)  # deterministic backward's rotated order (more query blocks than key ones)
+    for det in (False, True):
+        rawflash.backward(cupy.ones_like(q), q, k, v, out, lse, deterministic=det)
     q, k, v = (cupy.asarray(x) for x in random_qkv(3, 300, 200, 4, 2, 128, dtype))
     qq, kk, vv, packed = _varlen(q, k, v)
     o, l = rawflash.forward(qq, kk, vv, window=(100, 30), **packed)

@@ -332,11 +332,11 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     # MANY_ROWS_DECODE's 32-row tile at d = 128 (MQA 32 / 1): 255 registers, the spill after the key loop (session
     # 9's SASS); measured faster than the 16-row tile that does not spill (0.0629 vs 0.0727 ms, session 10).
     # FA3's deterministic backward at d = 64 (128 query rows a step, 24 / 240 registers: 40 / 232 spills 148 B in
-    # the consumers' general policy): the plain ones spill the walk's bounds in the producer warpgroup's 24 (its
-    # dQ writer warps), outside the consumers' products; the general one without a mask one register of the score
-    # transform's loop (4 B stored and loaded once a step; session 14's SASS).
-    **{(f"fa3_bwd_sm90<{t}, 64, 128, 128, 2, {m}, {g}, true, 199720>", "sm_90"): n
-       for t in ("__half", "__nv_bfloat16") for m, g, n in ((0, "false", 16), (1, "false", 40), (0, "true", 8))},
+    # the consumers' general policy): the plain causal one spills the walk's bounds in the producer warpgroup's 24
+    # (its dQ writer warps), outside the consumers' products (session 14's SASS). Session 15: the others stopped
+    # spilling (the general one with the uniform warpgroup index, the plain one without a mask with the rotated
+    # order's 32-bit rank).
+    **{(f"fa3_bwd_sm90<{t}, 64, 128, 128, 2, 1, false, true, 199720>", "sm_90"): 40 for t in ("__half", "__nv_bfloat16")},
     ("decode_split<__half, 128, 2, 16, 2, 4, 73728>", "sm_90"): 16,
     ("decode_split<__nv_bfloat16, 128, 2, 16, 2, 4, 73728>", "sm_90"): 24,
 }

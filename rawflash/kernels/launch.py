@@ -472,6 +472,16 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
 
+def fa3_bwd_dq_rotates(p: Problem, cfg: TileConfig, sms: int) -> bool:
+    """Whether the deterministic fa3_bwd_sm90 walks its query blocks in the rotated order (BwdParams::dq_rotate,
+    policy.cuh's dq_start / dq_rank_rotated): without a mask bound (every key block sees every query block),
+    where a (sequence, kv head)'s key blocks number at most half the SMs. In the ascending order key block j's
+    additions wait on key block j - 1's of the same step, a chain as long as the key blocks; rotated, each waits on
+    additions of earlier steps. A CTA may then wait on one of higher block index, so all key blocks of a group must
+    be resident at once (one CTA per SM; half the SMs leaves room for a neighbouring group's CTAs)."""
+    return p.mask == NO_MASK and cdiv(p.seqlen_k, cfg.bc) <= sms // 2  # (packed: seqlen_k is the longest)
+
+
 def dq_semaphores(p: Problem, br: int) -> int:
     """How many int32 semaphores the deterministic fa3_bwd_sm90 indexes (mainloop_bwd_sm90_ws.cuh's semaphore():
     (first row + row of the block) / br + the (sequence, head)'s index): every query block of every (sequence,

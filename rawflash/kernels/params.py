@@ -44,7 +44,7 @@ BWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("alibi_sb", "i64"), ("sinks", "ptr"),
     ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
     ("head_dim", "i32"), ("rows_batch", "i32"), ("rows_seqlen", "i32"), ("window_left", "i32"),
-    ("window_right", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("pad_", "i32"),
+    ("window_right", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("dq_rotate", "i32"),
 )
 
 

@@ -173,6 +173,23 @@ def dq_rank(pol, q0, br, bc, j):
 
 
 @cuda.jit(device=True)
+def dq_start(j, nq, nk):
+    """Policy::dq_start: the query block key block j of nk starts its walk at in the rotated order (no mask)."""
+    return j * nq // nk
+
+
+@cuda.jit(device=True)
+def dq_rank_rotated(pol, q0, br, bc, j):
+    """Policy::dq_rank_rotated: key block j's turn at query block q0 // br in the rotated order, where key block j
+    reaches query block i at step (i - dq_start(j)) mod nq and the key blocks add in the order of (step, j)."""
+    nq, nk, i = cdiv(pol.seqlen_q, br), cdiv(pol.seqlen_k, bc), q0 // br
+    s = dq_start(j, nq, nk)
+    # F(a) = cdiv(a nk, nq): the first key block whose start is >= a
+    f_i1, f_s1, f_s = cdiv((i + 1) * nk, nq), cdiv((s + 1) * nk, nq), cdiv(s * nk, nq)
+    return (f_i1 - f_s1 if s <= i else f_i1 + nk - f_s1) + j - f_s
+
+
+@cuda.jit(device=True)
 def mask(pol, s, row, c0):
     """Hidden scores of query ``row`` to -inf; ``s`` is its row of scores for the keys c0.. ."""
     # MIRROR: one row per thread; the CUDA C masks the C-fragment elements a lane holds.
