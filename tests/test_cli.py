@@ -225,6 +225,21 @@ def test_explain_names_the_fa3_forwards_grid(causal, grid):
     assert grid in fwd["note"] and "short causal" not in fwd["note"]
 
 
+@pytest.mark.parametrize("n, causal, rotated", [(4096, False, True), (4096, True, False), (16384, False, False)])
+def test_explain_says_when_the_deterministic_backward_rotates(n, causal, rotated):
+    """The rotated order runs without a mask where a sequence has at most half as many key blocks as SMs; the
+    80-row tile of the default backward is named by its situation."""
+    args = ["--gpu", "sm_90", "--batch", "1", "--seqlen-q", str(n), "--heads", "4", "--head-dim", "64"]
+    report = invoke_json("explain", *args, "--deterministic", *(["--causal"] if causal else []))
+    bwd = next(r for r in report["launches"] if r["kernel"] == "fa3_bwd_sm90")
+    assert "fixed order" in bwd["note"] and ("rotated order" in bwd["note"]) is rotated
+    args[-1] = "128"
+    bwd = next(r for r in invoke_json("explain", *args, *(["--causal"] if causal else []))["launches"]
+               if r["kernel"] == "fa3_bwd_sm90")
+    assert bwd["Br"] == (64 if causal and n < 8192 else 80)
+    assert ("long backward row" in bwd.get("note", "")) is (bwd["Br"] == 80)
+
+
 @pytest.mark.parametrize("d, q_buffers", [(64, False), (128, True)])
 def test_explain_names_the_short_causal_row_and_q_buffers(d, q_buffers):
     args = ["--gpu", "sm_90", "--batch", "2", "--seqlen-q", "1024", "--heads", "16", "--head-dim", str(d), "--causal"]

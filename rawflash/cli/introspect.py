@@ -552,6 +552,8 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
             add_note(row, *situation_notes(p, lau))
             if row["kernel"] == "fa3_bwd_sm90" and deterministic:
                 add_note(row, "deterministic: dQ reduce-adds in a fixed order per query block (int32 semaphores)")
+                if launch.fa3_bwd_dq_rotates(p, lau.config, tgt.sms):
+                    add_note(row, "rotated order: each key block's walk starts at its own query block")
             if row["kernel"] == "fa3_bwd_sm90" and launch.fa3_bwd_split_d(lau.config):
                 add_note(row, "column split (head_dim > 128): two consumer warpgroups share 64 keys, each with half "
                               "of dK, dV and dQ's columns; dQ by float32 vector atomics")
