@@ -424,9 +424,8 @@ def test_rotated_dq_ranks_follow_the_walks(sq, sk, br, bc):
             n += 1
         return n
 
-    ranks_ascending = lambda i, j: policy.dq_rank(pol, i * br, br, bc, j)  # noqa: E731
     rotated = rounds(lambda j, t: (starts[j] + t) % nq, lambda i, j: policy.dq_rank_rotated(pol, i * br, br, bc, j))
-    assert rounds(lambda j, t: t, ranks_ascending) == nq + nk - 1
+    assert rounds(lambda j, t: t, lambda i, j: policy.dq_rank(pol, i * br, br, bc, j)) == nq + nk - 1
     assert rotated == nq if nk <= nq else rotated <= nq + nk - 1
 
 

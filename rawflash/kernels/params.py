@@ -128,9 +128,10 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
 
 
 def bwd_params(p: Problem, q, k, v, out, dout, lse, scale: float, *, dq, dk, dv, lse2, delta, dq_ws=None,
-               dsink_ws=None, dq_semaphore=None, **extras) -> np.ndarray:
+               dsink_ws=None, dq_semaphore=None, dq_rotate: bool = False, **extras) -> np.ndarray:
     """BwdParams for one backward call (every pass of it). ``extras`` as for :func:`fwd_params`; ``dq_semaphore``:
-    the deterministic FA3 backward's int32 counters (``launch.dq_semaphores`` of them, zeroed)."""
+    the deterministic FA3 backward's int32 counters (``launch.dq_semaphores`` of them, zeroed); ``dq_rotate``: its
+    rotated order (``launch.fa3_bwd_dq_rotates``)."""
     rec = np.zeros(1, BWD_DTYPE)
     named = (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("out", out, "o"), ("dout", dout, "do"), ("dq", dq, "dq"),
              ("dk", dk, "dk"), ("dv", dv, "dv"))
@@ -142,4 +143,5 @@ def bwd_params(p: Problem, q, k, v, out, dout, lse, scale: float, *, dq, dk, dv,
         rec[name] = ptr(x)
     _common(rec, p, scale, extras)
     rec["rows_batch"], rec["rows_seqlen"] = p.rows
+    rec["dq_rotate"] = int(dq_rotate)
     return rec
