@@ -158,6 +158,38 @@ def test_deterministic_backward_bitwise_equal_20_runs():
             assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("d, dtype, deterministic", [(40, "float16", False), (64, "bfloat16", False),
+                                                      (128, "bfloat16", True), (96, "float32", False),
+                                                      (256, "float16", False)])
+def test_bound_backward_launched_again_gives_the_same_gradients(d, dtype, deterministic):
+    """A bound backward's kernels launched twice (as the benchmark times them) give the same gradients (bitwise
+    when deterministic; the atomic dQ within float32 rounding): each launch's preprocess kernel zeroes the float32
+    dQ rows its main pass adds into (without that the second launch would add dQ onto the first one's)."""
+    import cupy
+
+    from rawflash import settings, validation
+    from rawflash.kernels import cupy_backend
+
+    q, k, v = (cupy.asarray(x) for x in random_qkv(2, 113, 203, 4, 2, d, dtype, seed=3))
+    dout = cupy.asarray(random_qkv(2, 113, 203, 4, 2, d, dtype, seed=4)[0])
+    out, lse = rawflash.forward(q, k, v, causal=True)
+    c = validation.check_backward(dout, q, k, v, out, lse, True, None, deterministic)
+    bound = cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, deterministic, c.extras,
+                                       settings.load())
+    bound.launch()
+    first = [cupy.asnumpy(g).astype(np.float64) for g in bound.result()]
+    bound.launch()
+    again = [cupy.asnumpy(g).astype(np.float64) for g in bound.result()]
+    for a, b in zip(first, again):
+        if deterministic:
+            assert a.tobytes() == b.tobytes()
+        else:  # float32 atomics add in any order; an unzeroed accumulator would double dQ
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-3 * np.abs(a).max())
+    if deterministic:  # ... and the public call's, which binds anew
+        want = rawflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+        assert [cupy.asnumpy(g).astype(np.float64).tobytes() for g in want] == [a.tobytes() for a in first]
+
+
 def test_strided_bhsd_view_is_read_in_place():
     """A (batch, heads, seqlen, head_dim) tensor passed through .transpose(0, 2, 1, 3) needs no copy."""
     import cupy

@@ -194,6 +194,32 @@ def test_backward(shape, dtype, causal, deterministic):
     assert np.all(grads[0][:, :hidden] == 0)
 
 
+def test_backward_writes_every_element_of_its_uninitialised_buffers(monkeypatch):
+    """The backend takes dQ's float32 rows, D, L in log2 units and the gradients from empty(): here empty() fills
+    them with NaN, so the result is right only if the preprocess twin zeroes the dQ rows before the main pass adds
+    into them (as fa2_bwd_preprocess does on the GPU) and the kernels write every element they return."""
+    from rawflash.kernels import numba_backend
+
+    real = numba_backend._xp()
+
+    class NanEmpty:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def empty(shape, dtype=np.float64):
+            return real.full(shape, np.nan, dtype)
+
+    monkeypatch.setattr(numba_backend, "_xp", lambda: NanEmpty())
+    shape, causal = (1, 24, 20, 2, 1, 40), True  # 3 blocks of 16 columns: a row's group of 4 threads, one idle
+    q, k, v = _inputs(shape, "float32", seed=8)
+    dout = _dout(q)
+    out, lse = _forward(q, k, v, causal)
+    grads = rawflash.backward(dout, q, k, v, out, lse, causal=causal, backend="numba")
+    assert all(np.isfinite(g).all() for g in grads)
+    _assert_backward_ok(dout, q, k, v, grads, causal=causal)
+
+
 def test_backward_atomic_and_deterministic_agree():
     shape, causal = MQA_LONG_Q, True
     q, k, v = _inputs(shape, "float32", seed=7)

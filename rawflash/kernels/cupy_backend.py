@@ -268,7 +268,8 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
     dsink_ws = cupy.empty(_rows(pr), dtype=f32) if sinks else None
     main = plan[1]
     # FA3's deterministic form adds into the float32 dQ rows like the default one, in an order its int32
-    # semaphores keep (one per query block of every (sequence, head)); both buffers are zeroed by every launch()
+    # semaphores keep (one per query block of every (sequence, head)). The preprocess kernel zeroes the dQ rows
+    # (it reads the same rows of O and dO); launch() zeroes the semaphores.
     ordered = deterministic and main.kernel == "fa3_bwd_sm90"
     dq_ws = None if deterministic and not ordered else cupy.empty(_rows(pr, pr.head_dim), dtype=f32)
     dq_sem = cupy.empty(launch.dq_semaphores(pr, main.config.br), dtype=cupy.int32) if ordered else None
@@ -278,7 +279,7 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
     hd = prep.head_dim
     outputs = (_Trimmed(dq, hd), _Trimmed(dk, hd), _Trimmed(dv, hd))
     launches = [(lau, (rec,)) for lau in plan]
-    reset = [x for x in (dq_ws, dq_sem) if x is not None]
+    reset = [dq_sem] if dq_sem is not None else []
     if main.kernel == "fa3_bwd_sm90":
         try:
             launches[1] = (main, (rec, tma.bwd_maps(q, k, v, do, dq_ws, main.config.br, main.config.bc, pr.varlen)))
@@ -291,7 +292,7 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
                 plan[1] = main
                 launches[1] = (main, (rec,))
     bound = Bound(plan, launches, outputs, env, reset=reset)
-    bound.keep = (q, k, v, do, out, lse, lse2, delta, prep.extras)
+    bound.keep = (q, k, v, do, out, lse, lse2, delta, dq_ws, dq_sem, prep.extras)  # alive while the kernels run
     if sinks:
         axes = (1,) if pr.varlen else (0, 2)
         bound.sinks = lambda: (-dsink_ws.sum(axis=axes, dtype=cupy.float64)).astype(f32)

@@ -424,11 +424,17 @@ def naive_softmax(p: Problem) -> Launch:
     return Launch("naive_softmax", "naive.cu", (CUDA_TYPES[p.dtype],), (blocks, 1, 1), (256, 1, 1), 0)
 
 
+def preprocess_lanes(head_dim: int) -> int:
+    """fa2_bwd_preprocess's threads per query row: one per 16-column block of D's ordered sum, rounded up to a power
+    of two (fa2_bwd.cu's preprocess_lanes, the kernel's own copy of this formula: its grid-stride loop is right for
+    any grid, so a disagreement would cost time, not results)."""
+    return 1 << (cdiv(head_dim, 16) - 1).bit_length()
+
+
 def fa2_bwd_preprocess(p: Problem) -> Launch:
-    """One thread per query row (of every head)."""
+    """preprocess_lanes threads per query row (of every head), in a grid-stride loop."""
     b, s = p.rows
-    return Launch("fa2_bwd_preprocess", "fa2_bwd.cu", (CUDA_TYPES[p.dtype],),
-                  (max(1, cdiv(b * p.heads * s, 128)), 1, 1), (128, 1, 1), 0)
+    return _elementwise("fa2_bwd_preprocess", "fa2_bwd.cu", p.dtype, b * p.heads * s * preprocess_lanes(p.head_dim))
 
 
 def fa2_bwd(p: Problem, cfg: TileConfig, *, atomic_dq: bool = True) -> Launch:

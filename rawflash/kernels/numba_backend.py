@@ -307,8 +307,9 @@ def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: b
     # keys past seqused_k are never written by a kernel: their gradients start (and stay) zero
     alloc = xp.zeros if pr.seqused_k else xp.empty
     dk, dv = alloc(k.shape, dtype=q.dtype), alloc(v.shape, dtype=q.dtype)
-    # dq_ws: float32 dQ accumulated with atomic adds (zeroed); the deterministic pass leaves it alone (a dummy)
-    dq_ws = xp.zeros(_rows(pr, pr.head_dim) if not deterministic else (1, 1, 1, 1), np.float32)
+    # dq_ws: float32 dQ accumulated with atomic adds (zeroed by the preprocess kernel, as in the CUDA C); the
+    # deterministic pass leaves it alone (a dummy)
+    dq_ws = xp.empty(_rows(pr, pr.head_dim) if not deterministic else (1, 1, 1, 1), np.float32)
     sinks = "sinks" in prep.extras
     dsink_ws = xp.zeros(_rows(pr) if sinks else (1, 1, 1), np.float32)
     params = _params(BwdParams, pr, scale, prep.extras, rows_batch=pr.rows[0], rows_seqlen=pr.rows[1])

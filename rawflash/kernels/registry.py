@@ -167,7 +167,7 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
                   _NO_TWIN_SM90),
              Form("fa3_bwd_sm90", "fa3_bwd_sm90.cu", "mainloop_bwd_sm90_ws.cuh", "sm_90", HALF_DTYPES, None,
                   _NO_TWIN_SM90, more_mainloops=("mainloop_bwd_sm90_ws_split_d.cuh",))),
-            (Helper("fa2_bwd_preprocess", "fa2_bwd.cu", "D = rowsum(dO * O), L in log2 units, sink terms", "fa2_bwd"),
+            (Helper("fa2_bwd_preprocess", "fa2_bwd.cu", "D = rowsum(dO * O), L in log2 units, sink terms, dQ rows zeroed", "fa2_bwd"),
              Helper("fa2_bwd_convert_dq", "fa2_bwd.cu", "float32 dQ to the input dtype (atomic dQ)", "fa2_bwd"),
              Helper("fa2_bwd_dq", "fa2_bwd.cu", "dQ without atomics, one CTA per Q block (deterministic=True)",
                     "fa2_bwd")),

@@ -26,34 +26,47 @@ from .scheduler import q_tile_start
 
 @functools.lru_cache(maxsize=None)
 def make_fa2_bwd_preprocess(T: str) -> Twin:
-    """The twin of ``fa2_bwd_preprocess<T>``: one thread per row, launched with the Launch's own grid and block."""
+    """The twin of ``fa2_bwd_preprocess<T>``: a group of threads per row in a grid-stride loop, launched with the
+    Launch's own grid and block."""
     EXACT = is_float32(T)
 
     @cuda.jit
     def fa2_bwd_preprocess(p, q, k, v, out, dout, dq, dk, dv, lse, lse2, delta, dq_ws, dsink_ws, cu_q, cu_k, used_k,
                            slopes, sinks):
-        # ---- [fa2_bwd:preprocess] Alg.2 l.4: D_i = rowsum(dO_i * O_i); one thread per row ----
+        # ---- [fa2_bwd:preprocess] Alg.2 l.4: D_i = rowsum(dO_i * O_i); a group of threads per row ----
         # The sum runs in the order the products accumulate dP (blocks of 16 columns, added up in order), so a row
         # whose P is a single 1 gets dP - D = 0 exactly in float32, as the naive computation does.
-        # MIRROR: one column at a time; the CUDA C reads 8 columns per 16-byte load where the rows allow it.
-        row = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if row >= p.rows_batch * p.heads * p.rows_seqlen:
-            return
-        i = row % p.rows_seqlen
-        h = (row // p.rows_seqlen) % p.heads
-        b = row // (p.rows_seqlen * p.heads)
-        acc = dot_vecs(out[b, i, h, :p.head_dim], dout[b, i, h, :p.head_dim])
-        r_lse = lse[b, h, i]
-        delta[b, h, i] = acc
-        lse2[b, h, i] = INF if r_lse == NEG_INF else r_lse * LOG2E
-        # ---- [fa2_bwd:sink_terms] d(loss)/d(sink_h) = -sum_i exp(sink_h - lse_i) D_i: this row's term ----
-        if p.has_sinks:
-            sink = sinks[h]
-            if EXACT:
-                term = float32(math.exp(float64(sink) - float64(r_lse)))
-            else:
-                term = float32(math.exp(sink - r_lse))
-            dsink_ws[b, h, i] = term * acc
+        # MIRROR: the group's first thread forms the whole sum, one column at a time (the same order); in the CUDA C
+        # each thread forms its 16-column block's chain and the group adds them up through shuffles.
+        lanes = 1
+        while lanes < (p.head_dim + 15) // 16:
+            lanes *= 2
+        n = p.rows_batch * p.heads * p.rows_seqlen * lanes
+        x = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        while x < n:
+            row = x // lanes
+            blk = x % lanes
+            i = row % p.rows_seqlen
+            h = (row // p.rows_seqlen) % p.heads
+            b = row // (p.rows_seqlen * p.heads)
+            # ---- [fa2_bwd:zero_dq] the float32 dQ rows the main pass adds into start at zero: this block's columns ----
+            if dq_ws.shape[3] == p.head_dim:  # (the deterministic backward passes a dummy of one element)
+                for c in range(16 * blk, min(16 * blk + 16, p.head_dim)):
+                    dq_ws[b, h, i, c] = 0
+            if blk == 0:
+                acc = dot_vecs(out[b, i, h, :p.head_dim], dout[b, i, h, :p.head_dim])
+                r_lse = lse[b, h, i]
+                delta[b, h, i] = acc
+                lse2[b, h, i] = INF if r_lse == NEG_INF else r_lse * LOG2E
+                # ---- [fa2_bwd:sink_terms] d(loss)/d(sink_h) = -sum_i exp(sink_h - lse_i) D_i: this row's term ----
+                if p.has_sinks:
+                    sink = sinks[h]
+                    if EXACT:
+                        term = float32(math.exp(float64(sink) - float64(r_lse)))
+                    else:
+                        term = float32(math.exp(sink - r_lse))
+                    dsink_ws[b, h, i] = term * acc
+            x += cuda.gridDim.x * cuda.blockDim.x
 
     return Twin(fa2_bwd_preprocess, None, 0)
 

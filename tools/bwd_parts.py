@@ -1,0 +1,68 @@
+"""Where a backward call's time goes: each launch of a bound backward (``cupy_backend.Bound``) timed alone, then
+the whole ``launch()``, beside torch-cudnn's whole backward in the same process (FA2 sweep shapes: B = 16384 / N,
+H = 2048 / d). Times are ``rawflash bench``'s (CUDA events, L2 flushed, median); a launch timed alone repeats into
+buffers it already wrote, which changes no kernel's time.
+
+    python3 tools/bwd_parts.py [--head-dims 64,128] [--seqlens 1024,2048,4096,16384] [--causal both|true|false]
+        [--dtype bfloat16] [--repeats 7] [--no-peer]
+
+One line per case: the whole call in ms and TFLOP/s, each launch in ms (``zero`` is launch()'s zeroing of the
+buffers it resets), the side passes' share of the call (everything but the main kernel), the main kernel alone
+in TFLOP/s, and cuDNN's call.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--seqlens", default="1024,2048,4096,16384")
+    ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--no-peer", action="store_true", help="skip torch-cudnn")
+    args = ap.parse_args()
+    import cupy
+
+    from rawflash.cli import bench
+    from rawflash.kernels import cupy_backend
+
+    causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for n in (int(x) for x in args.seqlens.split(",")):
+            for causal in causals:
+                case = bench.Case("rawflash-fa2", "bwd", args.dtype, 16384 // n, 2048 // d, 2048 // d, n, d, causal)
+                q, k, v, dout = bench.make_inputs(case)
+                bound = bench.bound_call(case, q, k, v, dout)
+                ok, why = bench.validate(case)
+                parts = [("zero", lambda: [x.fill(0) for x in bound.reset])] if bound.reset else []
+                parts += [(lau.kernel, lambda lau=lau, a=a: cupy_backend.run(lau, a, bound.env))
+                          for lau, a in bound.launches]
+                ms = {name: bench.time_ms(fn, args.repeats) for name, fn in parts}
+                whole = bench.time_ms(bound.launch, args.repeats)
+                main_ms = max(ms.values())
+                peer = "-"
+                if not args.no_peer:
+                    try:
+                        pc = bench.Case("torch-cudnn", "bwd", args.dtype, case.batch, case.heads, case.kv_heads, n, d,
+                                        causal)
+                        cud = bench.time_ms(bench.runner(pc, q, k, v, dout), args.repeats)
+                        peer = f"{cud:.3f} ms ({case.flops / cud / 1e9:.0f} TF, ours {cud / whole:.2f}x)"
+                    except Exception as err:  # noqa: BLE001 (no torch, or no cuDNN backend: say so)
+                        peer = f"unavailable ({type(err).__name__})"
+                print(f"d={d} N={n} causal={causal}{'' if ok else ' NOT VALIDATED: ' + why}: whole {whole:.3f} ms "
+                      f"({case.flops / whole / 1e9:.0f} TF) | " + " ".join(f"{k}={t:.3f}" for k, t in ms.items())
+                      + f" | side share {(whole - main_ms) / whole:.1%} | main alone {case.flops / main_ms / 1e9:.0f} TF"
+                      f" | cudnn {peer}", flush=True)
+                del q, k, v, dout, bound
+                cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
