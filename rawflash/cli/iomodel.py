@@ -20,7 +20,7 @@ Conventions
 - Q, K, V, O, dO, dQ, dK, dV move ``itemsize`` bytes per element; LSE, l, m, D and the work buffers
   named below move 4 bytes (float32). An atomicAdd counts 4 bytes read + 4 bytes written per element.
   Zero-filling a buffer and converting a float32 buffer to the output dtype are counted as their own
-  passes, also for float32 inputs.
+  terms, also for float32 inputs (FA2's backward zeroes its dQ accumulator in the pass that computes D).
 - GQA: K/V belong to kv heads. The forward kernels and FA1's backward run one CTA per query head and
   load K/V per query head. FA2's backward runs one CTA per (K block, kv head) that loops over the
   query heads of its group, so it reads K_j, V_j and writes dK_j, dV_j once per kv head. The naive and
@@ -435,7 +435,7 @@ def _fa2_bwd(s, t):
     row, f32_row = s.head_dim * s.itemsize, s.head_dim * F32
     return [
         ("D = rowsum(dO*O): O, dO read, D written (float32)", bh * s.seqlen_q * 2 * row, bh * s.seqlen_q * F32),
-        ("dQ accumulator zero-filled (float32)", 0, bh * s.seqlen_q * f32_row),
+        ("dQ accumulator zero-filled by the D pass (float32)", 0, bh * s.seqlen_q * f32_row),
         ("K_j,V_j read once per CTA", bkv * 2 * t.k_rows_loaded * row, 0),
         ("Q_i,dO_i re-read per K block", bh * t.q_rows_in_tiles * 2 * row, 0),
         ("L_i,D_i re-read per K block (float32)", bh * t.q_rows_in_tiles * 2 * F32, 0),
