@@ -14,7 +14,8 @@
 #     bench-decode / bench-features   rawflash bench --decode / --features (DECODE_REPEATS, FEATURE_REPEATS)
 #     bench-decode-quick              rawflash bench --decode --quick (12 cases, about 2 minutes)
 #     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES (default
-#                "softcap fp8 plain decode"), d = 128, N = PROFILE_N (4096); one file ncu_<case>.txt per case
+#                "softcap fp8 plain decode"), d = PROFILE_D (128; decode is always 128), N = PROFILE_N (4096);
+#                one file ncu_<case>.txt per case
 # Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
 # TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
 # (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype as its own process, side
@@ -100,7 +101,7 @@ while [ $i -lt ${#steps[@]} ]; do
         ncu --clock-control none --kernel-name "regex:$regex" --launch-skip $skip --launch-count $count \
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
           --section SchedulerStats --section InstructionStats --section Occupancy --section LaunchStats \
-          --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables python3 tools/profile_kernels.py --case $case --seqlen ${PROFILE_N:-4096} \
+          --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables python3 tools/profile_kernels.py --case $case --seqlen ${PROFILE_N:-4096} --head-dim ${PROFILE_D:-128} \
           > "$OUT/ncu_$case.txt" 2>&1 || status=1
         echo "ncu $case: $(grep -c 'Section: SpeedOfLight\|GPU Speed Of Light' "$OUT/ncu_$case.txt") kernels profiled"
       done ;;
