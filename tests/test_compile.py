@@ -119,3 +119,27 @@ def test_ptxas_log_parsing():
     assert got == dict(registers=168, static_smem=512, stack_bytes=24, spill_stores=8, spill_loads=12)
     with pytest.raises(ValueError):
         compile.parse_ptxas("nothing here")
+
+
+def test_l2_reduce_tool_compiles_and_counts():
+    """tools/l2_reduce.py's kernels compile for sm_90a (red.global.add.v4.f32, cp.reduce.async.bulk), and the
+    counts it checks each kernel against add up to one block per CTA-iteration."""
+    if not _nvrtc_available():
+        pytest.skip("NVRTC missing")
+    import importlib.util
+    from pathlib import Path
+
+    from cupy.cuda import nvrtc
+
+    spec = importlib.util.spec_from_file_location("l2_reduce", Path(__file__).parents[1] / "tools" / "l2_reduce.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    prog = nvrtc.createProgram(tool.SOURCE, "l2_reduce.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(tool.OPTIONS))
+        assert len(nvrtc.getCUBIN(prog)) > 0
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert tool.expected_counts(grid=528, share=16, iters=3).sum() == 528 * 3
+    once = tool.expected_counts(grid=528, share=16)  # one iteration: 33 groups of 16 CTAs, on distinct blocks
+    assert once.max() == 16 and (once > 0).sum() == 33

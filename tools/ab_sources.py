@@ -10,6 +10,10 @@ timed back to back per case (kernels alone: ``Bound.launch``), so clock drift be
     python tools/ab_sources.py --sources ... --decode [--repeats 10]   (rawflash bench --decode --quick's cases:
         ms of the kernels and their share of the device's copy bandwidth; the peer is torch-cudnn)
 
+``--time-invalid`` times a source that fails validation too (its row says so): the ceiling of a change, from a copy
+of ``cuda/`` with one part switched off, e.g. the backward's dQ additions (``if (p.scale < -1e30f)`` before them:
+the work around them stays, the additions never run) to see what cutting their traffic could give.
+
 Precompile the extra folders first on a GPU machine (``tools/precompile.py --cuda-dir DIR --filter ...``): a
 folder's kernels otherwise compile on their first call, in series.
 """
@@ -39,6 +43,9 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="skip torch-cudnn")
     ap.add_argument("--out", help="also write the rows as JSON here")
     ap.add_argument("--decode", action="store_true", help="time decode's quick cases instead")
+    ap.add_argument("--time-invalid", action="store_true",
+                    help="time a source even when it fails validation (a ceiling: a copy with a part switched off; "
+                         "not with --decode)")
     args = ap.parse_args()
     sources = [str(Path(s).resolve()) for s in args.sources.split(",")]
     names = [os.path.relpath(s) for s in sources]
@@ -64,8 +71,10 @@ def main() -> None:
                     validated[key] = (False, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
             ok, why = validated[key]
             if not ok:
-                row[name] = f"invalid: {why}"
-                continue
+                if not args.time_invalid:
+                    row[name] = f"invalid: {why}"
+                    continue
+                row[f"{name} check"] = f"invalid, timed anyway: {why}"
             try:
                 row[name] = case.flops / bench.time_ms(bench.bound_call(case, q, k, v, dout).launch,
                                                        args.repeats) / 1e9

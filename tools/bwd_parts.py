@@ -4,11 +4,12 @@ H = 2048 / d). Times are ``rawflash bench``'s (CUDA events, L2 flushed, median);
 buffers it already wrote, which changes no kernel's time.
 
     python3 tools/bwd_parts.py [--head-dims 64,128] [--seqlens 1024,2048,4096,16384] [--causal both|true|false]
-        [--dtype bfloat16] [--repeats 7] [--no-peer]
+        [--dtype bfloat16] [--repeats 7] [--no-peer] [--peer-kernels]
 
 One line per case: the whole call in ms and TFLOP/s, each launch in ms (``zero`` is launch()'s zeroing of the
 buffers it resets), the side passes' share of the call (everything but the main kernel), the main kernel alone
-in TFLOP/s, and cuDNN's call.
+in TFLOP/s, and cuDNN's call; with ``--peer-kernels`` also the kernels cuDNN's call is made of (torch.profiler),
+to set beside ours.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-peer", action="store_true", help="skip torch-cudnn")
+    ap.add_argument("--peer-kernels", action="store_true",
+                    help="also list the kernels torch-cudnn's backward launches, each with its mean time")
     args = ap.parse_args()
     import cupy
 
@@ -54,6 +57,8 @@ def main() -> None:
                                         causal)
                         cud = bench.time_ms(bench.runner(pc, q, k, v, dout), args.repeats)
                         peer = f"{cud:.3f} ms ({case.flops / cud / 1e9:.0f} TF, ours {cud / whole:.2f}x)"
+                        if args.peer_kernels:
+                            peer += "\n    cudnn's kernels: " + peer_kernels(bench.runner(pc, q, k, v, dout))
                     except Exception as err:  # noqa: BLE001 (no torch, or no cuDNN backend: say so)
                         peer = f"unavailable ({type(err).__name__})"
                 print(f"d={d} N={n} causal={causal}{'' if ok else ' NOT VALIDATED: ' + why}: whole {whole:.3f} ms "
@@ -62,6 +67,25 @@ def main() -> None:
                       f" | cudnn {peer}", flush=True)
                 del q, k, v, dout, bound
                 cupy.get_default_memory_pool().free_all_blocks()
+
+
+def peer_kernels(fn, calls: int = 5) -> str:
+    """The kernels one call of ``fn`` (a PyTorch peer's backward) launches: name, launches a call and mean time a
+    call, longest first, from torch.profiler's CUDA activity (no L2 flush between the calls, unlike time_ms)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    def total(e) -> float:  # microseconds over all the calls (older PyTorch names it cuda_time_total)
+        return getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+
+    rows = sorted((e for e in prof.key_averages() if total(e) > 0), key=lambda e: -total(e))
+    return "; ".join(f"{e.key[:70]} x{e.count / calls:g} {total(e) / calls / 1000:.3f} ms" for e in rows)
 
 
 if __name__ == "__main__":
