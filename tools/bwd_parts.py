@@ -73,7 +73,7 @@ def peer_kernels(fn, calls: int = 5) -> str:
     """The kernels one call of ``fn`` (a PyTorch peer's backward) launches: name, launches a call and mean time a
     call, longest first, from torch.profiler's CUDA activity (no L2 flush between the calls, unlike time_ms)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import DeviceType, ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
@@ -81,12 +81,14 @@ def peer_kernels(fn, calls: int = 5) -> str:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    def total(e) -> float:  # microseconds over all the calls (older PyTorch names it cuda_time_total)
-        return getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-
-    rows = sorted((e for e in prof.key_averages() if total(e) > 0), key=lambda e: -total(e))
-    return "; ".join(f"{e.key[:70]} x{e.count / calls:g} {total(e) / calls / 1000:.3f} ms" for e in rows)
-
+    kernels: dict[str, list] = {}  # name -> [launches, microseconds] over all the calls
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:  # device-side activity only (kernels, copies, memsets)
+            k = kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us()
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return "; ".join(f"{name[:70]} x{n / calls:g} {us / calls / 1000:.3f} ms" for name, (n, us) in rows)
 
 if __name__ == "__main__":
     main()
