@@ -25,6 +25,10 @@ could not be started again that session, so it has not run on a GPU yet.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BLOCK_FLOATS = 64 * 256  # one step's dQ_i at d = 256: 64 query rows x 256 columns
 BLOCKS = 2048            # 128 MB of float32 rows
@@ -103,6 +107,8 @@ def main() -> None:
     import cupy as cp
     import numpy as np
 
+    from rawflash.cli.bench import time_ms  # CUDA events, median (its L2 flush runs outside the timed region)
+
     mod = cp.RawModule(code=SOURCE, options=OPTIONS)
     dst = cp.zeros(BLOCKS * BLOCK_FLOATS, dtype=cp.float32)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -130,17 +136,7 @@ def main() -> None:
             if not (bool((got.min(axis=1) == got.max(axis=1)).all()) and np.array_equal(got[:, 0].get(), want)):
                 raise SystemExit(f"{name} (share {share}): wrong sums; not timed")
             iters = max(1, int(args.gbytes * 1e9) // (BLOCK_FLOATS * 4 * grid))
-            run = launcher(name, grid, iters, share, extra)
-            run()
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            times = []
-            for _ in range(args.repeats):
-                start.record()
-                run()
-                stop.record()
-                stop.synchronize()
-                times.append(cp.cuda.get_elapsed_time(start, stop))
-            ms = float(np.median(times))
+            ms = time_ms(launcher(name, grid, iters, share, extra), args.repeats)
             moved = BLOCK_FLOATS * 4 * grid * iters / 1e9
             print(f"{share:>5} {name:>9} {per_sm:>7} {str(extra or '-'):>15} {ms:8.3f} {moved / ms:6.2f}", flush=True)
 
