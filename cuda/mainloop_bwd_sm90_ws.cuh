@@ -45,7 +45,8 @@ struct TmaBwd {
 // The producer of both FA3 backward mainloops (this one and mainloop_bwd_sm90_ws_split_d's): its warpgroup gives
 // registers back, and its warp WARP (the first one) copies; Sm is the mainloop's shared memory, which has K_j, V_j
 // (k(), v()), the ring's Q_i, dO_i, L_i, D_i (q(s), dout(s), lse2(s), delta(s)) and their barriers (kv_full(),
-// full(s), empty(s)).
+// full(s), empty(s)); with Sm::DO_RING, dO_i in a ring of its own (do_full(s), do_empty(s)); with Sm::KX > 0, the
+// columns kx_col0().. of the cluster partner's key block too (kx(), with K_j: the column split's pair).
 template <int REGS, int WARP> __device__ __forceinline__ bool bwd_ws_producer_start(const TmaBwd& tma) {
   regs_release<REGS>();
   if (warp_id() != WARP) return false;
@@ -65,11 +66,18 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd&
   const int bq = p.cu_seqlens_q ? 0 : bi.b, bk = p.cu_seqlens_k ? 0 : bi.b;
   // ---- [mainloop_bwd_sm90_ws:load_kv] Alg.2 l.6: K_j, V_j, once ----
   if (lane_id() == 0) {
-    mbar_expect_tx(sm.kv_full(), 2 * KV);
+    mbar_expect_tx(sm.kv_full(), 2 * KV + Sm::KX);
 #pragma unroll
     for (int c = 0; c < D; c += 64) {
       tma_load_4d(tma.k, sm.k().base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
       tma_load_4d(tma.v, sm.v().base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
+    }
+    if constexpr (Sm::KX > 0) {  // the partner's key block K_j' (k0 ^ BC), the columns this CTA's dQ_i owns
+      using Kx = decltype(sm.kx());
+#pragma unroll
+      for (int c = 0; c < Kx::PANELS * 64; c += 64)
+        tma_load_4d(tma.k, sm.kx().base + c / 64 * Kx::PANEL_BYTES, sm.kv_full(), sm.kx_col0() + c,
+                    bi.k_row0 + (k0 ^ BC), bi.hk, bk);
     }
   }
   // ---- [mainloop_bwd_sm90_ws:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i of every step into the next free stage ----
@@ -81,12 +89,13 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd&
     bh.set_head(p, walk.head(it));
     mbar_wait(sm.empty(s), pipe.parity() ^ 1);
     if (lane_id() == 0) {
-      mbar_expect_tx(sm.full(s), 2 * QB);
+      mbar_expect_tx(sm.full(s), Sm::DO_RING ? QB : 2 * QB);
 #pragma unroll
       for (int c = 0; c < D; c += 64) {
         tma_load_4d(tma.q, sm.q(s).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.full(s), c, bh.q_row0 + q0, bh.h, bq);
-        tma_load_4d(tma.dout, sm.dout(s).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.full(s), c,
-                    bh.q_row0 + q0, bh.h, bq);
+        if constexpr (!Sm::DO_RING)
+          tma_load_4d(tma.dout, sm.dout(s).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.full(s), c,
+                      bh.q_row0 + q0, bh.h, bq);
       }
     }
     // rows past the sequence get L = D = 0 (their P and dS are zeroed by the consumers)
@@ -97,40 +106,69 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd&
       sm.delta(s)[r] = r < nq ? p.delta[bh.row0 + q0 + r] : 0.f;
     }
     mbar_arrive(sm.full(s));
+    if constexpr (Sm::DO_RING) {  // dO_i into its own ring (fewer stages: freed as soon as dV_j's product is done)
+      const int sd = it % Sm::DO_STAGES;
+      mbar_wait(sm.do_empty(sd), ((it / Sm::DO_STAGES) & 1) ^ 1);
+      if (lane_id() == 0) {
+        mbar_expect_tx(sm.do_full(sd), QB);
+#pragma unroll
+        for (int c = 0; c < D; c += 64)
+          tma_load_4d(tma.dout, sm.dout(sd).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.do_full(sd), c,
+                      bh.q_row0 + q0, bh.h, bq);
+      }
+    }
   }
 }
 
-// The shared-memory map both FA3 backward mainloops share, from a 1024-byte-aligned base: K_j, V_j; STAGES x
-// (Q_i, dO_i); MID bytes that are the mainloop's own (mid(): dS^T and the dQ_i slices here, P^T and dS^T in the
-// column split); STAGES x (L_i, D_i) as floats; the ring's mbarriers. A stage is full when the copies' bytes have
-// landed and the producer's 32 lanes have stored L_i, D_i (the first lane's expect_tx counts as one more
-// arrival); empty when every consumer thread (NWG warpgroups) is done with it.
-template <typename T, int D, int BR, int BC, int STAGES, int NWG, int MID> struct BwdWsSmem {
-  static constexpr int ALIGN = 1024, KV = BC * D * 2, QB = BR * D * 2, LD = 2 * STAGES * BR * 4;
-  static constexpr int BARRIERS = 1 + 2 * STAGES;  // K_j, V_j full; per stage full and empty
-  static constexpr int BYTES = ALIGN + 2 * KV + 2 * STAGES * QB + MID + LD + 8 * BARRIERS;
+// The shared-memory map both FA3 backward mainloops share, from a 1024-byte-aligned base: K_j, V_j; STAGES x Q_i
+// and DO_STAGES x dO_i; MID bytes that are the mainloop's own (mid(): dS^T and the dQ_i slices here, P^T and dS^T
+// in the column split); STAGES x (L_i, D_i) as floats; the rings' mbarriers, then EXTRA more of the mainloop's own
+// (extra(i)). A stage is full when the copies' bytes have landed and the producer's 32 lanes have stored L_i, D_i
+// (the first lane's expect_tx counts as one more arrival); empty when every consumer thread (NWG warpgroups) is
+// done with it. DO_STAGES = STAGES: dO_i shares Q_i's stages and barriers; fewer (DO_RING): dO_i is a ring of its
+// own, full when its bytes have landed, empty when every consumer thread is done with it. KX: bytes of the
+// mainloop's copy of another key block's columns, which the producer loads with K_j (kx(): a derived map's).
+template <typename T, int D, int BR, int BC, int STAGES, int NWG, int MID, int DO_STAGES_ = STAGES, int EXTRA = 0>
+struct BwdWsSmem {
+  static constexpr int ALIGN = 1024, KV = BC * D * 2, QB = BR * D * 2, LD = 2 * STAGES * BR * 4, KX = 0;
+  static constexpr int DO_STAGES = DO_STAGES_;
+  static constexpr bool DO_RING = DO_STAGES != STAGES;
+  static_assert(DO_STAGES >= 1 && DO_STAGES <= STAGES, "dO_i's stages: Q_i's, or a ring of fewer");
+  // K_j, V_j full; per stage full and empty; dO_i's ring's; the mainloop's own
+  static constexpr int BARRIERS = 1 + 2 * STAGES + (DO_RING ? 2 * DO_STAGES : 0) + EXTRA;
+  static constexpr int BYTES = ALIGN + 2 * KV + (STAGES + DO_STAGES) * QB + MID + LD + 8 * BARRIERS;
   u32 base;
   float* lsd;  // STAGES x L_i, then STAGES x D_i
   __device__ __forceinline__ explicit BwdWsSmem(char* smem)
       : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {
-    lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + 2 * KV + 2 * STAGES * QB + MID);
+    lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + 2 * KV + (STAGES + DO_STAGES) * QB + MID);
   }
   __device__ __forceinline__ Sw128<T, BC, D> k() const { return {base}; }
   __device__ __forceinline__ Sw128<T, BC, D> v() const { return {base + KV}; }
   __device__ __forceinline__ Sw128<T, BR, D> q(int s) const { return {base + 2 * KV + s * QB}; }
   __device__ __forceinline__ Sw128<T, BR, D> dout(int s) const { return {base + 2 * KV + (STAGES + s) * QB}; }
-  __device__ __forceinline__ u32 mid() const { return base + 2 * KV + 2 * STAGES * QB; }
+  __device__ __forceinline__ u32 mid() const { return base + 2 * KV + (STAGES + DO_STAGES) * QB; }
   __device__ __forceinline__ float* lse2(int s) const { return lsd + s * BR; }
   __device__ __forceinline__ float* delta(int s) const { return lsd + (STAGES + s) * BR; }
   __device__ __forceinline__ u32 bar(int i) const { return mid() + MID + LD + 8 * i; }
   __device__ __forceinline__ u32 kv_full() const { return bar(0); }
   __device__ __forceinline__ u32 full(int s) const { return bar(1 + s); }
   __device__ __forceinline__ u32 empty(int s) const { return bar(1 + STAGES + s); }
+  __device__ __forceinline__ u32 do_full(int s) const { return bar(1 + 2 * STAGES + s); }
+  __device__ __forceinline__ u32 do_empty(int s) const { return bar(1 + 2 * STAGES + DO_STAGES + s); }
+  __device__ __forceinline__ u32 extra(int i) const { return bar(BARRIERS - EXTRA + i); }
+  // the rings' barriers; the mainloop initialises its extra ones before calling this (it ends with the fence)
   __device__ __forceinline__ void init() const {
     mbar_init(kv_full(), 1);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full(s), 33);
       mbar_init(empty(s), NWG * 128);
+    }
+    if constexpr (DO_RING) {
+      for (int s = 0; s < DO_STAGES; ++s) {
+        mbar_init(do_full(s), 1);
+        mbar_init(do_empty(s), NWG * 128);
+      }
     }
     mbar_init_fence();
   }
@@ -139,7 +177,7 @@ template <typename T, int D, int BR, int BC, int STAGES, int NWG, int MID> struc
 template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET_ = false> struct MainloopBwdSm90Ws {
   using T = T_;
   using Pol = Pol_;
-  static constexpr bool DET = DET_;
+  static constexpr bool DET = DET_, PAIR = false;  // (PAIR: the column split's clusters, fa3_bwd_sm90.cu)
   using Walk = typename QWalk<DET_>::type;
   static constexpr int BR = BR_, BC = BC_, NWG = BC_ / 64, NTHREADS = (NWG + 1) * 128, NQ = BR_ / 8;
   // dQ_i's slice of a consumer warpgroup: 64 rows (a warpgroup product's M) by DQN columns. 64 query rows a step

@@ -21,6 +21,21 @@
 // D = 256 one 128-column slice, at D = 192 a 64-column panel and a 32-column half panel (WIDE, NARROW), warpgroup
 // 0 taking columns 0..63 and 64..95, warpgroup 1 128..191 and 96..127.
 // deterministic=True runs fa2_bwd + fa2_bwd_dq at these head dims (forms.py): this mainloop has no ordered dQ.
+//
+// PAIR (D = 256, the plain policy): at head_dim 256 the additions of dQ_i bound the kernel (session 20: without
+// them it ran 1.65x faster; `red.global.add.v4.f32` takes 1.8 - 2.4 TB/s on the H200, tools/l2_reduce.py). Two
+// CTAs on neighbouring key blocks j, j' = j ^ 1 of one kv head run as a cluster and walk the same steps (the query
+// blocks that see either block), so their dQ_i = dS_ij K_j + dS_ij' K_j' can be summed before it is added:
+// CTA rank r owns dQ_i's columns 128 r.., warpgroup w the 64 columns 128 r + 64 w... Each CTA keeps the partner's
+// K_j' columns of its half (kx(), 16 KB, copied once with K_j) and receives the partner's dS^T every step (dsx(),
+// 8 KB, a bulk copy from the partner's shared memory into this one's, completing on this CTA's barrier xfull), so
+// it adds 64 x 128 floats a step instead of 64 x 256: half the additions. The room for kx() and two dsx() (32 KB)
+// is dO_i's: one stage of its own (BwdWsSmem's DO_RING), released right after dV_j's product. Each step then runs
+// dV_j (release dO_i), dQ_i (release the partner's dS^T on its barrier xfree, add dQ_i while dK_j runs), dK_j
+// (release Q_i). A CTA writes its dS^T of step it (ds(it), and the copy into the partner's dsx(it)) only once the
+// partner has read the one of step it - 2 (xfree: 8 warp arrivals from the partner), which also means that copy
+// has landed. (Measured in session 20 beside copying Q_i, dO_i once for both CTAs with TMA multicast: that was
+// 0 - 3.5 % slower, so each CTA copies its own.)
 #pragma once
 #include "mainloop_bwd_sm90_ws.cuh"
 
@@ -35,13 +50,16 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   using T = T_;
   using Pol = Pol_;
   static constexpr bool DET = false;
+  static constexpr bool PAIR = D == 256 && !Pol_::GENERAL;  // (the general policy's packed lengths: CTAs alone)
   using Walk = QIter;
   static constexpr int BR = BR_, BC = BC_, NWG = 2, NTHREADS = (NWG + 1) * 128;
   static constexpr int QW = BR_ / NWG, NQ = QW / 8;           // a warpgroup's queries of S^T, dP^T
   static constexpr int DW = D / NWG, WIDE = DW / 64 * 64, NARROW = DW - WIDE;  // a warpgroup's columns
   static constexpr int PS = BC_ * BR_ * 2;
-  // BwdWsSmem's map with 2 x P^T and 2 x dS^T as its middle
-  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, 4 * PS>;
+  static constexpr int KX = PAIR ? BC_ * (D / 2) * 2 : 0;  // the partner's K_j' columns of this CTA's dQ_i half
+  // BwdWsSmem's map with 2 x P^T and 2 x dS^T as its middle; PAIR: also 2 x the partner's dS^T and kx(), dO_i in
+  // one stage of its own, and the barriers xfull(0 / 1), xfree(0 / 1)
+  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, (PAIR ? 6 : 4) * PS + KX, PAIR ? 1 : STAGES, PAIR ? 4 : 0>;
   static constexpr int SMEM_BYTES = Map::BYTES;
   // dK, dV (D floats a thread in all) and dQ_i's half (D / 4) or S^T, dP^T (16 + 16): the consumers take 240,
   // the producer (one warp issuing copies, 32 lanes storing L_i, D_i) keeps 24, FA3's split for two consumer
@@ -62,10 +80,26 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     Acc<1, NARROW ? NARROW / 8 : 1> dk2, dv2;  // (NARROW = 0: never touched, so never allocated)
   };
   struct Smem : Map {
+    static constexpr int KX = MainloopBwdSm90WsSplitD::KX;  // (bwd_ws_produce copies kx() with K_j)
     __device__ __forceinline__ explicit Smem(char* smem) : Map(smem) {}
     // P^T and dS^T of step it: keys x queries, K-major for dK, dV (A operand) and MN-major for dQ_i
     __device__ __forceinline__ Sw128<T, BC_, BR_> pt(int it) const { return {this->mid() + (it & 1) * PS}; }
     __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const { return {this->mid() + (2 + (it & 1)) * PS}; }
+    // PAIR: the partner's dS^T of step it; its K_j' columns kx_col0().. (keys x D / 2)
+    __device__ __forceinline__ Sw128<T, BC_, BR_> dsx(int it) const { return {this->mid() + (4 + (it & 1)) * PS}; }
+    __device__ __forceinline__ Sw128<T, BC_, PAIR ? D / 2 : 64> kx() const { return {this->mid() + 6 * PS}; }
+    __device__ __forceinline__ static int kx_col0() { return (int)cluster_rank() * (D / 2); }
+    __device__ __forceinline__ u32 xfull(int it) const { return this->extra(it & 1); }
+    __device__ __forceinline__ u32 xfree(int it) const { return this->extra(2 + (it & 1)); }
+    __device__ __forceinline__ void init() const {
+      if constexpr (PAIR) {
+        for (int b = 0; b < 2; ++b) {
+          mbar_init(xfull(b), 1);         // the partner's expect_tx, then its copy's bytes
+          mbar_init(xfree(b), NWG * 4);   // one arrival per consumer warp of the partner
+        }
+      }
+      Map::init();
+    }
   };
 
   __device__ __forceinline__ static bool is_producer() { return warpgroup_id() == NWG; }
@@ -112,6 +146,99 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
 
   __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd&, const typename Pol::Info& bi,
                                                  Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
+    if constexpr (PAIR) consume_pair(p, bi, pol, k0, walk, sm, st);
+    else consume_split(p, bi, pol, k0, walk, sm, st);
+  }
+
+  // P = dS = 0 on rows past the sequence: the copies may have read a packed neighbour's rows (not zeros)
+  __device__ __forceinline__ static void zero_rows_past(const typename Pol::Info& bh, Acc<1, NQ>& sc, Acc<1, NQ>& dp,
+                                                        int q0, int wq) {
+    if (q0 + BR > bh.seqlen_q) {
+      const int nq = bh.seqlen_q - q0 - wq;
+      for_each2(sc, dp, [&](float& x, float& y, int, int col) {
+        if (col >= nq) x = y = 0.f;
+      });
+    }
+  }
+
+  // PAIR (the head comment): a step of the pair. The scores and probabilities as consume_split's; then this CTA's
+  // dS^T goes to the partner, and warpgroup w's 64 columns cq.. of dQ_i are dS_ij K_j + dS_ij' K_j'.
+  __device__ __forceinline__ static void consume_pair(const BwdParams& p, const typename Pol::Info& bi, Pol& pol,
+                                                      int k0, const Walk& walk, const Smem& sm, State& st) {
+    static_assert(NARROW == 0 && WIDE == 128, "the pair's dQ_i quarters are whole panels (D = 256)");
+    const int w = uniform_warpgroup_id(), wq = QW * w, wk = key_row(), cw = wide0(w);
+    const u32 other = cluster_rank() ^ 1;
+    const int cq = Smem::kx_col0() + 64 * w;  // this warpgroup's 64 columns of dQ_i
+    const auto sK = sm.k(), sV = sm.v(), sdO = sm.dout(0);
+    const auto sKx = sm.kx();
+    typename Pol::Info bh = bi;
+    // ---- [mainloop_bwd_sm90_ws_split_d:pair_init] dK_j = dV_j = 0; K_j, V_j and kx() have landed ----
+    zero(st.dk);
+    zero(st.dv);
+    if (walk.total > 0) mbar_wait(sm.kv_full(), 0);
+    PipeState<STAGES> pipe;
+#pragma unroll 1
+    for (int it = 0; it < walk.total; ++it, pipe.advance()) {
+      const int q0 = walk.block(it) * BR, s = pipe.stage(), use = (it >> 1) & 1;  // use: of dsx(it), xfull, xfree
+      const bool edge = walk.edge(it);
+      bh.set_head(p, walk.head(it));
+      const auto sQ = sm.q(s);
+      const auto sP = sm.pt(it), sdS = sm.ds(it), sdSx = sm.dsx(it);
+      // ---- [mainloop_bwd_sm90_ws_split_d:pair_scores] S^T = K_j Q_w^T, dP^T = V_j dO_w^T; P^T, dS^T ----
+      mbar_wait(sm.full(s), pipe.parity());
+      Acc<1, NQ> sc, dp;
+      wgmma_fence();
+      wg_gemm_abt(sc, sK, 0, sQ, wq, false);
+      wgmma_commit();
+      mbar_wait(sm.do_full(0), it & 1);  // (dO_i's one stage lands after Q_i's)
+      wgmma_fence();
+      wg_gemm_abt(dp, sV, 0, sdO, wq, false);
+      wgmma_commit();
+      probs_sm90<T, true>(pol, sc, dp, q0 + wq, k0 + wk, sm.lse2(s) + wq, sm.delta(s) + wq, edge);
+      zero_rows_past(bh, sc, dp, q0, wq);
+      // ds(it) and the partner's dsx(it) are free once the partner has read this CTA's dS^T of step it - 2
+      mbar_wait(sm.xfree(it), use ^ 1);
+      store_acc(sP, sc, wk, wq);
+      store_acc(sdS, dp, wk, wq);
+      fence_async_smem();
+      named_sync(PS_BARRIER, NWG * 128);  // both halves of P^T and dS^T are in shared memory
+      // ---- [mainloop_bwd_sm90_ws_split_d:pair_send] this step's dS^T into the partner's dsx(it) ----
+      if (threadIdx.x == 0) {
+        const u32 bar = map_shared(sm.xfull(it), other);
+        mbar_expect_tx_remote(bar, PS);
+        bulk_copy_to_cta(map_shared(sdSx.base, other), sdS.base, PS, bar);
+      }
+      // ---- [mainloop_bwd_sm90_ws_split_d:pair_products] dV_j += P^T dO_i; dQ_i's columns cq..; dK_j += dS^T Q_i ----
+      Acc<1, 8> dq;
+      fence_operand(st.dk);
+      fence_operand(st.dv);
+      wgmma_fence();
+      wg_gemm_ab<BR>(st.dv, sP, 0, sdO, cw, true);
+      wgmma_commit();
+      mbar_wait(sm.xfull(it), use);  // the partner's dS^T of this step has landed
+      wgmma_fence();
+      wg_gemm_atb<BC>(dq, sdS, 0, sK, cq, false);
+      wg_gemm_atb<BC>(dq, sdSx, 0, sKx, 64 * w, true);
+      wgmma_commit();
+      wg_gemm_ab<BR>(st.dk, sdS, 0, sQ, cw, true);
+      wgmma_commit();
+      wgmma_wait<2>();
+      fence_operand(st.dv);
+      mbar_arrive(sm.do_empty(0));  // dO_i: read by dP^T's and dV_j's products
+      // ---- [mainloop_bwd_sm90_ws_split_d:pair_dq] dQ_i's columns into the float32 rows, while dK_j runs ----
+      wgmma_wait<1>();
+      fence_operand(dq);
+      __syncwarp();
+      if (lane_id() == 0) mbar_arrive_remote(sm.xfree(it), other);  // the partner's dS^T is read
+      add_dq(p, bh, dq, q0, cq);
+      wgmma_wait<0>();
+      fence_operand(st.dk);
+      mbar_arrive(sm.empty(s));  // Q_i, L_i, D_i of this stage
+    }
+  }
+
+  __device__ __forceinline__ static void consume_split(const BwdParams& p, const typename Pol::Info& bi, Pol& pol,
+                                                       int k0, const Walk& walk, const Smem& sm, State& st) {
     const int w = uniform_warpgroup_id(), wq = QW * w, wk = key_row(), cw = wide0(w), cn = narrow0(w);
     const auto sK = sm.k(), sV = sm.v();
     typename Pol::Info bh = bi;
@@ -143,13 +270,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wgmma_commit();
       // ---- [mainloop_bwd_sm90_ws_split_d:probs] Alg.2 l.10 and l.13: P^T, dS^T = P^T * (dP^T - D_i), to shared memory ----
       probs_sm90<T, true>(pol, sc, dp, q0 + wq, k0 + wk, sm.lse2(s) + wq, sm.delta(s) + wq, edge);
-      // Rows past the sequence: the copies may have read a packed neighbour's rows (not zeros), so P = dS = 0.
-      if (q0 + BR > bh.seqlen_q) {
-        const int nq = bh.seqlen_q - q0 - wq;
-        for_each2(sc, dp, [&](float& x, float& y, int, int col) {
-          if (col >= nq) x = y = 0.f;
-        });
-      }
+      zero_rows_past(bh, sc, dp, q0, wq);
       store_acc(sP, sc, wk, wq);
       store_acc(sdS, dp, wk, wq);
       fence_async_smem();

@@ -228,12 +228,24 @@ def fa3_bwd_dq_buffers(cfg: TileConfig) -> int:
 FA3_BWD_SWAP_ROWS = 80  # mainloop_bwd_sm90_ws.cuh's SWAP_DQ tile (head_dim 128, not deterministic)
 
 
-def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
+def fa3_bwd_pair(cfg: TileConfig, d: int, general: bool) -> bool:
+    """fa3_bwd_sm90's column split at head_dim 256 on the plain policy (no packed lengths) runs in clusters of two
+    neighbouring key blocks that sum dQ_i between them (mainloop_bwd_sm90_ws_split_d.cuh's PAIR; fa3_bwd_sm90.cu's
+    __cluster_dims__ by the same rule): the grid's key tiles are rounded up to even, and the shared-memory map has
+    dO_i in one stage of its own, the partner's dS^T twice and its K_j' half."""
+    return fa3_bwd_split_d(cfg) and d == 256 and not general
+
+
+def smem_fa3_bwd_sm90(cfg: TileConfig, d: int, general: bool = False) -> int:
     """SMEM_BYTES of mainloop_bwd_sm90_ws.cuh: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i);
     ``fa3_bwd_ds_buffers`` dS^T; ``fa3_bwd_dq_buffers`` float32 dQ_i tiles (all warpgroups' slices, br x d
     floats each); `stages` x (L_i, D_i) float32;
     1 + 2 stages mbarriers. The column split (``fa3_bwd_split_d``, mainloop_bwd_sm90_ws_split_d.cuh) has two P^T
-    and two dS^T and no dQ_i tiles."""
+    and two dS^T and no dQ_i tiles; its pair (``fa3_bwd_pair``) one dO_i stage, six such tiles, the partner's K_j'
+    half and 2 + 4 mbarriers more."""
+    if fa3_bwd_pair(cfg, d, general):
+        return (1024 + (2 * cfg.bc + (cfg.stages + 1) * cfg.br) * d * 2 + 6 * cfg.bc * cfg.br * 2 + cfg.bc * d
+                + 2 * cfg.stages * cfg.br * 4 + 8 * (7 + 2 * cfg.stages))
     tiles = cfg.bc * cfg.br * 2 * (4 if fa3_bwd_split_d(cfg) else fa3_bwd_ds_buffers(cfg))
     dq = 0 if fa3_bwd_split_d(cfg) else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4
     return (1024 + (2 * cfg.bc + 2 * cfg.stages * cfg.br) * d * 2 + tiles + dq + 2 * cfg.stages * cfg.br * 4
@@ -472,10 +484,12 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
     if cfg.br == FA3_BWD_SWAP_ROWS and (d != 128 or deterministic):
         raise ValueError(f"fa3_bwd_sm90's {cfg.br}-row tile runs head_dim 128 (padded) without deterministic=True; "
                          f"got head_dim {d}, deterministic={deterministic}")
-    smem = smem_fa3_bwd_sm90(cfg, d)
+    smem = smem_fa3_bwd_sm90(cfg, d, p.general)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, deterministic, smem)
-    return Launch("fa3_bwd_sm90", "fa3_bwd_sm90.cu", args, key_tile_grid(p, cfg.bc, "fa3_bwd_sm90"),
-                  (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+    grid = key_tile_grid(p, cfg.bc, "fa3_bwd_sm90")
+    if fa3_bwd_pair(cfg, d, p.general):  # clusters of two key blocks: an odd count's last one has a masked partner
+        grid = (grid[0] + grid[0] % 2, grid[1], grid[2])
+    return Launch("fa3_bwd_sm90", "fa3_bwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
 
 def fa3_bwd_dq_rotates(p: Problem, cfg: TileConfig, sms: int) -> bool:
