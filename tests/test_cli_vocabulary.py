@@ -75,6 +75,15 @@ def test_bench_causal_defaults_to_both():
     assert options_of("bench")["--causal"].default is None
 
 
+def test_bench_feature_head_dim_goes_with_features_and_sets_every_case():
+    result = run("bench", "--feature-head-dim", "256")
+    assert result.exit_code == commands.EXIT_INVALID and "--feature-head-dim goes with --features" in result.output
+    from rawflash.cli import bench as bench_mod
+
+    cases = bench_mod.feature_cases(256)
+    assert {c.head_dim for c in cases} == {256} and {c.heads for c in cases} == {8}
+
+
 # ---------------------------------------------------------------- exit status
 @pytest.mark.parametrize("name", SHAPED)
 def test_an_invalid_call_exits_2_from_every_command(name):

@@ -693,15 +693,19 @@ def demo(ctx, gpu, arch, sms, as_json):
               help="Time decode instead (a KV-cache step: bandwidth beside a device copy and PyTorch's SDPA): "
                    "batch 1/8/64 x context 1k-128k x GQA 32/8, 64/8, MQA x contiguous and paged 16/64/256.")
 @click.option("--quick", is_flag=True, help="With --decode: a subset of 12 cases (about 2 minutes on an H200).")
+@click.option("--feature-head-dim", type=click.IntRange(min=8, max=256), default=None,
+              help="With --features: the head dim of every feature case (heads = 2048 / it)  [default: 128]")
 @click.option("--deterministic", is_flag=True,
               help="Also time the backward with deterministic=True (rawflash-fa2-det) beside the default one.")
 @json_option
 def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
-          features, decode, quick, deterministic, as_json):
+          features, decode, quick, feature_head_dim, deterministic, as_json):
     """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
     only. The rawflash rows also give the kernels' own time (kernel_tflops: the launches alone, CUDA events)."""
     if quick and not decode:
         raise click.UsageError("--quick goes with --decode")
+    if feature_head_dim is not None and not features:
+        raise click.UsageError("--feature-head-dim goes with --features")
     if deterministic and (decode or features):
         raise click.UsageError("--deterministic goes with the FA2 sweep (not --decode or --features)")
     _require_gpu("bench", "'rawflash io' and 'rawflash explain' give the predicted numbers without one")
@@ -710,7 +714,7 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, token
 
         cases = bench_decode.quick_cases() if quick else None
         name, result = ("decode", bench_decode.run_decode(repeats, cases=cases)) if decode else \
-            ("features", bench_mod.run_features(repeats))
+            ("features", bench_mod.run_features(repeats, feature_head_dim or 128))
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"bench-{name}{('-' + tag) if tag else ''}.json").write_text(json.dumps(result, indent=1))
