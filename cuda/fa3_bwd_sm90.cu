@@ -76,12 +76,12 @@ template <typename T, int D, int BR, int BC, int STAGES, class Pol, bool DET> st
 
 // (three warpgroups either way: a producer and two consumers)
 template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, bool DETERMINISTIC, int SMEM_BYTES>
-__global__ void __launch_bounds__(3 * 128, 1) __cluster_dims__(BC == 64 && D == 256 && !GENERAL ? 2 : 1, 1, 1)
+__global__ void __launch_bounds__(3 * 128, 1) __cluster_dims__(
+    rf::Fa3BwdMainloop<T, D, BR, BC, STAGES, rf::Policy<MASK, GENERAL>, DETERMINISTIC>::type::PAIR ? 2 : 1, 1, 1)
     fa3_bwd_sm90(const __grid_constant__ rf::BwdParams p, const __grid_constant__ rf::TmaBwd tma) {
   using namespace rf;
   using Mainloop = typename Fa3BwdMainloop<T, D, BR, BC, STAGES, Policy<MASK, GENERAL>, DETERMINISTIC>::type;
   static_assert(Mainloop::NTHREADS == 3 * 128, "the launch bounds");
-  static_assert(Mainloop::PAIR == (BC == 64 && D == 256 && !GENERAL), "the cluster attribute and the mainloop agree");
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   bwd_kernel_ws<Mainloop>(p, tma);

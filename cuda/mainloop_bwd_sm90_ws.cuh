@@ -83,8 +83,9 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd&
   // ---- [mainloop_bwd_sm90_ws:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i of every step into the next free stage ----
   typename Pol::Info bh = bi;
   PipeState<STAGES> pipe;
+  PipeState<Sm::DO_STAGES> do_pipe;  // (DO_RING: dO_i's own ring)
 #pragma unroll 1
-  for (int it = 0; it < walk.total; ++it, pipe.advance()) {
+  for (int it = 0; it < walk.total; ++it, pipe.advance(), do_pipe.advance()) {
     const int s = pipe.stage(), q0 = walk.block(it) * BR;
     bh.set_head(p, walk.head(it));
     mbar_wait(sm.empty(s), pipe.parity() ^ 1);
@@ -107,8 +108,8 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd&
     }
     mbar_arrive(sm.full(s));
     if constexpr (Sm::DO_RING) {  // dO_i into its own ring (fewer stages: freed as soon as dV_j's product is done)
-      const int sd = it % Sm::DO_STAGES;
-      mbar_wait(sm.do_empty(sd), ((it / Sm::DO_STAGES) & 1) ^ 1);
+      const int sd = do_pipe.stage();
+      mbar_wait(sm.do_empty(sd), do_pipe.parity() ^ 1);
       if (lane_id() == 0) {
         mbar_expect_tx(sm.do_full(sd), QB);
 #pragma unroll

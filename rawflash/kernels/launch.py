@@ -236,20 +236,19 @@ def fa3_bwd_pair(cfg: TileConfig, d: int, general: bool) -> bool:
     return fa3_bwd_split_d(cfg) and d == 256 and not general
 
 
-def smem_fa3_bwd_sm90(cfg: TileConfig, d: int, general: bool = False) -> int:
+def smem_fa3_bwd_sm90(cfg: TileConfig, d: int, general: bool) -> int:
     """SMEM_BYTES of mainloop_bwd_sm90_ws.cuh: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i);
     ``fa3_bwd_ds_buffers`` dS^T; ``fa3_bwd_dq_buffers`` float32 dQ_i tiles (all warpgroups' slices, br x d
     floats each); `stages` x (L_i, D_i) float32;
     1 + 2 stages mbarriers. The column split (``fa3_bwd_split_d``, mainloop_bwd_sm90_ws_split_d.cuh) has two P^T
     and two dS^T and no dQ_i tiles; its pair (``fa3_bwd_pair``) one dO_i stage, six such tiles, the partner's K_j'
     half and 2 + 4 mbarriers more."""
-    if fa3_bwd_pair(cfg, d, general):
-        return (1024 + (2 * cfg.bc + (cfg.stages + 1) * cfg.br) * d * 2 + 6 * cfg.bc * cfg.br * 2 + cfg.bc * d
-                + 2 * cfg.stages * cfg.br * 4 + 8 * (7 + 2 * cfg.stages))
-    tiles = cfg.bc * cfg.br * 2 * (4 if fa3_bwd_split_d(cfg) else fa3_bwd_ds_buffers(cfg))
-    dq = 0 if fa3_bwd_split_d(cfg) else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4
-    return (1024 + (2 * cfg.bc + 2 * cfg.stages * cfg.br) * d * 2 + tiles + dq + 2 * cfg.stages * cfg.br * 4
-            + 8 * (1 + 2 * cfg.stages))
+    pair, split = fa3_bwd_pair(cfg, d, general), fa3_bwd_split_d(cfg)
+    do_stages = 1 if pair else cfg.stages
+    tiles = cfg.bc * cfg.br * 2 * (6 if pair else 4 if split else fa3_bwd_ds_buffers(cfg))
+    mid = tiles + (cfg.bc * d if pair else 0) + (0 if split else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4)
+    barriers = 1 + 2 * cfg.stages + (2 + 4 if pair else 0)  # (the pair: dO_i's ring, xfull and xfree)
+    return 1024 + (2 * cfg.bc + (cfg.stages + do_stages) * cfg.br) * d * 2 + mid + 2 * cfg.stages * cfg.br * 4 + 8 * barriers
 
 
 def smem_fa1_fwd(cfg: TileConfig, d: int, itemsize: int) -> int:
