@@ -36,6 +36,13 @@ def test_feature_ratios_pair_each_case_with_its_target():
     out = {(r["case"], r["direction"]): r for r in bench._feature_ratios(rows)}
     assert out[("window (1024, 0), N 16384, persistent", "fwd")]["vs"] == "dense causal, N 2048"
     assert out[("varlen x16 causal", "fwd")]["vs"].endswith("causal")
+    assert out[("varlen x16", "bwd")]["vs"] == out[("varlen x16", "fwd")]["vs"]  # (each direction its own row)
+    assert out[("varlen x16", "bwd")]["kernel_tflops"] != out[("varlen x16", "fwd")]["kernel_tflops"]
+    varlen_bwd = out[("varlen x16", "bwd")]
+    equal_bwd = out[(varlen_bwd["vs"], "bwd")]
+    assert varlen_bwd["ratio (kernels)"] == varlen_bwd["kernel_tflops"] / equal_bwd["kernel_tflops"]
+    assert out[("window (1024, 0), N 16384", "bwd")]["ratio (kernels)"] == (
+        out[("window (1024, 0), N 16384", "bwd")]["kernel_tflops"] / out[("dense causal, N 2048", "bwd")]["kernel_tflops"])
     assert out[("softcap 30, N 4096", "bwd")]["vs"] == "plain, N 4096"
     assert "vs" not in out[("plain, N 4096", "fwd")]
 

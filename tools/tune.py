@@ -106,12 +106,12 @@ def valid_feature(case: bench.FeatureCase, override: dict) -> str:
     return _rule(case.direction, case.causal, bound.result(), q, k, v, dout, feats)
 
 
-def tune_features(kernel: str, dims: list[int], prefixes: list[str]) -> None:
+def tune_features(kernel: str, dims: list[int], prefixes: list[str], direction: str) -> None:
     """Each candidate row on bench --features' cases whose names start with one of ``prefixes`` (bfloat16,
     kernels alone), validated first on a small problem with the same features."""
     for d in dims:
         key = (kernel, d, "bfloat16")
-        cases = [c for c in bench.feature_cases(d) if c.name.startswith(tuple(prefixes))]
+        cases = [c for c in bench.feature_cases(d) if c.name.startswith(tuple(prefixes)) and c.direction == direction]
         inputs = {}  # each case's arrays, made once for all the candidates
         for cand in [None] + CANDIDATES.get(key, CANDIDATES.get((kernel, d), [])):
             override = None if cand is None else {key: cand}
@@ -143,7 +143,7 @@ def main() -> None:
     dims = [int(x) for x in args.head_dims.split(",")]
     if args.features:
         for which in args.which.split(","):
-            tune_features(WHICH[which][0], dims, args.features.split(","))
+            tune_features(WHICH[which][0], dims, args.features.split(","), which.split("_")[0])
         return
     for which in args.which.split(","):
         (kernel, impl), direction = WHICH[which], which.split("_")[0]

@@ -409,22 +409,25 @@ def varlen_lengths(count: int = 16, low: int = 256, high: int = 8192, seed: int 
 
 
 def feature_cases(head_dim: int = 128) -> list[FeatureCase]:
-    """The cases behind the features' speed targets (bf16, 16 heads): a 1024-key causal window over 16384 against
-    dense causal 2048; a varlen batch against an equal-length batch of the same tokens; soft-capping, ALiBi and
-    sinks against plain attention at N = 4096, forward and backward."""
+    """The cases behind the features' speed targets (bf16, 2048 / head_dim heads): a 1024-key causal window over
+    16384 against dense causal 2048; a varlen batch against an equal-length batch of the same tokens (both forward
+    and backward); soft-capping, ALiBi and sinks against plain attention at N = 4096, forward and backward."""
     lengths = varlen_lengths()
     even = sum(lengths) // len(lengths)
     h = 2048 // head_dim
     window = (("window", (1024, 0)),)
-    cases = [FeatureCase("window (1024, 0), N 16384", "fwd", 1, 16384, h, head_dim, True, window),
-             FeatureCase("window (1024, 0), N 16384, persistent", "fwd", 1, 16384, h, head_dim, True, window,
-                         switches=(("persistent", True),)),
-             FeatureCase("dense causal, N 2048", "fwd", 8, 2048, h, head_dim, True)]
-    for causal in (False, True):
-        cases += [FeatureCase(f"varlen x16{' causal' if causal else ''}", "fwd", len(lengths), 0, h, head_dim, causal,
-                              lengths=lengths),
-                  FeatureCase(f"equal x16 of {even}{' causal' if causal else ''}", "fwd", len(lengths), even, h,
-                              head_dim, causal)]
+    cases = []
+    for direction in ("fwd", "bwd"):  # (the targets are the forward's; the backward's figures beside them)
+        cases += [FeatureCase("window (1024, 0), N 16384", direction, 1, 16384, h, head_dim, True, window)]
+        if direction == "fwd":
+            cases += [FeatureCase("window (1024, 0), N 16384, persistent", "fwd", 1, 16384, h, head_dim, True, window,
+                                  switches=(("persistent", True),))]
+        cases += [FeatureCase("dense causal, N 2048", direction, 8, 2048, h, head_dim, True)]
+        for causal in (False, True):
+            cases += [FeatureCase(f"varlen x16{' causal' if causal else ''}", direction, len(lengths), 0, h, head_dim,
+                                  causal, lengths=lengths),
+                      FeatureCase(f"equal x16 of {even}{' causal' if causal else ''}", direction, len(lengths), even,
+                                  h, head_dim, causal)]
     for direction in ("fwd", "bwd"):
         for name, opts in (("plain", ()), ("softcap 30", (("softcap", 30.0),)), ("alibi", (("alibi", True),)),
                            ("sinks", (("sinks", True),))):
@@ -499,7 +502,7 @@ def run_features(repeats: int = 10, head_dim: int = 128) -> list[dict]:
         ms = time_ms(public, repeats=repeats)
         row = {"case": case.name, "direction": case.direction, "kernel_ms": kernel_ms, "ms": ms,
                "kernel_tflops": case.flops / (kernel_ms * 1e-3) / 1e12, "tflops": case.flops / (ms * 1e-3) / 1e12}
-        if case.lengths and _torch() is not None:  # the peer a PyTorch user has for packed sequences
+        if case.lengths and case.direction == "fwd" and _torch() is not None:  # a PyTorch user's peer for packed ones
             torch_ms = time_ms(_torch_per_sequence(case, q, k, v), repeats=repeats)
             row.update({"torch-flash per sequence ms": torch_ms, "x torch-flash per sequence": torch_ms / ms})
         rows.append(row)
@@ -534,8 +537,8 @@ def _feature_ratios(rows: list[dict]) -> list[dict]:
         if name.startswith("window"):
             other = by[("dense causal, N 2048", d)]
         elif name.startswith("varlen"):
-            other = next(x for (n, dd), x in by.items() if n.startswith("equal") and (n.endswith("causal") ==
-                                                                                      name.endswith("causal")))
+            other = next(x for (n, dd), x in by.items() if n.startswith("equal") and dd == d
+                         and n.endswith("causal") == name.endswith("causal"))
         elif name.endswith("N 4096") and not name.startswith("plain"):
             other = by[("plain, N 4096", d)]
         else:
