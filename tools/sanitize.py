@@ -175,8 +175,10 @@ def _fa3(dtype: str) -> None:
     qq, kk, vv, packed = _varlen(q, k, v)
     o, l = rawflash.forward(qq, kk, vv, window=(100, 30), **packed)
     rawflash.backward(cupy.ones_like(qq), qq, kk, vv, o, l, window=(100, 30), deterministic=True, **packed)
-    for d in (64, 256):  # 128 query rows a step (d = 64) and the column split (d = 256), packed, general policy
-        q, k, v = (cupy.asarray(x) for x in random_qkv(3, 300, 200, 4, 2, d, dtype))
+    # 128 query rows a step (d = 64) and the column split's pairs (d = 192, 256), packed, general policy; 150 keys:
+    # three key tiles a sequence, so each sequence's last pair has a partner past its keys
+    for d, sk in ((64, 200), (192, 150), (256, 150)):
+        q, k, v = (cupy.asarray(x) for x in random_qkv(3, 300, sk, 4, 2, d, dtype))
         qq, kk, vv, packed = _varlen(q, k, v)
         o, l = rawflash.forward(qq, kk, vv, window=(100, 30), softcap=20.0, **packed)
         rawflash.backward(cupy.ones_like(qq), qq, kk, vv, o, l, window=(100, 30), softcap=20.0, **packed)
