@@ -482,15 +482,15 @@ def feature_bound(case: FeatureCase, q, k, v, dout, feats, override=None):
     return cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, False, c.extras, env, override)
 
 
-def run_features(repeats: int = 10, head_dim: int = 128) -> list[dict]:
-    """Time every feature case at ``head_dim`` (kernels alone, and the public call); validated elsewhere
-    (tests/test_gpu_features)."""
+def run_features(repeats: int = 10, head_dim: int = 128, directions: tuple = ("fwd", "bwd")) -> list[dict]:
+    """Time every feature case at ``head_dim`` in ``directions`` (kernels alone, and the public call); validated
+    elsewhere (tests/test_gpu_features)."""
     import cupy
 
     import rawflash
 
     rows = []
-    for case in feature_cases(head_dim):
+    for case in [c for c in feature_cases(head_dim) if c.direction in directions]:
         q, k, v, dout, feats = _feature_inputs(case)
         bound = feature_bound(case, q, k, v, dout, feats)
         kernel_ms = time_ms(bound.launch, repeats=repeats)

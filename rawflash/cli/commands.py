@@ -688,7 +688,7 @@ def demo(ctx, gpu, arch, sms, as_json):
 @click.option("--tag", default="", help="Suffix of the output file names.")
 @click.option("--features", is_flag=True,
               help="Time the features instead (windows, varlen, soft-capping, ALiBi, sinks: bf16, d = 128, each "
-                   "beside the case its target compares with).")
+                   "beside the case its target compares with; --direction picks the forward or backward cases).")
 @click.option("--decode", is_flag=True,
               help="Time decode instead (a KV-cache step: bandwidth beside a device copy and PyTorch's SDPA): "
                    "batch 1/8/64 x context 1k-128k x GQA 32/8, 64/8, MQA x contiguous and paged 16/64/256.")
@@ -714,7 +714,7 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, token
 
         cases = bench_decode.quick_cases() if quick else None
         name, result = ("decode", bench_decode.run_decode(repeats, cases=cases)) if decode else \
-            ("features", bench_mod.run_features(repeats, feature_head_dim or 128))
+            ("features", bench_mod.run_features(repeats, feature_head_dim or 128, tuple(directions)))
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"bench-{name}{('-' + tag) if tag else ''}.json").write_text(json.dumps(result, indent=1))
