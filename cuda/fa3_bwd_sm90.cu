@@ -3,9 +3,8 @@
 // mainloop_bwd_sm90_ws.cuh, 64 keys per consumer warpgroup, dQ by TMA reduce-add (DETERMINISTIC: in a fixed order
 // per query block, by two warps of the producer warpgroup). BC = 64 (head_dim 192, 256):
 // mainloop_bwd_sm90_ws_split_d.cuh, both consumer warpgroups on the same 64 keys, split by queries for the scores
-// and by columns for dK, dV and dQ (atomic dQ only); at head_dim 256 without packed lengths in clusters of two
-// neighbouring key blocks that sum dQ_i between them (PAIR). fa2_bwd_preprocess runs before it and
-// fa2_bwd_convert_dq after.
+// and by columns for dK, dV and dQ (atomic dQ only), in clusters of two neighbouring key blocks that sum dQ_i
+// between them (PAIR). fa2_bwd_preprocess runs before it and fa2_bwd_convert_dq after.
 #include "mainloop_bwd_sm90_ws.cuh"
 #include "mainloop_bwd_sm90_ws_split_d.cuh"
 
@@ -25,8 +24,9 @@ template <class Mainloop> __device__ __forceinline__ void bwd_kernel_ws(const Bw
   // they are initialised)
   if constexpr (Mainloop::PAIR) cluster_sync();
   else __syncthreads();
-  KTileScheduler<Mainloop::BC, Pol::GENERAL> tile;
-  if (!tile.start(p, Mainloop::DET && Pol::bounded_right(p))) return;  // DET: see write_dq (PAIR: never false)
+  KTileScheduler<Mainloop::BC, Pol::GENERAL, Mainloop::PAIR> tile;
+  // DET: see write_dq. PAIR: both CTAs of a cluster return here or neither (packed: the same pair of tiles)
+  if (!tile.start(p, Mainloop::DET && Pol::bounded_right(p))) return;
   const int group = p.heads / p.kv_heads;
   typename Pol::Info bi(p, tile.b, tile.hk * group);
   const int k0 = tile.j * Mainloop::BC;

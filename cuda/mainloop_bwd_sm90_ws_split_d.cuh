@@ -22,20 +22,24 @@
 // 0 taking columns 0..63 and 64..95, warpgroup 1 128..191 and 96..127.
 // deterministic=True runs fa2_bwd + fa2_bwd_dq at these head dims (forms.py): this mainloop has no ordered dQ.
 //
-// PAIR (D = 256, the plain policy): at head_dim 256 the additions of dQ_i bound the kernel (session 20: without
-// them it ran 1.65x faster; `red.global.add.v4.f32` takes 1.8 - 2.4 TB/s on the H200, tools/l2_reduce.py). Two
-// CTAs on neighbouring key blocks j, j' = j ^ 1 of one kv head run as a cluster and walk the same steps (the query
-// blocks that see either block), so their dQ_i = dS_ij K_j + dS_ij' K_j' can be summed before it is added:
-// CTA rank r owns dQ_i's columns 128 r.., warpgroup w the 64 columns 128 r + 64 w... Each CTA keeps the partner's
-// K_j' columns of its half (kx(), 16 KB, copied once with K_j) and receives the partner's dS^T every step (dsx(),
-// 8 KB, a bulk copy from the partner's shared memory into this one's, completing on this CTA's barrier xfull), so
-// it adds 64 x 128 floats a step instead of 64 x 256: half the additions. The room for kx() and two dsx() (32 KB)
-// is dO_i's: one stage of its own (BwdWsSmem's DO_RING), released right after dV_j's product. Each step then runs
-// dV_j (release dO_i), dQ_i (release the partner's dS^T on its barrier xfree, add dQ_i while dK_j runs), dK_j
-// (release Q_i). A CTA writes its dS^T of step it (ds(it), and the copy into the partner's dsx(it)) only once the
-// partner has read the one of step it - 2 (xfree: 8 warp arrivals from the partner), which also means that copy
-// has landed. (Measured in session 20 beside copying Q_i, dO_i once for both CTAs with TMA multicast: that was
-// 0 - 3.5 % slower, so each CTA copies its own.)
+// PAIR (D = 192 and 256, every policy; packed sequences cut into pairs of key tiles by KTileScheduler): at these
+// head dims the additions of dQ_i bound the kernel (session 20: without them it ran 1.4 - 1.65x faster;
+// `red.global.add.v4.f32` takes 1.8 - 2.4 TB/s on the H200, tools/l2_reduce.py). Two CTAs on neighbouring key
+// blocks j, j' = j ^ 1 of one kv head run as a cluster and walk the same steps (the query blocks that see either
+// block), so their dQ_i = dS_ij K_j + dS_ij' K_j' can be summed before it is added. At D = 256 CTA rank r owns
+// dQ_i's columns 128 r.., warpgroup w the panel 128 r + 64 w..; at D = 192 CTA 0 computes the panels 0, 1 and CTA
+// 1 the panels 1, 2 (one panel a warpgroup, so every operand is panel aligned), and each adds half of the shared
+// panel 1 (add_dq's column-group window): 96 columns a CTA. Each CTA keeps 128 of the partner's K_j' columns (kx(),
+// 16 KB, copied once with K_j: its half at D = 256, columns 0..127 or 64..191 at D = 192) and receives the
+// partner's dS^T every step (dsx(), 8 KB, a bulk copy from the partner's shared memory into this one's, completing
+// on this CTA's barrier xfull), so it adds half the floats a step. At D = 256 the room for kx() and two dsx()
+// (32 KB) is dO_i's: one stage of its own (BwdWsSmem's DO_RING), released right after dV_j's product; D = 192 has
+// the room beside two stages of Q_i, dO_i (215112 B). Each step then runs dV_j (release dO_i), dQ_i (release the
+// partner's dS^T on its barrier xfree, add dQ_i while dK_j runs), dK_j (release Q_i). A CTA writes its dS^T of
+// step it (ds(it), and the copy into the partner's dsx(it)) only once the partner has read the one of step it - 2
+// (xfree: 8 warp arrivals from the partner), which also means that copy has landed. The partner of an odd count's
+// last key block walks with it past the keys (all its keys masked). (Measured in session 20 beside copying Q_i,
+// dO_i once for both CTAs with TMA multicast: that was 0 - 3.5 % slower, so each CTA copies its own.)
 #pragma once
 #include "mainloop_bwd_sm90_ws.cuh"
 
@@ -50,16 +54,20 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   using T = T_;
   using Pol = Pol_;
   static constexpr bool DET = false;
-  static constexpr bool PAIR = D == 256 && !Pol_::GENERAL;  // (the general policy's packed lengths: CTAs alone)
+  static constexpr bool PAIR = D == 256 || D == 192;  // (packed sequences: KTileScheduler keeps a pair in one sequence)
+  // PAIR at D = 192: CTA 0 owns dQ_i's columns 0..95 (warpgroup 0 a panel, 1 a half panel), CTA 1 96..191 (a half
+  // panel, a panel); its kx() holds the partner's columns 0..127 or 64..191. At D = 256 each quarter is a panel.
+  // D = 192 has room for dO_i in Q_i's stages (215 KB with kx() and two dsx()), D = 256 does not.
+  static constexpr bool DO_OWN_STAGE = PAIR && D == 256;
   using Walk = QIter;
   static constexpr int BR = BR_, BC = BC_, NWG = 2, NTHREADS = (NWG + 1) * 128;
   static constexpr int QW = BR_ / NWG, NQ = QW / 8;           // a warpgroup's queries of S^T, dP^T
   static constexpr int DW = D / NWG, WIDE = DW / 64 * 64, NARROW = DW - WIDE;  // a warpgroup's columns
   static constexpr int PS = BC_ * BR_ * 2;
-  static constexpr int KX = PAIR ? BC_ * (D / 2) * 2 : 0;  // the partner's K_j' columns of this CTA's dQ_i half
+  static constexpr int KX = PAIR ? BC_ * 128 * 2 : 0;  // the partner's K_j' columns around this CTA's dQ_i half
   // BwdWsSmem's map with 2 x P^T and 2 x dS^T as its middle; PAIR: also 2 x the partner's dS^T and kx(), dO_i in
   // one stage of its own, and the barriers xfull(0 / 1), xfree(0 / 1)
-  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, (PAIR ? 6 : 4) * PS + KX, PAIR ? 1 : STAGES, PAIR ? 4 : 0>;
+  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, (PAIR ? 6 : 4) * PS + KX, DO_OWN_STAGE ? 1 : STAGES, PAIR ? 4 : 0>;
   static constexpr int SMEM_BYTES = Map::BYTES;
   // dK, dV (D floats a thread in all) and dQ_i's half (D / 4) or S^T, dP^T (16 + 16): the consumers take 240,
   // the producer (one warp issuing copies, 32 lanes storing L_i, D_i) keeps 24, FA3's split for two consumer
@@ -87,8 +95,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const { return {this->mid() + (2 + (it & 1)) * PS}; }
     // PAIR: the partner's dS^T of step it; its K_j' columns kx_col0().. (keys x D / 2)
     __device__ __forceinline__ Sw128<T, BC_, BR_> dsx(int it) const { return {this->mid() + (4 + (it & 1)) * PS}; }
-    __device__ __forceinline__ Sw128<T, BC_, PAIR ? D / 2 : 64> kx() const { return {this->mid() + 6 * PS}; }
-    __device__ __forceinline__ static int kx_col0() { return (int)cluster_rank() * (D / 2); }
+    __device__ __forceinline__ Sw128<T, BC_, 128> kx() const { return {this->mid() + 6 * PS}; }
+    __device__ __forceinline__ static int kx_col0() { return (int)cluster_rank() * (D == 256 ? 128 : 64); }
     __device__ __forceinline__ u32 xfull(int it) const { return this->extra(it & 1); }
     __device__ __forceinline__ u32 xfree(int it) const { return this->extra(2 + (it & 1)); }
     __device__ __forceinline__ void init() const {
@@ -125,9 +133,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   // lanes t and t ^ 1 of a quad swap half of their pairs, so the even lane holds 4 columns of row g and the odd
   // one 4 columns of row g + 8 (mma.sync's C layout gives each lane 2 columns of both rows). Rows past the
   // sequence and columns past head_dim (a multiple of 8) are not written.
+  // (jlo, jhi: only the 8-column groups j in [jlo, jhi), the pair's shared panel at D = 192)
   template <int NT>
   __device__ __forceinline__ static void add_dq(const BwdParams& p, const typename Pol::Info& bh, const Acc<1, NT>& dq,
-                                                int q0, int c0) {
+                                                int q0, int c0, int jlo = 0, int jhi = NT) {
     const int g = lane_id() >> 2, t = lane_id() & 3;
     const bool odd = t & 1;
     const int row = q0 + 16 * warp_in_group() + g + (odd ? 8 : 0), col = c0 + 2 * (t & ~1);
@@ -138,7 +147,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       const float* x = dq.v[0][j];
       const float r0 = __shfl_xor_sync(0xffffffffu, odd ? x[0] : x[2], 1);
       const float r1 = __shfl_xor_sync(0xffffffffu, odd ? x[1] : x[3], 1);
-      if (row_ok && col + 8 * j < p.head_dim)
+      if (row_ok && col + 8 * j < p.head_dim && j >= jlo && j < jhi)
         red_add4(at + 8 * j, p.scale * (odd ? r0 : x[0]), p.scale * (odd ? r1 : x[1]), p.scale * (odd ? x[2] : r0),
                  p.scale * (odd ? x[3] : r1));
     }
@@ -161,27 +170,41 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     }
   }
 
+  // The panel of dQ_i's columns warpgroup w of the pair's CTA `rank` computes, and which of its 8-column groups
+  // [lo, hi) it adds: D = 256 a whole panel each; D = 192 panels 0, 1 (CTA 0) and 1, 2 (CTA 1), the shared panel 1
+  // added half by each (its other half computed for nothing: the price of panel-aligned operands).
+  __device__ __forceinline__ static int pair_dq_panel(int rank, int w) { return D == 256 ? 128 * rank + 64 * w : 64 * (rank + w); }
+  __device__ __forceinline__ static int pair_dq_lo(int rank, int w) { return D == 192 && rank == 1 && w == 0 ? 4 : 0; }
+  __device__ __forceinline__ static int pair_dq_hi(int rank, int w) { return D == 192 && rank == 0 && w == 1 ? 4 : 8; }
+
   // PAIR (the head comment): a step of the pair. The scores and probabilities as consume_split's; then this CTA's
-  // dS^T goes to the partner, and warpgroup w's 64 columns cq.. of dQ_i are dS_ij K_j + dS_ij' K_j'.
+  // dS^T goes to the partner, and warpgroup w's columns cq.. of dQ_i are dS_ij K_j + dS_ij' K_j'.
   __device__ __forceinline__ static void consume_pair(const BwdParams& p, const typename Pol::Info& bi, Pol& pol,
                                                       int k0, const Walk& walk, const Smem& sm, State& st) {
-    static_assert(NARROW == 0 && WIDE == 128, "the pair's dQ_i quarters are whole panels (D = 256)");
-    const int w = uniform_warpgroup_id(), wq = QW * w, wk = key_row(), cw = wide0(w);
-    const u32 other = cluster_rank() ^ 1;
-    const int cq = Smem::kx_col0() + 64 * w;  // this warpgroup's 64 columns of dQ_i
-    const auto sK = sm.k(), sV = sm.v(), sdO = sm.dout(0);
+    const int w = uniform_warpgroup_id(), wq = QW * w, wk = key_row(), cw = wide0(w), cn = narrow0(w);
+    const int rank = (int)cluster_rank();
+    const u32 other = rank ^ 1;
+    const int cq = pair_dq_panel(rank, w), cx = cq - Smem::kx_col0();  // in dQ_i / K_j, and in kx()
+    const int jlo = pair_dq_lo(rank, w), jhi = pair_dq_hi(rank, w);
+    const auto sK = sm.k(), sV = sm.v();
     const auto sKx = sm.kx();
     typename Pol::Info bh = bi;
     // ---- [mainloop_bwd_sm90_ws_split_d:pair_init] dK_j = dV_j = 0; K_j, V_j and kx() have landed ----
     zero(st.dk);
     zero(st.dv);
+    if constexpr (NARROW > 0) {
+      zero(st.dk2);
+      zero(st.dv2);
+    }
     if (walk.total > 0) mbar_wait(sm.kv_full(), 0);
     PipeState<STAGES> pipe;
 #pragma unroll 1
     for (int it = 0; it < walk.total; ++it, pipe.advance()) {
       const int q0 = walk.block(it) * BR, s = pipe.stage(), use = (it >> 1) & 1;  // use: of dsx(it), xfull, xfree
+      const auto sdO = sm.dout(DO_OWN_STAGE ? 0 : s);
       const bool edge = walk.edge(it);
       bh.set_head(p, walk.head(it));
+      if constexpr (Pol::GENERAL) pol.set_head(p, bh);
       const auto sQ = sm.q(s);
       const auto sP = sm.pt(it), sdS = sm.ds(it), sdSx = sm.dsx(it);
       // ---- [mainloop_bwd_sm90_ws_split_d:pair_scores] S^T = K_j Q_w^T, dP^T = V_j dO_w^T; P^T, dS^T ----
@@ -190,8 +213,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wgmma_fence();
       wg_gemm_abt(sc, sK, 0, sQ, wq, false);
       wgmma_commit();
-      mbar_wait(sm.do_full(0), it & 1);  // (dO_i's one stage lands after Q_i's)
-      wgmma_fence();
+      if constexpr (DO_OWN_STAGE) {
+        mbar_wait(sm.do_full(0), it & 1);  // (dO_i's one stage lands after Q_i's)
+        wgmma_fence();
+      }
       wg_gemm_abt(dp, sV, 0, sdO, wq, false);
       wgmma_commit();
       probs_sm90<T, true>(pol, sc, dp, q0 + wq, k0 + wk, sm.lse2(s) + wq, sm.delta(s) + wq, edge);
@@ -209,31 +234,35 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
         bulk_copy_to_cta(map_shared(sdSx.base, other), sdS.base, PS, bar);
       }
       // ---- [mainloop_bwd_sm90_ws_split_d:pair_products] dV_j += P^T dO_i; dQ_i's columns cq..; dK_j += dS^T Q_i ----
-      Acc<1, 8> dq;
+      Acc<1, 8> dq;  // a panel of dQ_i's columns
       fence_operand(st.dk);
       fence_operand(st.dv);
       wgmma_fence();
       wg_gemm_ab<BR>(st.dv, sP, 0, sdO, cw, true);
+      if constexpr (NARROW > 0) wg_gemm_ab<BR>(st.dv2, sP, 0, sdO, cn, true);
       wgmma_commit();
       mbar_wait(sm.xfull(it), use);  // the partner's dS^T of this step has landed
       wgmma_fence();
       wg_gemm_atb<BC>(dq, sdS, 0, sK, cq, false);
-      wg_gemm_atb<BC>(dq, sdSx, 0, sKx, 64 * w, true);
+      wg_gemm_atb<BC>(dq, sdSx, 0, sKx, cx, true);
       wgmma_commit();
       wg_gemm_ab<BR>(st.dk, sdS, 0, sQ, cw, true);
+      if constexpr (NARROW > 0) wg_gemm_ab<BR>(st.dk2, sdS, 0, sQ, cn, true);
       wgmma_commit();
       wgmma_wait<2>();
       fence_operand(st.dv);
-      mbar_arrive(sm.do_empty(0));  // dO_i: read by dP^T's and dV_j's products
+      if constexpr (NARROW > 0) fence_operand(st.dv2);
+      if constexpr (DO_OWN_STAGE) mbar_arrive(sm.do_empty(0));  // dO_i: read by dP^T's and dV_j's products
       // ---- [mainloop_bwd_sm90_ws_split_d:pair_dq] dQ_i's columns into the float32 rows, while dK_j runs ----
       wgmma_wait<1>();
-      fence_operand(dq);
       __syncwarp();
       if (lane_id() == 0) mbar_arrive_remote(sm.xfree(it), other);  // the partner's dS^T is read
-      add_dq(p, bh, dq, q0, cq);
+      fence_operand(dq);
+      add_dq(p, bh, dq, q0, cq, jlo, jhi);
       wgmma_wait<0>();
       fence_operand(st.dk);
-      mbar_arrive(sm.empty(s));  // Q_i, L_i, D_i of this stage
+      if constexpr (NARROW > 0) fence_operand(st.dk2);
+      mbar_arrive(sm.empty(s));  // Q_i, dO_i (D = 192), L_i, D_i of this stage
     }
   }
 

@@ -140,11 +140,20 @@ template <int BR> struct DynamicTileScheduler : LinearTileScheduler<BR, true, fa
 // tiles of all sequences, kv_heads, 1). hk is the kv head; the CTA walks the query heads of its group itself.
 // `reverse`: within one (sequence, kv head) the key tiles come last-first (the deterministic backward under a mask
 // bounded on the right: the key blocks that reach a query block first are then also dispatched first).
-template <int BC, bool VARLEN> struct KTileScheduler {
+// PAIR: CTAs 2m, 2m + 1 (a cluster of two) take key tiles 2i, 2i + 1 of one sequence: packed sequences are cut
+// into pairs of tiles (2 BC keys, an odd count's last tile past the keys) and the pair index mapped as above.
+template <int BC, bool VARLEN, bool PAIR = false> struct KTileScheduler {
   int b, hk, j;
   template <class P> __device__ __forceinline__ bool start(const P& p, bool reverse = false) {
     hk = blockIdx.y;
-    if (VARLEN && p.cu_seqlens_k) return varlen_tile(p.cu_seqlens_k, p.batch, BC, blockIdx.x, reverse, b, j);
+    if (VARLEN && p.cu_seqlens_k) {
+      if constexpr (PAIR) {
+        if (!varlen_tile(p.cu_seqlens_k, p.batch, 2 * BC, (int)blockIdx.x >> 1, reverse, b, j)) return false;
+        j = 2 * j + (int)(blockIdx.x & 1);
+        return true;
+      }
+      return varlen_tile(p.cu_seqlens_k, p.batch, BC, blockIdx.x, reverse, b, j);
+    }
     b = blockIdx.z;
     j = reverse ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
     return true;

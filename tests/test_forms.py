@@ -312,12 +312,12 @@ def test_fa3_backward_column_split_for_large_head_dims(d, split, smem, features)
     p = _problem(d, causal=features.pop("causal", False), **features)
     lau = forms.backward_plan(p)[1]
     assert lau.kernel == "fa3_bwd_sm90" and launch.fa3_bwd_split_d(lau.config) is split
-    tiles = p.k_tiles(64 if split else 128)
-    pair = split and d > 192 and not p.general  # clusters of two key blocks (launch.fa3_bwd_pair): an even grid
-    assert lau.block == (384, 1, 1) and lau.grid[0] == (tiles + tiles % 2 if pair else tiles)
-    assert launch.fa3_bwd_pair(lau.config, lau.template_args[1], p.general) is pair
-    if pair:  # one dO_i stage, the partner's dS^T twice and its K_j' half
-        smem = 231512
+    pair = split  # clusters of two key blocks (launch.fa3_bwd_pair): pairs of key tiles
+    tiles = 2 * p.k_tiles(128) if pair else p.k_tiles(64 if split else 128)
+    assert lau.block == (384, 1, 1) and lau.grid[0] == tiles and lau.grid[0] % (2 if pair else 1) == 0
+    assert launch.fa3_bwd_pair(lau.config, lau.template_args[1]) is pair
+    if pair:  # the partner's dS^T twice and its K_j' columns; at d = 256 dO_i in one stage of its own
+        smem = 231512 if lau.template_args[1] == 256 else 215112
     assert smem is None or lau.smem == smem
     assert lau.smem <= 232448 and lau.name_expression in {x.name_expression for x in forms.all_instantiations("sm_90")}
     det = [x.kernel for x in forms.backward_plan(p, deterministic=True)]

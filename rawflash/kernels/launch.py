@@ -170,6 +170,12 @@ def key_tile_grid(p: Problem, bc: int, what: str) -> tuple[int, int, int]:
     return _check_grid((p.k_tiles(bc), p.kv_heads, 1 if p.varlen else p.batch), what)
 
 
+def pair_key_tile_grid(p: Problem, bc: int, what: str) -> tuple[int, int, int]:
+    """KTileScheduler with PAIR: two CTAs (a cluster) per pair of key tiles of 2 bc keys, an odd count's last tile
+    past the keys; packed sequences: an upper bound on the pairs of all sequences."""
+    return _check_grid((2 * p.k_tiles(2 * bc), p.kv_heads, 1 if p.varlen else p.batch), what)
+
+
 def _elementwise(kernel: str, source: str, dtype: str, n: int) -> Launch:
     blocks = max(1, min(cdiv(n, ELEMENTWISE_THREADS), ELEMENTWISE_MAX_BLOCKS))
     return Launch(kernel, source, (CUDA_TYPES[dtype],), (blocks, 1, 1), (ELEMENTWISE_THREADS, 1, 1), 0)
@@ -228,26 +234,28 @@ def fa3_bwd_dq_buffers(cfg: TileConfig) -> int:
 FA3_BWD_SWAP_ROWS = 80  # mainloop_bwd_sm90_ws.cuh's SWAP_DQ tile (head_dim 128, not deterministic)
 
 
-def fa3_bwd_pair(cfg: TileConfig, d: int, general: bool) -> bool:
-    """fa3_bwd_sm90's column split at head_dim 256 on the plain policy (no packed lengths) runs in clusters of two
-    neighbouring key blocks that sum dQ_i between them (mainloop_bwd_sm90_ws_split_d.cuh's PAIR; fa3_bwd_sm90.cu's
-    __cluster_dims__ by the same rule): the grid's key tiles are rounded up to even, and the shared-memory map has
-    dO_i in one stage of its own, the partner's dS^T twice and its K_j' half."""
-    return fa3_bwd_split_d(cfg) and d == 256 and not general
+def fa3_bwd_pair(cfg: TileConfig, d: int) -> bool:
+    """fa3_bwd_sm90's column split (head_dim 192, 256) runs in clusters of two neighbouring key blocks that sum dQ_i
+    between them (mainloop_bwd_sm90_ws_split_d.cuh's PAIR; fa3_bwd_sm90.cu's __cluster_dims__ by the same rule):
+    the grid covers pairs of key tiles (``pair_key_tile_grid``), and the shared-memory map has the partner's dS^T
+    twice and 128 of its K_j' columns, at head_dim 256 also dO_i in one stage of its own (every policy, packed
+    sequences too)."""
+    return fa3_bwd_split_d(cfg) and d in (192, 256)
 
 
-def smem_fa3_bwd_sm90(cfg: TileConfig, d: int, general: bool) -> int:
+def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
     """SMEM_BYTES of mainloop_bwd_sm90_ws.cuh: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i);
     ``fa3_bwd_ds_buffers`` dS^T; ``fa3_bwd_dq_buffers`` float32 dQ_i tiles (all warpgroups' slices, br x d
     floats each); `stages` x (L_i, D_i) float32;
     1 + 2 stages mbarriers. The column split (``fa3_bwd_split_d``, mainloop_bwd_sm90_ws_split_d.cuh) has two P^T
     and two dS^T and no dQ_i tiles; its pair (``fa3_bwd_pair``) one dO_i stage, six such tiles, the partner's K_j'
     half and 2 + 4 mbarriers more."""
-    pair, split = fa3_bwd_pair(cfg, d, general), fa3_bwd_split_d(cfg)
-    do_stages = 1 if pair else cfg.stages
+    pair, split = fa3_bwd_pair(cfg, d), fa3_bwd_split_d(cfg)
+    do_stages = 1 if pair and d == 256 else cfg.stages  # (d = 192's pair keeps dO_i in Q_i's stages)
     tiles = cfg.bc * cfg.br * 2 * (6 if pair else 4 if split else fa3_bwd_ds_buffers(cfg))
-    mid = tiles + (cfg.bc * d if pair else 0) + (0 if split else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4)
-    barriers = 1 + 2 * cfg.stages + (2 + 4 if pair else 0)  # (the pair: dO_i's ring, xfull and xfree)
+    kx = cfg.bc * 128 * 2 if pair else 0  # the partner's K_j' columns: 128 of them at d = 192 and at d = 256
+    mid = tiles + kx + (0 if split else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4)
+    barriers = 1 + 2 * cfg.stages + ((2 if d == 256 else 0) + 4 if pair else 0)  # (the pair: dO_i's ring, xfull, xfree)
     return 1024 + (2 * cfg.bc + (cfg.stages + do_stages) * cfg.br) * d * 2 + mid + 2 * cfg.stages * cfg.br * 4 + 8 * barriers
 
 
@@ -483,11 +491,10 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
     if cfg.br == FA3_BWD_SWAP_ROWS and (d != 128 or deterministic):
         raise ValueError(f"fa3_bwd_sm90's {cfg.br}-row tile runs head_dim 128 (padded) without deterministic=True; "
                          f"got head_dim {d}, deterministic={deterministic}")
-    smem = smem_fa3_bwd_sm90(cfg, d, p.general)
+    smem = smem_fa3_bwd_sm90(cfg, d)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, deterministic, smem)
-    grid = key_tile_grid(p, cfg.bc, "fa3_bwd_sm90")
-    if fa3_bwd_pair(cfg, d, p.general):  # clusters of two key blocks: an odd count's last one has a masked partner
-        grid = (grid[0] + grid[0] % 2, grid[1], grid[2])
+    grid = (pair_key_tile_grid(p, cfg.bc, "fa3_bwd_sm90") if fa3_bwd_pair(cfg, d)
+            else key_tile_grid(p, cfg.bc, "fa3_bwd_sm90"))
     return Launch("fa3_bwd_sm90", "fa3_bwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
 
