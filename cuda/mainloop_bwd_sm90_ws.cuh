@@ -42,6 +42,32 @@ struct TmaBwd {
   TmaDesc q, k, v, dout, dq;
 };
 
+// A warpgroup's 64-row dQ_i accumulator (64 x 8 NT floats, times scale) into a float32 tile of shared memory cut
+// into panels of 32 columns (128 bytes a row, PANEL bytes apart) with the 128-byte swizzle (16-byte chunk c of row
+// r at c ^ r % 8), the layout the dq map's box reads (tma_reduce_add_2d). A 64-bit store is served a half-warp at a
+// time (lanes of groups g = 0..3, then 4..7), and groups g and g ^ 1 swizzle one chunk pair onto the same banks,
+// so lanes of odd g store the column slot y ^ 2 while the others store y: each half-warp then covers all 32 banks
+// and a store takes two wavefronts instead of four (ncu, session 8: 2.5-way average conflicts over the backward's
+// shared stores).
+template <int PANEL, int NT>
+__device__ __forceinline__ void stage_dq_rows(u32 tile, const Acc<1, NT>& dq, float scale) {
+  static_assert(NT % 4 == 0, "column slots y and y ^ 2 lie in one 32-column panel");
+  const int g = lane_id() >> 2, t = lane_id() & 3, qr = 16 * warp_in_group();
+  const bool odd = g & 1;
+#pragma unroll
+  for (int y = 0; y < NT; ++y)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int ys = odd ? y ^ 2 : y;  // this lane's column slot in this store
+      const int row = qr + g + 8 * hh, col = 8 * ys + 2 * t;  // col % 32 / 4 is the 16-byte chunk in the panel
+      const u32 at = tile + col / 32 * PANEL + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+      // (picked by a select: dq.v[0][ys], an index that depends on the lane, would put dq in local memory)
+      const float x0 = odd ? dq.v[0][y ^ 2][2 * hh] : dq.v[0][y][2 * hh];
+      const float x1 = odd ? dq.v[0][y ^ 2][2 * hh + 1] : dq.v[0][y][2 * hh + 1];
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(scale * x0), "f"(scale * x1) : "memory");
+    }
+}
+
 // The producer of both FA3 backward mainloops (this one and mainloop_bwd_sm90_ws_split_d's): its warpgroup gives
 // registers back, and its warp WARP (the first one) copies; Sm is the mainloop's shared memory, which has K_j, V_j
 // (k(), v()), the ring's Q_i, dO_i, L_i, D_i (q(s), dout(s), lse2(s), delta(s)) and their barriers (kv_full(),
@@ -328,21 +354,17 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   __device__ __forceinline__ static void consumer_start() { regs_claim<CONSUMER_REGS>(); }
 
   // dQ_i's slice (rows dq_row(w).., columns dq_col(w).., times the scale) from registers to this warpgroup's shared
-  // tile, then one thread adds the tile into the float32 dQ rows (rows past the sequence carry zeros: their dS is
-  // 0). The tile is cut
-  // into panels of 32 columns (128 bytes a row) with the 128-byte swizzle (16-byte chunk c of row r at c ^ r % 8),
-  // the layout the dq map's box reads. A 64-bit store is served a half-warp at a time (lanes of groups g = 0..3,
-  // then 4..7), and groups g and g ^ 1 swizzle one chunk pair onto the same banks, so lanes of odd g store the
-  // column slot y ^ 2 while the others store y: each half-warp then covers all 32 banks and a store takes two
-  // wavefronts instead of four (ncu, session 8: 2.5-way average conflicts over the backward's shared stores).
+  // tile (stage_dq_rows' layout; SWAP_DQ: the transposed accumulator, stored below), then one thread adds the tile
+  // into the float32 dQ rows (rows past the sequence carry zeros: their dS is 0).
   template <int NT>
   __device__ __forceinline__ static void reduce_dq_tma(const BwdParams& p, const TmaBwd& tma, const Smem& sm,
                                                        const typename Pol::Info& bh, const Acc<1, NT>& dq, int q0,
                                                        int it) {
-    const int w = uniform_warpgroup_id(), g = lane_id() >> 2, t = lane_id() & 3, qr = 16 * warp_in_group();
+    const int w = uniform_warpgroup_id();
     const u32 tile = sm.dq(w, it);
     if constexpr (DET) named_sync(DQ_EMPTY + 2 * w + (it & 1), DQ_PAIR);  // the writer has read this buffer
     if constexpr (SWAP_DQ) {
+      const int g = lane_id() >> 2, t = lane_id() & 3, qr = 16 * warp_in_group();
       // dq holds dQ_i^T: row 16 (warp) + g + 8 hh is head column dq_col(w) + that, column 8y + 2t + e query row
       // 8y + 2t + e. One float a store: a warp's 32 lanes cover 4 query rows (2t + e: row % 8 takes 4 values
       // of one parity) by 8 columns (two 16-byte chunks), whose swizzled chunks are 8 distinct ones: no conflict.
@@ -357,20 +379,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
             asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(p.scale * dq.v[0][y][2 * hh + e]) : "memory");
           }
     } else {
-      static_assert(SWAP_DQ || NT % 4 == 0, "column slots y and y ^ 2 lie in one 32-column panel");
-      const bool odd = g & 1;
-#pragma unroll
-      for (int y = 0; y < NT; ++y)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int ys = odd ? y ^ 2 : y;  // this lane's column slot in this store
-          const int row = qr + g + 8 * hh, col = 8 * ys + 2 * t;  // col % 32 / 4 is the 16-byte chunk in the panel
-          const u32 at = tile + col / 32 * DQ_PANEL + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
-          // (picked by a select: dq.v[0][ys], an index that depends on the lane, would put dq in local memory)
-          const float x0 = odd ? dq.v[0][y ^ 2][2 * hh] : dq.v[0][y][2 * hh];
-          const float x1 = odd ? dq.v[0][y ^ 2][2 * hh + 1] : dq.v[0][y][2 * hh + 1];
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(p.scale * x0), "f"(p.scale * x1) : "memory");
-        }
+      stage_dq_rows<DQ_PANEL>(tile, dq, p.scale);
     }
     fence_async_smem();
     if constexpr (DET) {  // the dQ writer adds it, in its turn (write_dq)

@@ -32,10 +32,13 @@
 // panel 1 (add_dq's column-group window): 96 columns a CTA. Each CTA keeps 128 of the partner's K_j' columns (kx(),
 // 16 KB, copied once with K_j: its half at D = 256, columns 0..127 or 64..191 at D = 192) and receives the
 // partner's dS^T every step (dsx(), 8 KB, a bulk copy from the partner's shared memory into this one's, completing
-// on this CTA's barrier xfull), so it adds half the floats a step. At D = 256 the room for kx() and two dsx()
-// (32 KB) is dO_i's: one stage of its own (BwdWsSmem's DO_RING), released right after dV_j's product; D = 192 has
-// the room beside two stages of Q_i, dO_i (215112 B). Each step then runs dV_j (release dO_i), dQ_i (release the
-// partner's dS^T on its barrier xfree, add dQ_i while dK_j runs), dK_j (release Q_i). A CTA writes its dS^T of
+// on this CTA's barrier xfull), so it adds half the floats a step. The room for kx() and two dsx() (32 KB at
+// D = 256) is dO_i's: one stage of its own (BwdWsSmem's DO_RING), released right after dV_j's product. At D = 192
+// that also leaves room for a 64 x 64 float32 tile per consumer warpgroup (BULK_DQ, 223320 B in all): the
+// warpgroup stores its dQ_i panel there (stage_dq_rows, the dq map's layout) and one thread adds the panel's
+// 32-column boxes of its window by TMA reduce-add (session 21: 1.08 - 1.17x over the vector atomics, which stay
+// at D = 256 for want of room). Each step then runs dV_j (release dO_i), dQ_i (release the partner's dS^T on its
+// barrier xfree, add dQ_i while dK_j runs), dK_j (release Q_i). A CTA writes its dS^T of
 // step it (ds(it), and the copy into the partner's dsx(it)) only once the partner has read the one of step it - 2
 // (xfree: 8 warp arrivals from the partner), which also means that copy has landed. The partner of an odd count's
 // last key block walks with it past the keys (all its keys masked). (Measured in session 20 beside copying Q_i,
@@ -57,8 +60,11 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   static constexpr bool PAIR = D == 256 || D == 192;  // (packed sequences: KTileScheduler keeps a pair in one sequence)
   // PAIR at D = 192: CTA 0 owns dQ_i's columns 0..95 (warpgroup 0 a panel, 1 a half panel), CTA 1 96..191 (a half
   // panel, a panel); its kx() holds the partner's columns 0..127 or 64..191. At D = 256 each quarter is a panel.
-  // D = 192 has room for dO_i in Q_i's stages (215 KB with kx() and two dsx()), D = 256 does not.
-  static constexpr bool DO_OWN_STAGE = PAIR && D == 256;
+  // dO_i in one stage of its own (both head dims, the head comment); BULK_DQ (D = 192): the dQ_i panels by TMA
+  // reduce-add from a float32 tile per warpgroup (cp.reduce.async.bulk: 1.45 - 1.6x the atomics' rate into L2,
+  // tools/l2_reduce.py), which D = 256 has no room for.
+  static constexpr bool DO_OWN_STAGE = PAIR, BULK_DQ = PAIR && D == 192;
+  static constexpr int DQ_TILE = 64 * 64 * 4, DQ_PANEL = 64 * 128;  // a warpgroup's 64 x 64 floats, 32-column panels
   using Walk = QIter;
   static constexpr int BR = BR_, BC = BC_, NWG = 2, NTHREADS = (NWG + 1) * 128;
   static constexpr int QW = BR_ / NWG, NQ = QW / 8;           // a warpgroup's queries of S^T, dP^T
@@ -67,13 +73,15 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   static constexpr int KX = PAIR ? BC_ * 128 * 2 : 0;  // the partner's K_j' columns around this CTA's dQ_i half
   // BwdWsSmem's map with 2 x P^T and 2 x dS^T as its middle; PAIR: also 2 x the partner's dS^T and kx(), dO_i in
   // one stage of its own, and the barriers xfull(0 / 1), xfree(0 / 1)
-  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, (PAIR ? 6 : 4) * PS + KX, DO_OWN_STAGE ? 1 : STAGES, PAIR ? 4 : 0>;
+  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, (PAIR ? 6 : 4) * PS + KX + (BULK_DQ ? NWG * DQ_TILE : 0),
+                        DO_OWN_STAGE ? 1 : STAGES, PAIR ? 4 : 0>;
   static constexpr int SMEM_BYTES = Map::BYTES;
   // dK, dV (D floats a thread in all) and dQ_i's half (D / 4) or S^T, dP^T (16 + 16): the consumers take 240,
   // the producer (one warp issuing copies, 32 lanes storing L_i, D_i) keeps 24, FA3's split for two consumer
   // warpgroups.
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
   static constexpr int PS_BARRIER = 1;  // named barrier of the consumer warpgroups: every P^T, dS^T is in shared memory
+  static constexpr int DQ_BARRIER = 2;  // BULK_DQ: + w, warpgroup w's dQ_i tile is in shared memory
   static_assert(BR_ == 64 && BC_ == 64 && D % 64 == 0, "64 keys shared by two warpgroups; dQ_i is one 64-row wgmma");
   static_assert(NARROW == 0 || NARROW == 32, "a warpgroup's columns: whole panels, or whole panels and a half panel");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= launch_regs(NTHREADS) * NTHREADS,
@@ -96,6 +104,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     // PAIR: the partner's dS^T of step it; its K_j' columns kx_col0().. (keys x D / 2)
     __device__ __forceinline__ Sw128<T, BC_, BR_> dsx(int it) const { return {this->mid() + (4 + (it & 1)) * PS}; }
     __device__ __forceinline__ Sw128<T, BC_, 128> kx() const { return {this->mid() + 6 * PS}; }
+    // BULK_DQ: warpgroup w's float32 dQ_i tile (stage_dq_rows' layout)
+    __device__ __forceinline__ u32 dq_tile(int w) const { return this->mid() + 6 * PS + KX + w * DQ_TILE; }
     __device__ __forceinline__ static int kx_col0() { return (int)cluster_rank() * (D == 256 ? 128 : 64); }
     __device__ __forceinline__ u32 xfull(int it) const { return this->extra(it & 1); }
     __device__ __forceinline__ u32 xfree(int it) const { return this->extra(2 + (it & 1)); }
@@ -153,9 +163,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     }
   }
 
-  __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd&, const typename Pol::Info& bi,
+  __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
                                                  Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
-    if constexpr (PAIR) consume_pair(p, bi, pol, k0, walk, sm, st);
+    if constexpr (PAIR) consume_pair(p, tma, bi, pol, k0, walk, sm, st);
     else consume_split(p, bi, pol, k0, walk, sm, st);
   }
 
@@ -179,8 +189,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
 
   // PAIR (the head comment): a step of the pair. The scores and probabilities as consume_split's; then this CTA's
   // dS^T goes to the partner, and warpgroup w's columns cq.. of dQ_i are dS_ij K_j + dS_ij' K_j'.
-  __device__ __forceinline__ static void consume_pair(const BwdParams& p, const typename Pol::Info& bi, Pol& pol,
-                                                      int k0, const Walk& walk, const Smem& sm, State& st) {
+  __device__ __forceinline__ static void consume_pair(const BwdParams& p, const TmaBwd& tma,
+                                                      const typename Pol::Info& bi, Pol& pol, int k0, const Walk& walk,
+                                                      const Smem& sm, State& st) {
     const int w = uniform_warpgroup_id(), wq = QW * w, wk = key_row(), cw = wide0(w), cn = narrow0(w);
     const int rank = (int)cluster_rank();
     const u32 other = rank ^ 1;
@@ -223,6 +234,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       zero_rows_past(bh, sc, dp, q0, wq);
       // ds(it) and the partner's dsx(it) are free once the partner has read this CTA's dS^T of step it - 2
       mbar_wait(sm.xfree(it), use ^ 1);
+      // BULK_DQ: the reduce-add of step it - 1 has read this warpgroup's dQ_i tile before anyone passes the barrier
+      if constexpr (BULK_DQ)
+        if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
       store_acc(sP, sc, wk, wq);
       store_acc(sdS, dp, wk, wq);
       fence_async_smem();
@@ -258,12 +272,27 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       __syncwarp();
       if (lane_id() == 0) mbar_arrive_remote(sm.xfree(it), other);  // the partner's dS^T is read
       fence_operand(dq);
-      add_dq(p, bh, dq, q0, cq, jlo, jhi);
+      if constexpr (BULK_DQ) {  // the panel's 32-column boxes in [8 jlo, 8 jhi): one thread adds them
+        stage_dq_rows<DQ_PANEL>(sm.dq_tile(w), dq, p.scale);
+        fence_async_smem();
+        named_sync(DQ_BARRIER + w, 128);
+        if ((threadIdx.x & 127) == 0) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            if (4 * c >= jlo && 4 * c < jhi)
+              tma_reduce_add_2d(tma.dq, sm.dq_tile(w) + c * DQ_PANEL, cq + 32 * c, (int)(bh.row0 + q0));
+          bulk_commit();
+        }
+      } else {
+        add_dq(p, bh, dq, q0, cq, jlo, jhi);
+      }
       wgmma_wait<0>();
       fence_operand(st.dk);
       if constexpr (NARROW > 0) fence_operand(st.dk2);
-      mbar_arrive(sm.empty(s));  // Q_i, dO_i (D = 192), L_i, D_i of this stage
+      mbar_arrive(sm.empty(s));  // Q_i, L_i, D_i of this stage
     }
+    if constexpr (BULK_DQ)  // shared memory outlives the last reduce-add's reads
+      if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
   }
 
   __device__ __forceinline__ static void consume_split(const BwdParams& p, const typename Pol::Info& bi, Pol& pol,

@@ -237,9 +237,9 @@ FA3_BWD_SWAP_ROWS = 80  # mainloop_bwd_sm90_ws.cuh's SWAP_DQ tile (head_dim 128,
 def fa3_bwd_pair(cfg: TileConfig, d: int) -> bool:
     """fa3_bwd_sm90's column split (head_dim 192, 256) runs in clusters of two neighbouring key blocks that sum dQ_i
     between them (mainloop_bwd_sm90_ws_split_d.cuh's PAIR; fa3_bwd_sm90.cu's __cluster_dims__ by the same rule):
-    the grid covers pairs of key tiles (``pair_key_tile_grid``), and the shared-memory map has the partner's dS^T
-    twice and 128 of its K_j' columns, at head_dim 256 also dO_i in one stage of its own (every policy, packed
-    sequences too)."""
+    the grid covers pairs of key tiles (``pair_key_tile_grid``), and the shared-memory map has dO_i in one stage of
+    its own, the partner's dS^T twice and 128 of its K_j' columns, at head_dim 192 also each consumer warpgroup's
+    float32 dQ_i panel for the TMA reduce-add (every policy, packed sequences too)."""
     return fa3_bwd_split_d(cfg) and d in (192, 256)
 
 
@@ -248,14 +248,15 @@ def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
     ``fa3_bwd_ds_buffers`` dS^T; ``fa3_bwd_dq_buffers`` float32 dQ_i tiles (all warpgroups' slices, br x d
     floats each); `stages` x (L_i, D_i) float32;
     1 + 2 stages mbarriers. The column split (``fa3_bwd_split_d``, mainloop_bwd_sm90_ws_split_d.cuh) has two P^T
-    and two dS^T and no dQ_i tiles; its pair (``fa3_bwd_pair``) one dO_i stage, six such tiles, the partner's K_j'
-    half and 2 + 4 mbarriers more."""
+    and two dS^T and no dQ_i tiles; its pair (``fa3_bwd_pair``) one dO_i stage, six such tiles, 128 columns of the
+    partner's K_j', 2 + 4 mbarriers more and at d = 192 two 64 x 64 float32 dQ_i tiles."""
     pair, split = fa3_bwd_pair(cfg, d), fa3_bwd_split_d(cfg)
-    do_stages = 1 if pair and d == 256 else cfg.stages  # (d = 192's pair keeps dO_i in Q_i's stages)
+    do_stages = 1 if pair else cfg.stages
     tiles = cfg.bc * cfg.br * 2 * (6 if pair else 4 if split else fa3_bwd_ds_buffers(cfg))
     kx = cfg.bc * 128 * 2 if pair else 0  # the partner's K_j' columns: 128 of them at d = 192 and at d = 256
-    mid = tiles + kx + (0 if split else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4)
-    barriers = 1 + 2 * cfg.stages + ((2 if d == 256 else 0) + 4 if pair else 0)  # (the pair: dO_i's ring, xfull, xfree)
+    bulk = 2 * 64 * 64 * 4 if pair and d == 192 else 0  # (BULK_DQ: each consumer warpgroup's float32 dQ_i panel)
+    mid = tiles + kx + bulk + (0 if split else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4)
+    barriers = 1 + 2 * cfg.stages + (2 + 4 if pair else 0)  # (the pair: dO_i's ring, xfull, xfree)
     return 1024 + (2 * cfg.bc + (cfg.stages + do_stages) * cfg.br) * d * 2 + mid + 2 * cfg.stages * cfg.br * 4 + 8 * barriers
 
 
