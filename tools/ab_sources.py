@@ -16,6 +16,15 @@ the work around them stays, the additions never run) to see what cutting their t
 
 Precompile the extra folders first on a GPU machine (``tools/precompile.py --cuda-dir DIR --filter ...``): a
 folder's kernels otherwise compile on their first call, in series.
+
+``--trees``: each source is a whole tree instead (a checkout or ``git archive`` with its own ``rawflash/`` and
+``cuda/``), for a change to ``launch.py`` too (shared memory, grids: the folders of one process share this tree's
+launch.py, and a kernel whose shared memory it sizes differently fails its compile-time check). Each tree is timed
+in a process of its own with its ``rawflash`` on PYTHONPATH, cuDNN beside it in each (``torch-cudnn (TREE)``), and
+the rows are merged by case: not interleaved case by case, so read each tree against its own cuDNN column. The
+child runs the tree's own ``tools/ab_sources.py``; precompile with ``cd TREE && tools/precompile.py``.
+
+    python tools/ab_sources.py --trees --sources expt/main,. --direction bwd --head-dims 192
 """
 from __future__ import annotations
 
@@ -46,9 +55,15 @@ def main() -> None:
     ap.add_argument("--time-invalid", action="store_true",
                     help="time a source even when it fails validation (a ceiling: a copy with a part switched off; "
                          "not with --decode)")
+    ap.add_argument("--trees", action="store_true",
+                    help="each source is a whole tree (its own rawflash/ and cuda/), timed in a process of its own")
     args = ap.parse_args()
     sources = [str(Path(s).resolve()) for s in args.sources.split(",")]
     names = [os.path.relpath(s) for s in sources]
+    if args.trees:
+        if args.decode:
+            ap.error("--trees times the FA2 sweep's cases (not --decode)")
+        return trees_ab(sources, names, args)
     if args.decode:
         return decode_ab(sources, names, args)
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
@@ -88,6 +103,54 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(dict(sources=names, rows=rows), indent=1))
     print_table(rows, [*names, "torch-cudnn"], f"TFLOP/s ({args.direction}, {args.dtype})")
+
+
+CASE_KEYS = ("direction", "dtype", "head_dim", "seqlen", "causal")
+
+
+def merge_tree_rows(per_tree: dict[str, list[dict]], child_column: str = "cuda") -> list[dict]:
+    """The rows of each tree's own process (``per_tree``: tree name -> that child's rows, whose source column is
+    ``child_column``) merged by case: the tree's TFLOP/s under its name, its process's cuDNN as ``torch-cudnn
+    (NAME)``, in the order the cases first appear."""
+    merged: dict[tuple, dict] = {}
+    for name, rows in per_tree.items():
+        for r in rows:
+            row = merged.setdefault(tuple(r[k] for k in CASE_KEYS), {k: r[k] for k in CASE_KEYS})
+            row[name] = r.get(child_column, "missing")
+            if f"{child_column} check" in r:
+                row[f"{name} check"] = r[f"{child_column} check"]
+            if "torch-cudnn" in r:
+                row[f"torch-cudnn ({name})"] = r["torch-cudnn"]
+    return list(merged.values())
+
+
+def trees_ab(sources: list[str], names: list[str], args) -> None:
+    """--trees: each tree's cases in a process of its own (that tree's tools/ab_sources.py on its own cuda/, its
+    rawflash on PYTHONPATH), then one table of them all."""
+    import subprocess
+    import tempfile
+
+    per_tree = {}
+    for src, name in zip(sources, names):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rows.json"
+            cmd = [sys.executable, str(Path(src) / "tools" / "ab_sources.py"), "--sources", "cuda",
+                   "--direction", args.direction, "--dtype", args.dtype, "--head-dims", args.head_dims,
+                   "--seqlens", args.seqlens, "--causal", args.causal, "--repeats", str(args.repeats),
+                   "--out", str(out)] + (["--no-peer"] if args.no_peer else []) + \
+                  (["--time-invalid"] if args.time_invalid else [])
+            env = {k: v for k, v in os.environ.items() if k != "RAWFLASH_CUDA_DIR"}
+            env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+            print(f"---- {name} (its own process) ----", flush=True)
+            done = subprocess.run(cmd, cwd=src, env=env)
+            per_tree[name] = json.loads(out.read_text())["rows"] if out.exists() else []
+            if done.returncode:
+                print(f"{name}: its process exited {done.returncode}", flush=True)
+    rows = merge_tree_rows(per_tree)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(sources=names, trees=True, rows=rows), indent=1))
+    peers = [] if args.no_peer else [f"torch-cudnn ({n})" for n in names]
+    print_table(rows, [*names, *peers], f"TFLOP/s ({args.direction}, {args.dtype}), one process a tree")
 
 
 def record_row(rows: list[dict], row: dict) -> None:
