@@ -109,6 +109,13 @@ def test_launch_config_deterministic_backward_and_text():
     assert "fa1_fwd<" in out and "fa1_finalize<" in out and "108 SMs" in out
 
 
+def test_launch_config_reports_the_backward_pairs_clusters():
+    for d, paired in ((128, False), (192, True), (256, True)):
+        rows = invoke_json("launch-config", "--head-dim", str(d), "--direction", "bwd", "--gpu", "sm_90")["launches"]
+        main = next(r for r in rows if r["kernel"] == "fa3_bwd_sm90")
+        assert ("clusters of 2 CTAs (2x1x1)" in main.get("note", "")) is paired, (d, main.get("note"))
+
+
 # ---------------------------------------------------------------- occupancy
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])

@@ -316,6 +316,7 @@ def test_fa3_backward_column_split_for_large_head_dims(d, split, smem, features)
     tiles = 2 * p.k_tiles(128) if pair else p.k_tiles(64 if split else 128)
     assert lau.block == (384, 1, 1) and lau.grid[0] == tiles and lau.grid[0] % (2 if pair else 1) == 0
     assert launch.fa3_bwd_pair(lau.config, lau.template_args[1]) is pair
+    assert lau.cluster == ((2, 1, 1) if pair else (1, 1, 1))  # (fa3_bwd_sm90.cu's __cluster_dims__, reported)
     if pair:  # dO_i in one stage of its own, the partner's dS^T twice, its K_j' columns; at d = 192 the dQ_i tiles
         smem = 231512 if lau.template_args[1] == 256 else 223320
     assert smem is None or lau.smem == smem

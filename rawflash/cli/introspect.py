@@ -163,7 +163,13 @@ def launch_row(p: Problem, direction: str, lau: Launch) -> dict:
            "Br": cfg.br if cfg else None, "Bc": cfg.bc if cfg else None, "warps": cfg.warps if cfg else None,
            "grid": _dims(lau.grid), "block": _dims(lau.block), "smem": lau.smem, "ctas": lau.ctas,
            "tiles": counted[0] if counted else None, "skipped": counted[1] if counted else None}
-    return add_note(row, None if cfg else ELEMENTWISE_NOTE)
+    return add_note(row, None if cfg else ELEMENTWISE_NOTE, cluster_note(lau))
+
+
+def cluster_note(lau: Launch) -> str | None:
+    """A launch whose CTAs run in clusters (fa3_bwd_sm90's key-block pairs, launch.fa3_bwd_pair) says so."""
+    n = lau.cluster[0] * lau.cluster[1] * lau.cluster[2]
+    return None if n == 1 else f"clusters of {n} CTAs ({_dims(lau.cluster)}): neighbouring key blocks sum dQ_i"
 
 
 def add_note(row: dict, *reasons: str | None) -> dict:

@@ -116,6 +116,7 @@ class Launch:
     smem: int
     config: TileConfig | None = None
     target: str | None = None  # a compile target other than the GPU's own (sm_90a for wgmma), else None
+    cluster: tuple[int, int, int] = (1, 1, 1)  # the kernel's __cluster_dims__ (compiled in; the launch only reports it)
 
     def compile_arch(self, arch: str) -> str:
         """The NVRTC target this launch compiles for when the GPU (or the offline check) is ``arch``."""
@@ -496,7 +497,8 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, deterministic, smem)
     grid = (pair_key_tile_grid(p, cfg.bc, "fa3_bwd_sm90") if fa3_bwd_pair(cfg, d)
             else key_tile_grid(p, cfg.bc, "fa3_bwd_sm90"))
-    return Launch("fa3_bwd_sm90", "fa3_bwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
+    return Launch("fa3_bwd_sm90", "fa3_bwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a",
+                  cluster=(2, 1, 1) if fa3_bwd_pair(cfg, d) else (1, 1, 1))
 
 
 def fa3_bwd_dq_rotates(p: Problem, cfg: TileConfig, sms: int) -> bool:
