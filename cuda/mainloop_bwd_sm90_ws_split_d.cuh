@@ -13,9 +13,8 @@
 //   ones its neighbour is still reading); one named barrier per step joins the two halves;
 // - by columns for the products: warpgroup w accumulates its half of the columns of dV_j += P^T dO_i and
 //   dK_j += dS^T Q_i over all 64 queries (M = 64 keys, N = D / 2, K = 64, A = P^T / dS^T from shared memory) and
-//   computes its half of dQ_i = dS K_j (M = 64 queries, N = D / 2, K = 64 keys), added into the float32 dQ rows
-//   with vector atomics while dK, dV run. (The 64 KB float32 tile a TMA reduce-add would read does not fit beside
-//   two stages at D = 256: 231464 B of shared memory as it is.)
+//   computes part of dQ_i = dS K_j (M = 64 queries, K = 64 keys), added into the float32 dQ rows while dK_j runs
+//   (summed with the cluster partner's first: PAIR below).
 // Registers of a consumer thread at D = 256: dK, dV halves 64 + 64, S^T and dP^T 16 + 16 or dQ_i's half 64.
 // A half is cut at 64-column panels (an operand starting inside a 128-byte-swizzle panel must end there): at
 // D = 256 one 128-column slice, at D = 192 a 64-column panel and a 32-column half panel (WIDE, NARROW), warpgroup
@@ -57,24 +56,25 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   using T = T_;
   using Pol = Pol_;
   static constexpr bool DET = false;
-  static constexpr bool PAIR = D == 256 || D == 192;  // (packed sequences: KTileScheduler keeps a pair in one sequence)
+  // (every head dim of the column split runs in pairs; packed sequences: KTileScheduler keeps a pair in one sequence)
+  static constexpr bool PAIR = true;
+  static_assert(D == 192 || D == 256, "the column split runs head_dim 192 and 256 (launch.fa3_bwd_sm90 checks it)");
   // PAIR at D = 192: CTA 0 owns dQ_i's columns 0..95 (warpgroup 0 a panel, 1 a half panel), CTA 1 96..191 (a half
   // panel, a panel); its kx() holds the partner's columns 0..127 or 64..191. At D = 256 each quarter is a panel.
-  // dO_i in one stage of its own (both head dims, the head comment); BULK_DQ (D = 192): the dQ_i panels by TMA
-  // reduce-add from a float32 tile per warpgroup (cp.reduce.async.bulk: 1.45 - 1.6x the atomics' rate into L2,
-  // tools/l2_reduce.py), which D = 256 has no room for.
-  static constexpr bool DO_OWN_STAGE = PAIR, BULK_DQ = PAIR && D == 192;
+  // dO_i in one stage of its own (the head comment); BULK_DQ (D = 192): the dQ_i panels by TMA reduce-add from a
+  // float32 tile per warpgroup (cp.reduce.async.bulk: 1.45 - 1.6x the atomics' rate into L2, tools/l2_reduce.py),
+  // which D = 256 has no room for.
+  static constexpr bool BULK_DQ = D == 192;
   static constexpr int DQ_TILE = 64 * 64 * 4, DQ_PANEL = 64 * 128;  // a warpgroup's 64 x 64 floats, 32-column panels
   using Walk = QIter;
   static constexpr int BR = BR_, BC = BC_, NWG = 2, NTHREADS = (NWG + 1) * 128;
   static constexpr int QW = BR_ / NWG, NQ = QW / 8;           // a warpgroup's queries of S^T, dP^T
   static constexpr int DW = D / NWG, WIDE = DW / 64 * 64, NARROW = DW - WIDE;  // a warpgroup's columns
   static constexpr int PS = BC_ * BR_ * 2;
-  static constexpr int KX = PAIR ? BC_ * 128 * 2 : 0;  // the partner's K_j' columns around this CTA's dQ_i half
-  // BwdWsSmem's map with 2 x P^T and 2 x dS^T as its middle; PAIR: also 2 x the partner's dS^T and kx(), dO_i in
-  // one stage of its own, and the barriers xfull(0 / 1), xfree(0 / 1)
-  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, (PAIR ? 6 : 4) * PS + KX + (BULK_DQ ? NWG * DQ_TILE : 0),
-                        DO_OWN_STAGE ? 1 : STAGES, PAIR ? 4 : 0>;
+  static constexpr int KX = BC_ * 128 * 2;  // the partner's K_j' columns around this CTA's dQ_i half
+  // BwdWsSmem's map with 2 x P^T, 2 x dS^T, 2 x the partner's dS^T, kx() (and BULK_DQ's tiles) as its middle, dO_i
+  // in one stage of its own, and the barriers xfull(0 / 1), xfree(0 / 1)
+  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, 6 * PS + KX + (BULK_DQ ? NWG * DQ_TILE : 0), 1, 4>;
   static constexpr int SMEM_BYTES = Map::BYTES;
   // dK, dV (D floats a thread in all) and dQ_i's half (D / 4) or S^T, dP^T (16 + 16): the consumers take 240,
   // the producer (one warp issuing copies, 32 lanes storing L_i, D_i) keeps 24, FA3's split for two consumer
@@ -101,7 +101,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     // P^T and dS^T of step it: keys x queries, K-major for dK, dV (A operand) and MN-major for dQ_i
     __device__ __forceinline__ Sw128<T, BC_, BR_> pt(int it) const { return {this->mid() + (it & 1) * PS}; }
     __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const { return {this->mid() + (2 + (it & 1)) * PS}; }
-    // PAIR: the partner's dS^T of step it; its K_j' columns kx_col0().. (keys x D / 2)
+    // the partner's dS^T of step it; its K_j' columns kx_col0().. (keys x 128)
     __device__ __forceinline__ Sw128<T, BC_, BR_> dsx(int it) const { return {this->mid() + (4 + (it & 1)) * PS}; }
     __device__ __forceinline__ Sw128<T, BC_, 128> kx() const { return {this->mid() + 6 * PS}; }
     // BULK_DQ: warpgroup w's float32 dQ_i tile (stage_dq_rows' layout)
@@ -110,11 +110,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     __device__ __forceinline__ u32 xfull(int it) const { return this->extra(it & 1); }
     __device__ __forceinline__ u32 xfree(int it) const { return this->extra(2 + (it & 1)); }
     __device__ __forceinline__ void init() const {
-      if constexpr (PAIR) {
-        for (int b = 0; b < 2; ++b) {
-          mbar_init(xfull(b), 1);         // the partner's expect_tx, then its copy's bytes
-          mbar_init(xfree(b), NWG * 4);   // one arrival per consumer warp of the partner
-        }
+      for (int b = 0; b < 2; ++b) {
+        mbar_init(xfull(b), 1);        // the partner's expect_tx, then its copy's bytes
+        mbar_init(xfree(b), NWG * 4);  // one arrival per consumer warp of the partner
       }
       Map::init();
     }
@@ -146,7 +144,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   // (jlo, jhi: only the 8-column groups j in [jlo, jhi), the pair's shared panel at D = 192)
   template <int NT>
   __device__ __forceinline__ static void add_dq(const BwdParams& p, const typename Pol::Info& bh, const Acc<1, NT>& dq,
-                                                int q0, int c0, int jlo = 0, int jhi = NT) {
+                                                int q0, int c0, int jlo, int jhi) {
     const int g = lane_id() >> 2, t = lane_id() & 3;
     const bool odd = t & 1;
     const int row = q0 + 16 * warp_in_group() + g + (odd ? 8 : 0), col = c0 + 2 * (t & ~1);
@@ -161,12 +159,6 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
         red_add4(at + 8 * j, p.scale * (odd ? r0 : x[0]), p.scale * (odd ? r1 : x[1]), p.scale * (odd ? x[2] : r0),
                  p.scale * (odd ? x[3] : r1));
     }
-  }
-
-  __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
-                                                 Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
-    if constexpr (PAIR) consume_pair(p, tma, bi, pol, k0, walk, sm, st);
-    else consume_split(p, bi, pol, k0, walk, sm, st);
   }
 
   // P = dS = 0 on rows past the sequence: the copies may have read a packed neighbour's rows (not zeros)
@@ -187,11 +179,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   __device__ __forceinline__ static int pair_dq_lo(int rank, int w) { return D == 192 && rank == 1 && w == 0 ? 4 : 0; }
   __device__ __forceinline__ static int pair_dq_hi(int rank, int w) { return D == 192 && rank == 0 && w == 1 ? 4 : 8; }
 
-  // PAIR (the head comment): a step of the pair. The scores and probabilities as consume_split's; then this CTA's
-  // dS^T goes to the partner, and warpgroup w's columns cq.. of dQ_i are dS_ij K_j + dS_ij' K_j'.
-  __device__ __forceinline__ static void consume_pair(const BwdParams& p, const TmaBwd& tma,
-                                                      const typename Pol::Info& bi, Pol& pol, int k0, const Walk& walk,
-                                                      const Smem& sm, State& st) {
+  // PAIR (the head comment): the walk of the pair. Each step's scores and probabilities split by queries; then
+  // this CTA's dS^T goes to the partner, and warpgroup w's columns cq.. of dQ_i are dS_ij K_j + dS_ij' K_j'.
+  __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
+                                                 Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
     const int w = uniform_warpgroup_id(), wq = QW * w, wk = key_row(), cw = wide0(w), cn = narrow0(w);
     const int rank = (int)cluster_rank();
     const u32 other = rank ^ 1;
@@ -212,7 +203,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
 #pragma unroll 1
     for (int it = 0; it < walk.total; ++it, pipe.advance()) {
       const int q0 = walk.block(it) * BR, s = pipe.stage(), use = (it >> 1) & 1;  // use: of dsx(it), xfull, xfree
-      const auto sdO = sm.dout(DO_OWN_STAGE ? 0 : s);
+      const auto sdO = sm.dout(0);
       const bool edge = walk.edge(it);
       bh.set_head(p, walk.head(it));
       if constexpr (Pol::GENERAL) pol.set_head(p, bh);
@@ -224,10 +215,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wgmma_fence();
       wg_gemm_abt(sc, sK, 0, sQ, wq, false);
       wgmma_commit();
-      if constexpr (DO_OWN_STAGE) {
-        mbar_wait(sm.do_full(0), it & 1);  // (dO_i's one stage lands after Q_i's)
-        wgmma_fence();
-      }
+      mbar_wait(sm.do_full(0), it & 1);  // (dO_i's one stage lands after Q_i's)
+      wgmma_fence();
       wg_gemm_abt(dp, sV, 0, sdO, wq, false);
       wgmma_commit();
       probs_sm90<T, true>(pol, sc, dp, q0 + wq, k0 + wk, sm.lse2(s) + wq, sm.delta(s) + wq, edge);
@@ -266,7 +255,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wgmma_wait<2>();
       fence_operand(st.dv);
       if constexpr (NARROW > 0) fence_operand(st.dv2);
-      if constexpr (DO_OWN_STAGE) mbar_arrive(sm.do_empty(0));  // dO_i: read by dP^T's and dV_j's products
+      mbar_arrive(sm.do_empty(0));  // dO_i: read by dP^T's and dV_j's products
       // ---- [mainloop_bwd_sm90_ws_split_d:pair_dq] dQ_i's columns into the float32 rows, while dK_j runs ----
       wgmma_wait<1>();
       __syncwarp();
@@ -293,81 +282,6 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     }
     if constexpr (BULK_DQ)  // shared memory outlives the last reduce-add's reads
       if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
-  }
-
-  __device__ __forceinline__ static void consume_split(const BwdParams& p, const typename Pol::Info& bi, Pol& pol,
-                                                       int k0, const Walk& walk, const Smem& sm, State& st) {
-    const int w = uniform_warpgroup_id(), wq = QW * w, wk = key_row(), cw = wide0(w), cn = narrow0(w);
-    const auto sK = sm.k(), sV = sm.v();
-    typename Pol::Info bh = bi;
-    // ---- [mainloop_bwd_sm90_ws_split_d:init] Alg.2 l.7: dK_j = dV_j = 0 (this warpgroup's columns); K_j, V_j have landed ----
-    zero(st.dk);
-    zero(st.dv);
-    if constexpr (NARROW > 0) {
-      zero(st.dk2);
-      zero(st.dv2);
-    }
-    if (walk.total > 0) mbar_wait(sm.kv_full(), 0);
-    PipeState<STAGES> pipe;
-#pragma unroll 1
-    for (int it = 0; it < walk.total; ++it, pipe.advance()) {
-      const int q0 = walk.block(it) * BR, s = pipe.stage();
-      const bool edge = walk.edge(it);
-      bh.set_head(p, walk.head(it));
-      if constexpr (Pol::GENERAL) pol.set_head(p, bh);
-      const auto sQ = sm.q(s), sdO = sm.dout(s);
-      const auto sP = sm.pt(it), sdS = sm.ds(it);
-      mbar_wait(sm.full(s), pipe.parity());
-      // ---- [mainloop_bwd_sm90_ws_split_d:scores] Alg.2 l.9-10 and l.12: S^T = K_j Q_w^T, dP^T = V_j dO_w^T for
-      // this warpgroup's queries wq.. ----
-      Acc<1, NQ> sc, dp;
-      wgmma_fence();
-      wg_gemm_abt(sc, sK, 0, sQ, wq, false);
-      wgmma_commit();
-      wg_gemm_abt(dp, sV, 0, sdO, wq, false);
-      wgmma_commit();
-      // ---- [mainloop_bwd_sm90_ws_split_d:probs] Alg.2 l.10 and l.13: P^T, dS^T = P^T * (dP^T - D_i), to shared memory ----
-      probs_sm90<T, true>(pol, sc, dp, q0 + wq, k0 + wk, sm.lse2(s) + wq, sm.delta(s) + wq, edge);
-      zero_rows_past(bh, sc, dp, q0, wq);
-      store_acc(sP, sc, wk, wq);
-      store_acc(sdS, dp, wk, wq);
-      fence_async_smem();
-      named_sync(PS_BARRIER, NWG * 128);  // both halves of P^T and dS^T are in shared memory
-      // ---- [mainloop_bwd_sm90_ws_split_d:products] Alg.2 l.14: dQ_i = dS K_j, then l.11 and l.15: dV_j += P^T dO_i,
-      // dK_j += dS^T Q_i, this warpgroup's columns of each ----
-      Acc<1, WIDE / 8> dq;
-      Acc<1, NARROW ? NARROW / 8 : 1> dq2;
-      fence_operand(st.dk);
-      fence_operand(st.dv);
-      wgmma_fence();
-      wg_gemm_atb<BC>(dq, sdS, 0, sK, cw, false);
-      if constexpr (NARROW > 0) wg_gemm_atb<BC>(dq2, sdS, 0, sK, cn, false);
-      wgmma_commit();
-      wg_gemm_ab<BR>(st.dv, sP, 0, sdO, cw, true);
-      wg_gemm_ab<BR>(st.dk, sdS, 0, sQ, cw, true);
-      if constexpr (NARROW > 0) {
-        wg_gemm_ab<BR>(st.dv2, sP, 0, sdO, cn, true);
-        wg_gemm_ab<BR>(st.dk2, sdS, 0, sQ, cn, true);
-      }
-      wgmma_commit();
-      // ---- [mainloop_bwd_sm90_ws_split_d:dq] dQ_i += scale * dS K_j into the float32 rows, while dK_j, dV_j run ----
-      wgmma_wait<1>();
-      fence_operand(dq);
-      add_dq(p, bh, dq, q0, cw);
-      if constexpr (NARROW > 0) {
-        fence_operand(dq2);
-        add_dq(p, bh, dq2, q0, cn);
-      }
-      // (before the next step's barrier: its neighbour's tiles of two steps on overwrite this step's P^T, dS^T)
-      wgmma_wait<0>();
-      fence_operand(st.dk);
-      fence_operand(st.dv);
-      if constexpr (NARROW > 0) {
-        fence_operand(st.dk2);
-        fence_operand(st.dv2);
-      }
-      mbar_arrive(sm.empty(s));  // Q_i, dO_i, L_i, D_i of this stage are no longer read
-    }
   }
 
   __device__ __forceinline__ static void store(const BwdParams& p, const typename Pol::Info& bi, int k0,

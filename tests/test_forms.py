@@ -327,6 +327,8 @@ def test_fa3_backward_column_split_for_large_head_dims(d, split, smem, features)
     if split:
         with pytest.raises(ValueError, match="no deterministic form"):
             launch.fa3_bwd_sm90(p, lau.config, deterministic=True)
+        with pytest.raises(ValueError, match="runs head_dim 192 and 256"):  # (the mainloop's static_assert)
+            launch.fa3_bwd_sm90(dataclasses.replace(p, head_dim=128), lau.config)
 
 
 @pytest.mark.parametrize("d,rows,ds_buffers", [(32, 128, 1), (64, 128, 1), (96, 64, 2), (128, 64, 2)])

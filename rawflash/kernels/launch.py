@@ -248,15 +248,16 @@ def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
     """SMEM_BYTES of mainloop_bwd_sm90_ws.cuh: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i);
     ``fa3_bwd_ds_buffers`` dS^T; ``fa3_bwd_dq_buffers`` float32 dQ_i tiles (all warpgroups' slices, br x d
     floats each); `stages` x (L_i, D_i) float32;
-    1 + 2 stages mbarriers. The column split (``fa3_bwd_split_d``, mainloop_bwd_sm90_ws_split_d.cuh) has two P^T
-    and two dS^T and no dQ_i tiles; its pair (``fa3_bwd_pair``) one dO_i stage, six such tiles, 128 columns of the
-    partner's K_j', 2 + 4 mbarriers more and at d = 192 two 64 x 64 float32 dQ_i tiles."""
-    pair, split = fa3_bwd_pair(cfg, d), fa3_bwd_split_d(cfg)
+    1 + 2 stages mbarriers. The column split (``fa3_bwd_split_d``, mainloop_bwd_sm90_ws_split_d.cuh, always in
+    pairs: ``fa3_bwd_pair``) has one dO_i stage, two each of P^T, dS^T and the partner's dS^T and no dQ_i tiles
+    of that kind, 128 columns of the partner's K_j', 2 + 4 mbarriers more and at d = 192 two 64 x 64 float32 dQ_i
+    tiles."""
+    pair = fa3_bwd_pair(cfg, d)  # (the column split always pairs: fa3_bwd_sm90 refuses it at other head dims)
     do_stages = 1 if pair else cfg.stages
-    tiles = cfg.bc * cfg.br * 2 * (6 if pair else 4 if split else fa3_bwd_ds_buffers(cfg))
+    tiles = cfg.bc * cfg.br * 2 * (6 if pair else fa3_bwd_ds_buffers(cfg))
     kx = cfg.bc * 128 * 2 if pair else 0  # the partner's K_j' columns: 128 of them at d = 192 and at d = 256
     bulk = 2 * 64 * 64 * 4 if pair and d == 192 else 0  # (BULK_DQ: each consumer warpgroup's float32 dQ_i panel)
-    mid = tiles + kx + bulk + (0 if split else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4)
+    mid = tiles + kx + bulk + (0 if pair else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4)
     barriers = 1 + 2 * cfg.stages + (2 + 4 if pair else 0)  # (the pair: dO_i's ring, xfull, xfree)
     return 1024 + (2 * cfg.bc + (cfg.stages + do_stages) * cfg.br) * d * 2 + mid + 2 * cfg.stages * cfg.br * 4 + 8 * barriers
 
@@ -479,7 +480,7 @@ def fa2_bwd_sm90(p: Problem, cfg: TileConfig) -> Launch:
 def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> Launch:
     """FA3's backward main pass (sm_90a): a TMA producer warpgroup and two consumer warpgroups, one CTA per (key
     block, kv head, batch); 64 keys per consumer and dQ by TMA reduce-add, or at bc = 64 the column split
-    (``fa3_bwd_split_d``, head_dim 192 / 256: dQ by vector atomics). ``deterministic`` (not the column split): the
+    (``fa3_bwd_split_d``, head_dim 192 / 256, in key-block pairs). ``deterministic`` (not the column split): the
     reduce-adds into each query block's dQ rows in a fixed order (``dq_semaphores`` int32 counters, zeroed before
     the launch); the grid is the same, its key tiles taken last-first under a mask bounded on the right
     (scheduler.cuh's KTileScheduler)."""
@@ -490,6 +491,9 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
                          f"and 64 query rows (80 or 128 with 128 keys); got {cfg.warps} warps, bc = {cfg.bc}, "
                          f"br = {cfg.br}")
     d = tma_head_dim(p)
+    if fa3_bwd_split_d(cfg) and d not in (192, 256):
+        raise ValueError(f"fa3_bwd_sm90's column split (64 keys a block) runs head_dim 192 and 256 in key-block "
+                         f"pairs; got head_dim {d}")
     if cfg.br == FA3_BWD_SWAP_ROWS and (d != 128 or deterministic):
         raise ValueError(f"fa3_bwd_sm90's {cfg.br}-row tile runs head_dim 128 (padded) without deterministic=True; "
                          f"got head_dim {d}, deterministic={deterministic}")
