@@ -49,21 +49,22 @@ struct TmaBwd {
 // so lanes of odd g store the column slot y ^ 2 while the others store y: each half-warp then covers all 32 banks
 // and a store takes two wavefronts instead of four (ncu, session 8: 2.5-way average conflicts over the backward's
 // shared stores).
-template <int PANEL, int NT>
+// (J0, NJ: only the 8-column groups J0.. J0 + NJ - 1 of dq, at the tile's columns 0.., e.g. half a panel)
+template <int PANEL, int J0, int NJ, int NT>
 __device__ __forceinline__ void stage_dq_rows(u32 tile, const Acc<1, NT>& dq, float scale) {
-  static_assert(NT % 4 == 0, "column slots y and y ^ 2 lie in one 32-column panel");
+  static_assert(NJ % 4 == 0 && J0 % 4 == 0 && J0 + NJ <= NT, "column slots y and y ^ 2 lie in one 32-column panel");
   const int g = lane_id() >> 2, t = lane_id() & 3, qr = 16 * warp_in_group();
   const bool odd = g & 1;
 #pragma unroll
-  for (int y = 0; y < NT; ++y)
+  for (int y = 0; y < NJ; ++y)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int ys = odd ? y ^ 2 : y;  // this lane's column slot in this store
       const int row = qr + g + 8 * hh, col = 8 * ys + 2 * t;  // col % 32 / 4 is the 16-byte chunk in the panel
       const u32 at = tile + col / 32 * PANEL + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
       // (picked by a select: dq.v[0][ys], an index that depends on the lane, would put dq in local memory)
-      const float x0 = odd ? dq.v[0][y ^ 2][2 * hh] : dq.v[0][y][2 * hh];
-      const float x1 = odd ? dq.v[0][y ^ 2][2 * hh + 1] : dq.v[0][y][2 * hh + 1];
+      const float x0 = odd ? dq.v[0][J0 + (y ^ 2)][2 * hh] : dq.v[0][J0 + y][2 * hh];
+      const float x1 = odd ? dq.v[0][J0 + (y ^ 2)][2 * hh + 1] : dq.v[0][J0 + y][2 * hh + 1];
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(scale * x0), "f"(scale * x1) : "memory");
     }
 }
@@ -379,7 +380,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
             asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(p.scale * dq.v[0][y][2 * hh + e]) : "memory");
           }
     } else {
-      stage_dq_rows<DQ_PANEL>(tile, dq, p.scale);
+      stage_dq_rows<DQ_PANEL, 0, NT>(tile, dq, p.scale);
     }
     fence_async_smem();
     if constexpr (DET) {  // the dQ writer adds it, in its turn (write_dq)

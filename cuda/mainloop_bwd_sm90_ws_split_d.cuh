@@ -28,29 +28,29 @@
 // block), so their dQ_i = dS_ij K_j + dS_ij' K_j' can be summed before it is added. At D = 256 CTA rank r owns
 // dQ_i's columns 128 r.., warpgroup w the panel 128 r + 64 w..; at D = 192 CTA 0 computes the panels 0, 1 and CTA
 // 1 the panels 1, 2 (one panel a warpgroup, so every operand is panel aligned), and each adds half of the shared
-// panel 1 (add_dq's column-group window): 96 columns a CTA. Each CTA keeps 128 of the partner's K_j' columns (kx(),
-// 16 KB, copied once with K_j: its half at D = 256, columns 0..127 or 64..191 at D = 192) and receives the
+// panel 1 (pair_dq_lo / pair_dq_hi: a window of its 8-column groups): 96 columns a CTA. Each CTA keeps 128 of
+// the partner's K_j' columns (kx(), 16 KB, copied once with K_j: its half at D = 256, columns 0..127 or 64..191 at
+// D = 192) and receives the
 // partner's dS^T every step (dsx(), 8 KB, a bulk copy from the partner's shared memory into this one's, completing
 // on this CTA's barrier xfull), so it adds half the floats a step. The room for kx() and two dsx() (32 KB at
-// D = 256) is dO_i's: one stage of its own (BwdWsSmem's DO_RING), released right after dV_j's product. At D = 192
-// that also leaves room for a 64 x 64 float32 tile per consumer warpgroup (BULK_DQ, 223320 B in all): the
-// warpgroup stores its dQ_i panel there (stage_dq_rows, the dq map's layout) and one thread adds the panel's
-// 32-column boxes of its window by TMA reduce-add (session 21: 1.08 - 1.17x over the vector atomics, which stay
-// at D = 256 for want of room). Each step then runs dV_j (release dO_i), dQ_i (release the partner's dS^T on its
+// D = 256) is dO_i's: one stage of its own (BwdWsSmem's DO_RING), released right after dV_j's product. It also
+// leaves room for a float32 tile per consumer warpgroup: the warpgroup stores its dQ_i panel there (stage_dq_rows,
+// the dq map's layout) and one thread adds the panel's 32-column boxes of its window by TMA reduce-add instead of
+// vector atomics (cp.reduce.async.bulk). At D = 192 the tile is 64 x 64 (223320 B in all; session 21: 1.08 -
+// 1.17x over the atomics); at D = 256 (TIGHT) one P^T buffer and one dsx() instead of two each free 16 KB for a
+// 64 x 32 tile, and the panel goes out in two halves (stage, add, wait for the add's read, stage, add; 231496 B;
+// session 22: 1.04 - 1.07x). Each step then runs dV_j (release dO_i), dQ_i (release the partner's dS^T on its
 // barrier xfree, add dQ_i while dK_j runs), dK_j (release Q_i). A CTA writes its dS^T of
-// step it (ds(it), and the copy into the partner's dsx(it)) only once the partner has read the one of step it - 2
-// (xfree: 8 warp arrivals from the partner), which also means that copy has landed. The partner of an odd count's
+// step it (ds(it), and the copy into the partner's dsx(it)) only once the partner has read the one of step
+// it - DSX_BUFS (it - 2 at D = 192, it - 1 at D = 256, where P^T's one buffer also waits, on the named barrier
+// PT_FREE, for the other warpgroup's dV_j product of step it - 1; xfree: 8 warp arrivals from the partner), which
+// also means that copy has landed. The partner of an odd count's
 // last key block walks with it past the keys (all its keys masked). (Measured in session 20 beside copying Q_i,
 // dO_i once for both CTAs with TMA multicast: that was 0 - 3.5 % slower, so each CTA copies its own.)
 #pragma once
 #include "mainloop_bwd_sm90_ws.cuh"
 
 namespace rf {
-
-// dst[0..3] += (a, b, c, d) in global memory, one vector reduction (sm_90; dst 16-byte aligned).
-__device__ __forceinline__ void red_add4(float* dst, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
-}
 
 template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct MainloopBwdSm90WsSplitD {
   using T = T_;
@@ -61,27 +61,32 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   static_assert(D == 192 || D == 256, "the column split runs head_dim 192 and 256 (launch.fa3_bwd_sm90 checks it)");
   // PAIR at D = 192: CTA 0 owns dQ_i's columns 0..95 (warpgroup 0 a panel, 1 a half panel), CTA 1 96..191 (a half
   // panel, a panel); its kx() holds the partner's columns 0..127 or 64..191. At D = 256 each quarter is a panel.
-  // dO_i in one stage of its own (the head comment); BULK_DQ (D = 192): the dQ_i panels by TMA reduce-add from a
-  // float32 tile per warpgroup (cp.reduce.async.bulk: 1.45 - 1.6x the atomics' rate into L2, tools/l2_reduce.py),
-  // which D = 256 has no room for.
-  static constexpr bool BULK_DQ = D == 192;
-  static constexpr int DQ_TILE = 64 * 64 * 4, DQ_PANEL = 64 * 128;  // a warpgroup's 64 x 64 floats, 32-column panels
+  // dO_i in one stage of its own (the head comment); the dQ_i panels by TMA reduce-add from a float32 tile
+  // per warpgroup (cp.reduce.async.bulk: 1.45 - 1.6x the atomics' rate into L2, tools/l2_reduce.py). At D = 256
+  // (TIGHT) one P^T buffer and one dsx() instead of two each make room for a 64 x 32 float32 tile per warpgroup,
+  // through which its panel goes out in two halves.
+  static constexpr bool TIGHT = D == 256;
+  static constexpr int PT_BUFS = TIGHT ? 1 : 2, DSX_BUFS = TIGHT ? 1 : 2;  // (powers of two: indexed by it & (N - 1))
+  static constexpr int DQ_BOXES = TIGHT ? 1 : 2;  // 32-column boxes a warpgroup's tile holds
+  static constexpr int DQ_PANEL = 64 * 128, DQ_TILE = DQ_BOXES * DQ_PANEL;  // 64 rows x 32 floats a box
   using Walk = QIter;
   static constexpr int BR = BR_, BC = BC_, NWG = 2, NTHREADS = (NWG + 1) * 128;
   static constexpr int QW = BR_ / NWG, NQ = QW / 8;           // a warpgroup's queries of S^T, dP^T
   static constexpr int DW = D / NWG, WIDE = DW / 64 * 64, NARROW = DW - WIDE;  // a warpgroup's columns
   static constexpr int PS = BC_ * BR_ * 2;
   static constexpr int KX = BC_ * 128 * 2;  // the partner's K_j' columns around this CTA's dQ_i half
-  // BwdWsSmem's map with 2 x P^T, 2 x dS^T, 2 x the partner's dS^T, kx() (and BULK_DQ's tiles) as its middle, dO_i
-  // in one stage of its own, and the barriers xfull(0 / 1), xfree(0 / 1)
-  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, 6 * PS + KX + (BULK_DQ ? NWG * DQ_TILE : 0), 1, 4>;
+  // BwdWsSmem's map with PT_BUFS x P^T, 2 x dS^T, DSX_BUFS x the partner's dS^T, kx() and the dQ_i tiles as its
+  // middle, dO_i in one stage of its own, and the barriers xfull, xfree (DSX_BUFS each)
+  static constexpr int TILES = PT_BUFS + 2 + DSX_BUFS;  // P^T, dS^T, the partner's dS^T
+  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, TILES * PS + KX + NWG * DQ_TILE, 1, 2 * DSX_BUFS>;
   static constexpr int SMEM_BYTES = Map::BYTES;
   // dK, dV (D floats a thread in all) and dQ_i's half (D / 4) or S^T, dP^T (16 + 16): the consumers take 240,
   // the producer (one warp issuing copies, 32 lanes storing L_i, D_i) keeps 24, FA3's split for two consumer
   // warpgroups.
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
   static constexpr int PS_BARRIER = 1;  // named barrier of the consumer warpgroups: every P^T, dS^T is in shared memory
-  static constexpr int DQ_BARRIER = 2;  // BULK_DQ: + w, warpgroup w's dQ_i tile is in shared memory
+  static constexpr int DQ_BARRIER = 2;  // + w, warpgroup w's dQ_i tile is in shared memory
+  static constexpr int PT_FREE = 4;     // TIGHT: + w, warpgroup w's dV_j product has read P^T (d = 128's DS_FREE)
   static_assert(BR_ == 64 && BC_ == 64 && D % 64 == 0, "64 keys shared by two warpgroups; dQ_i is one 64-row wgmma");
   static_assert(NARROW == 0 || NARROW == 32, "a warpgroup's columns: whole panels, or whole panels and a half panel");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= launch_regs(NTHREADS) * NTHREADS,
@@ -99,18 +104,23 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     static constexpr int KX = MainloopBwdSm90WsSplitD::KX;  // (bwd_ws_produce copies kx() with K_j)
     __device__ __forceinline__ explicit Smem(char* smem) : Map(smem) {}
     // P^T and dS^T of step it: keys x queries, K-major for dK, dV (A operand) and MN-major for dQ_i
-    __device__ __forceinline__ Sw128<T, BC_, BR_> pt(int it) const { return {this->mid() + (it & 1) * PS}; }
-    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const { return {this->mid() + (2 + (it & 1)) * PS}; }
+    __device__ __forceinline__ Sw128<T, BC_, BR_> pt(int it) const { return {this->mid() + (it & (PT_BUFS - 1)) * PS}; }
+    __device__ __forceinline__ Sw128<T, BC_, BR_> ds(int it) const {
+      return {this->mid() + (PT_BUFS + (it & 1)) * PS};
+    }
     // the partner's dS^T of step it; its K_j' columns kx_col0().. (keys x 128)
-    __device__ __forceinline__ Sw128<T, BC_, BR_> dsx(int it) const { return {this->mid() + (4 + (it & 1)) * PS}; }
-    __device__ __forceinline__ Sw128<T, BC_, 128> kx() const { return {this->mid() + 6 * PS}; }
-    // BULK_DQ: warpgroup w's float32 dQ_i tile (stage_dq_rows' layout)
-    __device__ __forceinline__ u32 dq_tile(int w) const { return this->mid() + 6 * PS + KX + w * DQ_TILE; }
+    __device__ __forceinline__ Sw128<T, BC_, BR_> dsx(int it) const {
+      return {this->mid() + (PT_BUFS + 2 + (it & (DSX_BUFS - 1))) * PS};
+    }
+    __device__ __forceinline__ Sw128<T, BC_, 128> kx() const { return {this->mid() + TILES * PS}; }
+    // warpgroup w's float32 dQ_i tile (stage_dq_rows' layout)
+    __device__ __forceinline__ u32 dq_tile(int w) const { return this->mid() + TILES * PS + KX + w * DQ_TILE; }
     __device__ __forceinline__ static int kx_col0() { return (int)cluster_rank() * (D == 256 ? 128 : 64); }
-    __device__ __forceinline__ u32 xfull(int it) const { return this->extra(it & 1); }
-    __device__ __forceinline__ u32 xfree(int it) const { return this->extra(2 + (it & 1)); }
+    // (DSX_BUFS of each: phase it / DSX_BUFS of xfull(it) is the partner's copy of step it, of xfree(it) its read)
+    __device__ __forceinline__ u32 xfull(int it) const { return this->extra(it & (DSX_BUFS - 1)); }
+    __device__ __forceinline__ u32 xfree(int it) const { return this->extra(DSX_BUFS + (it & (DSX_BUFS - 1))); }
     __device__ __forceinline__ void init() const {
-      for (int b = 0; b < 2; ++b) {
+      for (int b = 0; b < DSX_BUFS; ++b) {
         mbar_init(xfull(b), 1);        // the partner's expect_tx, then its copy's bytes
         mbar_init(xfree(b), NWG * 4);  // one arrival per consumer warp of the partner
       }
@@ -136,30 +146,6 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
 
   // ---------------------------------------------------------------- consumers
   __device__ __forceinline__ static void consumer_start() { regs_claim<CONSUMER_REGS>(); }
-
-  // dQ_i's columns c0.. (8 NT of them, times the scale) added into the float32 dQ rows, 16 bytes per reduction:
-  // lanes t and t ^ 1 of a quad swap half of their pairs, so the even lane holds 4 columns of row g and the odd
-  // one 4 columns of row g + 8 (mma.sync's C layout gives each lane 2 columns of both rows). Rows past the
-  // sequence and columns past head_dim (a multiple of 8) are not written.
-  // (jlo, jhi: only the 8-column groups j in [jlo, jhi), the pair's shared panel at D = 192)
-  template <int NT>
-  __device__ __forceinline__ static void add_dq(const BwdParams& p, const typename Pol::Info& bh, const Acc<1, NT>& dq,
-                                                int q0, int c0, int jlo, int jhi) {
-    const int g = lane_id() >> 2, t = lane_id() & 3;
-    const bool odd = t & 1;
-    const int row = q0 + 16 * warp_in_group() + g + (odd ? 8 : 0), col = c0 + 2 * (t & ~1);
-    float* at = p.dq_ws + (bh.row0 + (long long)row) * p.head_dim + col;
-    const bool row_ok = row < bh.seqlen_q;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const float* x = dq.v[0][j];
-      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? x[0] : x[2], 1);
-      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? x[1] : x[3], 1);
-      if (row_ok && col + 8 * j < p.head_dim && j >= jlo && j < jhi)
-        red_add4(at + 8 * j, p.scale * (odd ? r0 : x[0]), p.scale * (odd ? r1 : x[1]), p.scale * (odd ? x[2] : r0),
-                 p.scale * (odd ? x[3] : r1));
-    }
-  }
 
   // P = dS = 0 on rows past the sequence: the copies may have read a packed neighbour's rows (not zeros)
   __device__ __forceinline__ static void zero_rows_past(const typename Pol::Info& bh, Acc<1, NQ>& sc, Acc<1, NQ>& dp,
@@ -202,7 +188,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     PipeState<STAGES> pipe;
 #pragma unroll 1
     for (int it = 0; it < walk.total; ++it, pipe.advance()) {
-      const int q0 = walk.block(it) * BR, s = pipe.stage(), use = (it >> 1) & 1;  // use: of dsx(it), xfull, xfree
+      const int q0 = walk.block(it) * BR, s = pipe.stage(), use = (it >> (DSX_BUFS - 1)) & 1;  // of dsx(it), xfull, xfree
       const auto sdO = sm.dout(0);
       const bool edge = walk.edge(it);
       bh.set_head(p, walk.head(it));
@@ -221,11 +207,13 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wgmma_commit();
       probs_sm90<T, true>(pol, sc, dp, q0 + wq, k0 + wk, sm.lse2(s) + wq, sm.delta(s) + wq, edge);
       zero_rows_past(bh, sc, dp, q0, wq);
-      // ds(it) and the partner's dsx(it) are free once the partner has read this CTA's dS^T of step it - 2
+      // ds(it) and the partner's dsx(it) are free once the partner has read this CTA's dS^T of step it - DSX_BUFS
+      // (and so, at DSX_BUFS = 1, of step it - 2 too: the copy out of ds(it) has landed)
       mbar_wait(sm.xfree(it), use ^ 1);
-      // BULK_DQ: the reduce-add of step it - 1 has read this warpgroup's dQ_i tile before anyone passes the barrier
-      if constexpr (BULK_DQ)
-        if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+      if constexpr (TIGHT)  // P^T (one buffer): the other warpgroup's dV_j product of step it - 1 has read it
+        if (it > 0) named_sync(PT_FREE + 1 - w, NWG * 128);
+      // the reduce-add of step it - 1 has read this warpgroup's dQ_i tile before anyone passes the barrier
+      if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
       store_acc(sP, sc, wk, wq);
       store_acc(sdS, dp, wk, wq);
       fence_async_smem();
@@ -256,13 +244,15 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       fence_operand(st.dv);
       if constexpr (NARROW > 0) fence_operand(st.dv2);
       mbar_arrive(sm.do_empty(0));  // dO_i: read by dP^T's and dV_j's products
+      if constexpr (TIGHT)
+        if (it + 1 < walk.total) named_arrive(PT_FREE + w, NWG * 128);  // this warpgroup is done with P^T
       // ---- [mainloop_bwd_sm90_ws_split_d:pair_dq] dQ_i's columns into the float32 rows, while dK_j runs ----
       wgmma_wait<1>();
       __syncwarp();
       if (lane_id() == 0) mbar_arrive_remote(sm.xfree(it), other);  // the partner's dS^T is read
       fence_operand(dq);
-      if constexpr (BULK_DQ) {  // the panel's 32-column boxes in [8 jlo, 8 jhi): one thread adds them
-        stage_dq_rows<DQ_PANEL>(sm.dq_tile(w), dq, p.scale);
+      if constexpr (!TIGHT) {  // the panel's 32-column boxes in [8 jlo, 8 jhi): one thread adds them
+        stage_dq_rows<DQ_PANEL, 0, 8>(sm.dq_tile(w), dq, p.scale);
         fence_async_smem();
         named_sync(DQ_BARRIER + w, 128);
         if ((threadIdx.x & 127) == 0) {
@@ -272,16 +262,30 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
               tma_reduce_add_2d(tma.dq, sm.dq_tile(w) + c * DQ_PANEL, cq + 32 * c, (int)(bh.row0 + q0));
           bulk_commit();
         }
-      } else {
-        add_dq(p, bh, dq, q0, cq, jlo, jhi);
+      } else {  // the two halves in turn through the one-box tile
+        stage_dq_rows<DQ_PANEL, 0, 4>(sm.dq_tile(w), dq, p.scale);
+        fence_async_smem();
+        named_sync(DQ_BARRIER + w, 128);
+        if ((threadIdx.x & 127) == 0) {
+          tma_reduce_add_2d(tma.dq, sm.dq_tile(w), cq, (int)(bh.row0 + q0));
+          bulk_commit();
+          bulk_wait_read<0>();  // the tile is read: the second half may overwrite it
+        }
+        named_sync(DQ_BARRIER + w, 128);
+        stage_dq_rows<DQ_PANEL, 4, 4>(sm.dq_tile(w), dq, p.scale);
+        fence_async_smem();
+        named_sync(DQ_BARRIER + w, 128);
+        if ((threadIdx.x & 127) == 0) {
+          tma_reduce_add_2d(tma.dq, sm.dq_tile(w), cq + 32, (int)(bh.row0 + q0));
+          bulk_commit();
+        }
       }
       wgmma_wait<0>();
       fence_operand(st.dk);
       if constexpr (NARROW > 0) fence_operand(st.dk2);
       mbar_arrive(sm.empty(s));  // Q_i, L_i, D_i of this stage
     }
-    if constexpr (BULK_DQ)  // shared memory outlives the last reduce-add's reads
-      if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+    if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();  // shared memory outlives the last reduce-add's reads
   }
 
   __device__ __forceinline__ static void store(const BwdParams& p, const typename Pol::Info& bi, int k0,

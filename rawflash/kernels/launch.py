@@ -254,11 +254,13 @@ def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
     tiles."""
     pair = fa3_bwd_pair(cfg, d)  # (the column split always pairs: fa3_bwd_sm90 refuses it at other head dims)
     do_stages = 1 if pair else cfg.stages
-    tiles = cfg.bc * cfg.br * 2 * (6 if pair else fa3_bwd_ds_buffers(cfg))
+    tight = pair and d == 256  # (one P^T and one partner's dS^T buffer, a 32-column float32 tile per warpgroup)
+    dsx = (1 if tight else 2) if pair else 0
+    tiles = cfg.bc * cfg.br * 2 * ((1 if tight else 2) + 2 + dsx if pair else fa3_bwd_ds_buffers(cfg))
     kx = cfg.bc * 128 * 2 if pair else 0  # the partner's K_j' columns: 128 of them at d = 192 and at d = 256
-    bulk = 2 * 64 * 64 * 4 if pair and d == 192 else 0  # (BULK_DQ: each consumer warpgroup's float32 dQ_i panel)
+    bulk = 2 * 64 * (32 if tight else 64) * 4 if pair else 0  # (each consumer warpgroup's float32 dQ_i tile)
     mid = tiles + kx + bulk + (0 if pair else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4)
-    barriers = 1 + 2 * cfg.stages + (2 + 4 if pair else 0)  # (the pair: dO_i's ring, xfull, xfree)
+    barriers = 1 + 2 * cfg.stages + (2 + 2 * dsx if pair else 0)  # (the pair: dO_i's ring, xfull, xfree)
     return 1024 + (2 * cfg.bc + (cfg.stages + do_stages) * cfg.br) * d * 2 + mid + 2 * cfg.stages * cfg.br * 4 + 8 * barriers
 
 
