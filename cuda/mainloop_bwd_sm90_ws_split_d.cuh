@@ -38,8 +38,9 @@
 // the dq map's layout) and one thread adds the panel's 32-column boxes of its window by TMA reduce-add instead of
 // vector atomics (cp.reduce.async.bulk). At D = 192 the tile is 64 x 64 (223320 B in all; session 21: 1.08 -
 // 1.17x over the atomics); at D = 256 (TIGHT) one P^T buffer and one dsx() instead of two each free 16 KB for a
-// 64 x 32 tile, and the panel goes out in two halves (stage, add, wait for the add's read, stage, add; 231496 B;
-// session 22: 1.04 - 1.07x). Each step then runs dV_j (release dO_i), dQ_i (release the partner's dS^T on its
+// 64 x 32 tile, and the panel goes out in two halves: the first at once, the second (held in registers, dqb)
+// under the next step's S^T and dP^T products, once the first half's add has read the tile (add_dq_second_half;
+// 231496 B; session 22: 1.04 - 1.07x over the atomics with both halves in the step, then 1.05 - 1.10x more). Each step then runs dV_j (release dO_i), dQ_i (release the partner's dS^T on its
 // barrier xfree, add dQ_i while dK_j runs), dK_j (release Q_i). A CTA writes its dS^T of
 // step it (ds(it), and the copy into the partner's dsx(it)) only once the partner has read the one of step
 // it - DSX_BUFS (it - 2 at D = 192, it - 1 at D = 256, where P^T's one buffer also waits, on the named barrier
@@ -165,6 +166,21 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   __device__ __forceinline__ static int pair_dq_lo(int rank, int w) { return D == 192 && rank == 1 && w == 0 ? 4 : 0; }
   __device__ __forceinline__ static int pair_dq_hi(int rank, int w) { return D == 192 && rank == 0 && w == 1 ? 4 : 8; }
 
+  // TIGHT: the second half (columns 32..63) of a step's dQ_i panel, held in registers (dqb) since its first half
+  // went out, into the one-box tile and added at the rows `row`: once the first half's add has read the tile.
+  __device__ __forceinline__ static void add_dq_second_half(const BwdParams& p, const TmaBwd& tma, const Smem& sm,
+                                                            int w, const Acc<1, 4>& dqb, int cq, int row) {
+    if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+    named_sync(DQ_BARRIER + w, 128);
+    stage_dq_rows<DQ_PANEL, 0, 4>(sm.dq_tile(w), dqb, p.scale);
+    fence_async_smem();
+    named_sync(DQ_BARRIER + w, 128);
+    if ((threadIdx.x & 127) == 0) {
+      tma_reduce_add_2d(tma.dq, sm.dq_tile(w), cq + 32, row);
+      bulk_commit();
+    }
+  }
+
   // PAIR (the head comment): the walk of the pair. Each step's scores and probabilities split by queries; then
   // this CTA's dS^T goes to the partner, and warpgroup w's columns cq.. of dQ_i are dS_ij K_j + dS_ij' K_j'.
   __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
@@ -185,6 +201,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       zero(st.dv2);
     }
     if (walk.total > 0) mbar_wait(sm.kv_full(), 0);
+    Acc<1, 4> dqb;      // TIGHT: the second half of the last step's dQ_i panel, added under the next step's scores
+    int dqb_row = 0;    // its first row in the float32 dQ rows
     PipeState<STAGES> pipe;
 #pragma unroll 1
     for (int it = 0; it < walk.total; ++it, pipe.advance()) {
@@ -205,6 +223,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wgmma_fence();
       wg_gemm_abt(dp, sV, 0, sdO, wq, false);
       wgmma_commit();
+      if constexpr (TIGHT)  // under S^T's and dP^T's products
+        if (it > 0) add_dq_second_half(p, tma, sm, w, dqb, cq, dqb_row);
       probs_sm90<T, true>(pol, sc, dp, q0 + wq, k0 + wk, sm.lse2(s) + wq, sm.delta(s) + wq, edge);
       zero_rows_past(bh, sc, dp, q0, wq);
       // ds(it) and the partner's dsx(it) are free once the partner has read this CTA's dS^T of step it - DSX_BUFS
@@ -262,29 +282,27 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
               tma_reduce_add_2d(tma.dq, sm.dq_tile(w) + c * DQ_PANEL, cq + 32 * c, (int)(bh.row0 + q0));
           bulk_commit();
         }
-      } else {  // the two halves in turn through the one-box tile
+      } else {  // the first half now, the second under the next step's scores (add_dq_second_half)
         stage_dq_rows<DQ_PANEL, 0, 4>(sm.dq_tile(w), dq, p.scale);
         fence_async_smem();
         named_sync(DQ_BARRIER + w, 128);
+        dqb_row = (int)(bh.row0 + q0);
         if ((threadIdx.x & 127) == 0) {
-          tma_reduce_add_2d(tma.dq, sm.dq_tile(w), cq, (int)(bh.row0 + q0));
-          bulk_commit();
-          bulk_wait_read<0>();  // the tile is read: the second half may overwrite it
-        }
-        named_sync(DQ_BARRIER + w, 128);
-        stage_dq_rows<DQ_PANEL, 4, 4>(sm.dq_tile(w), dq, p.scale);
-        fence_async_smem();
-        named_sync(DQ_BARRIER + w, 128);
-        if ((threadIdx.x & 127) == 0) {
-          tma_reduce_add_2d(tma.dq, sm.dq_tile(w), cq + 32, (int)(bh.row0 + q0));
+          tma_reduce_add_2d(tma.dq, sm.dq_tile(w), cq, dqb_row);
           bulk_commit();
         }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dqb.v[0][j][e] = dq.v[0][4 + j][e];
       }
       wgmma_wait<0>();
       fence_operand(st.dk);
       if constexpr (NARROW > 0) fence_operand(st.dk2);
       mbar_arrive(sm.empty(s));  // Q_i, L_i, D_i of this stage
     }
+    if constexpr (TIGHT)
+      if (walk.total > 0) add_dq_second_half(p, tma, sm, w, dqb, cq, dqb_row);
     if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();  // shared memory outlives the last reduce-add's reads
   }
 
