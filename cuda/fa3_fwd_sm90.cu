@@ -5,7 +5,8 @@
 // inter-warpgroup schedule, QSTAGES the Q_i buffers (2: the next tile's Q_i is copied during this one), STAGE_O
 // the epilogue through shared memory and a TMA store.
 // fa3_fwd_sm90_fp8 is the same skeleton with the FP8 mainloop (mainloop_fwd_sm90_fp8.cuh, on the same pipeline):
-// e4m3 inputs, the output in OutT (bfloat16 or float16), the plain policy only.
+// e4m3 inputs, the output in OutT (bfloat16 or float16), the plain policy or the general one without its score
+// transforms (windows, packed sequences, seqused_k).
 #include "fwd.cuh"
 #include "mainloop_fwd_sm90_ws.cuh"
 #include "mainloop_fwd_sm90_fp8.cuh"
@@ -75,13 +76,13 @@ __global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
   fwd_kernel_ws<Mainloop, Fa3Scheduler<BR, SCHEDULE, GENERAL>>(p, tma);
 }
 
-template <typename OutT, int D, int BR, int BC, int STAGES, int MASK, bool OVERLAP, bool PINGPONG, int SCHEDULE,
-          int QSTAGES, int SMEM_BYTES>
+template <typename OutT, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, bool OVERLAP, bool PINGPONG,
+          int SCHEDULE, int QSTAGES, int SMEM_BYTES>
 __global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
     fa3_fwd_sm90_fp8(const __grid_constant__ rf::FwdParams p, const __grid_constant__ rf::TmaFwd tma) {
   using namespace rf;
-  using Mainloop = MainloopFwdSm90Fp8<OutT, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, false>, QSTAGES>;
+  using Mainloop = MainloopFwdSm90Fp8<OutT, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>, QSTAGES>;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");
-  fwd_kernel_ws<Mainloop, Fa3Scheduler<BR, SCHEDULE, false>>(p, tma);
+  fwd_kernel_ws<Mainloop, Fa3Scheduler<BR, SCHEDULE, GENERAL>>(p, tma);
 }

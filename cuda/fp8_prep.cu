@@ -2,7 +2,10 @@
 //   - fp8_vt_permute: V (batch, seqlen_k, kv_heads, head_dim) e4m3 -> V^T (batch, kv_heads, head_dim, nk_pad)
 //     with the keys of every 32-key slice in the order sigma of mainloop_fwd_sm90_fp8.cuh (column p of a slice
 //     holds key sigma(p)) and zeros past seqlen_k: 8-bit wgmma reads B K-major only, and this order lets P go
-//     from the accumulator registers into P V unmoved. One CTA per 64 keys of one (batch, kv head).
+//     from the accumulator registers into P V unmoved. One CTA per 64 keys of one (batch, kv head). Packed
+//     sequences (cu_seqlens_k, V of (total_k, kv_heads, head_dim)): V^T (1, kv_heads, head_dim, nk_pad) with
+//     sequence b's keys from vt_key0(b) = 128 (cu_seqlens_k[b] / 128 + b) (mainloop_fwd_sm90_fp8.cuh's), its
+//     tiles of 64 keys zero past its length; the host zeroes the rest of the workspace.
 //   - fp8_quantize: rows of x (batch, seqlen, heads, head_dim; 16-bit or float32) -> e4m3 bytes, one warp per
 //     row. PASS 0 only finds the absolute maximum of each granule (tensor, or (batch, kv head)); PASS 1 writes
 //     x * 448 / amax rounded to nearest e4m3 (saturating). ROTATE applies the random orthogonal Hadamard
@@ -29,11 +32,21 @@ constexpr int VT_THREADS = 256;
 template <int VT_KEYS>
 __global__ void __launch_bounds__(VT_THREADS)
     fp8_vt_permute(const unsigned char* __restrict__ v, long long v_sb, long long v_ss, long long v_sh, int seqlen_k,
-                   int head_dim, int kv_heads, unsigned char* __restrict__ vt, int nk_pad) {
+                   int head_dim, int kv_heads, unsigned char* __restrict__ vt, int nk_pad,
+                   const int* __restrict__ cu_seqlens_k) {
   using namespace rf;
   extern __shared__ unsigned int tile[];  // VT_KEYS keys x head_dim bytes, rows padded by 4 bytes (launch.py)
   const int rs = head_dim + 4, k0 = blockIdx.x * VT_KEYS, hk = blockIdx.y, b = blockIdx.z;
   unsigned char* t8 = reinterpret_cast<unsigned char*>(tile);
+  long long out_key0 = k0;  // this CTA's first key in the workspace row
+  if (cu_seqlens_k) {  // packed: sequence b's rows of V, its keys from vt_key0(b) of the one "batch" row
+    const int row0 = cu_seqlens_k[b];
+    seqlen_k = cu_seqlens_k[b + 1] - row0;
+    if (k0 >= seqlen_k) return;  // (the whole CTA) past the sequence: zeros from the host
+    v += (long long)row0 * v_ss;
+    v_sb = 0;
+    out_key0 += 128LL * (row0 / 128 + b);
+  }
   // load: 64 keys of V, 16 bytes per thread and step, zeros past seqlen_k
   const int chunks = head_dim / 16;
   for (int i = threadIdx.x; i < VT_KEYS * chunks; i += VT_THREADS) {
@@ -46,7 +59,7 @@ __global__ void __launch_bounds__(VT_THREADS)
   }
   __syncthreads();  // the whole tile is in shared memory before any thread gathers its column of it
   // store: row d of V^T: 16 permuted keys per thread and step
-  unsigned char* out = vt + ((long long)b * kv_heads + hk) * head_dim * nk_pad + k0;
+  unsigned char* out = vt + ((long long)(cu_seqlens_k ? 0 : b) * kv_heads + hk) * head_dim * nk_pad + out_key0;
   for (int i = threadIdx.x; i < head_dim * (VT_KEYS / 16); i += VT_THREADS) {
     const int d = i / (VT_KEYS / 16), c = i % (VT_KEYS / 16);
     unsigned int w[4];

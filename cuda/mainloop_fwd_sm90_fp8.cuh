@@ -23,7 +23,13 @@
 //   - P is scaled by 2^P_LOG2 before its cast (OnlineSoftmax::update's p_log2): e4m3's smallest subnormal is
 //     2^-9, so unscaled probabilities below about 2^-10 of the row max would vanish; l carries the same factor
 //     and it cancels at the end (rawflash/fp8.py's p_underflow measures what each choice loses);
-//   - descales: q_descale * k_descale of the (batch, kv head) multiply the softmax scale, v_descale the output.
+//   - descales: q_descale * k_descale of the (batch, kv head) multiply the softmax scale, v_descale the output;
+//   - the general policy (GENERAL: windows, packed sequences, seqused_k) without its score transforms: the host
+//     refuses soft-capping and ALiBi on FP8 inputs, so softmax_scale() is the descaled scale_log2 and the policy
+//     only masks. Packed sequences share one V^T workspace row per kv head, sequence b's keys from key
+//     vt_key0(b) = 128 (k_row0 / 128 + b) on (fp8_vt_permute writes it so): a multiple of 128, so its 32-key
+//     slices and the tiles' boxes start where a fixed-length sequence's do, and far enough from the previous
+//     sequence's start to hold all of its keys (padded with zeros; what a tile reads past its sequence is masked).
 #pragma once
 #include "mainloop_fwd_sm90_ws.cuh"
 
@@ -65,8 +71,7 @@ struct MainloopFwdSm90Fp8
   using Base = typename MainloopFwdSm90Fp8::Fa3FwdPipeline;
   using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;
   static_assert(BC % 64 == 0 && BC <= 256 && D % 128 == 0 && D <= 256, "whole 64- / 128-byte panels; wgmma N <= 256");
-  static_assert(!Pol_::GENERAL, "the FP8 form runs the plain policy (its scale folded with the descales)");
-  static constexpr bool PACKED = false;  // fixed lengths only: the copies read batch b
+  static constexpr bool PACKED = Pol_::GENERAL;  // the general policy brings packed sequences
   static constexpr bool O_VIA_Q = false; // O (OutT) is twice Q_i's bytes: stored from registers
   static constexpr float P_LOG2 = 8.f;  // P in [0, 256] before its cast (e4m3's largest finite value is 448) ...
   // ... and in [0, 430] under a stale max (2^8.75; OnlineSoftmax::update's stale_log2) at head_dim 128: H200,
@@ -77,9 +82,13 @@ struct MainloopFwdSm90Fp8
   // ---- [mainloop_fwd_sm90_fp8:load_vt] V_j^T: the workspace as (key, head_dim row, kv head, batch) ----
   // Q and K maps are (column, row, head, batch) of the e4m3 tensors in boxes of 128 columns, as 16-bit ones; the
   // V map describes the V^T workspace, boxes of 128 keys (64 when BC is not a multiple of 128) by D rows.
-  __device__ __forceinline__ static void load_v(const TmaFwd& tma, const VtTile<D, BC>& vt, u32 bar, int k0, int row,
-                                                int hk, int bk) {
-    tma_load_tile(tma.v, vt, bar, k0, 0, hk, bk);
+  // Packed sequences: one "batch", sequence b's keys from vt_key0 (the head comment).
+  __device__ __forceinline__ static int vt_key0(const FwdParams& p, const Info& bi) {
+    return PACKED && p.cu_seqlens_k ? 128 * (bi.k_row0 / 128 + bi.b) : 0;
+  }
+  __device__ __forceinline__ static void load_v(const FwdParams& p, const TmaFwd& tma, const VtTile<D, BC>& vt,
+                                                u32 bar, const Info& bi, int k0, int, int bk) {
+    tma_load_tile(tma.v, vt, bar, vt_key0(p, bi) + k0, 0, bi.hk, bk);
   }
   // ---- [mainloop_fwd_sm90_fp8:products] S = Q_i K^T over D / 32 k-steps; O += P V^T over BC / 32 k-steps ----
   template <class SQ, class SK>

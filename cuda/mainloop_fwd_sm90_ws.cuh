@@ -35,8 +35,8 @@ namespace rf {
 // The mainloop that derives from it (CRTP: Derived) says what depends on the element type:
 //   - TQ, TK, TV: the shared-memory tiles of Q_i, K_j and V_j (TV may hold V_j^T); their BYTES size the rings;
 //   - PACKED: whether packed sequences reach it (their copies read "batch" 0 from the sequence's first row);
-//   - load_v(tma, tile, bar, k0, row, hk, bk): the copy of V_j, keys k0.. of the sequence at rows row.. of the
-//     tensor (V is addressed by rows, V^T by keys);
+//   - load_v(p, tma, tile, bar, bi, k0, row, bk): the copy of V_j, keys k0.. of sequence bi at rows row.. of
+//     the tensor, "batch" bk (V is addressed by rows, V^T by keys);
 //   - gemm_qk(s, sq, r0, sk): S = Q K^T; gemm_pv(o, pa, sv): O += P V; pack_p(pa, s): S's registers -> P's
 //     A fragments of type PA; P_LOG2: the power of two P is scaled by before its cast (0: none);
 //   - consume (walk plus what surrounds it) and store (the epilogue).
@@ -140,7 +140,7 @@ struct Fa3FwdPipeline {
       tma_load_tile(tma.k, sm.k(s), sm.k_full(s), 0, row, bi.hk, bk);
       mbar_wait(sm.v_empty(s), free);
       mbar_expect_tx(sm.v_full(s), KV_BYTES);
-      Derived::load_v(tma, sm.v(s), sm.v_full(s), k0, row, bi.hk, bk);
+      Derived::load_v(p, tma, sm.v(s), sm.v_full(s), bi, k0, row, bk);
       pipes.kv.advance();
     }
   }
@@ -298,9 +298,9 @@ struct MainloopFwdSm90Ws
   static constexpr float STALE_LOG2 = D >= 256 ? 8.f : 0.f;
   using PA = u32[BC / 16][4];  // P's A fragments, one per 16 keys
 
-  __device__ __forceinline__ static void load_v(const TmaFwd& tma, const Sw128<T_, BC, D>& v, u32 bar, int k0, int row,
-                                                int hk, int bk) {
-    tma_load_tile(tma.v, v, bar, 0, row, hk, bk);
+  __device__ __forceinline__ static void load_v(const FwdParams&, const TmaFwd& tma, const Sw128<T_, BC, D>& v,
+                                                u32 bar, const Info& bi, int, int row, int bk) {
+    tma_load_tile(tma.v, v, bar, 0, row, bi.hk, bk);
   }
   template <class SQ, class SK>
   __device__ __forceinline__ static void gemm_qk(Acc<1, BC / 8>& s, const SQ& sq, int r0, const SK& sk) {

@@ -126,7 +126,9 @@ def _granules(x, granularity: str, kv_heads: int | None) -> tuple[int, int]:
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if len(x.shape) != 4:
-        raise ValueError(f"x must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {tuple(x.shape)}")
+        also = " (packed sequences, 3 dimensions: granularity='tensor')" if len(x.shape) == 3 else ""
+        raise ValueError(f"x must have 4 dimensions (batch, seqlen, heads, head_dim){also}, got shape "
+                         f"{tuple(x.shape)}")
     heads = int(x.shape[2])
     kv = heads if kv_heads is None else int(kv_heads)
     if kv < 1 or heads % kv:
@@ -136,7 +138,8 @@ def _granules(x, granularity: str, kv_heads: int | None) -> tuple[int, int]:
 
 def quantize(x, granularity: str = "head", *, kv_heads: int | None = None, incoherent: bool = False,
              seed: int = 0):
-    """x (batch, seqlen, heads, head_dim), float16 / bfloat16 / float32 -> (x8 float8_e4m3fn, descale float32).
+    """x (batch, seqlen, heads, head_dim), float16 / bfloat16 / float32 -> (x8 float8_e4m3fn, descale float32);
+    packed sequences (total, heads, head_dim) with granularity "tensor".
 
     granularity: "tensor" (descale shape (1,)) or "head" (shape (batch, kv_heads): the query heads of one kv head
     share one, which is the FP8 forward's per-head layout; ``kv_heads`` defaults to x's heads). Each granule is
@@ -144,6 +147,9 @@ def quantize(x, granularity: str = "head", *, kv_heads: int | None = None, incoh
     :func:`rotation` (``seed``) first, as ``forward(..., incoherent=True)`` does to q and k. NumPy arrays are
     quantised on the host, CuPy arrays on the device (fp8_prep.cu).
     """
+    if len(x.shape) == 3 and granularity == "tensor":  # packed sequences (total, heads, head_dim): one granule
+        x8, descale = quantize(x[None], "tensor", kv_heads=kv_heads, incoherent=incoherent, seed=seed)
+        return x8[0], descale
     kv, group = _granules(x, granularity, kv_heads)
     if incoherent:
         check_rotatable(int(x.shape[3]))
@@ -205,9 +211,10 @@ def as_bytes(x8):
     return x8.view(np.uint8)
 
 
-def dequantize(x8, descale, kv_heads: int | None = None) -> np.ndarray:
+def dequantize(x8, descale, kv_heads: int | None = None, *, cu_seqlens=None) -> np.ndarray:
     """float64 x8 * descale on the host (the reference backend's view of FP8 inputs); descale (1,) or
-    (batch, kv_heads)."""
+    (batch, kv_heads). Packed x8 (total, heads, head_dim) with ``cu_seqlens`` (batch + 1 offsets): row r of
+    sequence b takes descale[b]."""
     x8 = x8.get() if hasattr(x8, "get") else np.asarray(x8)
     xf = x8.view(e4m3()).astype(np.float64) if x8.dtype == np.uint8 else x8.astype(np.float64)
     if descale is None:
@@ -215,5 +222,9 @@ def dequantize(x8, descale, kv_heads: int | None = None) -> np.ndarray:
     d = np.asarray(descale.get() if hasattr(descale, "get") else descale, dtype=np.float64)
     if d.size == 1:
         return xf * d.reshape(())
+    if xf.ndim == 3:  # packed: each row's sequence
+        cu = np.asarray(cu_seqlens.get() if hasattr(cu_seqlens, "get") else cu_seqlens, dtype=np.int64)
+        seq = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
+        return xf * np.repeat(d, xf.shape[1] // d.shape[1], axis=1)[seq][:, :, None]
     heads = xf.shape[2]
     return xf * np.repeat(d, heads // d.shape[1], axis=1)[:, None, :, None]

@@ -477,16 +477,16 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
 
 
 OUT_DTYPES = ("bfloat16", "float16")
-FP8_REFUSED = ("window", "softcap", "alibi_slopes", "cu_seqlens_q", "seqused_k")
+FP8_REFUSED = ("softcap", "alibi_slopes")  # score transforms (the FP8 form folds the descales into the scale)
 
 
 def check_fp8(c: Checked, kernel: str, backend: str, features: Features, descales: dict, out_dtype,
               incoherent) -> tuple[Checked, tuple]:
     """The FP8 forward's rules on top of :func:`check_forward` (q, k, v float8_e4m3fn): kernel='fa2' on the cupy or
-    reference backend, plain or causal attention (sinks allowed; windows, soft-capping, ALiBi, packed sequences and
-    seqused_k are refused), head_dim a multiple of 16 (TMA rows of 16-byte chunks), descales float32 of shape (1,)
-    or (batch, kv_heads), all the same shape, on q's device; out_dtype bfloat16 (default) or float16. Returns the
-    checked call (its problem's out_dtype set) and the descales (None for 1)."""
+    reference backend; causal, windows, sinks, packed sequences and seqused_k as in 16-bit (soft-capping and ALiBi
+    are refused), head_dim a multiple of 16 (TMA rows of 16-byte chunks), descales float32 of shape (1,) or
+    (batch, kv_heads) (batch: the packed sequences' count), all the same shape, on q's device; out_dtype bfloat16
+    (default) or float16. Returns the checked call (its problem's out_dtype set) and the descales (None for 1)."""
     p = c.problem
     if kernel != "fa2":
         raise ValueError(f"float8_e4m3fn inputs run kernel='fa2' (FA3's form on Hopper) only, got kernel={kernel!r}")
@@ -495,8 +495,8 @@ def check_fp8(c: Checked, kernel: str, backend: str, features: Features, descale
                          "backend='numba'")
     given = [g for g in features.given() if g in FP8_REFUSED]
     if given:
-        raise ValueError(f"the FP8 forward runs plain or causal attention (with sinks); {given[0]} is not supported "
-                         f"with float8_e4m3fn inputs")
+        raise ValueError(f"the FP8 forward runs no score transform (causal, windows, sinks, packed sequences and "
+                         f"seqused_k are supported); {given[0]} is not supported with float8_e4m3fn inputs")
     if check_flag(incoherent, "incoherent"):
         raise ValueError("incoherent=True rotates Q and K before they are quantised: give float16 / bfloat16 / "
                          "float32 q, k, v with incoherent=True (rawflash quantises them), or rotate with "

@@ -1,5 +1,7 @@
 """FP8 forward, without a GPU: the fragment order of P's keys, quantisation, the Hadamard rotation, P's
 underflow, the validation of FP8 calls and their plans (the kernels themselves: tests/test_gpu_fp8.py)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -123,7 +125,7 @@ def test_reference_backend_runs_fp8_and_returns_bf16():
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(kernel="fa1"), ValueError, "kernel='fa2'"),
     (dict(backend="numba"), ValueError, "Numba"),
-    (dict(window=(4, 0)), ValueError, "window is not supported"),
+    (dict(alibi_slopes=np.ones(2, np.float32)), ValueError, "alibi_slopes is not supported"),
     (dict(softcap=5.0), ValueError, "softcap is not supported"),
     (dict(incoherent=True), ValueError, "incoherent=True rotates"),
     (dict(out_dtype="float32"), ValueError, "out_dtype"),
@@ -174,3 +176,55 @@ def test_fp8_instantiations_are_compiled_by_the_compile_tests():
     names = {lau.name_expression for lau in forms.all_instantiations("sm_90")}
     assert {lau.name_expression for lau in forms.fp8_instantiations()} <= names
     assert not any(lau.kernel.startswith("fp8") or lau.kernel.endswith("_fp8") for lau in forms.all_instantiations("sm_80"))
+
+
+def test_reference_backend_runs_fp8_windows_and_packed_sequences():
+    """Windows, packed sequences (per-(sequence, kv head) descales) and seqused_k on FP8 inputs: the reference
+    backend dequantises each row by its own sequence's descale and runs the 16-bit rules."""
+    lq, lk = (5, 9), (12, 7)
+    cu_q, cu_k = np.array([0, 5, 14], np.int32), np.array([0, 12, 19], np.int32)
+    q, k, v = _e4m3((14, 4, 64)), _e4m3((19, 2, 64), 1), _e4m3((19, 2, 64), 2)
+    d = np.random.default_rng(3).uniform(0.5, 2, (2, 2)).astype(np.float32)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=9, max_seqlen_k=12, causal=True, window=(3, -1),
+              seqused_k=np.array([10, 7], np.int32))
+    out, lse = rawflash.forward(q, k, v, q_descale=d, k_descale=d, v_descale=d, backend="reference", **kw)
+    assert out.dtype.name == "bfloat16" and out.shape == q.shape and lse.shape == (4, 14)
+    for b in range(2):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b] + kw["seqused_k"][b])
+        one = [fp8.dequantize(x[r][None], d[b:b + 1]).astype(np.float32) for x, r in ((q, rq), (k, rk), (v, rk))]
+        want, want_lse = rawflash.forward(*one, causal=True, window=(3, -1), backend="reference")
+        np.testing.assert_allclose(out[rq].astype(np.float32), want[0], atol=1e-2, rtol=1e-2)
+        np.testing.assert_allclose(lse[:, rq], want_lse[0], rtol=1e-5)
+    assert lq and lk
+
+
+def test_fp8_plan_for_packed_sequences_and_windows():
+    """The general policy's FP8 form: the GENERAL bool after the mask, V^T in one row per kv head whose sequences
+    start on 128-key boundaries far enough apart (vt_key0), the pre-pass a CTA per 64 keys of the longest one."""
+    p = Problem(3, 700, 900, 8, 2, 128, configs.FP8, True, "sm_90", varlen=True, total_q=1000, total_k=1500,
+                out_dtype="bfloat16")
+    plan = forms.forward_plan(p)
+    assert [lau.kernel for lau in plan] == ["fp8_vt_permute", "fa3_fwd_sm90_fp8"]
+    assert plan[1].template_args[5:7] == (launch.WINDOW, True)  # (causal is the window (-1, 0) there)
+    assert plan[0].grid == (15, 2, 3) and launch.vt_keys(p, 192) == 128 * (12 + 3)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lens = rng.integers(0, 400, rng.integers(1, 9))
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        starts = [launch.vt_key0(int(cu[b]), b) for b in range(len(lens))]
+        ends = [s0 + -(-int(n) // 64) * 64 for s0, n in zip(starts, lens)]  # the pre-pass's 64-key tiles
+        assert all(s0 % 128 == 0 for s0 in starts)
+        assert all(e <= s1 for e, s1 in zip(ends, starts[1:])), (lens, starts, ends)
+        pp = dataclasses.replace(p, batch=len(lens), total_k=int(cu[-1]))
+        assert ends[-1] <= launch.vt_keys(pp, 192)
+    pw = Problem(1, 64, 64, 1, 1, 256, configs.FP8, False, "sm_90", window=(8, 8))
+    assert forms.forward_plan(pw)[1].template_args[5:7] == (launch.WINDOW, True)
+
+
+def test_quantize_packed_sequences_per_tensor():
+    x = np.random.default_rng(1).standard_normal((30, 4, 64)).astype(np.float32)
+    x8, d = fp8.quantize(x, "tensor")
+    assert x8.shape == x.shape and d.shape == (1,)
+    np.testing.assert_allclose(fp8.dequantize(x8, d), x, atol=np.abs(x).max() / 8)
+    with pytest.raises(ValueError, match="granularity='tensor'"):
+        fp8.quantize(x, "head")

@@ -34,15 +34,21 @@ def _qkv(b, sq, sk, h, hk, d, seed=0, scale=1.0, outliers=False):
     return q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)
 
 
-def _model_error(qf, kf, vf, causal):
+def _model_error(qf, kf, vf, causal, window=(-1, -1)):
     """The error a float64 forward makes when only P is rounded to e4m3 (times 2^8), as the kernel rounds it."""
-    exact, _ = reference.forward(qf, kf, vf, causal=causal)
+    exact, _ = reference.forward(qf, kf, vf, causal=causal, window=window)
     b, sq, h, d = qf.shape
     g = h // kf.shape[2]
     s = np.einsum("bqhd,bkhd->bhqk", qf, np.repeat(kf, g, axis=2)) / np.sqrt(d)
-    if causal:
-        sk = kf.shape[1]
-        s = np.where(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq, s, -np.inf)
+    left, right = (window[0], 0) if causal else window
+    sk = kf.shape[1]
+    j, i = np.arange(sk)[None, :], np.arange(sq)[:, None] + sk - sq
+    seen = np.ones((sq, sk), bool)
+    if right >= 0:
+        seen &= j <= i + right
+    if left >= 0:
+        seen &= j >= i - left
+    s = np.where(seen, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
     p = np.exp2((s - m) / np.log(2) + fp8.P_LOG2)
@@ -179,3 +185,98 @@ def test_192_key_tiles_with_64_byte_swizzled_vt(causal, stages):
     assert np.abs(out - ref_out).max() <= err_bound
     fin = np.isfinite(ref_lse)
     assert np.abs(cupy.asnumpy(lse)[fin] - ref_lse[fin]).max() <= 1e-3 * max(1.0, np.abs(ref_lse[fin]).max())
+
+
+WINDOW_CASES = [(1, 300, 1029, 4, 1, 128, False, (64, 0)), (2, 203, 113, 4, 2, 64, False, (5, 7)),
+                (1, 129, 257, 2, 2, 256, True, (0, -1)), (1, 640, 129, 2, 2, 128, False, (100, -1)),
+                (1, 333, 517, 2, 1, 128, True, (200, -1))]
+
+
+@pytest.mark.parametrize("out_dtype", ("bfloat16", "float16"))
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,window", WINDOW_CASES)
+def test_window_against_its_dequantised_inputs(b, sq, sk, h, hk, d, causal, window, out_dtype):
+    """Sliding windows on FP8 inputs (the general policy's masks, the scale descaled as in the plain policy),
+    bottom-right aligned, causal both ways, by the bound of the plain cases."""
+    q, k, v = _qkv(b, sq, sk, h, hk, d, seed=7)
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x, "head", kv_heads=hk) for x in (q, k, v))
+    out, lse = rawflash.forward(q8, k8, v8, causal=causal, window=window, q_descale=qd, k_descale=kd, v_descale=vd,
+                                out_dtype=out_dtype)
+    out = out.astype(np.float64)
+    qf, kf, vf = fp8.dequantize(q8, qd), fp8.dequantize(k8, kd), fp8.dequantize(v8, vd)
+    ref_out, ref_lse = reference.forward(qf, kf, vf, causal=causal, window=window)
+    bound = 2 * _model_error(qf, kf, vf, causal, window) + 2 ** -7 * np.abs(ref_out).max() + 1e-3
+    err = np.abs(out - ref_out).max()
+    assert err <= bound, f"out: max error {err:.3g} > bound {bound:.3g}"
+    fin = np.isfinite(ref_lse)
+    assert np.array_equal(np.isneginf(lse), ~fin), "rows that see no key must have lse = -inf"
+    assert np.abs(lse[fin] - ref_lse[fin]).max() <= 1e-3 * max(1.0, np.abs(ref_lse[fin]).max())
+
+
+def _packed(lens, heads, d, seed):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((int(sum(lens)), heads, d)).astype(np.float32)
+
+
+VARLEN_CASES = [  # (query lengths, key lengths, heads, kv heads, head_dim)
+    ((37, 1, 130, 64), (53, 200, 7, 64), 4, 2, 128),
+    ((300, 17, 129), (1029, 0, 190), 4, 1, 128),
+    ((129, 64), (257, 333), 2, 2, 256),
+    ((1,) * 5, (77, 129, 1, 300, 5), 8, 2, 64)]
+
+
+@pytest.mark.parametrize("per_head", (False, True))
+@pytest.mark.parametrize("causal,window", ((False, (-1, -1)), (True, (-1, -1)), (True, (50, -1)), (False, (9, 3))))
+@pytest.mark.parametrize("lq,lk,h,hk,d", VARLEN_CASES)
+def test_varlen_matches_the_sequences_one_by_one(lq, lk, h, hk, d, causal, window, per_head):
+    """Packed sequences on FP8 inputs (one V^T workspace row per kv head, each sequence from its own 128-key
+    boundary) give each sequence what a call of its own gives, bit for bit: the same tiles in the same order.
+    Descales per tensor, or per (sequence, kv head); a sequence without keys gets out 0 and lse -inf."""
+    q, k, v = _packed(lq, h, d, 1), _packed(lk, hk, d, 2), _packed(lk, hk, d, 3)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lq, lk))
+    (q8, _), (k8, _), (v8, _) = (fp8.quantize(x, "tensor") for x in (q, k, v))
+    rng = np.random.default_rng(4)
+    shape = (len(lq), hk) if per_head else (1,)
+    qd, kd, vd = (rng.uniform(0.5, 1.5, shape).astype(np.float32) for _ in range(3))
+    kw = dict(causal=causal, window=window)
+    out, lse = rawflash.forward(q8, k8, v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                                max_seqlen_k=max(lk), q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+    assert out.shape == q.shape and lse.shape == (h, len(q))
+    for b in range(len(lq)):
+        one = (lambda x: x[b:b + 1]) if per_head else (lambda x: x)
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o1, l1 = rawflash.forward(q8[rq][None], k8[rk][None], v8[rk][None], q_descale=one(qd), k_descale=one(kd),
+                                  v_descale=one(vd), **kw)
+        np.testing.assert_array_equal(np.asarray(out[rq], np.float32), np.asarray(o1[0], np.float32))
+        np.testing.assert_array_equal(lse[:, rq], l1[0])
+        if lk[b] == 0:
+            assert np.all(np.asarray(out[rq], np.float32) == 0) and np.all(np.isneginf(lse[:, rq]))
+
+
+def test_varlen_with_seqused_k_against_the_reference():
+    """Packed sequences with seqused_k (keys past it unused), GQA, causal, per-(sequence, kv head) descales:
+    against the float64 reference of the dequantised inputs, by the plain cases' bound taken per sequence."""
+    lq, lk, used = (40, 130, 7), (300, 129, 64), (250, 129, 0)
+    h, hk, d = 4, 2, 128
+    q, k, v = _packed(lq, h, d, 5), _packed(lk, hk, d, 6), _packed(lk, hk, d, 7)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lq, lk))
+    (q8, qt), (k8, kt), (v8, vt) = (fp8.quantize(x, "tensor") for x in (q, k, v))
+    rng = np.random.default_rng(8)  # each tensor's own descale, moved by up to +-50 % per (sequence, kv head)
+    qd, kd, vd = ((t * rng.uniform(0.5, 1.5, (3, hk))).astype(np.float32) for t in (qt, kt, vt))
+    seqused = np.array(used, np.int32)
+    out, lse = rawflash.forward(q8, k8, v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                                max_seqlen_k=max(lk), seqused_k=seqused, causal=True, q_descale=qd, k_descale=kd,
+                                v_descale=vd)
+    deq = [fp8.dequantize(x, ds, cu_seqlens=cu) for x, ds, cu in ((q8, qd, cu_q), (k8, kd, cu_k), (v8, vd, cu_k))]
+    ref_out, ref_lse = reference.forward(*deq, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=seqused)
+    out = np.asarray(out, np.float64)
+    for b in range(3):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b] + used[b])
+        qf, kf, vf = deq[0][rq][None], deq[1][rk][None], deq[2][rk][None]
+        if used[b] == 0:
+            assert np.all(out[rq] == 0) and np.all(np.isneginf(lse[:, rq]))
+            continue
+        bound = 2 * _model_error(qf, kf, vf, True) + 2 ** -7 * np.abs(ref_out[rq]).max() + 1e-3
+        assert np.abs(out[rq] - ref_out[rq]).max() <= bound
+    fin = np.isfinite(ref_lse)
+    assert np.array_equal(np.isneginf(lse), ~fin)
+    assert np.abs(lse[fin] - ref_lse[fin]).max() <= 1e-3 * max(1.0, np.abs(ref_lse[fin]).max())

@@ -186,7 +186,7 @@ def _fa3(dtype: str) -> None:
 
 def _fp8(dtype: str) -> None:
     """The FP8 forward (sm_90 only): quantised inside (fp8=True, incoherent=True) and from e4m3 inputs with per-head
-    descales, ragged shapes, GQA, causal both ways, every FA3 switch."""
+    descales, ragged shapes, GQA, causal both ways, every FA3 switch; windows, packed sequences, seqused_k."""
     from rawflash import fp8
     from rawflash.kernels import cupy_backend
 
@@ -200,6 +200,19 @@ def _fp8(dtype: str) -> None:
             (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x, "head", kv_heads=hk) for x in (q, k, v))
             for sw in ({}, {"pingpong": False}, {"overlap": False}, {"persistent": not causal}):
                 rawflash.forward(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **sw)
+            rawflash.forward(q8, k8, v8, causal=causal, window=(37, -1 if causal else 5), q_descale=qd,
+                             k_descale=kd, v_descale=vd)
+        # packed sequences (one V^T row per kv head from 128-key boundaries), a keyless one, seqused_k, a window
+        lq, lk = (37, 1, 130), (53, 0, 300)
+        cu_q, cu_k = (cupy.asarray([0, *np.cumsum(x)], dtype=cupy.int32) for x in (lq, lk))
+        q, k, v = (cupy.asarray(random_qkv(1, n, n, hh, hh, d, dtype)[0][0]) for n, hh in
+                   ((sum(lq), h), (sum(lk), hk), (sum(lk), hk)))
+        (q8, _), (k8, _), (v8, _) = (fp8.quantize(x, "tensor") for x in (q, k, v))
+        ds = cupy.full((3, hk), 0.75, cupy.float32)
+        for causal, window, used in ((False, (-1, -1), None), (True, (40, -1), None), (True, (-1, -1), (50, 0, 9))):
+            rawflash.forward(q8, k8, v8, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                             max_seqlen_k=max(lk), causal=causal, window=window, q_descale=ds, k_descale=ds,
+                             v_descale=ds, seqused_k=None if used is None else cupy.asarray(used, cupy.int32))
 
 
 def main() -> None:

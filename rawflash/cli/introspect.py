@@ -414,7 +414,7 @@ def general_flag(lau: Launch) -> bool:
     """Whether a tiled launch runs the general policy (the bool after its mask mode)."""
     i = _mask_index(lau)
     return i is not None and i + 1 < len(lau.template_args) and lau.template_args[i + 1] is True and \
-        lau.kernel not in ("fa1_fwd", "fa3_fwd_sm90_fp8")  # plain policy only: the bool there is another switch
+        lau.kernel != "fa1_fwd"  # plain policy only: the bool there is another switch
 
 
 def _mask_index(lau: Launch) -> int | None:

@@ -322,6 +322,11 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     # spilling (the general one with the uniform warpgroup index, the plain one without a mask with the rotated
     # order's 32-bit rank).
     **{(f"fa3_bwd_sm90<{t}, 64, 128, 128, 2, 1, false, true, 199720>", "sm_90"): 40 for t in ("__half", "__nv_bfloat16")},
+    # The FP8 forward under a window (the general policy, dynamic schedule): 4 B in the producer warpgroup's 24
+    # registers (the walk's bounds), after its setmaxnreg, outside the consumers' key loop (session 22's SASS).
+    **{(f"fa3_fwd_sm90_fp8<{t}, {d}, 128, {bc}, {st}, 2, true, true, true, 2, {qs}, {smem}>", "sm_90"): 8
+       for t in ("__half", "__nv_bfloat16") for d, bc, st, qs, smem in ((128, 192, 3, 2, 181392),
+                                                                         (256, 128, 2, 1, 164960))},
     ("decode_split<__half, 128, 2, 16, 2, 4, 73728>", "sm_90"): 16,
     ("decode_split<__nv_bfloat16, 128, 2, 16, 2, 4, 73728>", "sm_90"): 24,
 }

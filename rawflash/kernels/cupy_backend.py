@@ -165,11 +165,15 @@ def bind_forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switche
     pr = dataclasses.replace(p, arch=device_arch(env), sms=_sms())
     plan = forms.forward_plan(pr, "fa2", switches, env, override)
     q8, k8, v8 = (_bytes(x) for x in (q, k, v))
-    feats = {name: cupy.ascontiguousarray(cupy.asarray(x), dtype=np.float32) for name, x in (extras or {}).items()}
+    dtypes = {"alibi_slopes": np.float32, "sinks": np.float32}  # (the rest: cu_seqlens_q / _k, seqused_k)
+    feats = {name: cupy.ascontiguousarray(cupy.asarray(x), dtype=dtypes.get(name, np.int32))
+             for name, x in (extras or {}).items()}
     ds = tuple(None if x is None else cupy.ascontiguousarray(cupy.asarray(x), dtype=cupy.float32) for x in descales)
     cfg = plan[1].config
     nk = launch.vt_keys(pr, cfg.bc)
-    vt = cupy.empty((pr.batch, pr.kv_heads, pr.head_dim, nk), dtype=cupy.uint8)
+    # packed sequences: one row of keys per kv head, zero where no sequence's tile writes (launch.vt_keys)
+    vt = (cupy.zeros((1, pr.kv_heads, pr.head_dim, nk), dtype=cupy.uint8) if pr.varlen
+          else cupy.empty((pr.batch, pr.kv_heads, pr.head_dim, nk), dtype=cupy.uint8))
     out = cupy.empty(tuple(q.shape), dtype=np.dtype(pr.out_dtype) if pr.out_dtype != "bfloat16"
                      else cupy.dtype("bfloat16"))
     lse = cupy.empty(_rows(pr), dtype=cupy.float32)
@@ -177,9 +181,11 @@ def bind_forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switche
     named = [x if x is not None else cupy.ones(shape, cupy.float32) for x in ds]
     rec = params.fwd_params(pr, q8, k8, v8, out, lse, scale, descales=tuple(named), tile_counter=tile_counter(),
                             **feats)
-    maps = tma.fwd_maps_fp8(q8, k8, vt, cfg.br, cfg.bc, launch.fp8_head_dim(pr))
-    sv = [np.int64(s) for s in v8.strides[:3]]
-    vt_args = (v8, *sv, np.int32(pr.seqlen_k), np.int32(pr.head_dim), np.int32(pr.kv_heads), vt, np.int32(nk))
+    maps = tma.fwd_maps_fp8(q8, k8, vt, cfg.br, cfg.bc, launch.fp8_head_dim(pr), pr.varlen)
+    sv = [np.int64(s) for s in ((0, *v8.strides[:2]) if pr.varlen else v8.strides[:3])]  # (batch, row, head)
+    cu_k = feats["cu_seqlens_k"] if pr.varlen else np.uint64(0)  # (null: fixed lengths)
+    vt_args = (v8, *sv, np.int32(pr.seqlen_k), np.int32(pr.head_dim), np.int32(pr.kv_heads), vt, np.int32(nk),
+               cu_k)
     bound = Bound(plan, [(plan[0], vt_args), (plan[1], (rec, maps))], (out, lse), env)
     bound.keep = (q8, k8, v8, vt, feats, named)  # the parameter struct and the maps hold their addresses
     return bound

@@ -499,11 +499,17 @@ FA3_TILE_CANDIDATES = {64: (configs.TileConfig(192, 128, 16, stages=2),),
 
 
 def fp8_instantiations() -> list[Launch]:
-    """The FP8 forward's instantiations: both output dtypes, without and with the causal mask, at head_dim 128 and
-    256, with FA3's ablation switches at 128; the pre-passes for every input dtype, with and without rotation."""
+    """The FP8 forward's instantiations: both output dtypes, without and with the causal mask, and the general
+    policy's (packed sequences; a window), at head_dim 128 and 256, with FA3's ablation switches at 128; the
+    pre-passes for every input dtype, with and without rotation."""
     out = []
     for d in (128, 256):
         for out_dtype in ("bfloat16", "float16"):
+            general = [Problem(2, 64, 64, 1, 1, d, configs.FP8, False, "sm_90", varlen=True, total_q=100,
+                               total_k=100, out_dtype=out_dtype),
+                       Problem(1, 1, 1, 1, 1, d, configs.FP8, True, "sm_90", window=(8, 0), out_dtype=out_dtype)]
+            for p in general:
+                out += fp8_forward(p)
             for causal in (False, True):
                 p = Problem(1, 1, 1, 1, 1, d, configs.FP8, causal, "sm_90", out_dtype=out_dtype)
                 out += fp8_forward(p)

@@ -22,8 +22,11 @@ def forward(q, k, v, c: Checked, feats: Features, descales: dict, out_dtype, use
     p = c.problem
     to_numpy = c.kind == "numpy"
     if backend == "reference":
-        qf, kf, vf = (fp8.dequantize(x, d) for x, d in zip((q, k, v), ds))
-        out, lse = reference.forward(qf, kf, vf, causal=p.causal, scale=c.scale, sinks=feats.sinks)
+        qf, kf, vf = (fp8.dequantize(x, d, cu_seqlens=cu) for x, d, cu in
+                      zip((q, k, v), ds, (feats.cu_seqlens_q, feats.cu_seqlens_k, feats.cu_seqlens_k)))
+        out, lse = reference.forward(qf, kf, vf, causal=p.causal, scale=c.scale, window=p.window, sinks=feats.sinks,
+                                     cu_seqlens_q=feats.cu_seqlens_q, cu_seqlens_k=feats.cu_seqlens_k,
+                                     seqused_k=feats.seqused_k)
         out_np = out.astype(np.float32).astype(_np_dtype(p.out_dtype))
         return _export(out_np, to_numpy), _export(lse.astype(np.float32), to_numpy)
     import cupy
@@ -32,9 +35,10 @@ def forward(q, k, v, c: Checked, feats: Features, descales: dict, out_dtype, use
 
     if p.batch == 0 or p.seqlen_q == 0 or p.heads == 0 or p.seqlen_k == 0:
         out = cupy.zeros(tuple(q.shape), dtype=_np_dtype(p.out_dtype))
-        lse = cupy.full((p.batch, p.heads, p.seqlen_q), -np.inf, dtype=cupy.float32)
-        if "sinks" in c.extras:
-            lse[...] = cupy.asarray(c.extras["sinks"], dtype=cupy.float32)[None, :, None]
+        lse = cupy.full(cupy_backend._rows(p), -np.inf, dtype=cupy.float32)
+        if "sinks" in c.extras:  # (heads is lse's first axis when packed, its second otherwise)
+            sinks = cupy.asarray(c.extras["sinks"], dtype=cupy.float32)
+            lse[...] = sinks[:, None] if p.varlen else sinks[None, :, None]
         return arrays.export(out, to_numpy), arrays.export(lse, to_numpy)
     with cupy.cuda.Device(c.device if isinstance(c.device, int) else cupy.cuda.runtime.getDevice()):
         out, lse = cupy_backend.forward_fp8(p, q, k, v, c.scale, ds, switches, c.extras, env)

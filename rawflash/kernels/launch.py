@@ -347,7 +347,7 @@ def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, i
 # fa3_fwd_sm90.cu's SCHEDULE: one tile per CTA, or a persistent grid (one CTA per SM) walking the tiles by the
 # static schedule (tile t on CTA t % grid) or taking them from a counter as each CTA gets ready (dynamic).
 SCHEDULES = {"one tile per CTA": 0, "persistent, static": 1, "persistent, dynamic": 2}
-SCHEDULE_ARG = {"fa3_fwd_sm90": 9, "fa3_fwd_sm90_fp8": 8}  # SCHEDULE's position among the template arguments
+SCHEDULE_ARG = {"fa3_fwd_sm90": 9, "fa3_fwd_sm90_fp8": 9}  # SCHEDULE's position among the template arguments
 STAGE_O_ARG = 11  # fa3_fwd_sm90's STAGE_O among its template arguments (fa3_fwd_sm90.cu)
 
 
@@ -395,8 +395,19 @@ def fp8_head_dim(p: Problem) -> int:
     return cdiv(p.padded_head_dim, 128) * 128
 
 
+def vt_key0(row0: int, b: int) -> int:
+    """Packed sequences: the first key of sequence b (its first row row0 = cu_seqlens_k[b]) in the V^T workspace's
+    row (mainloop_fwd_sm90_fp8.cuh's vt_key0, fp8_prep.cu's out_key0): a multiple of 128, at least the previous
+    sequence's start plus its keys rounded up to 128."""
+    return 128 * (row0 // 128 + b)
+
+
 def vt_keys(p: Problem, bc: int) -> int:
-    """Keys per (batch, kv head) row of the FP8 form's V^T workspace: seqlen_k padded to the key block."""
+    """Keys per (batch, kv head) row of the FP8 form's V^T workspace: seqlen_k padded to the key block; packed
+    sequences share one row per kv head, sequence b's keys from 128 (cu_seqlens_k[b] // 128 + b)
+    (mainloop_fwd_sm90_fp8.cuh's vt_key0), so the row ends by 128 (cdiv(total_k, 128) + batch)."""
+    if p.varlen:
+        return 128 * (cdiv(max(1, p.total_k), 128) + p.batch)
     return cdiv(max(1, p.seqlen_k), bc) * bc
 
 
@@ -405,7 +416,7 @@ def fa3_fwd_sm90_fp8(p: Problem, cfg: TileConfig, out_dtype: str = "bfloat16", *
     """FA3 forward on e4m3 inputs (sm_90a), output in ``out_dtype``; the switches as for :func:`fa3_fwd_sm90`."""
     d = fp8_head_dim(p)
     smem = smem_fa3_fwd_sm90_fp8(cfg, d)
-    args = (CUDA_TYPES[out_dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, overlap, pingpong,
+    args = (CUDA_TYPES[out_dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, overlap, pingpong,
             fa3_schedule(persistent, dynamic), cfg.q_stages, smem)
     return Launch("fa3_fwd_sm90_fp8", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
@@ -415,8 +426,10 @@ VT_KEYS, VT_THREADS = 64, 256  # fp8_prep.cu's fp8_vt_permute: keys per CTA, thr
 
 
 def fp8_vt_permute(p: Problem, bc: int) -> Launch:
-    """The FP8 forward's pre-pass: V^T of every (batch, kv head) with the fragment order of its keys."""
-    grid = _check_grid((vt_keys(p, bc) // VT_KEYS, p.kv_heads, p.batch), "fp8_vt_permute")
+    """The FP8 forward's pre-pass: V^T of every (batch, kv head) with the fragment order of its keys (packed
+    sequences: the CTAs of sequence b past its keys exit)."""
+    keys = cdiv(max(1, p.seqlen_k), VT_KEYS) * VT_KEYS if p.varlen else vt_keys(p, bc)
+    grid = _check_grid((keys // VT_KEYS, p.kv_heads, p.batch), "fp8_vt_permute")
     smem = VT_KEYS * (p.head_dim + 4)  # the tile of V in shared memory, rows padded by 4 bytes against conflicts
     return Launch("fp8_vt_permute", "fp8_prep.cu", (VT_KEYS,), grid, (VT_THREADS, 1, 1), smem)
 

@@ -159,7 +159,7 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
                     None)),
             supports=COMMON + FEATURES[1:] + ("ablation switches: defer_norm, seq_parallel, split_q; wgmma, overlap; "
                                               "warp_specialize, pingpong, persistent",
-                                              "float8_e4m3fn on sm_90 (FA3's form; causal, GQA, sinks)")),
+                                              "float8_e4m3fn on sm_90 (FA3's form; causal, windows, varlen, seqused_k, GQA, sinks)")),
     Variant("fa2_bwd", "bwd", "fa2", "FlashAttention-2 backward (FA2 paper, Algorithm 2)",
             "warps split the Bc keys (and with wc > 1 the head_dim columns of dK, dV)",
             (Form("fa2_bwd", "fa2_bwd.cu", "mainloop_bwd_sm80.cuh", "sm_80", ALL_DTYPES, "fa2_bwd"),

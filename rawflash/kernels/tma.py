@@ -145,7 +145,7 @@ UINT8 = 0  # CU_TENSOR_MAP_DATA_TYPE_UINT8: e4m3 bytes
 BOX_BYTES = 128
 
 
-def fwd_maps_fp8(q, k, vt, br: int, bc: int, d: int) -> np.ndarray:
+def fwd_maps_fp8(q, k, vt, br: int, bc: int, d: int, packed: bool = False) -> np.ndarray:
     """The FP8 forward's ``TmaFwd`` (its o unused: the FP8 epilogue stores from registers): q and k (uint8 views
     of e4m3, 4-d as ``layout_4d``) in boxes of 128 columns by
     br / bc rows; the V^T workspace (batch, kv_heads, head_dim, keys) as (keys, head_dim, kv_heads, batch) in boxes
@@ -155,7 +155,7 @@ def fwd_maps_fp8(q, k, vt, br: int, bc: int, d: int) -> np.ndarray:
     for name, x, rows in (("q", q, br), ("k", k, bc)):
         if x.data.ptr % 16:
             raise TmaUnavailable(f"{name}'s base address is not 16-byte aligned")
-        dims, strides = layout_4d(x, False)
+        dims, strides = layout_4d(x, packed)
         rec[name] = _encode(x.data.ptr, UINT8, dims, strides, (BOX_BYTES, rows, 1, 1), SWIZZLE_128B)
     dims, strides = layout_4d(vt.transpose(0, 2, 1, 3), False)
     wide = bc % BOX_BYTES == 0  # else 64-key boxes in the 64-byte swizzle (hopper.cuh's Sw64x8: bc = 192)
