@@ -40,8 +40,9 @@
 // 1.17x over the atomics); at D = 256 (TIGHT) one P^T buffer and one dsx() instead of two each free 16 KB for a
 // 64 x 32 tile, and the panel goes out in two halves: the first at once, the second (held in registers, dqb)
 // under the next step's S^T and dP^T products, once the first half's add has read the tile (add_dq_second_half;
-// 231496 B; session 22: 1.04 - 1.07x over the atomics with both halves in the step, then 1.05 - 1.10x more). Each step then runs dV_j (release dO_i), dQ_i (release the partner's dS^T on its
-// barrier xfree, add dQ_i while dK_j runs), dK_j (release Q_i). A CTA writes its dS^T of
+// 231496 B; session 22: 1.04 - 1.07x over the atomics with both halves in the step, then 1.05 - 1.10x more).
+// Each step then runs dV_j (release dO_i), dQ_i (release the partner's dS^T on its barrier xfree, add dQ_i while
+// dK_j runs), dK_j (release Q_i). A CTA writes its dS^T of
 // step it (ds(it), and the copy into the partner's dsx(it)) only once the partner has read the one of step
 // it - DSX_BUFS (it - 2 at D = 192, it - 1 at D = 256, where P^T's one buffer also waits, on the named barrier
 // PT_FREE, for the other warpgroup's dV_j product of step it - 1; xfree: 8 warp arrivals from the partner), which

@@ -54,12 +54,6 @@ def _lse_shape(c: Checked) -> tuple[int, ...]:
     return (p.heads, p.total_q) if p.varlen else (p.batch, p.heads, p.seqlen_q)
 
 
-def _reference_features(c: Checked, f: Features) -> dict:
-    p = c.problem
-    return dict(causal=p.causal, scale=c.scale, window=p.window, softcap=p.softcap, alibi_slopes=f.alibi_slopes,
-                sinks=f.sinks, cu_seqlens_q=f.cu_seqlens_q, cu_seqlens_k=f.cu_seqlens_k, seqused_k=f.seqused_k)
-
-
 def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
             window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Array | None = None,
             sinks: Array | None = None, cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
@@ -145,7 +139,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     sw = _check_switches(kernel, switches, c)
     to_numpy = c.kind == "numpy"
     if backend == "reference":
-        out, lse = reference.forward(q, k, v, **_reference_features(c, feats))
+        out, lse = reference.forward(q, k, v, **validation.reference_features(c, feats))
         return _host_result(out.astype(q.dtype), to_numpy), _host_result(lse.astype(np.float32), to_numpy)
     if _is_empty(c):
         xp = _xp(c.kind, backend)
@@ -210,7 +204,7 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
     to_numpy = c.kind == "numpy"
     p = c.problem
     if backend == "reference":
-        grads = reference.backward(dout, q, k, v, out=out, lse=lse, **_reference_features(c, feats))
+        grads = reference.backward(dout, q, k, v, out=out, lse=lse, **validation.reference_features(c, feats))
         cast = [g.astype(q.dtype) for g in grads[:3]] + [g.astype(np.float32) for g in grads[3:]]
         return tuple(_host_result(g, to_numpy) for g in cast)
     if _is_empty(c):

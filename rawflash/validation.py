@@ -476,6 +476,13 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
     return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)
 
 
+def reference_features(c: Checked, f: Features) -> dict:
+    """The keyword arguments of ``reference.forward`` / ``backward`` for a checked call and its features."""
+    p = c.problem
+    return dict(causal=p.causal, scale=c.scale, window=p.window, softcap=p.softcap, alibi_slopes=f.alibi_slopes,
+                sinks=f.sinks, cu_seqlens_q=f.cu_seqlens_q, cu_seqlens_k=f.cu_seqlens_k, seqused_k=f.seqused_k)
+
+
 OUT_DTYPES = ("bfloat16", "float16")
 FP8_REFUSED = ("softcap", "alibi_slopes")  # score transforms (the FP8 form folds the descales into the scale)
 

@@ -74,10 +74,18 @@ def prepare(p: Problem, extras: dict, env: Settings, *arrays) -> Prepared:
     hd = run_head_dim(p.head_dim)
     chunk = 16 // np.dtype(arrays[0].dtype).itemsize
     ready = tuple(kernel_ready(pad_head_dim(cupy.asarray(x), hd), chunk) for x in arrays)
+    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch(env), sms=_sms()), ready, p.head_dim,
+                    _feature_arrays(extras))
+
+
+def _feature_arrays(extras: dict) -> dict:
+    """The call's feature arrays on the device, contiguous, as the kernels read them: float32 ALiBi slopes and
+    sinks, int32 for the rest (cu_seqlens_q / _k, seqused_k, ...)."""
+    import cupy
+
     dtypes = {"alibi_slopes": np.float32, "sinks": np.float32}
-    feats = {name: cupy.ascontiguousarray(cupy.asarray(x), dtype=dtypes.get(name, np.int32))
-             for name, x in extras.items()}
-    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch(env), sms=_sms()), ready, p.head_dim, feats)
+    return {name: cupy.ascontiguousarray(cupy.asarray(x), dtype=dtypes.get(name, np.int32))
+            for name, x in extras.items()}
 
 
 def _trim(x, head_dim: int):
@@ -165,9 +173,7 @@ def bind_forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switche
     pr = dataclasses.replace(p, arch=device_arch(env), sms=_sms())
     plan = forms.forward_plan(pr, "fa2", switches, env, override)
     q8, k8, v8 = (_bytes(x) for x in (q, k, v))
-    dtypes = {"alibi_slopes": np.float32, "sinks": np.float32}  # (the rest: cu_seqlens_q / _k, seqused_k)
-    feats = {name: cupy.ascontiguousarray(cupy.asarray(x), dtype=dtypes.get(name, np.int32))
-             for name, x in (extras or {}).items()}
+    feats = _feature_arrays(extras or {})
     ds = tuple(None if x is None else cupy.ascontiguousarray(cupy.asarray(x), dtype=cupy.float32) for x in descales)
     cfg = plan[1].config
     nk = launch.vt_keys(pr, cfg.bc)

@@ -24,9 +24,7 @@ def forward(q, k, v, c: Checked, feats: Features, descales: dict, out_dtype, use
     if backend == "reference":
         qf, kf, vf = (fp8.dequantize(x, d, cu_seqlens=cu) for x, d, cu in
                       zip((q, k, v), ds, (feats.cu_seqlens_q, feats.cu_seqlens_k, feats.cu_seqlens_k)))
-        out, lse = reference.forward(qf, kf, vf, causal=p.causal, scale=c.scale, window=p.window, sinks=feats.sinks,
-                                     cu_seqlens_q=feats.cu_seqlens_q, cu_seqlens_k=feats.cu_seqlens_k,
-                                     seqused_k=feats.seqused_k)
+        out, lse = reference.forward(qf, kf, vf, **validation.reference_features(c, feats))
         out_np = out.astype(np.float32).astype(_np_dtype(p.out_dtype))
         return _export(out_np, to_numpy), _export(lse.astype(np.float32), to_numpy)
     import cupy
