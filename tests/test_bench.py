@@ -31,7 +31,7 @@ def test_varlen_lengths_are_fixed_and_in_range():
 
 
 def test_feature_ratios_pair_each_case_with_its_target():
-    rows = [{"case": c.name, "direction": c.direction, "kernel_tflops": 100.0 + i}
+    rows = [{"case": c.name, "direction": c.direction, "dtype": c.dtype, "kernel_tflops": 100.0 + i}
             for i, c in enumerate(bench.feature_cases())]
     out = {(r["case"], r["direction"]): r for r in bench._feature_ratios(rows)}
     assert out[("window (1024, 0), N 16384, persistent", "fwd")]["vs"] == "dense causal, N 2048"
@@ -45,6 +45,32 @@ def test_feature_ratios_pair_each_case_with_its_target():
         out[("window (1024, 0), N 16384", "bwd")]["kernel_tflops"] / out[("dense causal, N 2048", "bwd")]["kernel_tflops"])
     assert out[("softcap 30, N 4096", "bwd")]["vs"] == "plain, N 4096"
     assert "vs" not in out[("plain, N 4096", "fwd")]
+
+
+def test_fp8_feature_cases_are_the_forwards_it_supports():
+    bf16 = {c.name: c for c in bench.feature_cases() if c.direction == "fwd"}
+    fp8 = bench.feature_cases(dtype=bench.FP8)
+    assert fp8 and all(c.dtype == bench.FP8 and c.direction == "fwd" and not c.switches for c in fp8)
+    names = {c.name for c in fp8}
+    assert not any(n.startswith(("softcap", "alibi")) for n in names), "the FP8 forward refuses those"
+    assert names == {n for n, c in bf16.items() if not c.switches and not n.startswith(("softcap", "alibi"))}
+    for c in fp8:  # the same shapes and options as bf16's row of that name
+        assert bench.dataclasses.replace(c, dtype="bfloat16") == bf16[c.name]
+
+
+def test_fp8_feature_rows_are_compared_within_fp8_and_with_bfloat16():
+    cases = bench.feature_cases() + bench.feature_cases(dtype=bench.FP8)
+    rows = [{"case": c.name, "direction": c.direction, "dtype": c.dtype,
+             "kernel_tflops": (200.0 if c.dtype == bench.FP8 else 100.0) + i} for i, c in enumerate(cases)]
+    out = {(r["case"], r["direction"], r["dtype"]): r for r in bench._feature_ratios(rows)}
+    w8, d8 = out[("window (1024, 0), N 16384", "fwd", bench.FP8)], out[("dense causal, N 2048", "fwd", bench.FP8)]
+    assert w8["ratio (kernels)"] == w8["kernel_tflops"] / d8["kernel_tflops"], "FP8 against FP8's own dense row"
+    wb = out[("window (1024, 0), N 16384", "fwd", "bfloat16")]
+    assert w8["x bfloat16 (kernels)"] == w8["kernel_tflops"] / wb["kernel_tflops"]
+    assert "x bfloat16 (kernels)" not in wb
+    s8 = out[("sinks, N 4096", "fwd", bench.FP8)]
+    assert s8["vs"] == "plain, N 4096" and s8["ratio (kernels)"] == s8["kernel_tflops"] / out[
+        ("plain, N 4096", "fwd", bench.FP8)]["kernel_tflops"]
 
 
 def test_fp8_cases_are_rawflash_forwards_only():

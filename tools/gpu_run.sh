@@ -11,7 +11,8 @@
 #     hopper     only tests/test_gpu_hopper.py and tests/test_gpu_fa3.py (the wgmma and FA3 forms)
 #     hopper-cp-async  tests/test_gpu_hopper.py with RAWFLASH_FA3=0 (the backward's cp.async wgmma form too)
 #     fp8        tests/test_gpu_fp8.py, then rawflash bench of the FP8 forward beside bf16 (d 128 / 256, N 4k / 16k)
-#     bench-decode / bench-features   rawflash bench --decode / --features (DECODE_REPEATS, FEATURE_REPEATS)
+#     bench-decode / bench-features   rawflash bench --decode / --features (DECODE_REPEATS, FEATURE_REPEATS;
+#                FEATURE_DTYPES, e.g. "bfloat16 float8_e4m3fn" for the FP8 forward's cases too, FEATURE_DIRECTIONS)
 #     bench-decode-quick              rawflash bench --decode --quick (12 cases, about 2 minutes)
 #     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES (default
 #                "softcap fp8 plain decode"), d = PROFILE_D (128; decode is always 128), N = PROFILE_N (4096);
@@ -112,7 +113,9 @@ while [ $i -lt ${#steps[@]} ]; do
       python3 -m rawflash.cli bench --decode --quick --repeats ${DECODE_REPEATS:-10} --out "$OUT" --tag quick 2>&1 \
         | tee "$OUT/bench_decode_quick.log" | tail -40 || status=1 ;;
     bench-features)
-      python3 -m rawflash.cli bench --features --repeats ${FEATURE_REPEATS:-10} --out "$OUT" 2>&1 \
+      fdt=(); for x in ${FEATURE_DTYPES:-bfloat16}; do fdt+=(--dtype "$x"); done
+      fdir=(); for x in ${FEATURE_DIRECTIONS:-fwd bwd}; do fdir+=(--direction "$x"); done
+      python3 -m rawflash.cli bench --features "${fdt[@]}" "${fdir[@]}" --repeats ${FEATURE_REPEATS:-10} --out "$OUT" 2>&1 \
         | tee "$OUT/bench_features.log" | tail -60 || status=1 ;;
     bench)
       python3 -m rawflash.cli bench "${steps[@]:$i}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1

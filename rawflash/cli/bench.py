@@ -392,6 +392,7 @@ class FeatureCase:
     opts: tuple = ()              # (name, value) pairs: window, softcap, alibi, sinks
     lengths: tuple = ()           # packed sequences (varlen): batch and seqlen do not apply
     switches: tuple = ()          # (name, value) pairs of forms.Switches other than the defaults (forward only)
+    dtype: str = "bfloat16"       # or FP8: q, k, v quantised per tensor (the forward only)
 
     @property
     def flops(self) -> float:
@@ -408,10 +409,20 @@ def varlen_lengths(count: int = 16, low: int = 256, high: int = 8192, seed: int 
     return tuple(int(x) for x in rng.integers(low, high + 1, count))
 
 
-def feature_cases(head_dim: int = 128) -> list[FeatureCase]:
+def feature_cases(head_dim: int = 128, dtype: str = "bfloat16") -> list[FeatureCase]:
     """The cases behind the features' speed targets (bf16, 2048 / head_dim heads): a 1024-key causal window over
     16384 against dense causal 2048; a varlen batch against an equal-length batch of the same tokens (both forward
-    and backward); soft-capping, ALiBi and sinks against plain attention at N = 4096, forward and backward."""
+    and backward); soft-capping, ALiBi and sinks against plain attention at N = 4096, forward and backward.
+
+    ``dtype=FP8``: the same cases for the FP8 forward (float8_e4m3fn q, k, v quantised per tensor), forward only,
+    without the features it refuses (``validation.FP8_REFUSED``: soft-capping, ALiBi) and the switch variants."""
+    if dtype == FP8:
+        from ..validation import FP8_REFUSED
+
+        refused = {"softcap": "softcap", "alibi": "alibi_slopes"}
+        return [dataclasses.replace(c, dtype=FP8) for c in feature_cases(head_dim)
+                if c.direction == "fwd" and not c.switches
+                and not any(refused.get(n) in FP8_REFUSED for n, _ in c.opts)]
     lengths = varlen_lengths()
     even = sum(lengths) // len(lengths)
     h = 2048 // head_dim
@@ -458,6 +469,12 @@ def _feature_inputs(case: FeatureCase):
     if case.lengths:
         cu = cupy.asarray(np.cumsum((0,) + case.lengths).astype(np.int32))
         feats.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    if case.dtype == FP8:  # per-tensor scales (the granularity packed sequences take); no dout (a forward)
+        from .. import fp8
+
+        (q, qd), (k, kd), (v, vd) = (fp8.quantize(x, "tensor") for x in (q, k, v))
+        feats.update(q_descale=qd, k_descale=kd, v_descale=vd)
+        dout = None
     return q, k, v, dout, feats
 
 
@@ -473,6 +490,12 @@ def feature_bound(case: FeatureCase, q, k, v, dout, feats, override=None):
                                                                   ("alibi_slopes", None), ("sinks", None),
                                                                   ("cu_seqlens_q", None), ("cu_seqlens_k", None))})
     env = settings.load()
+    if case.dtype == FP8:
+        c = validation.check_forward(q, k, v, case.causal, None, "fa2", "cupy", f)
+        descales = {n: feats[n] for n in ("q_descale", "k_descale", "v_descale")}
+        c, ds = validation.check_fp8(c, "fa2", "cupy", f, descales, None, False)
+        return cupy_backend.bind_forward_fp8(c.problem, q, k, v, c.scale, ds, forms.Switches(**dict(case.switches)),
+                                             c.extras, env, override)
     if case.direction == "fwd":
         c = validation.check_forward(q, k, v, case.causal, None, "fa2", "cupy", f)
         return cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", forms.Switches(**dict(case.switches)),
@@ -482,15 +505,17 @@ def feature_bound(case: FeatureCase, q, k, v, dout, feats, override=None):
     return cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, False, c.extras, env, override)
 
 
-def run_features(repeats: int = 10, head_dim: int = 128, directions: tuple = ("fwd", "bwd")) -> list[dict]:
-    """Time every feature case at ``head_dim`` in ``directions`` (kernels alone, and the public call); validated
-    elsewhere (tests/test_gpu_features)."""
+def run_features(repeats: int = 10, head_dim: int = 128, directions: tuple = ("fwd", "bwd"),
+                 dtypes: tuple = ("bfloat16",)) -> list[dict]:
+    """Time every feature case at ``head_dim`` in ``directions`` for each of ``dtypes`` (bfloat16, FP8: kernels
+    alone, and the public call); validated elsewhere (tests/test_gpu_features, tests/test_gpu_fp8)."""
     import cupy
 
     import rawflash
 
     rows = []
-    for case in [c for c in feature_cases(head_dim) if c.direction in directions]:
+    cases = [c for dt in dtypes for c in feature_cases(head_dim, dt) if c.direction in directions]
+    for case in cases:
         q, k, v, dout, feats = _feature_inputs(case)
         bound = feature_bound(case, q, k, v, dout, feats)
         kernel_ms = time_ms(bound.launch, repeats=repeats)
@@ -500,9 +525,9 @@ def run_features(repeats: int = 10, head_dim: int = 128, directions: tuple = ("f
             out, lse = rawflash.forward(q, k, v, causal=case.causal, **feats)
             public = lambda: rawflash.backward(dout, q, k, v, out, lse, causal=case.causal, **feats)  # noqa: E731
         ms = time_ms(public, repeats=repeats)
-        row = {"case": case.name, "direction": case.direction, "kernel_ms": kernel_ms, "ms": ms,
+        row = {"case": case.name, "direction": case.direction, "dtype": case.dtype, "kernel_ms": kernel_ms, "ms": ms,
                "kernel_tflops": case.flops / (kernel_ms * 1e-3) / 1e12, "tflops": case.flops / (ms * 1e-3) / 1e12}
-        if case.lengths and case.direction == "fwd" and _torch() is not None:  # a PyTorch user's peer for packed ones
+        if case.lengths and case.direction == "fwd" and case.dtype != FP8 and _torch() is not None:  # a PyTorch user's peer for packed ones
             torch_ms = time_ms(_torch_per_sequence(case, q, k, v), repeats=repeats)
             row.update({"torch-flash per sequence ms": torch_ms, "x torch-flash per sequence": torch_ms / ms})
         rows.append(row)
@@ -530,17 +555,21 @@ def _torch_per_sequence(case: FeatureCase, q, k, v):
 
 
 def _feature_ratios(rows: list[dict]) -> list[dict]:
-    """Each row with the ratio its target compares (window / dense causal, varlen / equal, feature / plain)."""
-    by = {(r["case"], r["direction"]): r for r in rows}
+    """Each row with the ratio its target compares (window / dense causal, varlen / equal, feature / plain), within
+    its dtype; an FP8 row also against the bfloat16 row of the same case when the run has one."""
+    by = {(r["case"], r["direction"], r["dtype"]): r for r in rows}
     for r in rows:
-        name, d = r["case"], r["direction"]
+        name, d, dt = r["case"], r["direction"], r["dtype"]
+        same = by.get((name, d, "bfloat16"))
+        if dt == FP8 and same is not None:
+            r["x bfloat16 (kernels)"] = r["kernel_tflops"] / same["kernel_tflops"]
         if name.startswith("window"):
-            other = by[("dense causal, N 2048", d)]
+            other = by[("dense causal, N 2048", d, dt)]
         elif name.startswith("varlen"):
-            other = next(x for (n, dd), x in by.items() if n.startswith("equal") and dd == d
+            other = next(x for (n, dd, t), x in by.items() if n.startswith("equal") and dd == d and t == dt
                          and n.endswith("causal") == name.endswith("causal"))
         elif name.endswith("N 4096") and not name.startswith("plain"):
-            other = by[("plain, N 4096", d)]
+            other = by[("plain, N 4096", d, dt)]
         else:
             continue
         r["vs"] = other["case"]

@@ -688,7 +688,8 @@ def demo(ctx, gpu, arch, sms, as_json):
 @click.option("--tag", default="", help="Suffix of the output file names.")
 @click.option("--features", is_flag=True,
               help="Time the features instead (windows, varlen, soft-capping, ALiBi, sinks: bf16, d = 128, each "
-                   "beside the case its target compares with; --direction picks the forward or backward cases).")
+                   "beside the case its target compares with; --direction picks the forward or backward cases; "
+                   "--dtype float8_e4m3fn adds the FP8 forward's cases, beside bf16's when both are given).")
 @click.option("--decode", is_flag=True,
               help="Time decode instead (a KV-cache step: bandwidth beside a device copy and PyTorch's SDPA): "
                    "batch 1/8/64 x context 1k-128k x GQA 32/8, 64/8, MQA x contiguous and paged 16/64/256.")
@@ -708,13 +709,16 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, token
         raise click.UsageError("--feature-head-dim goes with --features")
     if deterministic and (decode or features):
         raise click.UsageError("--deterministic goes with the FA2 sweep (not --decode or --features)")
+    if features and set(dtypes) - {"bfloat16", bench_mod.FP8}:
+        raise click.UsageError("--features times bfloat16 and float8_e4m3fn (the FP8 forward) only, got --dtype "
+                               + ", ".join(sorted(set(dtypes) - {"bfloat16", bench_mod.FP8})))
     _require_gpu("bench", "'rawflash io' and 'rawflash explain' give the predicted numbers without one")
     if decode or features:  # the decode sweep or the feature cases instead of the FA2 sweep
         from . import bench_decode
 
         cases = bench_decode.quick_cases() if quick else None
         name, result = ("decode", bench_decode.run_decode(repeats, cases=cases)) if decode else \
-            ("features", bench_mod.run_features(repeats, feature_head_dim or 128, tuple(directions)))
+            ("features", bench_mod.run_features(repeats, feature_head_dim or 128, tuple(directions), tuple(dtypes)))
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"bench-{name}{('-' + tag) if tag else ''}.json").write_text(json.dumps(result, indent=1))
