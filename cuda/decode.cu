@@ -1,14 +1,18 @@
 // decode: KV-cache attention for inference (Flash-Decoding): a few query rows per sequence against its cache.
 // decode_split: grid (cdiv(num_splits, WARPS), kv_heads * row_groups, batch), each warp one split of the keys
-//   (mainloop_decode.cuh) for the GQA-packed query rows of one kv head; partial O and lse to float32 buffers.
+//   (mainloop_decode.cuh) for the GQA-packed query rows of one kv head; the CTA's WARPS splits are merged in
+//   shared memory into one partial O and lse (float32, one per CTA: num_partials of them per row). With
+//   p.decode_counters (forms.decode_fuses_combine: few rows and partials), the last CTA of each (b, kv head, row
+//   group) to finish then merges the partials itself ([decode:fused_combine]: no launch of its own); otherwise
+//   decode_combine_warp / decode_combine do it.
 //   With one row group (p.split_appends, forms.decode_split_appends) each warp first writes the new keys that fall
 //   in its own range of keys into the cache ([decode:split_append]), so no launch of its own appends them.
 // decode_append: k_new / v_new written into the cache (contiguous or paged) at cache_seqlens[b] + t, before
 //   decode_split, where several row groups read the same keys (their CTAs cannot wait for one another).
-// decode_combine_warp (num_splits <= 32): one warp per (b, query, head) row, several rows per CTA: a lane per
-//   split for the lse (shuffles), 4-column chunks per lane for out. decode_combine (more splits): one CTA per row
-//   (lanes over the splits, threads over the columns). Both add the sink to the denominator and write out (input
-//   dtype) and lse; forms.decode_combine chooses.
+// decode_combine_warp (num_partials <= 32): one warp per (b, query, head) row, several rows per CTA: a lane per
+//   partial for the lse (shuffles), 4-column chunks per lane for out. decode_combine (more partials): one CTA per
+//   row (lanes over the partials, threads over the columns). Both, like the fused combine, add the sink to the
+//   denominator and write out (input dtype) and lse; forms.decode_combine chooses.
 //
 // The launch never depends on the values of cache_seqlens (the host does not read them): the grid is planned from
 // the cache's capacity, and sequence b's keys are cut on the device into num_splits runs of whole tiles
@@ -62,6 +66,96 @@ template <typename T> __device__ __forceinline__ void append_chunk(const FwdPara
   store8((T*)p.v + vo + c, kv);
 }
 
+constexpr int DECODE_MAX_SPLITS = 256;  // rawflash/kernels/launch.py's DECODE_MAX_SPLITS (tests/test_decode.py)
+
+// decode_split's shared memory after the key loop (the tiles' bytes reused): each warp's O (ROWS x D float32, rows
+// 4 floats longer than D so a row's 16-byte chunks stay aligned) and lse, a flag, and for the fused combine the
+// weights of every partial of the CTA's rows (combine_weights: rows x partials, then each row's lse).
+template <int D, int ROWS, int WARPS> struct DecodeMerge {
+  static constexpr int OS = D + 4;
+  static constexpr int O_FLOATS = WARPS * ROWS * OS, LSE_FLOATS = WARPS * ROWS;
+  static constexpr int combine_bytes(int partials) { return ROWS * (partials + 1) * 4; }
+  static constexpr int FLAG_AT = (O_FLOATS + LSE_FLOATS) * 4 > combine_bytes(DECODE_MAX_SPLITS)
+                                     ? (O_FLOATS + LSE_FLOATS) * 4 : combine_bytes(DECODE_MAX_SPLITS);
+  static constexpr int BYTES = FLAG_AT + 16;
+  float* base;
+  float* lse;  // [WARPS][ROWS]
+  int* flag;   // [1]: this CTA finished the (b, hk, row group) last
+  __device__ explicit DecodeMerge(char* smem)
+      : base((float*)smem), lse((float*)smem + O_FLOATS), flag((int*)(smem + FLAG_AT)) {}
+  __device__ __forceinline__ float* o(int w, int row) const { return base + (w * ROWS + row) * OS; }
+  __device__ __forceinline__ float* combine_weights() const { return base; }
+};
+
+// The fused combine of decode_split's last CTA: rows [r0, r0 + nrows) of kv head hk's packed rows of sequence b
+// from the `parts` CTA partials in o_ws / m_ws, decode_combine's math: lse = log(sum_c e^lse_c + e^sink), out =
+// sum_c e^(lse_c - lse) O_c summed in partial order, a NaN lse making the row NaN. One warp per row for the lse
+// (lanes over the partials), then each thread 4 columns of a row, BATCH loads in flight. wts: rows x parts
+// weights, then each row's lse (DecodeMerge::combine_weights). The partials are other CTAs' stores: read through
+// L2 (ld.global.cg), after the caller's fence.
+template <typename T, int THREADS>
+__device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* wts, int b, int hk, int group, int r0,
+                                                    int nrows, int parts) {
+  constexpr unsigned FULL = 0xffffffffu;
+  constexpr int BATCH = 8;
+  const long long lse_split = p.ws_split / p.head_dim;
+  float* row_lse = wts + nrows * parts;
+  auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
+  for (int row = warp_id(); row < nrows; row += THREADS / 32) {
+    const int r = r0 + row, i = r / group, h = hk * group + r % group;
+    const long long lr = ((long long)b * p.heads + h) * p.seqlen_q + i;
+    float* wr = wts + row * parts;
+    float m = -INFINITY;
+    bool nan = false;
+    for (int c = lane_id(); c < parts; c += 32) {
+      const float x = __ldcg(p.m_ws + c * lse_split + lr);
+      wr[c] = x;
+      nan |= x != x;
+      m = fmaxf(m, x);
+    }
+    nan = __any_sync(FULL, nan);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+    if (p.sinks) m = fmaxf(m, p.sinks[h]);
+    const float m_use = m == -INFINITY ? 0.f : m;
+    float denom = 0.f;
+    for (int c = lane_id(); c < parts; c += 32) denom += ex(wr[c] - m_use);  // the lane's own entries
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) denom += __shfl_xor_sync(FULL, denom, o);
+    if (p.sinks) denom += ex(p.sinks[h] - m_use);
+    const float lse = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
+    for (int c = lane_id(); c < parts; c += 32) wr[c] = wr[c] == -INFINITY || nan ? 0.f : ex(wr[c] - lse);
+    if (lane_id() == 0) {
+      row_lse[row] = lse;
+      if (p.lse) p.lse[lr] = lse;
+    }
+  }
+  __syncthreads();  // every row's weights and lse
+  const int c4s = p.head_dim / 4;
+  for (int x = threadIdx.x; x < nrows * c4s; x += THREADS) {
+    const int row = x / c4s, c = 4 * (x % c4s), r = r0 + row, i = r / group, h = hk * group + r % group;
+    const float* src = p.o_ws + (((long long)b * p.seqlen_q + i) * p.heads + h) * p.head_dim + c;
+    const float* wr = wts + row * parts;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c0 = 0; c0 < parts; c0 += BATCH) {
+      float wt[BATCH];
+      float4 y[BATCH];
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u) {
+        wt[u] = c0 + u < parts ? wr[c0 + u] : 0.f;
+        y[u] = wt[u] != 0.f ? __ldcg(reinterpret_cast<const float4*>(src + (c0 + u) * p.ws_split))
+                            : make_float4(0.f, 0.f, 0.f, 0.f);  // (no O was written for a weight of 0)
+      }
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u)
+        acc.x += wt[u] * y[u].x, acc.y += wt[u] * y[u].y, acc.z += wt[u] * y[u].z, acc.w += wt[u] * y[u].w;
+    }
+    if (row_lse[row] != row_lse[row]) acc = make_float4(nan_f(), nan_f(), nan_f(), nan_f());
+    T* out = (T*)p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh + c;
+    out[0] = from_float<T>(acc.x), out[1] = from_float<T>(acc.y), out[2] = from_float<T>(acc.z), out[3] = from_float<T>(acc.w);
+  }
+}
+
 }  // namespace rf
 
 template <typename T> __global__ void decode_append(const __grid_constant__ rf::FwdParams p) {
@@ -85,11 +179,14 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   constexpr int ROWS = Mainloop::ROWS;
+  using Merge = DecodeMerge<D, ROWS, WARPS>;
+  static_assert(Merge::BYTES <= SMEM_BYTES, "the merge and the fused combine reuse the tiles' shared memory");
   extern __shared__ __align__(16) char smem[];
   // ---- [decode:schedule] split s of kv head hk's packed rows [r0, r0 + ROWS) of sequence b ----
   const int group = p.heads / p.kv_heads, m_rows = group * p.seqlen_q, row_groups = cdiv(m_rows, ROWS);
   const int hk = blockIdx.y / row_groups, r0 = (blockIdx.y % row_groups) * ROWS, b = blockIdx.z;
   const int s = blockIdx.x * Mainloop::WARPS + warp_id(), nrows = min(ROWS, m_rows - r0);
+  const bool active = s < p.num_splits;  // the last CTA's warps past num_splits run no split (and stay for the merge)
   // ---- [decode:setup] the sequence (its keys after the append, checked against the cache) and the policy ----
   BlockInfo<true> bi(p, b, hk * group);
   const int len = decode_cache_len(p, b);
@@ -109,7 +206,6 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();  // the Q tile is visible to every warp
-  if (s >= p.num_splits) return;
   // ---- [decode:split_append] the split's keys [k_begin, k_end); the new keys among them into the cache ----
   // The s-th run of cdiv(tiles, num_splits) key tiles of the sequence. The runs of the num_splits splits cover
   // [0, seqlen_k) whatever the mask, so every new key len .. len + new_keys - 1 of a sequence that fits its cache
@@ -124,9 +220,9 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   // issuing thread, so issued after the barrier it sees the stores. One fence per split that holds new keys.
   // The __syncwarp() stands outside the branch: inside it, ptxas gave the tile loop up to 38 more registers
   // (float32 d = 256 spilled 628 B, offline); outside, every instantiation keeps its registers within one of
-  // before but sm_90 float16 d = 32 (148 -> 156, no spill).
+  // before but sm_90 float16 d = 32 (148 -> 156, no spill). A warp past num_splits has the empty range [0, 0).
   const int per = cdiv(cdiv(bi.seqlen_k, BCW), p.num_splits) * BCW;
-  const int k_begin = s * per, k_end = min(bi.seqlen_k, k_begin + per);
+  const int k_begin = active ? s * per : 0, k_end = active ? min(bi.seqlen_k, k_begin + per) : 0;
   if (p.split_appends && len_ok) {
     const int j0 = max(k_begin, len), j1 = min(k_end, len + p.new_keys);
     if (j1 > j0) {  // uniform over the warp
@@ -142,27 +238,75 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   const bool bad = !len_ok || !bi.pages_inside(p, k_begin, k_end);  // the split's pages, once (the warp's lanes)
   const int tiles = Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, bad ? k_begin : k_end, sQ,
                                   smem + Mainloop::Q_BYTES + warp_id() * STAGES * 2 * Mainloop::KV_BYTES, o, sm);
-  // ---- [decode:epilogue] partial O (divided by this split's l) and partial lse, float32; empty: lse -inf only ----
-  // A sequence outside its cache gets lse NaN in every split (decode_combine turns its rows into NaN).
+  // ---- [decode:merge] the CTA's splits into one partial O (divided by its l) and lse, float32 ----
+  // Each warp's O (divided by its own l) and lse go to shared memory (the tiles' bytes: every warp is past its
+  // key loop), then each thread merges 4 columns of a row over the WARPS splits by their lse, as the combine
+  // merges partials: lse = log sum_w e^lse_w, O = sum_w e^(lse_w - lse) O_w. So the partials are the CTAs' (one
+  // per WARPS splits), not the warps'. A split with no key (or past num_splits) has lse -inf and weight 0; a
+  // sequence outside its cache has lse NaN in every split, and its partials' lse is NaN (the combine turns its
+  // rows into NaN); a partial's O is written only where its lse is finite (the combine reads no other).
   float f[2 * MT], lse[2 * MT];
   sm.template finalize<T, false>(-INFINITY, f, lse);
+  __syncthreads();  // every warp is done with the Q tile and its ring
+  const Merge mg(smem);
   const int g = lane_id() >> 2, t = lane_id() & 3;
-  float* ows = p.o_ws + s * p.ws_split;
-  float* lws = p.m_ws + s * (p.ws_split / p.head_dim);
-  if (tiles > 0 && !bad)  // the combine reads a split's O only where its lse is finite
-    for_each(o, [&](float& x, int row, int col) {
-      const int r = r0 + row, c = col;
-      if (row < nrows && c < p.head_dim) {
-        const int i = r / group, h = hk * group + r % group;
-        ows[(((long long)b * p.seqlen_q + i) * p.heads + h) * p.head_dim + c] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
-      }
-    });
+  if (active && tiles > 0 && !bad)
+    for_each(o, [&](float& x, int row, int col) { mg.o(warp_id(), row)[col] = x * f[2 * (row / 16) + ((row % 16) >= 8)]; });
 #pragma unroll
-  for (int rr = 0; rr < 2 * MT; ++rr) {
-    const int row = 16 * (rr / 2) + g + 8 * (rr % 2), r = r0 + row;
-    if (t == 0 && row < nrows)
-      lws[((long long)b * p.heads + hk * group + r % group) * p.seqlen_q + r / group] = bad ? nan_f() : lse[rr];
+  for (int rr = 0; rr < 2 * MT; ++rr)
+    if (t == 0) mg.lse[warp_id() * ROWS + 16 * (rr / 2) + g + 8 * (rr % 2)] = !active ? -INFINITY : bad ? nan_f() : lse[rr];
+  __syncthreads();  // every split's O and lse are in shared memory
+  const long long lse_split = p.ws_split / p.head_dim;
+  float* ows = p.o_ws + blockIdx.x * p.ws_split;
+  float* lws = p.m_ws + blockIdx.x * lse_split;
+  const int c4s = p.head_dim / 4;
+  auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
+  for (int x = threadIdx.x; x < nrows * c4s; x += WARPS * 32) {
+    const int row = x / c4s, c = 4 * (x % c4s), r = r0 + row, i = r / group, h = hk * group + r % group;
+    float m = -INFINITY;
+    bool nan = false;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float y = mg.lse[w * ROWS + row];
+      nan |= y != y;
+      m = fmaxf(m, y);
+    }
+    const float m_use = m == -INFINITY ? 0.f : m;
+    float denom = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) denom += ex(mg.lse[w * ROWS + row] - m_use);
+    const float l = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
+    if (c == 0) lws[((long long)b * p.heads + h) * p.seqlen_q + i] = l;
+    if (nan || l == -INFINITY) continue;  // the combine reads no O of this partial's row
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float y = mg.lse[w * ROWS + row];
+      if (y == -INFINITY) continue;  // no O was written for it
+      const float wt = ex(y - l);
+      const float4 v = *reinterpret_cast<const float4*>(mg.o(w, row) + c);
+      acc.x += wt * v.x, acc.y += wt * v.y, acc.z += wt * v.z, acc.w += wt * v.w;
+    }
+    *reinterpret_cast<float4*>(ows + (((long long)b * p.seqlen_q + i) * p.heads + h) * p.head_dim + c) = acc;
   }
+  if (!p.decode_counters) return;  // decode_combine merges the partials in a launch of its own
+  // ---- [decode:fused_combine] the last CTA of (b, hk, row group) to finish merges every CTA's partial ----
+  // Each CTA counts itself once its partial is written (the classic last-block reduction: stores, a GPU-scope
+  // fence, then the atomic); the CTA that brings the count to gridDim.x knows every partial is visible, puts the
+  // counter back to zero for the next launch on the stream (nothing else touches it in this one) and runs the
+  // combine for its rows: decode_combine's math (the sink added), the partials read from L2 (ld.global.cg).
+  __threadfence();  // this thread's partial stores are visible GPU-wide before the CTA is counted
+  __syncthreads();  // ... every thread's, and the merge's reads of shared memory are done
+  const int pair = blockIdx.z * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) {
+    const int done = atomicAdd(p.decode_counters + pair, 1);
+    mg.flag[0] = done == (int)gridDim.x - 1;
+    if (mg.flag[0]) p.decode_counters[pair] = 0;
+  }
+  __syncthreads();
+  if (!mg.flag[0]) return;
+  __threadfence();  // the other CTAs' partials, counted before this CTA's atomic, are read after it
+  decode_combine_rows<T, WARPS * 32>(p, mg.combine_weights(), b, hk, group, r0, nrows, gridDim.x);
 }
 
 template <typename T, int THREADS, int MAX_SPLITS, int SMEM_BYTES>
@@ -182,7 +326,7 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
   const long long row = blockIdx.x;  // (b * seqlen_q + i) * heads + h
   const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
   const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / p.head_dim;
-  const int splits = min(p.num_splits, MAX_SPLITS);
+  const int splits = min(p.num_partials, MAX_SPLITS);  // (the CTAs' partials: see decode_split's merge)
   auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
   float m = -INFINITY;
   int nan = 0;
@@ -250,7 +394,7 @@ template <typename T, int WARPS> __global__ void __launch_bounds__(WARPS * 32, 1
   if (row >= (long long)p.batch * p.seqlen_q * p.heads) return;      // the whole warp
   const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
   const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / p.head_dim;
-  const int lane = lane_id(), splits = min(p.num_splits, 32);
+  const int lane = lane_id(), splits = min(p.num_partials, 32);
   auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
   const float x = lane < splits ? p.m_ws[lane * lse_split + lse_row] : -INFINITY;
   const bool nan = __any_sync(FULL, x != x);

@@ -40,6 +40,8 @@ struct FwdParams {
   long long descale_sb, descale_sh;
   int* tile_counter;         // FA3's dynamic persistent grid: {next tile, CTAs done}, zero between launches (the
                              // last CTA of a launch puts both back to zero)
+  int* decode_counters;      // decode_split's fused combine: CTAs done per (batch, kv head, row group), zero between
+                             // launches (the last CTA puts its count back); nullptr: decode_combine merges
   int batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim;
   int window_left, window_right;  // -1: unbounded on that side; causal is (-1, 0)
   int page_size, num_splits;
@@ -50,6 +52,8 @@ struct FwdParams {
   int num_pages;             // decode, paged: pages of the cache (valid block_table entries are 0 .. num_pages - 1)
   int cache_len;             // decode: cache_seqlens of every sequence when seqused_k is nullptr (an int was given)
   int split_appends;         // decode: 1 when decode_split writes k_new / v_new itself (no decode_append launch)
+  int num_partials;          // decode: partial results per row, one per CTA of decode_split (cdiv(num_splits, warps))
+  int pad_;                  // (an even count of 4-byte fields: no padding on either side, tests/test_params.py)
 };
 
 struct BwdParams {

@@ -17,7 +17,7 @@ import pytest
 import rawflash
 from rawflash import reference
 from rawflash.kernels import configs, forms, launch
-from rawflash.kernels.configs import tile_config
+from rawflash.kernels.configs import TileConfig, tile_config
 from conftest import DTYPES
 from test_numba_gpu import PTX_CHECK as _FWD_PTX_CHECK
 
@@ -205,26 +205,51 @@ def test_split_plan_is_cached_and_ignores_lengths():
 
 
 def test_decode_plan_launches():
-    """GQA 32/8 with one new key: decode_split appends it itself (one row group) and the warp combine merges 16
-    splits; 33 splits take the CTA combine; no new keys, no append either way."""
+    """GQA 32/8 with one new key: decode_split appends it itself (one row group), merges each CTA's 4 splits into
+    one partial and its last CTAs merge the partials (no combine launch); MQA 32/1 over many partials takes a
+    combine launch (the warp one up to 32 partials, the CTA one above); no new keys, no append either way."""
     p = launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True, new_keys=1)
     plan = forms.decode_plan(p, 16)
-    assert [lau.kernel for lau in plan.launches] == ["decode_split", "decode_combine_warp"]
-    assert plan.num_splits == 16 and plan.split_appends
-    split, combine = plan.launches
     cfg = tile_config("decode_split", 128, "float16", "sm_90")
-    assert split.grid == (-(-16 // cfg.warps), 8 * -(-4 // cfg.br), 2)
+    assert [lau.kernel for lau in plan.launches] == ["decode_split"]
+    assert plan.num_splits == 16 and plan.split_appends and plan.fused and plan.partials == -(-16 // cfg.warps)
+    assert plan.launches[0].grid == (-(-16 // cfg.warps), 8 * -(-4 // cfg.br), 2)
+    assert forms.decode_plan(p, 256).fused, "4 rows of 128 columns: one chunk a thread, 8 round trips at 64 partials"
+    mqa = launch.Problem(2, 1, 4096, 32, 1, 128, "float16", False, seqused_k=True)
     rows = 2 * 32
-    assert combine.grid == (-(-rows // launch.DECODE_COMBINE_WARP_ROWS), 1, 1) and combine.smem == 0
-    assert combine.block == (32 * launch.DECODE_COMBINE_WARP_ROWS, 1, 1)
-    many = forms.decode_plan(p, 33)
-    assert [lau.kernel for lau in many.launches] == ["decode_split", "decode_combine"]
-    combine = many.launches[1]
+    for splits, kernel in ((128, "decode_combine_warp"), (256, "decode_combine")):
+        plan = forms.decode_plan(mqa, splits)
+        cfg = plan.launches[0].config
+        assert not plan.fused and plan.partials == splits // cfg.warps
+        assert [lau.kernel for lau in plan.launches] == ["decode_split", kernel]
+    warp = forms.decode_plan(mqa, 128).launches[1]
+    assert warp.grid == (-(-rows // launch.DECODE_COMBINE_WARP_ROWS), 1, 1) and warp.smem == 0
+    assert warp.block == (32 * launch.DECODE_COMBINE_WARP_ROWS, 1, 1)
+    combine = forms.decode_plan(mqa, 256).launches[1]
     assert combine.grid == (rows, 1, 1) and combine.block == (launch.DECODE_COMBINE_THREADS, 1, 1)
     assert combine.template_args[2] == forms.MAX_SPLITS and combine.smem == combine.template_args[3]
+    assert forms.decode_plan(mqa, 32).fused, "32 rows x 8 partials: 8 round trips a thread"
     no_new = forms.decode_plan(launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True), 16)
-    assert [lau.kernel for lau in no_new.launches] == ["decode_split", "decode_combine_warp"]
-    assert not no_new.split_appends
+    assert [lau.kernel for lau in no_new.launches] == ["decode_split"] and not no_new.split_appends
+
+
+@pytest.mark.parametrize("rows,d,partials,fused", [(4, 128, 64, True), (16, 128, 16, True), (16, 128, 24, False),
+                                                    (32, 128, 8, True), (32, 128, 9, False), (4, 256, 32, True),
+                                                    (4, 256, 40, False), (1, 64, 64, True), (1, 64, 72, False)])
+def test_decode_fuses_combine_by_its_round_trips(rows, d, partials, fused):
+    """A thread of the last CTA makes cdiv(rows x d / 4, threads) x cdiv(partials, 8) round trips to L2; fused up to
+    DECODE_FUSE_ROUND_TRIPS."""
+    p = launch.Problem(1, 1, 4096, rows, 1, d, "bfloat16", False, seqused_k=True)
+    cfg = TileConfig(32, 16, 4, stages=2)
+    assert forms.decode_fuses_combine(p, cfg, partials) is fused
+
+
+def test_decode_split_max_splits_is_launch_s():
+    """decode.cu sizes the fused combine's shared weights for launch.DECODE_MAX_SPLITS partials."""
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[1] / "cuda" / "decode.cu").read_text()
+    assert f"constexpr int DECODE_MAX_SPLITS = {launch.DECODE_MAX_SPLITS};" in src
 
 
 # (heads, kv_heads, seqlen_q, head_dim, dtype): the packed rows of one kv head against the tile's br rows
@@ -246,8 +271,8 @@ def test_decode_append_is_folded_iff_one_row_group(heads, kv_heads, sq, d, dtype
     one_group = (heads // kv_heads) * sq <= cfg.br
     assert plan.split_appends == one_group == forms.decode_split_appends(p, cfg)
     kernels = [lau.kernel for lau in plan.launches]
-    assert kernels == (["decode_split", "decode_combine_warp"] if one_group else
-                       ["decode_append", "decode_split", "decode_combine_warp"])
+    combine = [] if plan.fused else ["decode_combine_warp"]
+    assert kernels == (["decode_split"] if one_group else ["decode_append", "decode_split"]) + combine
 
 
 def _split_ranges(keys, splits, bc):
@@ -272,12 +297,15 @@ def test_split_ranges_give_every_new_key_one_writer(bc):
         assert sum(max(0, b - a) for a, b in ranges) == keys
 
 
-@pytest.mark.parametrize("splits,kernel", [(1, "decode_combine_warp"), (32, "decode_combine_warp"),
-                                           (33, "decode_combine"), (256, "decode_combine")])
-def test_decode_combine_form(splits, kernel):
+@pytest.mark.parametrize("partials,kernel", [(1, "decode_combine_warp"), (32, "decode_combine_warp"),
+                                             (33, "decode_combine"), (64, "decode_combine")])
+def test_decode_combine_form(partials, kernel):
     p = launch.Problem(2, 3, 4096, 8, 2, 64, "bfloat16", True, seqused_k=True)
-    assert forms.decode_combine(p, splits).kernel == kernel
-    assert forms.decode_plan(p, splits).launches[-1].kernel == kernel
+    assert forms.decode_combine(p, partials).kernel == kernel
+    plan = forms.decode_plan(p, 4 * partials)  # (4 warps a CTA: one partial per 4 splits)
+    assert plan.partials == partials
+    assert [lau.kernel for lau in plan.launches][1:] == ([] if plan.fused else [kernel])
+    assert plan.fused == (partials <= 32), "12 rows x 64 columns: 2 chunks a thread, 4 round trips of 8 partials"
 
 
 def _combine_warp_reads(head_dim, splits, batch=16):
@@ -354,9 +382,9 @@ def _explain(*args, code=0):
 def test_explain_decode_shows_the_split_plan():
     got = _explain("--batch", 8, "--seqlen-q", 1, "--seqlen-k", 32768, "--heads", 32, "--kv-heads", 8,
                    "--page-size", 64)
-    assert got["valid"] and [r["kernel"] for r in got["launches"]] == ["decode_split", "decode_combine_warp"]
+    assert got["valid"] and [r["kernel"] for r in got["launches"]] == ["decode_split"]
     plan = got["split plan"]
-    assert plan["append"].startswith("in decode_split") and plan["combine"].startswith("decode_combine_warp")
+    assert plan["append"].startswith("in decode_split") and plan["combine"].startswith("in decode_split")
     want = forms.decode_plan(launch.Problem(8, 1, got["problem"]["cache capacity per sequence"], 32, 8, 128,
                                             "bfloat16", False, seqused_k=True, new_keys=1, page_size=64))
     assert plan["num_splits"] == want.num_splits
@@ -366,7 +394,8 @@ def test_explain_decode_shows_the_split_plan():
     assert asked["split plan"]["num_splits"] == 7 and "you" in asked["split plan"]["chosen by"]
     mqa = _explain("--batch", 2, "--seqlen-q", 2, "--seqlen-k", 1000, "--heads", 32, "--kv-heads", 1,
                    "--num-splits", 40)
-    assert [r["kernel"] for r in mqa["launches"]] == ["decode_append", "decode_split", "decode_combine"]
+    assert [r["kernel"] for r in mqa["launches"]] == ["decode_append", "decode_split", "decode_combine_warp"]
+    assert mqa["split plan"]["combine"].startswith("decode_combine_warp (one warp per row): 10 partials")
     assert mqa["split plan"]["append"].startswith("decode_append first: 2 row groups")
     assert "many packed rows" in next(r for r in mqa["launches"] if r["kernel"] == "decode_split")["note"]
     one = _explain("--batch", 2, "--seqlen-q", 1, "--seqlen-k", 1000, "--heads", 32, "--kv-heads", 1)
@@ -542,11 +571,11 @@ def test_decode_gpu_device_pages_outside_the_cache_give_nan_rows():
                                       (dict(lens=(14, 3, 30), new=4, d=128, feats=("window", "sinks"),
                                             window=(1, 0)), dict(num_splits=2))],
                          ids=["pages-sq4", "splits-32", "window-sinks"])
-def test_decode_gpu_fold_and_warp_combine_match_the_separate_kernels(dtype, kw, extra, monkeypatch):
-    """The same call three ways: as planned (the append in decode_split, the warp combine), with decode_append
-    launched first (identical out, lse and caches: the same split pass reads the same keys), and with the CTA
-    combine on the same partials (the same lse to the bit at <= 32 splits: the same shuffle tree; out to rounding:
-    another order of the float32 sum)."""
+def test_decode_gpu_fold_and_fused_combine_match_the_separate_kernels(dtype, kw, extra, monkeypatch):
+    """The same call four ways: as planned (the append in decode_split, the partials merged by its last CTAs),
+    with decode_append launched first (identical out, lse and caches: the same split pass reads the same keys),
+    and with the partials merged by a launch of its own, the warp combine and the CTA combine (the same lse to the
+    bit at <= 32 partials: the same shuffle tree; out to rounding: another order of the float32 sum)."""
     args, opts = _case(dtype=dtype, **kw)
     extra = {**extra, "causal": kw.get("sq", 1) > 1}
 
@@ -558,18 +587,47 @@ def test_decode_gpu_fold_and_warp_combine_match_the_separate_kernels(dtype, kw, 
             forms._decode_plan.cache_clear()
 
     dev, out, lse = run()
-    assert forms.decode_plan(dev_problem(args, extra), extra["num_splits"]).split_appends
+    plan = forms.decode_plan(dev_problem(args, extra), extra["num_splits"])
+    assert plan.split_appends and plan.fused
     monkeypatch.setattr(forms, "decode_split_appends", lambda p, cfg: False)
     dev2, out2, lse2 = run()
     np.testing.assert_array_equal(out2.view(np.uint8), out.view(np.uint8))
     np.testing.assert_array_equal(lse2, lse)
     np.testing.assert_array_equal(dev2["k_cache"].get(), dev["k_cache"].get())
     np.testing.assert_array_equal(dev2["v_cache"].get(), dev["v_cache"].get())
-    monkeypatch.setattr(launch, "DECODE_COMBINE_WARP_MAX_SPLITS", 0)
-    _, out3, lse3 = run()
-    np.testing.assert_array_equal(lse3, lse)
+    monkeypatch.setattr(forms, "decode_fuses_combine", lambda p, cfg, partials: False)
     tol = 1e-5 if dtype == "float32" else 1e-2
-    np.testing.assert_allclose(out3.astype(np.float64), out.astype(np.float64), rtol=tol, atol=tol)
+    for max_warp in (launch.DECODE_COMBINE_WARP_MAX_SPLITS, 0):  # the warp combine, then the CTA one
+        monkeypatch.setattr(launch, "DECODE_COMBINE_WARP_MAX_SPLITS", max_warp)
+        _, out3, lse3 = run()
+        np.testing.assert_array_equal(lse3, lse)
+        np.testing.assert_allclose(out3.astype(np.float64), out.astype(np.float64), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_decode_gpu_fused_combine_puts_its_counters_back():
+    """The fused combine's counters (one per (batch, kv head, row group), cached with the work buffers per stream)
+    are zero again after every call, so repeated calls on one stream find the last CTA each time: bit-identical
+    results, on the default stream and on a stream of its own (a buffer triple of its own)."""
+    import cupy
+
+    from rawflash.kernels import cupy_backend
+
+    args, opts = _case(batch=3, dtype="bfloat16", lens=(700, 1, 300), new=0, d=128)
+    extra = {"num_splits": 24}
+    first = _gpu_decode(args, opts, extra, "bfloat16")
+    assert forms.decode_plan(dev_problem(args, extra), 24).fused
+    with cupy.cuda.Stream(non_blocking=True):
+        for _ in range(3):
+            _, out, lse = _gpu_decode(args, opts, extra, "bfloat16")
+            np.testing.assert_array_equal(out.view(np.uint8), first[1].view(np.uint8))
+            np.testing.assert_array_equal(lse, first[2])
+    for _ in range(2):
+        _, out, lse = _gpu_decode(args, opts, extra, "bfloat16")
+        np.testing.assert_array_equal(out.view(np.uint8), first[1].view(np.uint8))
+    cupy.cuda.Device().synchronize()
+    counters = [ws[2] for ws in cupy_backend._workspaces.values()]
+    assert counters and all(int(c.sum()) == 0 for c in counters)
 
 
 def dev_problem(args, extra):
@@ -715,15 +773,36 @@ def _sim_plan(kw, extra):
     return forms.decode_plan(numba_backend.run_problem(c.problem), extra.get("num_splits"), 132)
 
 
-def test_sim_cases_run_both_appends_and_both_combines():
-    """The twin cases above take each path: the fold and decode_append, the warp and the CTA combine."""
+def test_sim_cases_run_both_appends_and_the_fused_combine():
+    """The twin cases above take each append path (the fold and decode_append) and, being tiny, the fused combine
+    (test_decode_twin_combine_launches runs the combine launches on them)."""
     plans = {name: _sim_plan(kw, extra) for name, kw, extra in SIM_CASES}
     appends = {name: p.split_appends for name, p in plans.items() if dict(SIM_CASES_KW[name]).get("new", 1)}
     assert not appends["row-groups-append-kernel"] and appends["fold-crosses-splits-sq4"]
     assert all(v for n, v in appends.items() if n.startswith(("fold", "window")))
-    combines = {name: p.launches[-1].kernel for name, p in plans.items()}
-    assert combines["splits-32"] == "decode_combine_warp" and combines["splits-33"] == "decode_combine"
-    assert combines["fold-many-splits"] == "decode_combine"
+    assert all(p.fused and [lau.kernel for lau in p.launches][-1] == "decode_split" for p in plans.values())
+    assert plans["splits-33"].partials == 9 and plans["fold-many-splits"].partials == 10
+
+
+UNFUSED_SIM_CASES = ["splits-33", "fold-many-splits", "row-groups-append-kernel", "sinks-empty"]
+
+
+@pytest.mark.parametrize("form", ["decode_combine_warp", "decode_combine"])
+@pytest.mark.parametrize("name", UNFUSED_SIM_CASES)
+@pytest.mark.parametrize("", [pytest.param(marks=sim)])
+def test_decode_twin_combine_launches(name, form, monkeypatch):
+    """The partials merged by a launch of its own (decode_fuses_combine off): the warp combine, and the CTA one
+    (its threshold moved to 0 partials) on the same cases."""
+    monkeypatch.setattr(forms, "decode_fuses_combine", lambda p, cfg, partials: False)
+    if form == "decode_combine":
+        monkeypatch.setattr(launch, "DECODE_COMBINE_WARP_MAX_SPLITS", 0)
+    kw, extra = next((kw, extra) for n, kw, extra in SIM_CASES if n == name)
+    forms._decode_plan.cache_clear()
+    try:
+        assert _sim_plan(kw, extra).launches[-1].kernel == form
+        _sim_check(kw, extra, "float32")
+    finally:
+        forms._decode_plan.cache_clear()
 
 
 SIM_CASES_KW = {name: kw for name, kw, _ in SIM_CASES}

@@ -84,10 +84,10 @@ def _varlen(q, k, v):
 
 def _decode(dtype: str) -> None:
     """decode: contiguous and paged caches (pages of 16 and 3), appends crossing a page, an empty sequence, several
-    query rows, the features, one and many splits (the warp combine up to 32, the CTA combine at 40), the append in
-    decode_split and (MQA 32/1 with 2 query rows: two row groups of 32) decode_append before it, an appended key a
-    window hides from every row,
-    and out-of-range device lengths and pages."""
+    query rows, the features, one and many splits (the partials merged by decode_split's last CTAs; for MQA 32/1's 32
+    packed rows by the warp combine at 40 splits, 10 partials, and by the CTA combine at 160, 40 partials), the
+    append in decode_split and (MQA 32/1 with 2 query rows: two row groups of 32) decode_append before it, an
+    appended key a window hides from every row, and out-of-range device lengths and pages."""
     rng = np.random.default_rng(1)
     dt = random_qkv(1, 1, 1, 1, 1, 8, dtype)[0].dtype
     for d, (h, hk), page, sq in ((64, (4, 2), 0, 1), (128, (4, 1), 16, 3), (256, (2, 2), 3, 1), (96, (8, 2), 0, 2),
@@ -103,7 +103,7 @@ def _decode(dtype: str) -> None:
         vc = kc.copy()
         q = cupy.asarray(rng.standard_normal((3, sq, h, d)).astype(dt))
         kn = cupy.asarray(rng.standard_normal((3, 2, hk, d)).astype(dt))
-        for splits in (None, 1, 5, 40):
+        for splits in (None, 1, 5, 40, 160):
             rawflash.decode(q, kc, vc, cache_seqlens=cupy.asarray(lens), k_new=kn, v_new=kn.copy(), block_table=table,
                             causal=True, num_splits=splits)
         rawflash.decode(q, kc, vc, cache_seqlens=cupy.asarray(lens), k_new=kn, v_new=kn.copy(), block_table=table,

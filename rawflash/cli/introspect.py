@@ -693,17 +693,21 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
         return {**report, "launched": "nothing: backend 'reference' computes in float64 NumPy on the host"}
     kp = kernel_problem(p)
     plan = forms.decode_plan(kp, num_splits, tgt.sms)
-    cfg = plan.launches[-2].config
+    split = next(lau for lau in plan.launches if lau.kernel == "decode_split")
+    cfg = split.config
     report["launches"] = []
     roles = {"decode_append": "elementwise: k_new / v_new into the cache, before the split pass (several row "
                                "groups read the same keys)",
-             "decode_split": "tiles: one split of whole key tiles per warp (split plan)" +
+             "decode_split": "tiles: one split of whole key tiles per warp (split plan), the CTA's splits merged "
+                             "into one partial" +
                              ("; each split first writes the new keys of its range into the cache"
-                              if plan.split_appends else ""),
-             "decode_combine_warp": "one warp per (batch, query, head) row, 4 rows per CTA: the splits merged by "
-                                    "their lse (up to 32 splits)",
-             "decode_combine": "one CTA per (batch, query, head) row: the splits merged by their lse (more than 32 "
-                               "splits)"}
+                              if plan.split_appends else "") +
+                             ("; the last CTA of each (batch, kv head, row group) merges the partials (the combine)"
+                              if plan.fused else ""),
+             "decode_combine_warp": "one warp per (batch, query, head) row, 4 rows per CTA: the partials merged by "
+                                    "their lse (up to 32 partials)",
+             "decode_combine": "one CTA per (batch, query, head) row: the partials merged by their lse (more than 32 "
+                               "partials)"}
     for lau in plan.launches:
         row = launch_row(kp, "decode", lau)
         row.pop("note", None)
@@ -712,7 +716,7 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
                                            fit_problem(row["smem"], tgt.arch)))
     tiles = launch.cdiv(max(1, kp.seqlen_k), cfg.bc)
     cache_bytes = 2 * p.batch * (x["cache_seqlens"] + new_keys) * p.kv_heads * p.head_dim * p.itemsize
-    combine = plan.launches[-1].kernel  # forms.decode_combine's choice
+    combine = plan.launches[-1].kernel  # forms.decode_combine's choice (decode_split itself when fused)
     report["split plan"] = {
         "num_splits": plan.num_splits,
         "chosen by": "you (num_splits)" if num_splits is not None else
@@ -724,13 +728,16 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
                    if plan.split_appends else
                    f"decode_append first: {launch.decode_rows(kp, cfg)[1]} row groups of {cfg.br} packed rows read "
                    "the same keys, and one CTA cannot wait for another's stores"),
-        "combine": f"{combine} ({'one warp' if combine == 'decode_combine_warp' else 'one CTA'} per row): "
-                   f"{plan.num_splits} splits",
+        "combine": (f"in decode_split: the last CTA of each (batch, kv head, row group) merges its {plan.partials} "
+                    "partials (forms.decode_fuses_combine: a few round trips a thread)" if plan.fused else
+                    f"{combine} ({'one warp' if combine == 'decode_combine_warp' else 'one CTA'} per row): "
+                    f"{plan.partials} partials (forms.decode_fuses_combine: too many rows x partials for one CTA)"),
+        "partials per row": f"{plan.partials}: one per CTA of decode_split (its {cfg.warps} warps' splits merged)",
         "waves filled": round(forms.decode_occupancy(kp, cfg, plan.num_splits, tgt.sms), 3),
         "modelled split + combine us": round(forms.decode_split_cost(kp, cfg, plan.num_splits, tgt.sms), 1),
         "cache MB read": round(cache_bytes / 1e6, 3),
         "partials MB (written, read)": round(p.batch * p.seqlen_q * p.heads * (p.head_dim + 1) * 4 *
-                                             plan.num_splits / 1e6, 3) if plan.num_splits > 1 else 0,
+                                             plan.partials / 1e6, 3),
     }
     if tgt.peaks is not None:
         report["split plan"]["cache read at the HBM peak, us"] = round(cache_bytes / (tgt.peaks.hbm_tbps * 1e6), 1)

@@ -271,8 +271,9 @@ WINDOW_ROWS: dict[tuple[str, int, str], TileConfig] = {
 
 # Decode calls that pack more than 16 query rows per kv head (the GQA group x seqlen_q: MQA 32 / 1, speculative
 # chunks): with the table's 16-row row every 16 rows are a row group of their own, and each row group's CTAs read
-# the whole cache again; 32 rows read it once per 32. At d = 128 the 32-row tile takes 255 registers and spills
-# 24 B after its key loop (KNOWN_SPILLS). tools/tune_decode.py, session 10 (H200, bf16, b 8, N = 32768, MQA 32 / 1,
+# the whole cache again; 32 rows read it once per 32. At d = 128 the 32-row tile took 255 registers and spilled
+# 24 B after its key loop until session 23's merge of the CTA's splits (220 registers, no spill, offline).
+# tools/tune_decode.py, session 10 (H200, bf16, b 8, N = 32768, MQA 32 / 1,
 # d = 128, the model's split counts): 32 x 16, 4 warps, 2 stages 0.0629 ms vs the table's 16 x 16: 0.0727;
 # 32 x 16 x 4 with 3 stages 0.0683 - 0.0703, with 2 warps 0.0691; torch-cudnn 0.0557 - 0.0568. Measured at d = 128.
 MANY_DECODE_ROWS = 16
@@ -310,12 +311,9 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     # float32 (the accuracy path, scalar FMA products): session 18's k loop without unrolling (sm80.cuh's fma_gemm;
     # CI's compile time) ended eight of the nine float32 spills listed here before (the general policy's d = 256
     # forwards, backwards and dQ kernels on sm_80, 16 - 184 B; decode at d = 192 / 256, 48 - 56 B); the ninth, the
-    # d = 256 general forward with a window on sm_80, went from 244 to 12 B; and decode at d = 128 on sm_80 spills
-    # now (its 168-register cap; the sm_90 instantiation, which an H200 runs, does not spill).
+    # d = 256 general forward with a window on sm_80, went from 244 to 12 B. (decode at d = 128 on sm_80 spilled
+    # 68 B until session 23's merge of the CTA's splits.)
     ("fa2_fwd<float, 256, 64, 16, 4, 1, 1, 2, true, true, true, true, false, 98304>", "sm_80"): 12,
-    ("decode_split<float, 128, 1, 16, 2, 4, 139264>", "sm_80"): 68,
-    # MANY_ROWS_DECODE's 32-row tile at d = 128 (MQA 32 / 1): 255 registers, the spill after the key loop (session
-    # 9's SASS); measured faster than the 16-row tile that does not spill (0.0629 vs 0.0727 ms, session 10).
     # FA3's deterministic backward at d = 64 (128 query rows a step, 24 / 240 registers: 40 / 232 spills 148 B in
     # the consumers' general policy): the plain causal one spills the walk's bounds in the producer warpgroup's 24
     # (its dQ writer warps), outside the consumers' products (session 14's SASS). Session 15: the others stopped
@@ -330,8 +328,6 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
        176 if (t, d) == ("__half", 256) else 8
        for t in ("__half", "__nv_bfloat16") for d, bc, st, qs, smem in ((128, 192, 3, 2, 181392),
                                                                          (256, 128, 2, 1, 164960))},
-    ("decode_split<__half, 128, 2, 16, 2, 4, 73728>", "sm_90"): 16,
-    ("decode_split<__nv_bfloat16, 128, 2, 16, 2, 4, 73728>", "sm_90"): 24,
 }
 
 

@@ -348,22 +348,25 @@ def tile_counter():
     return counter
 
 
-WORKSPACES = 8  # decode's cached (o_ws, m_ws) pairs, the least recently used dropped first
+WORKSPACES = 8  # decode's cached (o_ws, m_ws, counters) triples, the least recently used dropped first
 _workspaces: collections.OrderedDict = collections.OrderedDict()
 
 
-def decode_workspace(num_splits: int, q_shape: tuple, lse_shape: tuple):
-    """decode's float32 work buffers (partial O: num_splits x q's shape; partial lse: num_splits x lse's shape),
-    cached per (device, stream, shape): a decode step of a serving loop allocates nothing. A buffer is shared only
-    by calls on one stream, which run one after another, so no call sees another's partials."""
+def decode_workspace(partials: int, q_shape: tuple, lse_shape: tuple, pairs: int = 0):
+    """decode's work buffers: float32 partial O (partials x q's shape) and lse (partials x lse's shape), and
+    ``pairs`` int32 counters for the fused combine (one per (batch, kv head, row group): zero when made, and
+    decode_split's last CTA puts its count back to zero, so no call resets them), cached per (device, stream,
+    shape): a decode step of a serving loop allocates nothing. A triple is shared only by calls on one stream,
+    which run one after another, so no call sees another's partials or counts."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    key = (cupy.cuda.runtime.getDevice(), stream.ptr, num_splits, tuple(q_shape), tuple(lse_shape))
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr, partials, tuple(q_shape), tuple(lse_shape), pairs)
     ws = _workspaces.get(key)
     if ws is None:
-        ws = (cupy.empty((num_splits,) + tuple(q_shape), dtype=cupy.float32),
-              cupy.empty((num_splits,) + tuple(lse_shape), dtype=cupy.float32))
+        ws = (cupy.empty((partials,) + tuple(q_shape), dtype=cupy.float32),
+              cupy.empty((partials,) + tuple(lse_shape), dtype=cupy.float32),
+              cupy.zeros(max(1, pairs), dtype=cupy.int32))
         _workspaces[key] = ws
         while len(_workspaces) > WORKSPACES:
             _workspaces.popitem(last=False)
@@ -375,9 +378,10 @@ def decode_workspace(num_splits: int, q_shape: tuple, lse_shape: tuple):
 def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,
                 extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None) -> Bound:
     """Bind a decode call: the append (k_new / v_new into the caches, in place: by decode_split itself, or by
-    decode_append before it: ``forms.decode_split_appends``), the split-KV pass into float32 work buffers
-    (num_splits x the output, cached per shape and stream) and the combine into out and lse (batch, heads,
-    seqlen_q). Nothing here reads a device value: the plan comes from the shapes (``forms.decode_plan``)."""
+    decode_append before it: ``forms.decode_split_appends``), the split-KV pass into float32 work buffers (one
+    partial per CTA of it: plan.partials x the output, cached per shape and stream) and the combine into out and
+    lse (batch, heads, seqlen_q), by decode_split's last CTAs (``forms.decode_fuses_combine``) or a launch of its
+    own. Nothing here reads a device value: the plan comes from the shapes (``forms.decode_plan``)."""
     import cupy
 
     extras = dict(extras or {})
@@ -393,13 +397,16 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
     out = cupy.empty(q.shape, dtype=q.dtype)
     lse_shape = (pr.batch, pr.heads, pr.seqlen_q)
     lse = cupy.empty(lse_shape, dtype=cupy.float32)
-    o_ws, m_ws = decode_workspace(plan.num_splits, q.shape, lse_shape)
+    split = next(lau for lau in plan.launches if lau.kernel == "decode_split")
+    pairs = split.grid[1] * split.grid[2] if plan.fused else 0  # (batch, kv head, row group): the counters
+    o_ws, m_ws, counters = decode_workspace(plan.partials, q.shape, lse_shape, pairs)
     rec = params.fwd_params(pr, q, k_cache, v_cache, out, lse, scale, o_ws=o_ws, m_ws=m_ws,
                             num_splits=plan.num_splits, k_new=new[0], v_new=new[1], decode=True, cache_len=cache_len,
-                            split_appends=plan.split_appends, **prep.extras)
+                            split_appends=plan.split_appends, num_partials=plan.partials,
+                            decode_counters=counters if plan.fused else None, **prep.extras)
     launches = plan.launches
     bound = Bound(list(launches), [(lau, (rec,)) for lau in launches], (out, lse), env)
-    bound.keep = (q, k_cache, v_cache, new, o_ws, m_ws, prep.extras)
+    bound.keep = (q, k_cache, v_cache, new, o_ws, m_ws, counters, prep.extras)
     bound.plan_info = plan
     return bound
 

@@ -293,6 +293,8 @@ class DecodePlan:
     launches: tuple
     num_splits: int
     split_appends: bool = False
+    partials: int = 1    # partial results per output row: one per CTA of decode_split (its warps' splits merged)
+    fused: bool = False  # decode_split's last CTAs merge the partials (no combine launch): decode_fuses_combine
 
 
 MAX_SPLITS = launch.DECODE_MAX_SPLITS
@@ -393,26 +395,48 @@ def decode_split_appends(p: Problem, cfg: TileConfig) -> bool:
     return p.new_keys > 0 and launch.decode_rows(p, cfg)[1] == 1
 
 
-def decode_combine(p: Problem, num_splits: int) -> Launch:
-    """The combine's form: decode_combine_warp (one warp per output row) up to 32 splits, else decode_combine (a
-    CTA of 256 threads per row, whose lanes and thread groups share out many splits)."""
-    if num_splits <= launch.DECODE_COMBINE_WARP_MAX_SPLITS:
+def decode_combine(p: Problem, partials: int) -> Launch:
+    """The combine's form when decode_split does not fuse it: decode_combine_warp (one warp per output row) up to
+    32 partials, else decode_combine (a CTA of 256 threads per row, whose lanes and thread groups share out many
+    partials)."""
+    if partials <= launch.DECODE_COMBINE_WARP_MAX_SPLITS:
         return launch.decode_combine_warp(p)
     return launch.decode_combine(p)
+
+
+# The fused combine's budget: the round trips to L2 one thread of the last CTA makes (its share of the rows' 4-column
+# chunks, times one per DECODE_COMBINE_BATCH partials); above it a combine launch of its own, whose CTAs share the
+# rows out, is the faster (MQA 32/1 at d = 128: 32 packed rows x 31 partials is 32 round trips).
+DECODE_FUSE_ROUND_TRIPS = 8
+DECODE_COMBINE_BATCH = 8  # the fused combine's loads in flight per thread (cuda/decode.cu, decode_combine_rows)
+
+
+def decode_fuses_combine(p: Problem, cfg: TileConfig, partials: int) -> bool:
+    """Whether the last CTA of each (batch, kv head, row group) of decode_split merges the partials itself (no
+    combine launch, and no wait for one): when its threads' share of the rows' chunks and partials is a few round
+    trips (``DECODE_FUSE_ROUND_TRIPS``): the GQA groups and speculative rows of one row group at any split count
+    the model picks, not MQA's 32 packed rows over many partials."""
+    rows = min(cfg.br, launch.decode_rows(p, cfg)[0])
+    chunks = launch.cdiv(rows * launch.cdiv(p.head_dim, 4), cfg.threads)
+    return chunks * launch.cdiv(partials, DECODE_COMBINE_BATCH) <= DECODE_FUSE_ROUND_TRIPS
 
 
 def _make_decode_plan(p: Problem, cfg: TileConfig, num_splits: int | None, sms: int) -> DecodePlan:
     splits = decode_splits(p, cfg, sms) if num_splits is None else num_splits
     folded = decode_split_appends(p, cfg)
-    launches = ([launch.decode_append(p)] if p.new_keys and not folded else []) + [
-        launch.decode_split(p, cfg, splits), decode_combine(p, splits)]
-    return DecodePlan(tuple(launches), splits, folded)
+    partials = launch.decode_partials(cfg, splits)
+    fused = decode_fuses_combine(p, cfg, partials)
+    launches = ([launch.decode_append(p)] if p.new_keys and not folded else []) + [launch.decode_split(p, cfg, splits)]
+    if not fused:
+        launches.append(decode_combine(p, partials))
+    return DecodePlan(tuple(launches), splits, folded, partials, fused)
 
 
 def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
                 override: Override | None = None) -> DecodePlan:
     """The append (when new keys come and decode_split cannot write them itself: ``decode_split_appends``), the
-    split-KV pass and the combine (``decode_combine``) of one decode call; ``num_splits`` as asked (splits past a
+    split-KV pass and the combine (in decode_split's last CTAs, ``decode_fuses_combine``, or ``decode_combine``) of
+    one decode call; ``num_splits`` as asked (splits past a
     sequence's keys are empty), or ``decode_splits``'s choice. Cached per problem."""
     if override:
         return _make_decode_plan(p, _config("decode_split", p, override), num_splits, sms)

@@ -559,12 +559,18 @@ def smem_decode_split(cfg: TileConfig, d: int, itemsize: int) -> int:
 
 
 def decode_split(p: Problem, cfg: TileConfig, num_splits: int) -> Launch:
-    """Split-KV decode: grid (cdiv(num_splits, warps), kv_heads x row groups, batch), one split per warp."""
+    """Split-KV decode: grid (cdiv(num_splits, warps), kv_heads x row groups, batch), one split per warp, one
+    partial result per CTA (``decode_partials``)."""
     d = p.padded_head_dim
     smem = smem_decode_split(cfg, d, p.itemsize)
     args = (CUDA_TYPES[p.dtype], d, cfg.br // 16, cfg.bc, cfg.stages, cfg.warps, smem)
     grid = _check_grid((cdiv(num_splits, cfg.warps), p.kv_heads * decode_rows(p, cfg)[1], p.batch), "decode_split")
     return Launch("decode_split", "decode.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
+
+
+def decode_partials(cfg: TileConfig, num_splits: int) -> int:
+    """Partial results per output row: decode_split merges its CTA's warps' splits into one."""
+    return cdiv(num_splits, cfg.warps)
 
 
 def decode_append(p: Problem) -> Launch:

@@ -356,14 +356,17 @@ def decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_spli
     tab = xp.ascontiguousarray(_on_device(table).astype(np.int32)) if table is not None else xp.zeros((1, 1), np.int32)
     out = xp.empty(q.shape, dtype=q.dtype)
     lse = xp.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=np.float32)
-    o_ws = xp.zeros((plan.num_splits,) + q.shape, np.float32)
-    m_ws = xp.zeros((plan.num_splits, pr.batch, pr.heads, pr.seqlen_q), np.float32)
+    o_ws = xp.zeros((plan.partials,) + q.shape, np.float32)
+    m_ws = xp.zeros((plan.partials, pr.batch, pr.heads, pr.seqlen_q), np.float32)
+    split = next(lau for lau in plan.launches if lau.kernel == "decode_split")
+    counters = xp.zeros(split.grid[1] * split.grid[2], np.int32)  # (zeroed per call: the twins cache nothing)
     params = _params(DecodeParams, pr, scale, extras, has_table=table is not None, page_size=pr.page_size,
                      num_splits=plan.num_splits, new_keys=pr.new_keys, cache_capacity=pr.seqlen_k,
                      num_pages=int(kc.shape[0]) if table is not None else 0, cache_len=cache_len,
-                     split_appends=plan.split_appends)
+                     split_appends=plan.split_appends, num_partials=plan.partials, has_counters=plan.fused)
     cu_q, cu_k, used_k, slopes, sinks = prep.features
-    _run_plan(resolved, (params, q, kc, vc, kn, vn, out, lse, cu_q, cu_k, used_k, slopes, sinks, tab, o_ws, m_ws))
+    _run_plan(resolved, (params, q, kc, vc, kn, vn, out, lse, cu_q, cu_k, used_k, slopes, sinks, tab, o_ws, m_ws,
+                         counters))
     return _result(out, p.dtype), lse
 
 

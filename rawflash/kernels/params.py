@@ -29,11 +29,12 @@ FWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("o_ws", "ptr"), ("m_ws", "ptr"), ("l_ws", "ptr"), ("k_new", "ptr"), ("v_new", "ptr"),
     *_strides("kn"), *_strides("vn"), ("ws_split", "i64"),
     ("q_descale", "ptr"), ("k_descale", "ptr"), ("v_descale", "ptr"), ("descale_sb", "i64"), ("descale_sh", "i64"),
-    ("tile_counter", "ptr"),
+    ("tile_counter", "ptr"), ("decode_counters", "ptr"),
     ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
     ("head_dim", "i32"), ("window_left", "i32"), ("window_right", "i32"), ("page_size", "i32"),
     ("num_splits", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("new_keys", "i32"),
     ("cache_capacity", "i32"), ("num_pages", "i32"), ("cache_len", "i32"), ("split_appends", "i32"),
+    ("num_partials", "i32"), ("pad_", "i32"),
 )
 BWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("dout", "ptr"), ("dq", "ptr"), ("dk", "ptr"),
@@ -88,14 +89,17 @@ def _common(rec, p: Problem, scale: float, extras: dict) -> None:
 
 
 def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=None, decode: bool = False,
-               cache_len: int = 0, split_appends: bool = False, descales: tuple = (), **extras) -> np.ndarray:
+               cache_len: int = 0, split_appends: bool = False, num_partials: int = 1, decode_counters=None,
+               descales: tuple = (), **extras) -> np.ndarray:
     """FwdParams for one forward (or decode) call. ``extras``: cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks
     (CuPy arrays or None), block_table (its page size is ``p.page_size``), o_ws / m_ws / l_ws (float32 work
     buffers), num_splits, tile_counter (two int32 zeros: FA3's dynamic persistent grid); ``descales`` (FP8) the
     (q, k, v) descale arrays. ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the cache's capacity
     per sequence (``p.seqlen_k``) and pages (k's first axis when paged), cache_len (every sequence's cache_seqlens
     when seqused_k is None), split_appends (decode_split writes k_new / v_new itself: the plan's
-    ``DecodePlan.split_appends``); a split's partial O is o's size apart in o_ws."""
+    ``DecodePlan.split_appends``), num_partials (one per CTA of decode_split: ``DecodePlan.partials``) and
+    decode_counters (int32 zeros, one per (batch, kv head, row group), when decode_split merges the partials
+    itself: ``DecodePlan.fused``); a partial O is o's size apart in o_ws."""
     rec = np.zeros(1, FWD_DTYPE)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
         rec[name] = ptr(x)
@@ -123,6 +127,8 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
         rec["new_keys"], rec["cache_capacity"], rec["cache_len"] = p.new_keys, p.seqlen_k, cache_len
         rec["num_pages"] = k.shape[0] if extras.get("block_table") is not None else 0
         rec["split_appends"] = int(split_appends)
+        rec["num_partials"] = num_partials
+        rec["decode_counters"] = ptr(decode_counters)
         rec["ws_split"] = o.size
     return rec
 

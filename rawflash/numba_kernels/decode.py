@@ -1,16 +1,17 @@
 """decode twin: KV-cache attention for inference (Flash-Decoding), mirroring ``cuda/decode.cu``.
 
-decode_split runs one split of the keys per "warp" (mainloop_decode.py) for the GQA-packed query rows of one kv head
-into float32 partial O and lse, and with one row group (p.split_appends) first writes the new keys of its own range
-into the cache; decode_append writes k_new / v_new into the cache (contiguous or paged) at cache_seqlens[b] + t
-before it otherwise; decode_combine_warp (up to 32 splits) and decode_combine merge the splits by their lse and add
-the sink. The launch never depends on
-cache_seqlens: sequence b's keys are cut into num_splits runs of cdiv(tiles_b, num_splits) tiles, splits past its
-keys are empty. A sequence whose cache_seqlens + new keys lies outside [0, cache_capacity], or whose used pages lie
-outside the cache, gets NaN out and lse and no append.
+decode_split runs one split of the keys per "warp" (mainloop_decode.py) for the GQA-packed query rows of one kv head,
+merges the CTA's splits into one float32 partial O and lse, and with one row group (p.split_appends) first writes the
+new keys of its own range into the cache; with the counters (p.has_counters: ``forms.decode_fuses_combine``) the last
+CTA of each (batch, kv head, row group) then merges the partials itself. decode_append writes k_new / v_new into the
+cache (contiguous or paged) at cache_seqlens[b] + t before it otherwise; decode_combine_warp (up to 32 partials) and
+decode_combine merge the partials by their lse and add the sink when decode_split does not. The launch never
+depends on cache_seqlens: sequence b's keys are cut into num_splits runs of cdiv(tiles_b, num_splits) tiles, splits
+past its keys are empty. A sequence whose cache_seqlens + new keys lies outside [0, cache_capacity], or whose used
+pages lie outside the cache, gets NaN out and lse and no append.
 
-Every kernel takes ``(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws)``:
-params.py's DecodeParams and the arrays of DecodeArrays.
+Every kernel takes ``(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws,
+counters)``: params.py's DecodeParams and the arrays of DecodeArrays.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from .block_info import BlockInfo, block_info, key_index, page_pos, page_slot, pages_inside, slot_inside
 from .common import NEG_INF, ZERO, Twin, cdiv, is_float32
@@ -56,13 +57,63 @@ def append_chunk(p, g, bi, length, t, c):
         g.v[slot, at, bi.hk, c + e] = g.v_new[bi.b, t, bi.hk, c + e]
 
 
+@cuda.jit(device=True)
+def packed_item(x, width, r0, hk, group):
+    """Item x of a walk over ``width`` columns of the packed rows from r0 of kv head hk: (row in the tile, column,
+    query, head). MIRROR: the CUDA C's items are 4-column chunks."""
+    rr = x // width
+    r = r0 + rr
+    return rr, x % width, r // group, hk * group + r % group
+
+
+@cuda.jit(device=True)
+def combine_rows(p, g, smem, b, hk, group, r0, nrows, parts):
+    """decode_combine_rows: rows [r0, r0 + nrows) of kv head hk's packed rows of sequence b from the ``parts`` CTA
+    partials, decode_combine's math (the sink added, a NaN lse making the row NaN), out and lse written; smem holds
+    the rows' weights (rows x parts) and then their lse. math.exp for every dtype, as the combine twins."""
+    wts = smem[0:nrows * parts].reshape((nrows, parts))
+    rl = smem[nrows * parts:nrows * parts + nrows]
+    for rr in range(cuda.threadIdx.x, nrows, cuda.blockDim.x):
+        r = r0 + rr
+        i = r // group
+        h = hk * group + r % group
+        m = NEG_INF
+        nan = False
+        for c in range(parts):
+            wts[rr, c] = g.m_ws[c, b, h, i]
+            nan = nan or math.isnan(wts[rr, c])
+            m = max(m, wts[rr, c])
+        if p.has_sinks:
+            m = max(m, g.sinks[h])
+        m_use = ZERO if m == NEG_INF else m
+        denom = ZERO
+        for c in range(parts):
+            denom += float32(math.exp(wts[rr, c] - m_use))
+        if p.has_sinks:
+            denom += float32(math.exp(g.sinks[h] - m_use))
+        row_lse = NAN if nan else (m_use + float32(math.log(denom)) if denom > ZERO else NEG_INF)
+        for c in range(parts):
+            wts[rr, c] = ZERO if wts[rr, c] == NEG_INF or nan else float32(math.exp(wts[rr, c] - row_lse))
+        rl[rr] = row_lse
+        g.lse[b, h, i] = row_lse
+    cuda.syncthreads()  # every row's weights and lse
+    for x in range(cuda.threadIdx.x, nrows * p.head_dim, cuda.blockDim.x):
+        rr, c, i, h = packed_item(x, p.head_dim, r0, hk, group)
+        acc = ZERO
+        for cc in range(parts):
+            if wts[rr, cc] != ZERO:  # no O was written for a weight of 0
+                acc += wts[rr, cc] * g.o_ws[cc, b, i, h, c]
+        g.o[b, i, h, c] = NAN if math.isnan(rl[rr]) else acc
+
+
 @functools.lru_cache(maxsize=None)
 def make_decode_append(T: str) -> Twin:
     """The twin of ``decode_append<T>``: one thread per 8 columns of one new key, with the Launch's grid and block."""
 
     @cuda.jit
-    def decode_append(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
-        g = DecodeArrays(q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws)
+    def decode_append(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws, counters):
+        g = DecodeArrays(q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws,
+                         counters)
         # ---- [decode:append] one thread per 8 columns of one new key (K and V): into its row (or page) of the cache ----
         c8 = p.head_dim // 8
         n = p.batch * p.new_keys * p.kv_heads * c8
@@ -90,10 +141,12 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
     run = make_mainloop_decode(T, D, MT, BCW, STAGES, WARPS)
 
     @cuda.jit
-    def decode_split(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
-        g = DecodeArrays(q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws)
+    def decode_split(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws, counters):
+        g = DecodeArrays(q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws,
+                         counters)
         # MIRROR: one dynamic float32 array carved like the CUDA C's extern __shared__ smem.
         smem = cuda.shared.array(0, float32)
+        last = cuda.shared.array(1, int32)
         st = cuda.local.array(STATE, float32)
         # ---- [decode:schedule] split s of kv head hk's packed rows [r0, r0 + ROWS) of sequence b ----
         group = p.heads // p.kv_heads
@@ -150,16 +203,60 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
                 steps = max(steps, tile_range(pol, group, r0, nrows, sb, se, BCW)[2])
         wrong = not ok or not pages_inside(p, g, bi, k_begin, k_end)  # the split's pages, once
         tiles = run(p, g, bi, pol, group, r0, nrows, k_begin, k_begin if wrong else k_end, steps, w, row, smem, st)
-        # ---- [decode:epilogue] partial O (divided by this split's l) and partial lse, float32; empty: lse -inf only ----
-        if active and row < nrows:
-            f, row_lse = finalize_row(st[D], st[D + 1], NEG_INF, False)
-            r = r0 + row
-            i = r // group
-            h = hk * group + r % group
-            if tiles > 0 and not wrong:  # the combine reads a split's O only where its lse is finite
-                for c in range(p.head_dim):
-                    g.o_ws[s, b, i, h, c] = st[c] * f
-            g.m_ws[s, b, h, i] = NAN if wrong else row_lse
+        # ---- [decode:merge] the CTA's splits into one partial O (divided by its l) and lse, float32 ----
+        # Each split's O (divided by its own l) and lse into shared memory, then each item of a row merges the
+        # WARPS splits by their lse: lse = log sum_w e^lse_w, O = sum_w e^(lse_w - lse) O_w; one partial per CTA.
+        # Past num_splits or without a key: lse -inf (weight 0); a sequence outside its cache: NaN; a partial's O
+        # only where its lse is finite.
+        # MIRROR: the scratch is the twin's float32 tiles (rows D + 1 long: O, then the lse) where the CUDA C carves
+        # DecodeMerge's; the merge's items are single columns where the CUDA C's are 4-column chunks.
+        cuda.syncthreads()  # every split is done with the tiles
+        f, row_lse = finalize_row(st[D], st[D + 1], NEG_INF, False)
+        scratch = smem[0:WARPS * ROWS * (D + 1)].reshape((WARPS, ROWS, D + 1))
+        for c in range(D):
+            scratch[w, row, c] = st[c] * f if active and tiles > 0 and not wrong else ZERO
+        scratch[w, row, D] = NEG_INF if not active else (NAN if wrong else row_lse)
+        cuda.syncthreads()  # every split's O and lse are in shared memory
+        cta = cuda.blockIdx.x
+        for x in range(cuda.threadIdx.x, nrows * p.head_dim, cuda.blockDim.x):
+            rr, c, i, h = packed_item(x, p.head_dim, r0, hk, group)
+            m = NEG_INF
+            nan = False
+            for ww in range(WARPS):
+                nan = nan or math.isnan(scratch[ww, rr, D])
+                m = max(m, scratch[ww, rr, D])
+            m_use = ZERO if m == NEG_INF else m
+            denom = ZERO
+            for ww in range(WARPS):
+                denom += float32(math.exp(scratch[ww, rr, D] - m_use))
+            lw = NAN if nan else (m_use + float32(math.log(denom)) if denom > ZERO else NEG_INF)
+            if c == 0:
+                g.m_ws[cta, b, h, i] = lw
+            if not nan and lw != NEG_INF:
+                acc = ZERO
+                for ww in range(WARPS):
+                    if scratch[ww, rr, D] != NEG_INF:  # no O was written for it
+                        acc += float32(math.exp(scratch[ww, rr, D] - lw)) * scratch[ww, rr, c]
+                g.o_ws[cta, b, i, h, c] = acc
+        if not p.has_counters:
+            return  # decode_combine merges the partials in a launch of its own
+        # ---- [decode:fused_combine] the last CTA of (b, hk, row group) to finish merges every CTA's partial ----
+        # MIRROR: the count by numba's atomic add after a fence, as the CUDA C's; the combine's lse one thread per row
+        # (the CUDA C: a warp per row, lanes over the partials), then single columns summed over the partials in
+        # order (the CUDA C: 4-column chunks, BATCH loads in flight).
+        cuda.threadfence()
+        cuda.syncthreads()
+        pair = cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y
+        if cuda.threadIdx.x == 0:
+            done = cuda.atomic.add(g.counters, pair, 1)
+            last[0] = 1 if done == cuda.gridDim.x - 1 else 0
+            if last[0] == 1:
+                g.counters[pair] = 0
+        cuda.syncthreads()
+        if last[0] == 0:
+            return
+        cuda.threadfence()
+        combine_rows(p, g, smem, b, hk, group, r0, nrows, cuda.gridDim.x)
 
     return Twin(decode_split, threads(ROWS, WARPS), smem_bytes(D, ROWS, BCW, WARPS))
 
@@ -170,7 +267,8 @@ def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int, SMEM_BYTES: int) 
     COMBINE_THREADS threads."""
 
     @cuda.jit
-    def decode_combine(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
+    def decode_combine(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws,
+                       counters):
         # MIRROR: static shared arrays (a weight per split, the row's lse and NaN flag); the CUDA C carves its
         # dynamic shared memory into a partial sum per thread, the weights and a value per warp.
         w = cuda.shared.array(MAX_SPLITS, float32)
@@ -182,7 +280,7 @@ def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int, SMEM_BYTES: int) 
         h = row % p.heads
         i = (row // p.heads) % p.seqlen_q
         b = row // (p.heads * p.seqlen_q)
-        splits = min(p.num_splits, MAX_SPLITS)
+        splits = min(p.num_partials, MAX_SPLITS)  # (the CTAs' partials)
         for s in range(cuda.threadIdx.x, splits, cuda.blockDim.x):
             w[s] = m_ws[s, b, h, i]
         cuda.syncthreads()
@@ -219,7 +317,8 @@ def make_decode_combine_warp(T: str, WARPS: int) -> Twin:
     per row."""
 
     @cuda.jit
-    def decode_combine_warp(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws):
+    def decode_combine_warp(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws,
+                            m_ws, counters):
         # MIRROR: a per-thread array of the row's split lse where the CUDA C keeps one per lane.
         w = cuda.local.array(32, float32)
         # ---- [decode:combine_warp] row (b, i, h) by one warp (num_splits <= 32), WARPS rows per CTA: decode_combine's math ----
@@ -233,7 +332,7 @@ def make_decode_combine_warp(T: str, WARPS: int) -> Twin:
         h = row % p.heads
         i = (row // p.heads) % p.seqlen_q
         b = row // (p.heads * p.seqlen_q)
-        splits = min(p.num_splits, 32)
+        splits = min(p.num_partials, 32)
         nan = False
         m = NEG_INF
         for s in range(splits):

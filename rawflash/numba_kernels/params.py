@@ -28,7 +28,8 @@ FwdParams = collections.namedtuple("FwdParams", (*_SHARED, "window_left", "windo
 DecodeParams = collections.namedtuple("DecodeParams", (*_SHARED, "window_left", "window_right", "scale", "scale_log2",
                                                        "softcap", "alibi_sb", *_FLAGS, "has_table", "page_size",
                                                        "num_splits", "new_keys", "cache_capacity", "num_pages",
-                                                       "cache_len", "split_appends"))
+                                                       "cache_len", "split_appends", "num_partials",
+                                                       "has_counters"))
 BwdParams = collections.namedtuple("BwdParams", (*_SHARED, "rows_batch", "rows_seqlen", "window_left",
                                                  "window_right", "scale", "scale_log2", "softcap", "alibi_sb",
                                                  *_FLAGS))
@@ -42,9 +43,11 @@ FwdArrays = collections.namedtuple("FwdArrays", ["q", "k", "v", "o", "lse", "cu_
                                                  "sinks", "o_ws", "m_ws", "l_ws"])
 # decode's arrays: q, the caches (k, v: contiguous (batch, capacity, kv_heads, d) or paged (pages, page_size, kv_heads,
 # d)), k_new / v_new, out, lse, the feature arrays, block_table (batch, max_pages) and the split buffers o_ws
-# (splits, batch, seqlen_q, heads, d) and m_ws (splits, batch, heads, seqlen_q).
+# (partials, batch, seqlen_q, heads, d) and m_ws (partials, batch, heads, seqlen_q), and the fused combine's int32
+# counters (one per (batch, kv head, row group); has_counters stands for decode_counters' null test).
 DecodeArrays = collections.namedtuple("DecodeArrays", ["q", "k", "v", "k_new", "v_new", "o", "lse", "cu_q", "cu_k",
-                                                       "used_k", "slopes", "sinks", "table", "o_ws", "m_ws"])
+                                                       "used_k", "slopes", "sinks", "table", "o_ws", "m_ws",
+                                                       "counters"])
 BwdArrays = collections.namedtuple("BwdArrays", ["q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse2",
                                                  "delta", "dq_ws", "dsink_ws", "cu_q", "cu_k", "used_k", "slopes",
                                                  "sinks"])
