@@ -879,19 +879,22 @@ DECODE_PTX_CHECK = _FWD_PTX_CHECK[:_FWD_PTX_CHECK.index("def signature")] + r"""
 from rawflash.kernels import launch
 from rawflash.numba_kernels.params import DecodeParams
 
-def signature(dtype):  # p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws
+def signature(dtype):  # p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws,
+    # counters
     p = Problem(1, 1, 64, 2, 1, 32, "float32", False, seqused_k=True, new_keys=1, page_size=16)
     params = nb._params(DecodeParams, p, 0.5, {}, has_table=True, page_size=16, num_splits=2, new_keys=1,
-                        cache_capacity=64, num_pages=4, cache_len=0, split_appends=True)
+                        cache_capacity=64, num_pages=4, cache_len=0, split_appends=True, num_partials=1,
+                        has_counters=True)
     x, i1, f1 = arr(dtype, 4), arr(np.int32, 1), arr(np.float32, 1)
     return (typeof(params), x, x, x, x, x, x, arr(np.float32, 3), i1, i1, i1, f1, f1, arr(np.int32, 2),
-            arr(np.float32, 5), arr(np.float32, 4))
+            arr(np.float32, 5), arr(np.float32, 4), i1)
 
 failed, done = [], 0
 for dtype in ("float16", "float32"):
     for d in (32, 64, 128, 256):
         p = Problem(2, 1, 4096, 8, 2, d, dtype, False, seqused_k=True, new_keys=1)
-        for lau in (*forms.decode_plan(p, 8).launches, launch.decode_append(p), launch.decode_combine(p)):
+        for lau in (*forms.decode_plan(p, 8).launches, launch.decode_append(p), launch.decode_combine_warp(p),
+                    launch.decode_combine(p)):
             try:
                 cuda.compile_ptx(nb.twin_of(lau, "decode").kernel.py_func, signature(np.dtype(dtype)), cc=(9, 0))
                 done += 1
@@ -904,9 +907,9 @@ print(json.dumps({"compiled": done, "failed": failed}))
 @pytest.mark.compile
 @pytest.mark.slow
 def test_decode_twins_compile_to_ptx():
-    """The simulator types nothing: the decode twins (append, split at four head dims, both combines; float16 and
-    float32 arrays) go through Numba's nopython typing and NVVM to PTX for sm_90 in a child process without the simulator,
-    with the argument types numba_backend.decode passes."""
+    """The simulator types nothing: the decode twins (append, split at four head dims, both combine launches;
+    float16 and float32 arrays) go through Numba's nopython typing and NVVM to PTX for sm_90 in a child process
+    without the simulator, with the argument types numba_backend.decode passes."""
     import json
     import subprocess
     import sys

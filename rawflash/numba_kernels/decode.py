@@ -71,39 +71,43 @@ def combine_rows(p, g, smem, b, hk, group, r0, nrows, parts):
     """decode_combine_rows: rows [r0, r0 + nrows) of kv head hk's packed rows of sequence b from the ``parts`` CTA
     partials, decode_combine's math (the sink added, a NaN lse making the row NaN), out and lse written; smem holds
     the rows' weights (rows x parts) and then their lse. math.exp for every dtype, as the combine twins."""
-    wts = smem[0:nrows * parts].reshape((nrows, parts))
-    rl = smem[nrows * parts:nrows * parts + nrows]
+    # MIRROR: the weights flat (row rr's partial c at rr * parts + c), then the rows' lse, as the CUDA C lays them
+    rl = nrows * parts
     for rr in range(cuda.threadIdx.x, nrows, cuda.blockDim.x):
         r = r0 + rr
         i = r // group
         h = hk * group + r % group
+        w0 = rr * parts
         m = NEG_INF
         nan = False
         for c in range(parts):
-            wts[rr, c] = g.m_ws[c, b, h, i]
-            nan = nan or math.isnan(wts[rr, c])
-            m = max(m, wts[rr, c])
+            x = g.m_ws[c, b, h, i]
+            smem[w0 + c] = x
+            nan = nan or math.isnan(x)
+            m = max(m, x)
         if p.has_sinks:
             m = max(m, g.sinks[h])
         m_use = ZERO if m == NEG_INF else m
         denom = ZERO
         for c in range(parts):
-            denom += float32(math.exp(wts[rr, c] - m_use))
+            denom += float32(math.exp(smem[w0 + c] - m_use))
         if p.has_sinks:
             denom += float32(math.exp(g.sinks[h] - m_use))
         row_lse = NAN if nan else (m_use + float32(math.log(denom)) if denom > ZERO else NEG_INF)
         for c in range(parts):
-            wts[rr, c] = ZERO if wts[rr, c] == NEG_INF or nan else float32(math.exp(wts[rr, c] - row_lse))
-        rl[rr] = row_lse
+            x = smem[w0 + c]
+            smem[w0 + c] = ZERO if x == NEG_INF or nan else float32(math.exp(x - row_lse))
+        smem[rl + rr] = row_lse
         g.lse[b, h, i] = row_lse
     cuda.syncthreads()  # every row's weights and lse
     for x in range(cuda.threadIdx.x, nrows * p.head_dim, cuda.blockDim.x):
         rr, c, i, h = packed_item(x, p.head_dim, r0, hk, group)
         acc = ZERO
         for cc in range(parts):
-            if wts[rr, cc] != ZERO:  # no O was written for a weight of 0
-                acc += wts[rr, cc] * g.o_ws[cc, b, i, h, c]
-        g.o[b, i, h, c] = NAN if math.isnan(rl[rr]) else acc
+            wt = smem[rr * parts + cc]
+            if wt != ZERO:  # no O was written for a weight of 0
+                acc += wt * g.o_ws[cc, b, i, h, c]
+        g.o[b, i, h, c] = NAN if math.isnan(smem[rl + rr]) else acc
 
 
 @functools.lru_cache(maxsize=None)
