@@ -113,6 +113,29 @@ def test_short_windows_take_their_own_rows(d):
     assert fwd(window=(4096, 0)).name_expression in names, "a wide window's table row is instantiated too"
 
 
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+def test_fp8_short_windows_take_their_own_row(out_dtype):
+    """The FP8 forward at d = 128 under a window of <= SHORT_WINDOW_SPAN keys takes WINDOW_ROWS' FP8 row (the V^T
+    pre-pass too: its key tiles follow the row), wider windows and d = 256 the table's; both are instantiated."""
+    def problem(d=128, **kw):
+        return Problem(**{**dict(batch=2, seqlen_q=16384, seqlen_k=16381, heads=4, kv_heads=4, head_dim=d,
+                                 dtype=configs.FP8, causal=True, arch="sm_90", out_dtype=out_dtype), **kw})
+
+    def main(**kw):
+        return forms.fp8_forward(problem(**kw))
+
+    row, table = configs.WINDOW_ROWS[("fa3_fwd_sm90_fp8", 128, configs.FP8)], configs.TABLE[("fa3_fwd_sm90_fp8", 128,
+                                                                                              configs.FP8)]
+    assert main(window=(1024, 0))[1].config == row and main(window=(1025, 0))[1].config == table
+    assert main()[1].config == table, "causal without a window keeps the table's row"
+    assert main(d=256, window=(1024, 0))[1].config == configs.TABLE[("fa3_fwd_sm90_fp8", 256, configs.FP8)]
+    assert main(window=(1024, 0))[0].grid == launch.fp8_vt_permute(problem(window=(1024, 0)), row.bc).grid, (
+        "fp8_vt_permute covers the row's key blocks")
+    names = {lau.name_expression for lau in forms.all_instantiations("sm_90")}
+    assert main(window=(8, 0), seqlen_q=1, seqlen_k=1)[1].name_expression in names
+    assert main(window=(4096, 0))[1].name_expression in names
+
+
 @pytest.mark.parametrize("d,dtype,arch", [(128, "float32", "sm_90"), (128, "bfloat16", "sm_80"),
                                           (128, "bfloat16", "sm_89"), (128, "bfloat16", "sm_100")])
 def test_elsewhere_runs_mma_sync(d, dtype, arch):

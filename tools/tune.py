@@ -2,6 +2,7 @@
 
     python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] [--which fwd,bwd,fwd_sm90,fwd_fa3,bwd_sm90,fwd_fp8]
     python3 tools/tune.py --which fwd_fa3 --head-dims 128 --features window,dense   # bench --features' cases instead
+    python3 tools/tune.py --which fwd_fp8 --head-dims 128 --features window,dense   # (the FP8 forward's ones)
 
 Each candidate is passed as a tile-row override (nothing in configs.TABLE changes), validated on a small problem
 by flash-attn's rule, then its kernels alone are timed (bench.bound_call) on the FA2 paper's shape (B = 16384 / N,
@@ -97,21 +98,42 @@ def _rule(direction: str, causal: bool, got, q, k, v, dout, feats: dict) -> str:
 
 def valid_feature(case: bench.FeatureCase, override: dict) -> str:
     """flash-attn's rule on a small problem with ``case``'s features (one sequence of 381, 2 heads) run with the
-    candidate."""
+    candidate; FP8 cases by the FP8 forward's bounds against the reference of the dequantised inputs."""
     small = bench.FeatureCase(case.name, case.direction, 1, 381, 2, case.head_dim, case.causal,
-                              tuple((n, (64, 0) if n == "window" else x) for n, x in case.opts), switches=case.switches)
+                              tuple((n, (64, 0) if n == "window" else x) for n, x in case.opts), switches=case.switches,
+                              dtype=case.dtype)
     q, k, v, dout, feats = bench._feature_inputs(small)
     bound = bench.feature_bound(small, q, k, v, dout, feats, override)
     bound.launch()
+    if case.dtype == configs.FP8:
+        return _fp8_rule(small, bound.result(), q, k, v, feats)
     return _rule(case.direction, case.causal, bound.result(), q, k, v, dout, feats)
 
 
+def _fp8_rule(case: bench.FeatureCase, got, q, k, v, feats: dict) -> str:
+    """bench.FP8_BOUNDS (out's RMSE and worst error) against the float64 reference of the dequantised inputs, with
+    the case's window and sinks (per-tensor descales: no packed sequences here)."""
+    from rawflash import fp8
+
+    qf, kf, vf = (fp8.dequantize(x, feats[f"{n}_descale"]) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    host = {n: (feats[n].get() if hasattr(feats[n], "get") else feats[n]) for n in ("window", "sinks") if n in feats}
+    ref = reference.forward(qf, kf, vf, causal=case.causal, **host)[0]
+    err = np.asarray(got[0].get(), np.float64) - ref
+    rmse, worst = float(np.sqrt(np.mean(err ** 2))), float(np.abs(err).max())
+    if rmse > bench.FP8_BOUNDS["rmse"] or worst > bench.FP8_BOUNDS["max"]:
+        return f"invalid: out RMSE {rmse:.3g} / max {worst:.3g}"
+    return "ok"
+
+
 def tune_features(kernel: str, dims: list[int], prefixes: list[str], direction: str) -> None:
-    """Each candidate row on bench --features' cases whose names start with one of ``prefixes`` (bfloat16,
-    kernels alone), validated first on a small problem with the same features."""
+    """Each candidate row on bench --features' cases whose names start with one of ``prefixes`` (bfloat16, or the
+    FP8 forward's cases for its kernel; kernels alone), validated first on a small problem with the same
+    features."""
+    dtype = configs.FP8 if kernel == WHICH["fwd_fp8"][0] else "bfloat16"
     for d in dims:
-        key = (kernel, d, "bfloat16")
-        cases = [c for c in bench.feature_cases(d) if c.name.startswith(tuple(prefixes)) and c.direction == direction]
+        key = (kernel, d, dtype)
+        cases = [c for c in bench.feature_cases(d, dtype) if c.name.startswith(tuple(prefixes))
+                 and c.direction == direction]
         inputs = {}  # each case's arrays, made once for all the candidates
         for cand in [None] + CANDIDATES.get(key, CANDIDATES.get((kernel, d), [])):
             override = None if cand is None else {key: cand}

@@ -261,12 +261,17 @@ SHORT_FULL_ROWS: dict[tuple[str, int, str], TileConfig] = {
 # table's 176. tools/tune.py --which fwd_fa3 --features window,dense, session 10 (H200, bf16, d = 128, N = 16384,
 # window (1024, 0) causal, TFLOP/s over the visible pairs): 463 vs the table's 128 x 176: 420, 128 x 128 with one
 # Q_i buffer 456, 128 x 160: 421 (2 Q_i buffers: 429), 128 x 112: 416. Measured at d = 128 only; d = 96 shares its
-# rows. Wider windows keep the table's rows (unmeasured: they approach dense attention).
+# rows. Wider windows keep the table's rows (unmeasured: they approach dense attention). The FP8 forward, the same
+# way (tools/tune.py --which fwd_fp8 --head-dims 128 --features window,dense, session 23, H200, per-tensor scales):
+# 128 x 128 with 2 Q_i buffers 495 vs its table's 128 x 192 x 3 stages: 463 (0.93x bf16's window, now 1.0x), one
+# Q_i buffer 494, 3 stages 485, 128 x 192 x 2 stages 462. Measured at d = 128 only.
 SHORT_WINDOW_SPAN = 1024
 WINDOW_ROWS: dict[tuple[str, int, str], TileConfig] = {
-    ("fa3_fwd_sm90", d, dt): TileConfig(128, 128, 12, stages=2, q_stages=2,
-                                        why="463 vs 128x176: 420 (window (1024, 0), N = 16384)")
-    for d in (96, 128) for dt in _16BIT
+    **{("fa3_fwd_sm90", d, dt): TileConfig(128, 128, 12, stages=2, q_stages=2,
+                                           why="463 vs 128x176: 420 (window (1024, 0), N = 16384)")
+       for d in (96, 128) for dt in _16BIT},
+    ("fa3_fwd_sm90_fp8", 128, FP8): TileConfig(128, 128, 12, stages=2, q_stages=2,
+                                               why="495 vs 128x192x3: 463 (FP8, window (1024, 0), N = 16384)"),
 }
 
 # Decode calls that pack more than 16 query rows per kv head (the GQA group x seqlen_q: MQA 32 / 1, speculative
@@ -321,12 +326,14 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     # order's 32-bit rank).
     **{(f"fa3_bwd_sm90<{t}, 64, 128, 128, 2, 1, false, true, 199720>", "sm_90"): 40 for t in ("__half", "__nv_bfloat16")},
     # The FP8 forward under a window (the general policy, dynamic schedule): 4 B in the producer warpgroup's 24
-    # registers (the walk's bounds), after its setmaxnreg, outside the consumers' key loop (session 22's SASS);
-    # with a float16 output at d = 256, 176 B in the consumers (about 11 words of the tile's state, spilled once a
-    # tile and a few reloaded a step: session 22's SASS; its speed not measured).
+    # registers (the walk's bounds), after its setmaxnreg, outside the consumers' key loop (session 22's SASS; the
+    # same for WINDOW_ROWS' 128 x 128 row at d = 128, session 23's SASS); with a float16 output at d = 256, 176 B in
+    # the consumers (about 11 words of the tile's state, spilled once a tile and a few reloaded a step: session
+    # 22's SASS; its speed not measured).
     **{(f"fa3_fwd_sm90_fp8<{t}, {d}, 128, {bc}, {st}, 2, true, true, true, 2, {qs}, {smem}>", "sm_90"):
        176 if (t, d) == ("__half", 256) else 8
        for t in ("__half", "__nv_bfloat16") for d, bc, st, qs, smem in ((128, 192, 3, 2, 181392),
+                                                                         (128, 128, 2, 2, 99440),
                                                                          (256, 128, 2, 1, 164960))},
 }
 

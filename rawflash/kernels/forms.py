@@ -530,8 +530,9 @@ def fp8_instantiations() -> list[Launch]:
     for d in (128, 256):
         for out_dtype in ("bfloat16", "float16"):
             general = [Problem(2, 64, 64, 1, 1, d, configs.FP8, False, "sm_90", varlen=True, total_q=100,
-                               total_k=100, out_dtype=out_dtype),
-                       Problem(1, 1, 1, 1, 1, d, configs.FP8, True, "sm_90", window=(8, 0), out_dtype=out_dtype)]
+                               total_k=100, out_dtype=out_dtype)]
+            general += [Problem(1, 1, 1, 1, 1, d, configs.FP8, True, "sm_90", window=w, out_dtype=out_dtype)
+                        for w in ((8, 0), (configs.SHORT_WINDOW_SPAN + 1, 0))]  # configs.WINDOW_ROWS and beyond
             for p in general:
                 out += fp8_forward(p)
             for causal in (False, True):
