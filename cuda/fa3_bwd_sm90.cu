@@ -26,7 +26,7 @@ template <class Mainloop> __device__ __forceinline__ void bwd_kernel_ws(const Bw
   else __syncthreads();
   KTileScheduler<Mainloop::BC, Pol::GENERAL, Mainloop::PAIR> tile;
   // DET: see write_dq. PAIR: both CTAs of a cluster return here or neither (packed: the same pair of tiles)
-  if (!tile.start(p, Mainloop::DET && Pol::bounded_right(p))) return;
+  if (!tile.start(p, Mainloop::DET && Pol::bounded_right(p), !Mainloop::DET && p.longest_first)) return;
   const int group = p.heads / p.kv_heads;
   typename Pol::Info bi(p, tile.b, tile.hk * group);
   const int k0 = tile.j * Mainloop::BC;

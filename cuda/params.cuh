@@ -87,6 +87,9 @@ struct BwdParams {
   float scale, scale_log2, softcap;
   int dq_rotate;                  // deterministic FA3 backward without a mask bound: each key block's walk starts
                                   // at its own query block (Policy::dq_start; launch.fa3_bwd_dq_rotates), 0 or 1
+  int longest_first;              // FA3 backward: key tiles dispatched longest first (KTileScheduler;
+                                  // launch.fa3_bwd_longest_first), 0 or 1
+  int pad_;                       // (an even count of 4-byte fields: no padding on either side, tests/test_params.py)
 };
 
 }  // namespace rf

@@ -142,9 +142,22 @@ template <int BR> struct DynamicTileScheduler : LinearTileScheduler<BR, true, fa
 // bounded on the right: the key blocks that reach a query block first are then also dispatched first).
 // PAIR: CTAs 2m, 2m + 1 (a cluster of two) take key tiles 2i, 2i + 1 of one sequence: packed sequences are cut
 // into pairs of tiles (2 BC keys, an odd count's last tile past the keys) and the pair index mapped as above.
+// `longest_first` (fixed lengths, no PAIR; launch.fa3_bwd_longest_first): the grid's CTAs in dispatch
+// (block-index) order take key tile 0 of every (batch, kv head), then tile 1 of every one, and so on: under a mask
+// bounded on the right tile j's walk is the longest for j = 0 and shortens with j, so the longest walks start first
+// everywhere and the last waves hold short ones (longest-processing-time first). In the grid's own order (one
+// (batch, kv head)'s tiles after another's) the last one's tile 0, a longest walk, starts in the last waves.
 template <int BC, bool VARLEN, bool PAIR = false> struct KTileScheduler {
   int b, hk, j;
-  template <class P> __device__ __forceinline__ bool start(const P& p, bool reverse = false) {
+  template <class P>
+  __device__ __forceinline__ bool start(const P& p, bool reverse = false, bool longest_first = false) {
+    if (!PAIR && longest_first && !(VARLEN && p.cu_seqlens_k)) {
+      const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), pairs = gridDim.y * gridDim.z;
+      j = lin / pairs;
+      hk = lin % pairs % gridDim.y;
+      b = lin % pairs / gridDim.y;
+      return true;
+    }
     hk = blockIdx.y;
     if (VARLEN && p.cu_seqlens_k) {
       if constexpr (PAIR) {

@@ -369,6 +369,25 @@ def test_fa3_backward_query_rows_per_step(d, rows, ds_buffers):
             launch.fa3_bwd_sm90(p, bad)
 
 
+def test_backward_key_tiles_longest_first_under_a_right_bound_and_few_pairs():
+    """The default FA3 backward dispatches key tiles longest first (BwdParams::longest_first) under a mask bounded
+    on the right, with fixed lengths, outside the column split's pairs, where (batch, kv head) pairs number at most
+    half the SMs; the bound is inclusive (64 pairs: MHA d = 128 N = 4096, 1.0x; 128: 0.78 - 0.89x, session 23)."""
+    cfg = configs.TileConfig(64, 128, 12, stages=2)
+    gqa = Problem(4, 4096, 4096, 16, 4, 128, "bfloat16", True, "sm_90")  # 16 pairs
+    assert launch.fa3_bwd_longest_first(gqa, cfg, 132)
+    assert launch.fa3_bwd_longest_first(dataclasses.replace(gqa, kv_heads=16), cfg, 132), "MHA, 64 pairs"
+    assert not launch.fa3_bwd_longest_first(dataclasses.replace(gqa, kv_heads=32, heads=32), cfg, 132), "128"
+    assert not launch.fa3_bwd_longest_first(dataclasses.replace(gqa, batch=17), cfg, 132), "68 pairs"
+    assert launch.fa3_bwd_longest_first(dataclasses.replace(gqa, causal=False, window=(100, 0)), cfg, 132)
+    for other in (dataclasses.replace(gqa, causal=False), dataclasses.replace(gqa, causal=False, window=(100, -1)),
+                  dataclasses.replace(gqa, varlen=True, total_q=4096, total_k=4096)):
+        assert not launch.fa3_bwd_longest_first(other, cfg, 132)
+    split = configs.TileConfig(64, 64, 12, stages=2)
+    assert not launch.fa3_bwd_longest_first(dataclasses.replace(gqa, head_dim=256), split, 132), "the pairs"
+    assert "longest_first" in params.BWD_DTYPE.names
+
+
 def test_deterministic_rotated_order_only_without_a_mask_and_few_key_blocks():
     """deterministic=True walks the rotated order (BwdParams::dq_rotate) without a mask bound only, and only where a
     (sequence, kv head)'s key blocks number at most half the SMs (a CTA may wait on one dispatched after it)."""

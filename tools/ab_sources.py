@@ -5,7 +5,7 @@ of each kind (``rawflash bench``'s rule against the float64 reference) before it
 timed back to back per case (kernels alone: ``Bound.launch``), so clock drift between them stays small.
 
     python tools/ab_sources.py --sources cuda,expt/R/cuda [--direction fwd] [--dtype bfloat16]
-        [--head-dims 64,128,256] [--seqlens 1024,4096,16384] [--causal both|true|false] [--repeats 5]
+        [--head-dims 64,128,256] [--seqlens 1024,4096,16384] [--causal both|true|false] [--repeats 5] [--kv-ratio 1]
         [--no-peer] [--out FILE]
     python tools/ab_sources.py --sources ... --decode [--repeats 10]   (rawflash bench --decode --quick's cases:
         ms of the kernels and their share of the device's copy bandwidth; the peer is torch-cudnn)
@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kv-ratio", type=int, default=1, help="query heads per kv head (4: GQA 32 on 8 at d = 64)")
     ap.add_argument("--no-peer", action="store_true", help="skip torch-cudnn")
     ap.add_argument("--out", help="also write the rows as JSON here")
     ap.add_argument("--decode", action="store_true", help="time decode's quick cases instead")
@@ -69,7 +70,7 @@ def main() -> None:
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     cases = bench.sweep_cases(["rawflash-fa2"], [args.direction], [args.dtype],
                               [int(x) for x in args.head_dims.split(",")], [int(x) for x in args.seqlens.split(",")],
-                              causals)
+                              causals, kv_ratio=args.kv_ratio)
     validated: dict = {}
     rows = []
     for case in cases:
@@ -138,7 +139,8 @@ def trees_ab(sources: list[str], names: list[str], args) -> None:
                    "--direction", args.direction, "--dtype", args.dtype, "--head-dims", args.head_dims,
                    "--seqlens", args.seqlens, "--causal", args.causal, "--repeats", str(args.repeats),
                    "--out", str(out)] + (["--no-peer"] if args.no_peer else []) + \
-                  (["--time-invalid"] if args.time_invalid else [])
+                  (["--time-invalid"] if args.time_invalid else []) + \
+                  (["--kv-ratio", str(args.kv_ratio)] if args.kv_ratio != 1 else [])  # (older trees lack it)
             env = {k: v for k, v in os.environ.items() if k != "RAWFLASH_CUDA_DIR"}
             env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
             print(f"---- {name} (its own process) ----", flush=True)

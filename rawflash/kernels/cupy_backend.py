@@ -287,7 +287,10 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
     dq_sem = cupy.empty(launch.dq_semaphores(pr, main.config.br), dtype=cupy.int32) if ordered else None
     rec = params.bwd_params(pr, q, k, v, out, do, lse, scale, dq=dq, dk=dk, dv=dv, lse2=lse2, delta=delta,
                             dq_ws=dq_ws, dsink_ws=dsink_ws, dq_semaphore=dq_sem,
-                            dq_rotate=ordered and launch.fa3_bwd_dq_rotates(pr, main.config, _sms()), **prep.extras)
+                            dq_rotate=ordered and launch.fa3_bwd_dq_rotates(pr, main.config, _sms()),
+                            longest_first=(main.kernel == "fa3_bwd_sm90" and not ordered
+                                           and launch.fa3_bwd_longest_first(pr, main.config, _sms())),
+                            **prep.extras)
     hd = prep.head_dim
     outputs = (_Trimmed(dq, hd), _Trimmed(dk, hd), _Trimmed(dv, hd))
     launches = [(lau, (rec,)) for lau in plan]

@@ -530,6 +530,19 @@ def fa3_bwd_dq_rotates(p: Problem, cfg: TileConfig, sms: int) -> bool:
     return p.mask == NO_MASK and cdiv(p.seqlen_k, cfg.bc) <= sms // 2  # (packed: seqlen_k is the longest)
 
 
+def fa3_bwd_longest_first(p: Problem, cfg: TileConfig, sms: int) -> bool:
+    """Whether the default (not deterministic) fa3_bwd_sm90 dispatches its key tiles longest first
+    (BwdParams::longest_first, scheduler.cuh's KTileScheduler): tile 0 of every (batch, kv head), then tile 1 of
+    every one, ... Under a mask bounded on the right (causal; a window with a right bound) tile j's walk shortens
+    with j, so the longest walks no longer start in the last waves; but the CTAs that run at once then belong to
+    different (batch, kv head)s and share no Q_i / dO_i in L2, so only where those are few: at most half the SMs
+    (then each runs in at least two CTAs at a time). Fixed lengths only; not the column split's pairs (d = 192 /
+    256). Measured (session 23, H200, bf16, causal, kernels): GQA 4:1 +7 - 20 % (16 - 64 pairs), MHA 1.0x at 16
+    - 64 pairs and 0.78 - 0.89x at 128 - 512 (d = 64 / 128, N 1024 - 4096), hence the bound."""
+    bounded = p.mask == CAUSAL or (p.mask == WINDOW and p.window_bounds[1] >= 0)
+    return bounded and not p.varlen and not fa3_bwd_pair(cfg, p.padded_head_dim) and p.batch * p.kv_heads <= sms // 2
+
+
 def dq_semaphores(p: Problem, br: int) -> int:
     """How many int32 semaphores the deterministic fa3_bwd_sm90 indexes (mainloop_bwd_sm90_ws.cuh's semaphore():
     (first row + row of the block) / br + the (sequence, head)'s index): every query block of every (sequence,

@@ -46,6 +46,7 @@ BWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
     ("head_dim", "i32"), ("rows_batch", "i32"), ("rows_seqlen", "i32"), ("window_left", "i32"),
     ("window_right", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("dq_rotate", "i32"),
+    ("longest_first", "i32"), ("pad_", "i32"),
 )
 
 
@@ -134,10 +135,12 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
 
 
 def bwd_params(p: Problem, q, k, v, out, dout, lse, scale: float, *, dq, dk, dv, lse2, delta, dq_ws=None,
-               dsink_ws=None, dq_semaphore=None, dq_rotate: bool = False, **extras) -> np.ndarray:
+               dsink_ws=None, dq_semaphore=None, dq_rotate: bool = False, longest_first: bool = False,
+               **extras) -> np.ndarray:
     """BwdParams for one backward call (every pass of it). ``extras`` as for :func:`fwd_params`; ``dq_semaphore``:
     the deterministic FA3 backward's int32 counters (``launch.dq_semaphores`` of them, zeroed); ``dq_rotate``: its
-    rotated order (``launch.fa3_bwd_dq_rotates``)."""
+    rotated order (``launch.fa3_bwd_dq_rotates``); ``longest_first``: the default FA3 backward's key tiles longest
+    first (``launch.fa3_bwd_longest_first``)."""
     rec = np.zeros(1, BWD_DTYPE)
     named = (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("out", out, "o"), ("dout", dout, "do"), ("dq", dq, "dq"),
              ("dk", dk, "dk"), ("dv", dv, "dv"))
@@ -150,4 +153,5 @@ def bwd_params(p: Problem, q, k, v, out, dout, lse, scale: float, *, dq, dk, dv,
     _common(rec, p, scale, extras)
     rec["rows_batch"], rec["rows_seqlen"] = p.rows
     rec["dq_rotate"] = int(dq_rotate)
+    rec["longest_first"] = int(longest_first)
     return rec
