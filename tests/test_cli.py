@@ -232,6 +232,19 @@ def test_explain_names_the_fa3_forwards_grid(causal, grid):
     assert grid in fwd["note"] and "short causal" not in fwd["note"]
 
 
+@pytest.mark.parametrize("batch, heads, kv, causal, first", [(4, 16, 4, True, True), (4, 16, 16, True, True),
+                                                          (4, 32, 32, True, False), (4, 16, 4, False, False)])
+def test_explain_says_when_the_backward_takes_its_key_tiles_longest_first(batch, heads, kv, causal, first):
+    """Under a right bound with at most half the SMs of (batch, kv head) pairs (64 of 132 here: inclusive)."""
+    args = ["--gpu", "sm_90", "--batch", str(batch), "--seqlen-q", "4096", "--heads", str(heads), "--kv-heads",
+            str(kv), "--head-dim", "128", "--direction", "bwd"]
+    report = invoke_json("explain", *args, *(["--causal"] if causal else []))
+    bwd = next(r for r in report["launches"] if r["kernel"] == "fa3_bwd_sm90")
+    assert ("longest first" in (bwd.get("note") or "")) is first
+    det = invoke_json("explain", *args, "--deterministic", *(["--causal"] if causal else []))
+    assert "longest first" not in (next(r for r in det["launches"] if r["kernel"] == "fa3_bwd_sm90").get("note") or "")
+
+
 @pytest.mark.parametrize("n, causal, rotated", [(4096, False, True), (4096, True, False), (16384, False, False)])
 def test_explain_says_when_the_deterministic_backward_rotates(n, causal, rotated):
     """The rotated order runs without a mask where a sequence has at most half as many key blocks as SMs; the

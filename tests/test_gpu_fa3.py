@@ -183,7 +183,7 @@ def _split_d_cases():
 @pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", _split_d_cases())
 def test_fa3_backward_split_d(sq, sk, h, hk, d, dtype, causal):
     """fa3_bwd_sm90's column split (head_dim 192 / 256: two consumer warpgroups on 64 keys, each with half of dK,
-    dV and dQ's columns; dQ by vector atomics) on ragged shapes, seqlen_q != seqlen_k both ways, MHA / GQA / MQA."""
+    dV and dQ's columns; dQ by TMA reduce-add) on ragged shapes, seqlen_q != seqlen_k both ways, MHA / GQA / MQA."""
     _split_d_plan(sq, sk, h, hk, d, dtype, causal)
     check_backward(2, sq, sk, h, hk, d, dtype, causal, False)
 

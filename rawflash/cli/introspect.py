@@ -560,9 +560,13 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                 add_note(row, "deterministic: dQ reduce-adds in a fixed order per query block (int32 semaphores)")
                 if launch.fa3_bwd_dq_rotates(p, lau.config, tgt.sms):
                     add_note(row, "rotated order: each key block's walk starts at its own query block")
+            if row["kernel"] == "fa3_bwd_sm90" and not deterministic and launch.fa3_bwd_longest_first(
+                    p, lau.config, tgt.sms):
+                add_note(row, "key tiles longest first: tile 0 of every (batch, kv head), then tile 1, ... (a mask "
+                              "bounded on the right, at most half the SMs of pairs)")
             if row["kernel"] == "fa3_bwd_sm90" and launch.fa3_bwd_split_d(lau.config):
                 add_note(row, "column split (head_dim > 128): two consumer warpgroups share 64 keys, each with half "
-                              "of dK, dV and dQ's columns; dQ by float32 vector atomics")
+                              "of dK, dV and dQ's columns; dQ by TMA reduce-add of float32 tiles")
     report["predicted"] = [_brief_io(io_row(p, kernel if d == "fwd" else "fa2", d, tgt)) for d in dirs]
     report["notes"] = _explain_notes(p, kernel, backend, tgt)
     return report
