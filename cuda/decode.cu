@@ -28,6 +28,12 @@ namespace rf {
 // A quiet NaN (NVRTC has no <cmath> NAN): the results of a sequence that does not fit its cache.
 __device__ __forceinline__ float nan_f() { return __int_as_float(0x7fc00000); }
 
+// e^x of the splits' and partials' merges (natural-log lse): the hardware approximation for 16-bit outputs, expf
+// for float32.
+template <typename T> __device__ __forceinline__ float exp_lse(float x) {
+  return sizeof(T) == 4 ? expf(x) : __expf(x);
+}
+
 // cache_seqlens[b] as given (seqused_k; cache_len when an int was given for every sequence).
 __device__ __forceinline__ int decode_cache_len(const FwdParams& p, int b) {
   return p.seqused_k ? p.seqused_k[b] : p.cache_len;
@@ -100,7 +106,6 @@ __device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* w
   constexpr int BATCH = 8;
   const long long lse_split = p.ws_split / p.head_dim;
   float* row_lse = wts + nrows * parts;
-  auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
   for (int row = warp_id(); row < nrows; row += THREADS / 32) {
     const int r = r0 + row, i = r / group, h = hk * group + r % group;
     const long long lr = ((long long)b * p.heads + h) * p.seqlen_q + i;
@@ -119,12 +124,12 @@ __device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* w
     if (p.sinks) m = fmaxf(m, p.sinks[h]);
     const float m_use = m == -INFINITY ? 0.f : m;
     float denom = 0.f;
-    for (int c = lane_id(); c < parts; c += 32) denom += ex(wr[c] - m_use);  // the lane's own entries
+    for (int c = lane_id(); c < parts; c += 32) denom += exp_lse<T>(wr[c] - m_use);  // the lane's own entries
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) denom += __shfl_xor_sync(FULL, denom, o);
-    if (p.sinks) denom += ex(p.sinks[h] - m_use);
+    if (p.sinks) denom += exp_lse<T>(p.sinks[h] - m_use);
     const float lse = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
-    for (int c = lane_id(); c < parts; c += 32) wr[c] = wr[c] == -INFINITY || nan ? 0.f : ex(wr[c] - lse);
+    for (int c = lane_id(); c < parts; c += 32) wr[c] = wr[c] == -INFINITY || nan ? 0.f : exp_lse<T>(wr[c] - lse);
     if (lane_id() == 0) {
       row_lse[row] = lse;
       if (p.lse) p.lse[lr] = lse;
@@ -260,7 +265,6 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   float* ows = p.o_ws + blockIdx.x * p.ws_split;
   float* lws = p.m_ws + blockIdx.x * lse_split;
   const int c4s = p.head_dim / 4;
-  auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
   for (int x = threadIdx.x; x < nrows * c4s; x += WARPS * 32) {
     const int row = x / c4s, c = 4 * (x % c4s), r = r0 + row, i = r / group, h = hk * group + r % group;
     float m = -INFINITY;
@@ -274,7 +278,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
     const float m_use = m == -INFINITY ? 0.f : m;
     float denom = 0.f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) denom += ex(mg.lse[w * ROWS + row] - m_use);
+    for (int w = 0; w < WARPS; ++w) denom += exp_lse<T>(mg.lse[w * ROWS + row] - m_use);
     const float l = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
     if (c == 0) lws[((long long)b * p.heads + h) * p.seqlen_q + i] = l;
     if (nan || l == -INFINITY) continue;  // the combine reads no O of this partial's row
@@ -283,7 +287,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
     for (int w = 0; w < WARPS; ++w) {
       const float y = mg.lse[w * ROWS + row];
       if (y == -INFINITY) continue;  // no O was written for it
-      const float wt = ex(y - l);
+      const float wt = exp_lse<T>(y - l);
       const float4 v = *reinterpret_cast<const float4*>(mg.o(w, row) + c);
       acc.x += wt * v.x, acc.y += wt * v.y, acc.z += wt * v.z, acc.w += wt * v.w;
     }
@@ -327,7 +331,6 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
   const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
   const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / p.head_dim;
   const int splits = min(p.num_partials, MAX_SPLITS);  // (the CTAs' partials: see decode_split's merge)
-  auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
   float m = -INFINITY;
   int nan = 0;
   for (int s = threadIdx.x; s < splits; s += THREADS) {
@@ -341,11 +344,12 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
   m = block_reduce<THREADS>(m, red, [](float a, float c) { return fmaxf(a, c); });
   const float m_use = m == -INFINITY ? 0.f : m;
   float denom = 0.f;
-  for (int s = threadIdx.x; s < splits; s += THREADS) denom += ex(w[s] - m_use);  // the thread's own entries of w
+  for (int s = threadIdx.x; s < splits; s += THREADS) denom += exp_lse<T>(w[s] - m_use);  // the thread's own w
   denom = block_reduce<THREADS>(denom, red, [](float a, float c) { return a + c; });
-  if (p.sinks) denom += ex(p.sinks[h] - m_use);
+  if (p.sinks) denom += exp_lse<T>(p.sinks[h] - m_use);
   const float lse = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
-  for (int s = threadIdx.x; s < splits; s += THREADS) w[s] = w[s] == -INFINITY || nan ? 0.f : ex(w[s] - lse);
+  for (int s = threadIdx.x; s < splits; s += THREADS)
+    w[s] = w[s] == -INFINITY || nan ? 0.f : exp_lse<T>(w[s] - lse);
   __syncthreads();  // every weight is visible
   const int chunks = p.head_dim / 4, groups = THREADS / chunks;  // head_dim is a multiple of 8 and at most 4 * THREADS
   const int c4 = threadIdx.x % chunks, sg = threadIdx.x / chunks;
@@ -395,7 +399,6 @@ template <typename T, int WARPS> __global__ void __launch_bounds__(WARPS * 32, 1
   const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
   const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / p.head_dim;
   const int lane = lane_id(), splits = min(p.num_partials, 32);
-  auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
   const float x = lane < splits ? p.m_ws[lane * lse_split + lse_row] : -INFINITY;
   const bool nan = __any_sync(FULL, x != x);
   float m = x;
@@ -403,12 +406,12 @@ template <typename T, int WARPS> __global__ void __launch_bounds__(WARPS * 32, 1
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
   if (p.sinks) m = fmaxf(m, p.sinks[h]);
   const float m_use = m == -INFINITY ? 0.f : m;
-  float denom = lane < splits ? ex(x - m_use) : 0.f;
+  float denom = lane < splits ? exp_lse<T>(x - m_use) : 0.f;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) denom += __shfl_xor_sync(FULL, denom, o);
-  if (p.sinks) denom += ex(p.sinks[h] - m_use);
+  if (p.sinks) denom += exp_lse<T>(p.sinks[h] - m_use);
   const float lse = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
-  const float wt = lane >= splits || x == -INFINITY || nan ? 0.f : ex(x - lse);
+  const float wt = lane >= splits || x == -INFINITY || nan ? 0.f : exp_lse<T>(x - lse);
   // head_dim is a multiple of 8 and at most 256: 2 .. 64 chunks of 4 columns
   const int chunks = p.head_dim / 4, groups = chunks >= 32 ? 1 : 32 / chunks;
   const int sg = lane / chunks, c = lane % chunks;

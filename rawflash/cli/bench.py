@@ -301,13 +301,20 @@ def validate(case: Case, seqlen_cap: int = 512) -> tuple[bool, str]:
 
 def _validate_fp8(case: Case, q, k, v, descales: dict, got) -> tuple[bool, str]:
     """The FP8 forward against the float64 reference of its dequantised inputs, by ``FP8_BOUNDS``."""
+    return fp8_rule(q, k, v, descales, got, kv_heads=case.kv_heads, causal=case.causal)
+
+
+def fp8_rule(q, k, v, descales: dict, got, kv_heads: int | None = None, **reference_kw) -> tuple[bool, str]:
+    """``FP8_BOUNDS`` (out's RMSE and worst error) for an FP8 forward's result ``got`` against the float64 reference
+    of its dequantised inputs (descales per tensor, or per (batch, kv head) of ``kv_heads``), the reference called
+    with ``reference_kw`` (causal, window, sinks, ...)."""
     import cupy
 
     from .. import fp8
 
-    qf, kf, vf = (fp8.dequantize(x, descales[f"{n}_descale"], kv_heads=case.kv_heads) for x, n in
+    qf, kf, vf = (fp8.dequantize(x, descales[f"{n}_descale"], kv_heads=kv_heads) for x, n in
                   ((q, "q"), (k, "k"), (v, "v")))
-    ref = reference.forward(qf, kf, vf, causal=case.causal)[0]
+    ref = reference.forward(qf, kf, vf, **reference_kw)[0]
     err = cupy.asnumpy(got[0]).astype(np.float64) - ref
     rmse, worst = float(np.sqrt(np.mean(err ** 2))), float(np.abs(err).max())
     if rmse > FP8_BOUNDS["rmse"] or worst > FP8_BOUNDS["max"]:

@@ -697,8 +697,7 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
         return {**report, "launched": "nothing: backend 'reference' computes in float64 NumPy on the host"}
     kp = kernel_problem(p)
     plan = forms.decode_plan(kp, num_splits, tgt.sms)
-    split = next(lau for lau in plan.launches if lau.kernel == "decode_split")
-    cfg = split.config
+    cfg = plan.split.config
     report["launches"] = []
     roles = {"decode_append": "elementwise: k_new / v_new into the cache, before the split pass (several row "
                                "groups read the same keys)",

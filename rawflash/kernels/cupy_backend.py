@@ -355,21 +355,21 @@ WORKSPACES = 8  # decode's cached (o_ws, m_ws, counters) triples, the least rece
 _workspaces: collections.OrderedDict = collections.OrderedDict()
 
 
-def decode_workspace(partials: int, q_shape: tuple, lse_shape: tuple, pairs: int = 0):
+def decode_workspace(partials: int, q_shape: tuple, lse_shape: tuple, row_groups: int = 0):
     """decode's work buffers: float32 partial O (partials x q's shape) and lse (partials x lse's shape), and
-    ``pairs`` int32 counters for the fused combine (one per (batch, kv head, row group): zero when made, and
+    ``row_groups`` int32 counters for the fused combine (one per (batch, kv head, row group): zero when made, and
     decode_split's last CTA puts its count back to zero, so no call resets them), cached per (device, stream,
     shape): a decode step of a serving loop allocates nothing. A triple is shared only by calls on one stream,
     which run one after another, so no call sees another's partials or counts."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    key = (cupy.cuda.runtime.getDevice(), stream.ptr, partials, tuple(q_shape), tuple(lse_shape), pairs)
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr, partials, tuple(q_shape), tuple(lse_shape), row_groups)
     ws = _workspaces.get(key)
     if ws is None:
         ws = (cupy.empty((partials,) + tuple(q_shape), dtype=cupy.float32),
               cupy.empty((partials,) + tuple(lse_shape), dtype=cupy.float32),
-              cupy.zeros(max(1, pairs), dtype=cupy.int32))
+              cupy.zeros(max(1, row_groups), dtype=cupy.int32))
         _workspaces[key] = ws
         while len(_workspaces) > WORKSPACES:
             _workspaces.popitem(last=False)
@@ -400,9 +400,7 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
     out = cupy.empty(q.shape, dtype=q.dtype)
     lse_shape = (pr.batch, pr.heads, pr.seqlen_q)
     lse = cupy.empty(lse_shape, dtype=cupy.float32)
-    split = next(lau for lau in plan.launches if lau.kernel == "decode_split")
-    pairs = split.grid[1] * split.grid[2] if plan.fused else 0  # (batch, kv head, row group): the counters
-    o_ws, m_ws, counters = decode_workspace(plan.partials, q.shape, lse_shape, pairs)
+    o_ws, m_ws, counters = decode_workspace(plan.partials, q.shape, lse_shape, plan.row_groups if plan.fused else 0)
     rec = params.fwd_params(pr, q, k_cache, v_cache, out, lse, scale, o_ws=o_ws, m_ws=m_ws,
                             num_splits=plan.num_splits, k_new=new[0], v_new=new[1], decode=True, cache_len=cache_len,
                             split_appends=plan.split_appends, num_partials=plan.partials,

@@ -296,6 +296,16 @@ class DecodePlan:
     partials: int = 1    # partial results per output row: one per CTA of decode_split (its warps' splits merged)
     fused: bool = False  # decode_split's last CTAs merge the partials (no combine launch): decode_fuses_combine
 
+    @property
+    def split(self) -> Launch:
+        """The split-KV pass's launch (decode_split)."""
+        return next(lau for lau in self.launches if lau.kernel == "decode_split")
+
+    @property
+    def row_groups(self) -> int:
+        """(batch, kv head, row group) triples, the fused combine's counters: decode_split's grid y x z."""
+        return self.split.grid[1] * self.split.grid[2]
+
 
 MAX_SPLITS = launch.DECODE_MAX_SPLITS
 # The split model's two constants (H200, bf16; bench/results/NOTES.md, decode session 4): the HBM read rate a

@@ -76,6 +76,12 @@ class Problem:
         return (left, 0) if self.causal else (left, right)
 
     @property
+    def bounded_right(self) -> bool:
+        """Whether no query sees keys beyond a fixed offset right of its diagonal (causal, or a window with a right
+        bound): policy.cuh's Policy::bounded_right."""
+        return self.window_bounds[1] >= 0
+
+    @property
     def general(self) -> bool:
         """Whether the call needs the general variant policy (policy.cuh): packed lengths, seqused_k, soft-capping,
         ALiBi, or a window other than plain causal. Sinks run in both policies."""
@@ -539,8 +545,8 @@ def fa3_bwd_longest_first(p: Problem, cfg: TileConfig, sms: int) -> bool:
     (then each runs in at least two CTAs at a time). Fixed lengths only; not the column split's pairs (d = 192 /
     256). Measured (session 23, H200, bf16, causal, kernels): GQA 4:1 +7 - 20 % (16 - 64 pairs), MHA 1.0x at 16
     - 64 pairs and 0.78 - 0.89x at 128 - 512 (d = 64 / 128, N 1024 - 4096), hence the bound."""
-    bounded = p.mask == CAUSAL or (p.mask == WINDOW and p.window_bounds[1] >= 0)
-    return bounded and not p.varlen and not fa3_bwd_pair(cfg, p.padded_head_dim) and p.batch * p.kv_heads <= sms // 2
+    return (p.bounded_right and not p.varlen and not fa3_bwd_pair(cfg, p.padded_head_dim)
+            and p.batch * p.kv_heads <= sms // 2)
 
 
 def dq_semaphores(p: Problem, br: int) -> int:

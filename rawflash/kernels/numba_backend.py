@@ -358,8 +358,7 @@ def decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_spli
     lse = xp.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=np.float32)
     o_ws = xp.zeros((plan.partials,) + q.shape, np.float32)
     m_ws = xp.zeros((plan.partials, pr.batch, pr.heads, pr.seqlen_q), np.float32)
-    split = next(lau for lau in plan.launches if lau.kernel == "decode_split")
-    counters = xp.zeros(split.grid[1] * split.grid[2], np.int32)  # (zeroed per call: the twins cache nothing)
+    counters = xp.zeros(plan.row_groups, np.int32)  # (zeroed per call: the twins cache nothing)
     params = _params(DecodeParams, pr, scale, extras, has_table=table is not None, page_size=pr.page_size,
                      num_splits=plan.num_splits, new_keys=pr.new_keys, cache_capacity=pr.seqlen_k,
                      num_pages=int(kc.shape[0]) if table is not None else 0, cache_len=cache_len,
