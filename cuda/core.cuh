@@ -39,6 +39,9 @@ template <bool B> struct Bool { static constexpr bool value = B; };
 // The type A when C holds, else B (NVRTC has no <type_traits>).
 template <bool C, class A, class B> struct Select { using type = A; };
 template <class A, class B> struct Select<false, A, B> { using type = B; };
+// Whether A and B are one type (std::is_same).
+template <class A, class B> struct Same { static constexpr bool value = false; };
+template <class A> struct Same<A, A> { static constexpr bool value = true; };
 
 // ---------------------------------------------------------------- element types
 template <typename T> __device__ __forceinline__ u32 pack2(float lo, float hi);

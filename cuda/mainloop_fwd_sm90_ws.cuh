@@ -38,7 +38,8 @@ namespace rf {
 //   - load_v(p, tma, tile, bar, bi, k0, row, bk): the copy of V_j, keys k0.. of sequence bi at rows row.. of
 //     the tensor, "batch" bk (V is addressed by rows, V^T by keys);
 //   - gemm_qk(s, sq, r0, sk): S = Q K^T; gemm_pv(o, pa, sv): O += P V; pack_p(pa, s): S's registers -> P's
-//     A fragments of type PA; P_LOG2: the power of two P is scaled by before its cast (0: none);
+//     A fragments of type PA; P_LOG2: the power of two P is scaled by before its cast (0: none); BOUNDED:
+//     soft-capped bfloat16 scores without ALiBi, whose softmax takes a fixed reference (Policy::fixed_ref);
 //   - consume (walk plus what surrounds it) and store (the epilogue).
 // PRODUCER_REGS / CONSUMER_REGS: registers per thread after the hand-over (launch bounds give every thread
 // 65536 / NTHREADS rounded down to 8 before it). QSTAGES: Q_i buffers (1 or 2).
@@ -194,10 +195,14 @@ struct Fa3FwdPipeline {
     float fo[2];
     zero(st.o);
     st.sm.init();
+    // Bounded scores (Derived::BOUNDED, Policy::fixed_ref): a fixed reference instead of the running max, and no
+    // rescale of O. (Compiled in, not a run-time choice: both softmaxes in one kernel made ptxas spill 68 - 100 B at
+    // d = 128 / 256, offline.)
     auto softmax = [&](int step) {                                           // S of block `step` -> P, fo
       const int k0 = kv.block(step) * BC;
       pol.template scores<T>(s, q0 + wq, k0, kv.is_edge(step));
-      st.sm.template update<T>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2, Derived::STALE_LOG2);
+      st.sm.template update<T, false, Derived::BOUNDED>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2,
+                                                        Derived::STALE_LOG2, pol.fixed_ref());
     };
     mbar_wait(sm.q_full(qs), pipes.q.parity());
     pipes.q.advance();
@@ -246,7 +251,8 @@ struct Fa3FwdPipeline {
       wgmma_wait<0>();
       fence_operand(st.o);
       mbar_arrive(sm.v_empty(prev));
-      st.sm.template rescale<(Derived::STALE_LOG2 > 0.f)>(st.o, fo);  // Alg.1 l.10: diag(e^(m_old - m_new)) O
+      if constexpr (!Derived::BOUNDED)  // Alg.1 l.10: diag(e^(m_old - m_new)) O
+        st.sm.template rescale<(Derived::STALE_LOG2 > 0.f)>(st.o, fo);
       Derived::pack_p(pa, s);
       prev = sj;
       prev_parity = pipes.kv.parity();
@@ -276,9 +282,9 @@ struct Fa3FwdPipeline {
 // into the A operand as pairs of 16-bit values (to_a_operand). Registers after the hand-over: the producer keeps
 // what its loop needs, the consumers the rest of the 64K.
 template <typename T_, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_, int QSTAGES = 1,
-          bool STAGE_O = false>
+          bool STAGE_O = false, bool BOUNDED_ = false>
 struct MainloopFwdSm90Ws
-    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES, STAGE_O>, T_,
+    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES, STAGE_O, BOUNDED_>, T_,
                      Sw128<T_, BR_, D>, Sw128<T_, BC, D>, Sw128<T_, BC, D>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
                      BR_ / 64 == 2 ? 40 : 32, BR_ / 64 == 2 ? 232 : 160, QSTAGES> {
   using Base = typename MainloopFwdSm90Ws::Fa3FwdPipeline;
@@ -286,6 +292,10 @@ struct MainloopFwdSm90Ws
   static_assert(BC % 16 == 0 && BC <= 256 && D % 64 == 0, "a wgmma N of at most 256; panels of 64 columns");
   static constexpr bool PACKED = true;   // the general policy brings packed sequences
   static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
+  // Soft-capped scores, bounded: the softmax's fixed reference (Policy::fixed_ref) needs P's type to have float32's
+  // exponent range, and no ALiBi (the host's Problem.bounded_scores)
+  static constexpr bool BOUNDED = BOUNDED_;
+  static_assert(!BOUNDED || (Pol_::GENERAL && Same<T_, __nv_bfloat16>::value), "bounded scores: bfloat16, general");
   // The epilogue through shared memory and a TMA store (Base's note) or from registers: the launch decides
   // (rawflash/kernels/launch.py's fa3_fwd_stage_o, with its measurements). With one Q_i buffer the next tile's Q_i
   // waits for the store to have read the buffer.

@@ -189,6 +189,16 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // ---------------------------------------------------------------- score transform
   // Whether this head's scores go through transform() (soft-capping or ALiBi); uniform over the CTA.
   __device__ __forceinline__ bool transforms() const { return GENERAL_ && (cap_in > 0.f || slope_nat != 0.f); }
+  // Soft-capped scores are bounded: cap_out tanh(.) lies in [-cap_out, cap_out] (log2 units). Where P has the
+  // range of float32 (bfloat16) and no ALiBi bias is added (it is unbounded below), a row's softmax can take the
+  // fixed reference fixed_ref() = cap_out - FIXED_TOP_LOG2 instead of its running max (the FA3 forward's
+  // BOUNDED instantiations, chosen by the host: rawflash/kernels/launch.py's Problem.bounded_scores; softmax is
+  // exact for any reference): P = 2^(s - fixed_ref) lies in [2^(56 - 2 cap_out), 2^56]. For softcap <= 50
+  // (launch.BOUNDED_SOFTCAP_MAX, Gemma 2's 50 included) the smallest P is >= 2^-88, so a row whose every score sits
+  // at -softcap still has P V products far above float32's smallest normal for |V| >= 2^-38, and the largest
+  // leaves O and l 2^71 below float32's overflow.
+  static constexpr float FIXED_TOP_LOG2 = 56.f;
+  __device__ __forceinline__ float fixed_ref() const { return cap_out - FIXED_TOP_LOG2; }  // in log2 units
   // The factor the softmax multiplies transform()'s output by to reach log2 units: the scale (log2 units) where
   // the scores are q.k, softcap * log2(e) where they are tanh values (16-bit soft-capping: ALiBi's bias is then
   // divided by it in transform(), so no score pays a multiply of its own), 1 where transform() has produced log2

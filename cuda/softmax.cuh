@@ -41,26 +41,34 @@ template <int ROWS> struct OnlineSoftmax {
   // stale_log2 (FA4's lazy rescale): the running max is kept while the block's max exceeds it by at most this
   // much (log2 units), so P may reach 2^stale_log2 (times 2^p_log2) and fo is exactly 1: O's rescale can be
   // skipped. 0 keeps the exact max of every block.
-  template <typename T, bool NORMALIZE = false, int MT, int NT>
+  // FIXED (scores bounded above: Policy::fixed_ref, the FA3 forward's soft-capped bfloat16 instantiations):
+  // fixed_ref (log2 units) stands for every block's max, so no max is taken and fo is exactly 1 (the caller skips
+  // O's rescale); softmax is exact for any reference, and the policy's bound keeps P within its type's range.
+  template <typename T, bool NORMALIZE = false, bool FIXED = false, int MT, int NT>
   __device__ __forceinline__ void update(Acc<MT, NT>& s, float scale, float (&fo)[ROWS], float p_log2 = 0.f,
-                                         float stale_log2 = 0.f) {
+                                         float stale_log2 = 0.f, float fixed_ref = 0.f) {
     static_assert(2 * MT == ROWS, "one softmax row per accumulator row");
     float mx[ROWS], rs[ROWS];
-    row_max(mx, s);
+    if constexpr (FIXED) {
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const float cand = fmaxf(m[r], mx[r] * scale);
-      // The max stays (fo = 1 exactly) within stale_log2 (never while the row has seen nothing: +inf or NaN).
-      if (stale_log2 > 0.f && cand - m[r] <= stale_log2) {
-        fo[r] = 1.f;
-        mx[r] = m[r] - p_log2;
-        continue;
+      for (int r = 0; r < ROWS; ++r) { m[r] = mx[r] = fixed_ref; fo[r] = 1.f; }
+    } else {
+      row_max(mx, s);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const float cand = fmaxf(m[r], mx[r] * scale);
+        // The max stays (fo = 1 exactly) within stale_log2 (never while the row has seen nothing: +inf or NaN).
+        if (stale_log2 > 0.f && cand - m[r] <= stale_log2) {
+          fo[r] = 1.f;
+          mx[r] = m[r] - p_log2;
+          continue;
+        }
+        const float m_new = cand;
+        mx[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet keeps P = 0
+        fo[r] = exp2_<T>(m[r] - mx[r]);
+        m[r] = m_new;
+        mx[r] -= p_log2;
       }
-      const float m_new = cand;
-      mx[r] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet keeps P = 0
-      fo[r] = exp2_<T>(m[r] - mx[r]);
-      m[r] = m_new;
-      mx[r] -= p_log2;
     }
     for_each_row(s, [&](float& x, int r) { x = exp2_<T>(fmaf(x, scale, -mx[r])); });
     row_sum(rs, s);

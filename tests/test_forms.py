@@ -37,6 +37,24 @@ def test_sm90_16bit_runs_wgmma(d, dtype):
     assert lau.threads == 128 * (lau.config.br // 64), "one warpgroup per 64 query rows"
 
 
+@pytest.mark.parametrize("dtype,features,bounded", [
+    ("bfloat16", dict(softcap=30.0), True), ("bfloat16", dict(softcap=launch.BOUNDED_SOFTCAP_MAX), True),
+    ("bfloat16", dict(softcap=launch.BOUNDED_SOFTCAP_MAX + 0.5), False), ("bfloat16", dict(softcap=30.0, alibi=True), False),
+    ("bfloat16", dict(softcap=30.0, window=(64, 0), varlen=True, total_q=300, total_k=300), True),
+    ("bfloat16", dict(window=(64, 0)), False), ("bfloat16", {}, False), ("float16", dict(softcap=30.0), False),
+    ("float32", dict(softcap=30.0), False)])
+def test_bounded_scores_pick_the_fixed_reference_instantiation(dtype, features, bounded):
+    """Soft-capped bfloat16 scores without ALiBi, softcap <= 50, run the FA3 forward's BOUNDED instantiation (a
+    softmax without a running max: its range argument holds only there); everything else the running max."""
+    p = _problem(128, dtype, **features)
+    assert p.bounded_scores == bounded
+    lau = forms.fa2_forward(p)
+    if lau.kernel == "fa3_fwd_sm90":
+        assert lau.template_args[launch.BOUNDED_ARG] is bounded, lau.name_expression
+    if not p.varlen:  # (packed sequences' one-tile-per-CTA grids compile at their first call)
+        assert lau.name_expression in {x.name_expression for x in forms.all_instantiations("sm_90")}, "precompiled"
+
+
 @pytest.mark.parametrize("d", [32, 80, 96, 112, 160, 224])
 def test_head_dims_off_the_64_grid_run_fa3_with_zero_filled_panels(d):
     lau = forms.fa2_forward(_problem(d, "bfloat16"))
@@ -44,7 +62,7 @@ def test_head_dims_off_the_64_grid_run_fa3_with_zero_filled_panels(d):
 
 
 def test_persistent_dynamic_grid_by_default_for_fixed_lengths():
-    schedule = lambda p, sw=Switches(): forms.fa2_forward(p, sw).template_args[9]  # noqa: E731
+    schedule = lambda p, sw=Switches(): forms.fa2_forward(p, sw).template_args[launch.SCHEDULE_ARG["fa3_fwd_sm90"]]  # noqa: E731
     dynamic, static, none = (launch.SCHEDULES[k] for k in ("persistent, dynamic", "persistent, static",
                                                              "one tile per CTA"))
     assert schedule(_problem()) == static, "equal tiles: the static schedule balances them already"
@@ -197,7 +215,7 @@ def test_fa3_off_in_the_settings_falls_back_off_the_64_grid(d):
 def test_overlap_switch_reaches_the_template():
     on, off = forms.fa2_forward(_problem(), Switches(overlap=True)), forms.fa2_forward(_problem(), Switches(overlap=False))
     assert on.name_expression != off.name_expression
-    assert on.template_args[7] is True and off.template_args[7] is False
+    assert on.template_args[8] is True and off.template_args[8] is False
 
 
 @pytest.mark.parametrize("features,mask,general", [

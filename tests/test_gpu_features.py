@@ -42,6 +42,16 @@ COMBOS = [
     ("varlen+seqused+softcap", dict(varlen=True, seqused=True, softcap=10.0, causal=True)),
     ("window+sinks", dict(window=(20, 5), sinks="random")),
 ]
+# Soft-capping's bounded softmax (bfloat16 with softcap <= 50 and no ALiBi: the FA3 forward's fixed reference in
+# place of the running max): rows whose every score sits near -softcap (saturate: the smallest P the bound allows,
+# about 2^-88), at the bound and just past it (the running max again), with sinks, a window and packed sequences.
+BOUNDED = [
+    ("softcap-50-saturated", dict(softcap=50.0, saturate=True)),
+    ("softcap-50.5-saturated", dict(softcap=50.5, saturate=True, causal=True)),
+    ("softcap-50+sinks", dict(softcap=50.0, sinks="random", causal=True)),
+    ("softcap-40+window-saturated", dict(softcap=40.0, window=(30, 0), causal=True, saturate=True)),
+    ("softcap-50+varlen", dict(softcap=50.0, varlen=True, causal=True)),
+]
 SHAPES = [(113, 203), (203, 113), (64, 64), (257, 130)]
 HEAD_DIMS = [64, 128, 40, 96, 256, 32]
 HEADS = [(4, 4), (4, 2), (4, 1)]
@@ -63,6 +73,11 @@ def _inputs(sq, sk, h, hk, d, dtype, opts, seed):
     else:
         batch = 2
         q, k, v = random_qkv(batch, sq, sk, h, hk, d, dtype, seed=seed, scale=scale_in)
+    if opts.get("saturate"):  # even query rows anti-aligned with every key: scale q.k / softcap near -3
+        u = np.full(d, 1 / np.sqrt(d))
+        k = (k.astype(np.float64) + 40 * u).astype(k.dtype)
+        q = q.copy()
+        q[..., ::2, :, :] = (-40 * u).astype(q.dtype)
     if opts.get("seqused"):
         lengths = VARLEN_K if opts.get("varlen") else [sk] * batch
         extra["seqused_k"] = np.array([max(0, n - 3 * b) for b, n in enumerate(lengths)], np.int32)
@@ -133,6 +148,11 @@ def _grid(cases):
 
 @pytest.mark.parametrize("sq,sk,h,hk,d,dtype,opts", _grid(SINGLE))
 def test_feature(sq, sk, h, hk, d, dtype, opts):
+    check_feature(sq, sk, h, hk, d, dtype, opts)
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,d,dtype,opts", _grid(BOUNDED))
+def test_softcap_bounds(sq, sk, h, hk, d, dtype, opts):  # (float16 and float32: the running max, as a control)
     check_feature(sq, sk, h, hk, d, dtype, opts)
 
 

@@ -555,6 +555,10 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                     add_note(row, f"{lau.config.q_stages} Q_i buffers (the next tile's Q_i copied during this one)")
                 if launch.stages_o(lau):
                     add_note(row, "O staged in the Q_i buffer, stored by TMA")
+                if lau.kernel == "fa3_fwd_sm90" and lau.template_args[launch.BOUNDED_ARG]:
+                    add_note(row, f"bounded scores (softcap {p.softcap:g} <= {launch.BOUNDED_SOFTCAP_MAX:g}, bfloat16): "
+                                  "the softmax subtracts the fixed reference softcap log2(e) - 56, no running max and "
+                                  "no rescale of O")
             add_note(row, *situation_notes(p, lau))
             if row["kernel"] == "fa3_bwd_sm90" and deterministic:
                 add_note(row, "deterministic: dQ reduce-adds in a fixed order per query block (int32 semaphores)")

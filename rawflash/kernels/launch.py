@@ -29,6 +29,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# The largest softcap whose scores take the FA3 forward's fixed softmax reference (Problem.bounded_scores): with
+# the reference softcap log2(e) - 56 (policy.cuh's FIXED_TOP_LOG2) P stays in [2^-88.3, 2^56] up to softcap 50.
+BOUNDED_SOFTCAP_MAX = 50.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """The shape and variant of one attention call after validation (head_dim is the caller's, not the padded one).
@@ -88,6 +93,13 @@ class Problem:
         left, right = self.window_bounds
         windowed = left >= 0 or (right >= 0 and not self.causal)
         return self.varlen or self.seqused_k or self.softcap > 0 or self.alibi or windowed
+
+    @property
+    def bounded_scores(self) -> bool:
+        """Whether every score is bounded in a range the softmax can take a fixed reference for (policy.cuh's
+        Policy::fixed_ref: no running max, no rescale of O): soft-capped (softcap <= BOUNDED_SOFTCAP_MAX) bfloat16
+        scores without ALiBi. The FA3 forward compiles it in (its BOUNDED instantiations); the other forms ignore it."""
+        return self.dtype == "bfloat16" and 0 < self.softcap <= BOUNDED_SOFTCAP_MAX and not self.alibi
 
     @property
     def mask(self) -> int:
@@ -353,8 +365,9 @@ def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, i
 # fa3_fwd_sm90.cu's SCHEDULE: one tile per CTA, or a persistent grid (one CTA per SM) walking the tiles by the
 # static schedule (tile t on CTA t % grid) or taking them from a counter as each CTA gets ready (dynamic).
 SCHEDULES = {"one tile per CTA": 0, "persistent, static": 1, "persistent, dynamic": 2}
-SCHEDULE_ARG = {"fa3_fwd_sm90": 9, "fa3_fwd_sm90_fp8": 9}  # SCHEDULE's position among the template arguments
-STAGE_O_ARG = 11  # fa3_fwd_sm90's STAGE_O among its template arguments (fa3_fwd_sm90.cu)
+SCHEDULE_ARG = {"fa3_fwd_sm90": 10, "fa3_fwd_sm90_fp8": 9}  # SCHEDULE's position among the template arguments
+STAGE_O_ARG = 12  # fa3_fwd_sm90's STAGE_O among its template arguments (fa3_fwd_sm90.cu)
+BOUNDED_ARG = 7   # fa3_fwd_sm90's BOUNDED (Problem.bounded_scores)
 
 
 def schedule_of(lau: "Launch") -> str | None:
@@ -387,11 +400,12 @@ def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong:
                  persistent: bool = True, dynamic: bool = True) -> Launch:
     """FA3 forward (sm_90a): TMA copies by a producer warpgroup, br / 64 consumer warpgroups; ``overlap`` inside a
     warpgroup, ``pingpong`` between them, ``persistent`` a grid of one CTA per SM walking the tiles (``dynamic``:
-    each CTA takes the next tile from a counter; else the static schedule)."""
+    each CTA takes the next tile from a counter; else the static schedule). Bounded scores
+    (:attr:`Problem.bounded_scores`) run instantiations of their own, whose softmax has no running max."""
     d = tma_head_dim(p)
     smem = smem_fa3_fwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, overlap, pingpong,
-            fa3_schedule(persistent, dynamic), cfg.q_stages, fa3_fwd_stage_o(p, cfg, d), smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, p.bounded_scores, overlap,
+            pingpong, fa3_schedule(persistent, dynamic), cfg.q_stages, fa3_fwd_stage_o(p, cfg, d), smem)
     return Launch("fa3_fwd_sm90", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
