@@ -42,11 +42,12 @@ def test_sm90_16bit_runs_wgmma(d, dtype):
     ("bfloat16", dict(softcap=launch.BOUNDED_SOFTCAP_MAX + 0.5), False), ("bfloat16", dict(softcap=30.0, alibi=True), False),
     ("bfloat16", dict(softcap=30.0, window=(64, 0), varlen=True, total_q=300, total_k=300), True),
     ("bfloat16", dict(window=(64, 0)), False), ("bfloat16", {}, False), ("float16", dict(softcap=30.0), False),
-    ("float32", dict(softcap=30.0), False)])
+    ("float32", dict(softcap=30.0), False), ("bfloat16", dict(softcap=30.0, d=256), False),
+    ("bfloat16", dict(softcap=30.0, d=96), True)])
 def test_bounded_scores_pick_the_fixed_reference_instantiation(dtype, features, bounded):
     """Soft-capped bfloat16 scores without ALiBi, softcap <= 50, run the FA3 forward's BOUNDED instantiation (a
     softmax without a running max: its range argument holds only there); everything else the running max."""
-    p = _problem(128, dtype, **features)
+    p = _problem(features.pop("d", 128), dtype, **features)
     assert p.bounded_scores == bounded
     lau = forms.fa2_forward(p)
     if lau.kernel == "fa3_fwd_sm90":

@@ -56,7 +56,7 @@ def test_fa3_forward(sq, sk, h, hk, d, dtype, causal, sw):
 def test_fa3_more_tiles_than_sms(sw, causal):
     """5 x 12 heads x 9 query tiles = 540 tiles: each persistent CTA walks several, across heads and batches."""
     p = launch.Problem(5, 1100, 1100, 12, 4, 128, "bfloat16", causal, "sm_90")
-    persistent = forms.fa2_forward(p, forms.Switches(**SWITCHES[sw])).template_args[9] != 0
+    persistent = launch.schedule_of(forms.fa2_forward(p, forms.Switches(**SWITCHES[sw]))) != "one tile per CTA"
     assert forms.fa2_forward(p, forms.Switches(**SWITCHES[sw])).ctas == (132 if persistent else 540)
     check_forward(5, 1100, 1100, 12, 4, 128, "bfloat16", causal, "fa2", warp_specialize=True, **SWITCHES[sw])
 
