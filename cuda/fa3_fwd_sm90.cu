@@ -1,8 +1,9 @@
 // fa3_fwd_sm90: the forward skeleton split by warpgroup role (fwd_kernel_ws) with FlashAttention-3's mainloop
 // (mainloop_fwd_sm90_ws.cuh: TMA copies by a producer warpgroup, BR/64 consumer warpgroups on wgmma, 16-bit,
 // sm_90a). A 1-d grid of query tiles (Fa3Scheduler): one tile per CTA, or persistent with a static or a dynamic
-// schedule; MASK / GENERAL select the variant policy, BOUNDED its soft-capped bfloat16 scores without ALiBi (a
-// softmax with a fixed reference instead of the running max: Policy::fixed_ref), OVERLAP is FA3's intra-warpgroup overlap, PINGPONG its
+// schedule; MASK / GENERAL select the variant policy, REF what the softmax subtracts (softmax.cuh's SoftmaxRef:
+// the running max, a fixed reference for soft-capped bfloat16 scores, or the first block's max for plain bfloat16
+// attention, checked, with the REF_RUNNING launch after it as the way back), OVERLAP is FA3's intra-warpgroup overlap, PINGPONG its
 // inter-warpgroup schedule, QSTAGES the Q_i buffers (2: the next tile's Q_i is copied during this one), STAGE_O
 // the epilogue through shared memory and a TMA store.
 // fa3_fwd_sm90_fp8 is the same skeleton with the FP8 mainloop (mainloop_fwd_sm90_fp8.cuh, on the same pipeline):
@@ -65,13 +66,17 @@ using Fa3Scheduler =
 
 }  // namespace rf
 
-template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, bool BOUNDED, bool OVERLAP,
+template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, int REF, bool OVERLAP,
           bool PINGPONG, int SCHEDULE, int QSTAGES, bool STAGE_O, int SMEM_BYTES>
 __global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
     fa3_fwd_sm90(const __grid_constant__ rf::FwdParams p, const __grid_constant__ rf::TmaFwd tma) {
   using namespace rf;
   using Mainloop =
-      MainloopFwdSm90Ws<T, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>, QSTAGES, STAGE_O, BOUNDED>;
+      MainloopFwdSm90Ws<T, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>, QSTAGES, STAGE_O, REF>;
+  // The way back from REF_FIRST: launched after it with p.ref_flag set, a REF_RUNNING kernel runs only where that
+  // launch flagged this call (every thread reads the same word, so the whole grid returns or none of it).
+  if constexpr (REF == REF_RUNNING)
+    if (p.ref_flag && *reinterpret_cast<const volatile int*>(p.ref_flag) != p.ref_gen) return;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   fwd_kernel_ws<Mainloop, Fa3Scheduler<BR, SCHEDULE, GENERAL>>(p, tma);

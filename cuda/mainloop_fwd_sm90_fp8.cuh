@@ -73,7 +73,7 @@ struct MainloopFwdSm90Fp8
   static_assert(BC % 64 == 0 && BC <= 256 && D % 128 == 0 && D <= 256, "whole 64- / 128-byte panels; wgmma N <= 256");
   static constexpr bool PACKED = Pol_::GENERAL;  // the general policy brings packed sequences
   static constexpr bool O_VIA_Q = false; // O (OutT) is twice Q_i's bytes: stored from registers
-  static constexpr bool BOUNDED = false;  // e4m3's P has a narrow range: the running max always
+  static constexpr int REF = REF_RUNNING;  // e4m3's P has a narrow range: the running max always
   static constexpr float P_LOG2 = 8.f;  // P in [0, 256] before its cast (e4m3's largest finite value is 448) ...
   // ... and in [0, 430] under a stale max (2^8.75; OnlineSoftmax::update's stale_log2) at head_dim 128: H200,
   // 128 x 128 tiles, +3 - 4 % non-causal (819 -> 852 TFLOP/s at N = 16384), +-1 % causal; at 256 it lost 1 - 3 %.

@@ -38,8 +38,8 @@ namespace rf {
 //   - load_v(p, tma, tile, bar, bi, k0, row, bk): the copy of V_j, keys k0.. of sequence bi at rows row.. of
 //     the tensor, "batch" bk (V is addressed by rows, V^T by keys);
 //   - gemm_qk(s, sq, r0, sk): S = Q K^T; gemm_pv(o, pa, sv): O += P V; pack_p(pa, s): S's registers -> P's
-//     A fragments of type PA; P_LOG2: the power of two P is scaled by before its cast (0: none); BOUNDED:
-//     soft-capped bfloat16 scores without ALiBi, whose softmax takes a fixed reference (Policy::fixed_ref);
+//     A fragments of type PA; P_LOG2: the power of two P is scaled by before its cast (0: none); REF: what the
+//     softmax subtracts (softmax.cuh's SoftmaxRef: the running max, a fixed bound, the first block's max);
 //   - consume (walk plus what surrounds it) and store (the epilogue).
 // PRODUCER_REGS / CONSUMER_REGS: registers per thread after the hand-over (launch bounds give every thread
 // 65536 / NTHREADS rounded down to 8 before it). QSTAGES: Q_i buffers (1 or 2).
@@ -195,14 +195,17 @@ struct Fa3FwdPipeline {
     float fo[2];
     zero(st.o);
     st.sm.init();
-    // Bounded scores (Derived::BOUNDED, Policy::fixed_ref): a fixed reference instead of the running max, and no
-    // rescale of O. (Compiled in, not a run-time choice: both softmaxes in one kernel made ptxas spill 68 - 100 B at
-    // d = 128 / 256, offline.)
-    auto softmax = [&](int step) {                                           // S of block `step` -> P, fo
+    // Derived::REF (softmax.cuh's SoftmaxRef): the running max; a fixed reference for bounded scores; or the
+    // first block's max (that block runs the running max's update, the rest keep its reference). Without the
+    // running max there is no rescale of O. (Compiled in, not a run-time choice: both softmaxes in one kernel made
+    // ptxas spill 68 - 100 B at d = 128 / 256, offline.)
+    constexpr int REF = Derived::REF;
+    auto softmax = [&](int step, auto first) {                               // S of block `step` -> P, fo
+      constexpr int ref = decltype(first)::value && REF == REF_FIRST ? REF_RUNNING : REF;
       const int k0 = kv.block(step) * BC;
       pol.template scores<T>(s, q0 + wq, k0, kv.is_edge(step));
-      st.sm.template update<T, false, Derived::BOUNDED>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2,
-                                                        Derived::STALE_LOG2, pol.fixed_ref());
+      st.sm.template update<T, false, ref>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2,
+                                           Derived::STALE_LOG2, pol.fixed_ref());
     };
     mbar_wait(sm.q_full(qs), pipes.q.parity());
     pipes.q.advance();
@@ -217,7 +220,7 @@ struct Fa3FwdPipeline {
       turn_pass();
       wgmma_wait<0>();
       mbar_arrive(sm.k_empty(s0));
-      softmax(0);
+      softmax(0, Bool<true>{});
       Derived::pack_p(pa, s);
     }
     int prev = pipes.kv.stage(), prev_parity = pipes.kv.parity();           // the stage of block j - 1
@@ -247,11 +250,11 @@ struct Fa3FwdPipeline {
       else wgmma_wait<0>();
       fence_operand(s);
       mbar_arrive(sm.k_empty(sj));
-      softmax(j);
+      softmax(j, Bool<false>{});
       wgmma_wait<0>();
       fence_operand(st.o);
       mbar_arrive(sm.v_empty(prev));
-      if constexpr (!Derived::BOUNDED)  // Alg.1 l.10: diag(e^(m_old - m_new)) O
+      if constexpr (REF == REF_RUNNING)  // Alg.1 l.10: diag(e^(m_old - m_new)) O
         st.sm.template rescale<(Derived::STALE_LOG2 > 0.f)>(st.o, fo);
       Derived::pack_p(pa, s);
       prev = sj;
@@ -282,9 +285,9 @@ struct Fa3FwdPipeline {
 // into the A operand as pairs of 16-bit values (to_a_operand). Registers after the hand-over: the producer keeps
 // what its loop needs, the consumers the rest of the 64K.
 template <typename T_, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_, int QSTAGES = 1,
-          bool STAGE_O = false, bool BOUNDED_ = false>
+          bool STAGE_O = false, int REF_ = REF_RUNNING>
 struct MainloopFwdSm90Ws
-    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES, STAGE_O, BOUNDED_>, T_,
+    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES, STAGE_O, REF_>, T_,
                      Sw128<T_, BR_, D>, Sw128<T_, BC, D>, Sw128<T_, BC, D>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
                      BR_ / 64 == 2 ? 40 : 32, BR_ / 64 == 2 ? 232 : 160, QSTAGES> {
   using Base = typename MainloopFwdSm90Ws::Fa3FwdPipeline;
@@ -292,10 +295,21 @@ struct MainloopFwdSm90Ws
   static_assert(BC % 16 == 0 && BC <= 256 && D % 64 == 0, "a wgmma N of at most 256; panels of 64 columns");
   static constexpr bool PACKED = true;   // the general policy brings packed sequences
   static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
-  // Soft-capped scores, bounded: the softmax's fixed reference (Policy::fixed_ref) needs P's type to have float32's
-  // exponent range, and no ALiBi (the host's Problem.bounded_scores)
-  static constexpr bool BOUNDED = BOUNDED_;
-  static_assert(!BOUNDED || (Pol_::GENERAL && Same<T_, __nv_bfloat16>::value), "bounded scores: bfloat16, general");
+  // The softmax's reference (SoftmaxRef; the host's Problem.softmax_ref): without the running max P may exceed 1,
+  // which needs P's type to have float32's exponent range (bfloat16). REF_BOUNDED: soft-capped scores without ALiBi
+  // (the general policy); REF_FIRST: plain attention, whose rows see their first block's keys if they see any.
+  static constexpr int REF = REF_;
+  static_assert(REF == REF_RUNNING || Same<T_, __nv_bfloat16>::value, "P above 1: bfloat16 only");
+  static_assert(REF != REF_BOUNDED || Pol_::GENERAL, "bounded scores: soft-capping, the general policy");
+  static_assert(REF != REF_FIRST || !Pol_::GENERAL, "the first block's reference: the plain policy");
+  // REF_FIRST's check, at the end of a tile's walk: a row whose l ends above 2^80 (or not finite) had a P above
+  // 2^80 (or an inf): the warp writes this call's number to the flag, and the REF_RUNNING launch after this one
+  // recomputes the call (fa3_fwd_sm90's guard). Rows past seqlen_q score zeros; rows that see nothing have l = 0.
+  __device__ __forceinline__ static void check_ref(const FwdParams& p, const typename Base::State& st) {
+    const float top = __int_as_float(0x67800000);  // 2^80
+    const bool bad = !(st.sm.l[0] <= top) || !(st.sm.l[1] <= top);
+    if (__any_sync(0xffffffffu, bad) && lane_id() == 0) *reinterpret_cast<volatile int*>(p.ref_flag) = p.ref_gen;
+  }
   // The epilogue through shared memory and a TMA store (Base's note) or from registers: the launch decides
   // (rawflash/kernels/launch.py's fa3_fwd_stage_o, with its measurements). With one Q_i buffer the next tile's Q_i
   // waits for the store to have read the buffer.
@@ -324,6 +338,7 @@ struct MainloopFwdSm90Ws
   __device__ __forceinline__ static void consume(const FwdParams& p, const Info& bi, const Pol_& pol, int q0,
                                                  const Smem& sm, Pipes& pipes, State& st) {
     Base::walk(bi, pol, q0, sm, pipes, st);
+    if constexpr (REF == REF_FIRST) check_ref(p, st);
   }
   // FA2 Alg.1 l.12-13. With O_VIA_Q: O_i's rows of this warpgroup, normalised and cast, staged in its rows of the
   // Q_i buffer and stored by one TMA copy per 64-column panel (rows past seqlen_q and columns past head_dim are

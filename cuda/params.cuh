@@ -42,6 +42,8 @@ struct FwdParams {
                              // last CTA of a launch puts both back to zero)
   int* decode_counters;      // decode_split's fused combine: CTAs done per (batch, kv head, row group), zero between
                              // launches (the last CTA puts its count back); nullptr: decode_combine merges
+  int* ref_flag;             // the FA3 forward's REF_FIRST check: a launch that overflowed writes ref_gen here, and
+                             // the REF_RUNNING launch after it runs only then (nullptr: no check, no guard)
   int batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim;
   int window_left, window_right;  // -1: unbounded on that side; causal is (-1, 0)
   int page_size, num_splits;
@@ -53,7 +55,7 @@ struct FwdParams {
   int cache_len;             // decode: cache_seqlens of every sequence when seqused_k is nullptr (an int was given)
   int split_appends;         // decode: 1 when decode_split writes k_new / v_new itself (no decode_append launch)
   int num_partials;          // decode: partial results per row, one per CTA of decode_split (cdiv(num_splits, warps))
-  int pad_;                  // (an even count of 4-byte fields: no padding on either side, tests/test_params.py)
+  int ref_gen;               // this call's number for ref_flag (never 0)
 };
 
 struct BwdParams {

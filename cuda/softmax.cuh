@@ -24,6 +24,15 @@ __device__ __forceinline__ void finalize_row(float m, float l, float sink_log2, 
   }
 }
 
+// What a row's softmax subtracts in the exponent (the FA3 16-bit forward's REF; softmax is exact for any value,
+// only P's range depends on it):
+//   REF_RUNNING: the running max (FA2's online softmax), O rescaled when it moves;
+//   REF_BOUNDED: a fixed reference (Policy::fixed_ref) for scores known to be bounded (soft-capping);
+//   REF_FIRST:   the max of the row's first block, kept for the rest of the row (no max, no rescale after it):
+//                P = 2^(s - m_first) may exceed 1, and the caller checks at the end of the row that l stayed
+//                <= 2^80 (every P did), else the call is recomputed with REF_RUNNING (FwdParams::ref_flag).
+enum SoftmaxRef { REF_RUNNING = 0, REF_BOUNDED = 1, REF_FIRST = 2 };
+
 template <int ROWS> struct OnlineSoftmax {
   float m[ROWS], l[ROWS];
 
@@ -41,17 +50,21 @@ template <int ROWS> struct OnlineSoftmax {
   // stale_log2 (FA4's lazy rescale): the running max is kept while the block's max exceeds it by at most this
   // much (log2 units), so P may reach 2^stale_log2 (times 2^p_log2) and fo is exactly 1: O's rescale can be
   // skipped. 0 keeps the exact max of every block.
-  // FIXED (scores bounded above: Policy::fixed_ref, the FA3 forward's soft-capped bfloat16 instantiations):
-  // fixed_ref (log2 units) stands for every block's max, so no max is taken and fo is exactly 1 (the caller skips
-  // O's rescale); softmax is exact for any reference, and the policy's bound keeps P within its type's range.
-  template <typename T, bool NORMALIZE = false, bool FIXED = false, int MT, int NT>
+  // REF (SoftmaxRef) other than REF_RUNNING: no max is taken and fo is exactly 1 (the caller skips O's rescale):
+  // REF_BOUNDED subtracts fixed_ref (log2 units), which becomes m; REF_FIRST keeps m, the reference an earlier
+  // REF_RUNNING update of the row set (its first block's max), and a row that has seen nothing yet (m = -inf: under
+  // the plain policy it sees nothing at all) subtracts 0, so its -inf scores give P = 0.
+  template <typename T, bool NORMALIZE = false, int REF = REF_RUNNING, int MT, int NT>
   __device__ __forceinline__ void update(Acc<MT, NT>& s, float scale, float (&fo)[ROWS], float p_log2 = 0.f,
                                          float stale_log2 = 0.f, float fixed_ref = 0.f) {
     static_assert(2 * MT == ROWS, "one softmax row per accumulator row");
     float mx[ROWS], rs[ROWS];
-    if constexpr (FIXED) {
+    if constexpr (REF == REF_BOUNDED) {
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) { m[r] = mx[r] = fixed_ref; fo[r] = 1.f; }
+    } else if constexpr (REF == REF_FIRST) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) { mx[r] = m[r] == -INFINITY ? 0.f : m[r]; fo[r] = 1.f; }
     } else {
       row_max(mx, s);
 #pragma unroll

@@ -51,7 +51,7 @@ def test_bounded_scores_pick_the_fixed_reference_instantiation(dtype, features, 
     assert p.bounded_scores == bounded
     lau = forms.fa2_forward(p)
     if lau.kernel == "fa3_fwd_sm90":
-        assert lau.template_args[launch.BOUNDED_ARG] is bounded, lau.name_expression
+        assert (lau.template_args[launch.REF_ARG] == launch.REF_BOUNDED) is bounded, lau.name_expression
     if not p.varlen:  # (packed sequences' one-tile-per-CTA grids compile at their first call)
         assert lau.name_expression in {x.name_expression for x in forms.all_instantiations("sm_90")}, "precompiled"
 

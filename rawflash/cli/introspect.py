@@ -545,7 +545,7 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
     else:
         planned = launches(p, kernel, direction, deterministic)
         report["launches"] = [launch_row(p, d, lau) for d, lau in planned]
-        for row, (_, lau) in zip(report["launches"], planned):
+        for i, (row, (_, lau)) in enumerate(zip(report["launches"], planned)):
             add_note(row, fit_problem(row["smem"], tgt.arch))
             grid = launch.schedule_of(lau)
             if grid is not None:
@@ -555,10 +555,17 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                     add_note(row, f"{lau.config.q_stages} Q_i buffers (the next tile's Q_i copied during this one)")
                 if launch.stages_o(lau):
                     add_note(row, "O staged in the Q_i buffer, stored by TMA")
-                if lau.kernel == "fa3_fwd_sm90" and lau.template_args[launch.BOUNDED_ARG]:
+                ref = lau.template_args[launch.REF_ARG] if lau.kernel == "fa3_fwd_sm90" else None
+                if ref == launch.REF_BOUNDED:
                     add_note(row, f"bounded scores (softcap {p.softcap:g} <= {launch.BOUNDED_SOFTCAP_MAX:g}, bfloat16): "
                                   "the softmax subtracts the fixed reference softcap log2(e) - 56, no running max and "
                                   "no rescale of O")
+                elif ref == launch.REF_FIRST:
+                    add_note(row, "softmax reference: each row's first block's max, kept (no running max, no rescale "
+                                  "of O); a row whose sum ends above 2^80 flags the call")
+                elif ref == launch.REF_RUNNING and i > 0 and forms.checks_ref(planned[i - 1][1]):
+                    add_note(row, "the way back: runs only where the launch before flagged this call (the running "
+                                  "max then recomputes it); otherwise every CTA returns at once")
             add_note(row, *situation_notes(p, lau))
             if row["kernel"] == "fa3_bwd_sm90" and deterministic:
                 add_note(row, "deterministic: dQ reduce-adds in a fixed order per query block (int32 semaphores)")

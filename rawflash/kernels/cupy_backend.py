@@ -140,6 +140,8 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
                   m_ws=cupy.full(_rows(pr), -np.inf, dtype=cupy.float32), l_ws=cupy.zeros(_rows(pr), dtype=cupy.float32))
     if plan[0].kernel == "fa3_fwd_sm90":
         ws["tile_counter"] = tile_counter()
+    if forms.checks_ref(plan[0]):  # the first block's reference, checked; plan[1] is its way back
+        ws["ref_flag"], ws["ref_gen"] = ref_flag(), next_ref_gen()
     rec = params.fwd_params(pr, q, k, v, out, lse, scale, **prep.extras, **ws)
     args = (rec,)
     if plan[0].kernel == "fa3_fwd_sm90":
@@ -349,6 +351,30 @@ def tile_counter():
     if counter is None:
         counter = _tile_counters[key] = cupy.zeros(2, dtype=cupy.int32)
     return counter
+
+
+_ref_flags: dict = {}
+_ref_gen = [0]
+
+
+def ref_flag():
+    """The FA3 forward's REF_FIRST flag word, one int32 per (device, stream): a launch whose check fails writes its
+    call's number there (FwdParams::ref_gen), and the REF_RUNNING launch after it recomputes the call only when the
+    word holds that number, so the word never needs a reset. (A CUDA graph replays one number: after one failed
+    check, every later replay of it recomputes, correct but slower.)"""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
+    flag = _ref_flags.get(key)
+    if flag is None:
+        flag = _ref_flags[key] = cupy.zeros(1, dtype=cupy.int32)
+    return flag
+
+
+def next_ref_gen() -> int:
+    """A new call number for ref_flag: 1, 2, ... 2^31 - 1, then 1 again (never 0, the word's initial value)."""
+    _ref_gen[0] = _ref_gen[0] % (2**31 - 1) + 1
+    return _ref_gen[0]
 
 
 WORKSPACES = 8  # decode's cached (o_ws, m_ws, counters) triples, the least recently used dropped first

@@ -246,13 +246,31 @@ def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, se
     return launch.fa2_bwd(p, _config("fa2_bwd", p, override), atomic_dq=atomic_dq)
 
 
+def checks_ref(lau: Launch) -> bool:
+    """Whether a launch is an FA3 16-bit forward with the first block's reference (REF_FIRST), which a REF_RUNNING
+    launch must follow."""
+    return lau.kernel == "fa3_fwd_sm90" and lau.template_args[launch.REF_ARG] == launch.REF_FIRST
+
+
+def way_back(lau: Launch) -> Launch:
+    """The REF_RUNNING twin of a REF_FIRST launch (same tiles, grid and switches): launched after it with the
+    same parameters, it recomputes the call only where the first one's check failed (fa3_fwd_sm90.cu's guard)."""
+    args = list(lau.template_args)
+    args[launch.REF_ARG] = launch.REF_RUNNING
+    return dataclasses.replace(lau, template_args=tuple(args))
+
+
+def with_way_back(lau: Launch) -> list[Launch]:
+    return [lau, way_back(lau)] if checks_ref(lau) else [lau]
+
+
 def forward_plan(p: Problem, kernel: str = "fa2", switches: Switches = Switches(), settings: Settings = Settings(),
                  override: Override | None = None) -> list[Launch]:
     """Every launch a forward call makes, in order (the naive kernel's matrix products are cuBLAS calls, not listed)."""
     if kernel == "fa2" and p.dtype == configs.FP8:
         return fp8_forward(p, switches, override)
     if kernel == "fa2":
-        return [fa2_forward(p, switches, settings, override)]
+        return with_way_back(fa2_forward(p, switches, settings, override))
     if kernel == "fa1":
         return [launch.fa1_fwd(p, _config("fa1_fwd", p, override)), launch.fa1_finalize(p)]
     if kernel == "naive":
@@ -515,7 +533,8 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     launches += decode_plan(dataclasses.replace(dp, heads=2 * configs.MANY_DECODE_ROWS), 8).launches
                     launches += [launch.decode_append(dp), launch.decode_combine(dp)]  # and the other forms
                 for lau in launches:
-                    out.setdefault(lau.name_expression, lau)
+                    for x in with_way_back(lau):  # (a REF_FIRST forward's REF_RUNNING twin)
+                        out.setdefault(x.name_expression, x)
     if arch == "sm_90":
         for lau in fp8_instantiations():
             out.setdefault(lau.name_expression, lau)

@@ -106,6 +106,17 @@ class Problem:
                 and self.padded_head_dim <= BOUNDED_MAX_HEAD_DIM)
 
     @property
+    def softmax_ref(self) -> int:
+        """What the FA3 16-bit forward's softmax subtracts (softmax.cuh's SoftmaxRef): a fixed reference for
+        bounded scores; for plain bfloat16 attention its rows' first block's max, kept for the rest of the row (no
+        max, no rescale of O: session 24 measured the running max at 9 - 16 % of the forward at d <= 128), checked at
+        the end of every row, with a REF_RUNNING launch after it that recomputes the call where the check failed
+        (forms.forward_plan); else the running max. float16's P (<= 2^16) has too little range for either."""
+        if self.bounded_scores:
+            return REF_BOUNDED
+        return REF_FIRST if self.dtype == "bfloat16" and not self.general else REF_RUNNING
+
+    @property
     def mask(self) -> int:
         """The kernels' compile-time mask mode: plain calls NO_MASK or CAUSAL, general ones NO_MASK or WINDOW."""
         if self.general:
@@ -371,7 +382,11 @@ def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, i
 SCHEDULES = {"one tile per CTA": 0, "persistent, static": 1, "persistent, dynamic": 2}
 SCHEDULE_ARG = {"fa3_fwd_sm90": 10, "fa3_fwd_sm90_fp8": 9}  # SCHEDULE's position among the template arguments
 STAGE_O_ARG = 12  # fa3_fwd_sm90's STAGE_O among its template arguments (fa3_fwd_sm90.cu)
-BOUNDED_ARG = 7   # fa3_fwd_sm90's BOUNDED (Problem.bounded_scores)
+REF_ARG = 7   # fa3_fwd_sm90's REF (Problem.softmax_ref)
+# softmax.cuh's SoftmaxRef: what the FA3 16-bit forward's softmax subtracts in the exponent
+REF_RUNNING, REF_BOUNDED, REF_FIRST = 0, 1, 2
+SOFTMAX_REFS = {REF_RUNNING: "the running max", REF_BOUNDED: "a fixed reference (bounded scores)",
+                REF_FIRST: "the first block's max, checked"}
 
 
 def schedule_of(lau: "Launch") -> str | None:
@@ -401,14 +416,15 @@ def fa3_fwd_stage_o(p: Problem, cfg: TileConfig, d: int) -> bool:
 
 
 def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong: bool = True,
-                 persistent: bool = True, dynamic: bool = True) -> Launch:
+                 persistent: bool = True, dynamic: bool = True, ref: int | None = None) -> Launch:
     """FA3 forward (sm_90a): TMA copies by a producer warpgroup, br / 64 consumer warpgroups; ``overlap`` inside a
     warpgroup, ``pingpong`` between them, ``persistent`` a grid of one CTA per SM walking the tiles (``dynamic``:
-    each CTA takes the next tile from a counter; else the static schedule). Bounded scores
-    (:attr:`Problem.bounded_scores`) run instantiations of their own, whose softmax has no running max."""
+    each CTA takes the next tile from a counter; else the static schedule). ``ref``: what the softmax subtracts
+    (SoftmaxRef; default :attr:`Problem.softmax_ref`)."""
     d = tma_head_dim(p)
     smem = smem_fa3_fwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, p.bounded_scores, overlap,
+    ref = p.softmax_ref if ref is None else ref
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, ref, overlap,
             pingpong, fa3_schedule(persistent, dynamic), cfg.q_stages, fa3_fwd_stage_o(p, cfg, d), smem)
     return Launch("fa3_fwd_sm90", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")

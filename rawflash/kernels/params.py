@@ -29,12 +29,12 @@ FWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("o_ws", "ptr"), ("m_ws", "ptr"), ("l_ws", "ptr"), ("k_new", "ptr"), ("v_new", "ptr"),
     *_strides("kn"), *_strides("vn"), ("ws_split", "i64"),
     ("q_descale", "ptr"), ("k_descale", "ptr"), ("v_descale", "ptr"), ("descale_sb", "i64"), ("descale_sh", "i64"),
-    ("tile_counter", "ptr"), ("decode_counters", "ptr"),
+    ("tile_counter", "ptr"), ("decode_counters", "ptr"), ("ref_flag", "ptr"),
     ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
     ("head_dim", "i32"), ("window_left", "i32"), ("window_right", "i32"), ("page_size", "i32"),
     ("num_splits", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("new_keys", "i32"),
     ("cache_capacity", "i32"), ("num_pages", "i32"), ("cache_len", "i32"), ("split_appends", "i32"),
-    ("num_partials", "i32"), ("pad_", "i32"),
+    ("num_partials", "i32"), ("ref_gen", "i32"),
 )
 BWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("dout", "ptr"), ("dq", "ptr"), ("dk", "ptr"),
@@ -94,7 +94,8 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
                descales: tuple = (), **extras) -> np.ndarray:
     """FwdParams for one forward (or decode) call. ``extras``: cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks
     (CuPy arrays or None), block_table (its page size is ``p.page_size``), o_ws / m_ws / l_ws (float32 work
-    buffers), num_splits, tile_counter (two int32 zeros: FA3's dynamic persistent grid); ``descales`` (FP8) the
+    buffers), num_splits, tile_counter (two int32 zeros: FA3's dynamic persistent grid), ref_flag and ref_gen (the
+    FA3 forward's REF_FIRST check: an int32 word and this call's nonzero number); ``descales`` (FP8) the
     (q, k, v) descale arrays. ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the cache's capacity
     per sequence (``p.seqlen_k``) and pages (k's first axis when paged), cache_len (every sequence's cache_seqlens
     when seqused_k is None), split_appends (decode_split writes k_new / v_new itself: the plan's
@@ -115,6 +116,8 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
         rec[name] = ptr(extras.get(name))
     rec["num_splits"] = extras.get("num_splits", 1)
     rec["tile_counter"] = ptr(extras.get("tile_counter"))
+    if extras.get("ref_flag") is not None:  # the FA3 forward's REF_FIRST check and its REF_RUNNING way back
+        rec["ref_flag"], rec["ref_gen"] = ptr(extras["ref_flag"]), extras["ref_gen"]
     if descales:  # FP8: (q, k, v) float32 descales, each (1,) or (batch, kv_heads)
         for name, x in zip(("q_descale", "k_descale", "v_descale"), descales):
             rec[name] = ptr(x)
