@@ -192,7 +192,7 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // Soft-capped scores are bounded: cap_out tanh(.) lies in [-cap_out, cap_out] (log2 units). Where P has the
   // range of float32 (bfloat16) and no ALiBi bias is added (it is unbounded below), a row's softmax can take the
   // fixed reference fixed_ref() = cap_out - FIXED_TOP_LOG2 instead of its running max (the FA3 forward's
-  // BOUNDED instantiations, chosen by the host: rawflash/kernels/launch.py's Problem.bounded_scores; softmax is
+  // REF_BOUNDED instantiations, chosen by the host: rawflash/kernels/launch.py's Problem.bounded_scores; softmax is
   // exact for any reference): P = 2^(s - fixed_ref) lies in [2^(56 - 2 cap_out), 2^56]. For softcap <= 50
   // (launch.BOUNDED_SOFTCAP_MAX, Gemma 2's 50 included) the smallest P is >= 2^-88, so a row whose every score sits
   // at -softcap still has P V products far above float32's smallest normal for |V| >= 2^-38, and the largest

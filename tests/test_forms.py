@@ -45,7 +45,7 @@ def test_sm90_16bit_runs_wgmma(d, dtype):
     ("float32", dict(softcap=30.0), False), ("bfloat16", dict(softcap=30.0, d=256), False),
     ("bfloat16", dict(softcap=30.0, d=96), True)])
 def test_bounded_scores_pick_the_fixed_reference_instantiation(dtype, features, bounded):
-    """Soft-capped bfloat16 scores without ALiBi, softcap <= 50, run the FA3 forward's BOUNDED instantiation (a
+    """Soft-capped bfloat16 scores without ALiBi, softcap <= 50, run the FA3 forward's REF_BOUNDED instantiation (a
     softmax without a running max: its range argument holds only there); everything else the running max."""
     p = _problem(features.pop("d", 128), dtype, **features)
     assert p.bounded_scores == bounded

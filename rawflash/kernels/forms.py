@@ -475,7 +475,7 @@ def _variants_of(p: Problem) -> list[Problem]:
     """The compile-time variants a (dtype, head_dim) instantiates: plain without and with the causal mask, and the
     general policy without a mask and with a window (which is how every feature reaches the kernels), the window
     unbounded and bounded on the left (FA3's forward runs the latter on its persistent grid); for bfloat16 the general
-    ones also with bounded scores (soft-capping without ALiBi: the FA3 forward's BOUNDED instantiations)."""
+    ones also with bounded scores (soft-capping without ALiBi: the FA3 forward's REF_BOUNDED instantiations)."""
     general = [dataclasses.replace(p, alibi=True), dataclasses.replace(p, alibi=True, causal=True),
                dataclasses.replace(p, window=(8, 0))]
     bounded = [dataclasses.replace(x, alibi=False, softcap=1.0) for x in general] if p.dtype == "bfloat16" else []
