@@ -297,7 +297,8 @@ struct MainloopFwdSm90Ws
   static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
   // The softmax's reference (SoftmaxRef; the host's Problem.softmax_ref): without the running max P may exceed 1,
   // which needs P's type to have float32's exponent range (bfloat16). REF_BOUNDED: soft-capped scores without ALiBi
-  // (the general policy); REF_FIRST: plain attention, whose rows see their first block's keys if they see any.
+  // (the general policy); REF_FIRST: plain attention, whose rows see their first block's keys if they see any. (The
+  // host keeps both to head_dim <= 128: launch.BOUNDED_MAX_HEAD_DIM.)
   static constexpr int REF = REF_;
   static_assert(REF == REF_RUNNING || Same<T_, __nv_bfloat16>::value, "P above 1: bfloat16 only");
   static_assert(REF != REF_BOUNDED || Pol_::GENERAL, "bounded scores: soft-capping, the general policy");
@@ -308,7 +309,8 @@ struct MainloopFwdSm90Ws
   __device__ __forceinline__ static void check_ref(const FwdParams& p, const typename Base::State& st) {
     const float top = __int_as_float(0x67800000);  // 2^80
     const bool bad = !(st.sm.l[0] <= top) || !(st.sm.l[1] <= top);
-    if (__any_sync(0xffffffffu, bad) && lane_id() == 0) *reinterpret_cast<volatile int*>(p.ref_flag) = p.ref_gen;
+    if (__any_sync(0xffffffffu, bad) && lane_id() == 0 && p.ref_flag)
+      *reinterpret_cast<volatile int*>(p.ref_flag) = p.ref_gen;
   }
   // The epilogue through shared memory and a TMA store (Base's note) or from registers: the launch decides
   // (rawflash/kernels/launch.py's fa3_fwd_stage_o, with its measurements). With one Q_i buffer the next tile's Q_i

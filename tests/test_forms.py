@@ -56,6 +56,29 @@ def test_bounded_scores_pick_the_fixed_reference_instantiation(dtype, features, 
         assert lau.name_expression in {x.name_expression for x in forms.all_instantiations("sm_90")}, "precompiled"
 
 
+@pytest.mark.parametrize("dtype,d,features,ref", [
+    ("bfloat16", 128, {}, launch.REF_FIRST), ("bfloat16", 64, dict(causal=True), launch.REF_FIRST),
+    ("bfloat16", 96, dict(sinks=True), launch.REF_FIRST), ("bfloat16", 256, {}, launch.REF_RUNNING),
+    ("float16", 128, {}, launch.REF_RUNNING), ("bfloat16", 128, dict(window=(64, 0)), launch.REF_RUNNING),
+    ("bfloat16", 128, dict(softcap=30.0), launch.REF_BOUNDED)])
+def test_softmax_reference_and_its_way_back(dtype, d, features, ref):
+    """Plain bfloat16 forwards (head_dim <= 128) keep each row's first block's max (REF_FIRST) and are followed by
+    their running-max twin, the way back; everything else runs one launch with its reference."""
+    causal = features.pop("causal", False)
+    p = _problem(d, dtype, causal=causal, **features)
+    assert p.softmax_ref == ref
+    plan = forms.forward_plan(p)
+    assert plan[0].kernel == "fa3_fwd_sm90" and plan[0].template_args[launch.REF_ARG] == ref
+    if ref == launch.REF_FIRST:
+        assert len(plan) == 2 and plan[1] == forms.way_back(plan[0])
+        assert plan[1].template_args[launch.REF_ARG] == launch.REF_RUNNING
+        assert plan[1].template_args[:7] == plan[0].template_args[:7] and plan[1].grid == plan[0].grid
+        names = {x.name_expression for x in forms.all_instantiations("sm_90")}
+        assert {plan[0].name_expression, plan[1].name_expression} <= names, "both precompiled"
+    else:
+        assert len(plan) == 1
+
+
 @pytest.mark.parametrize("d", [32, 80, 96, 112, 160, 224])
 def test_head_dims_off_the_64_grid_run_fa3_with_zero_filled_panels(d):
     lau = forms.fa2_forward(_problem(d, "bfloat16"))
