@@ -344,13 +344,18 @@ def tile_counter():
     DynamicTileScheduler), one pair per (device, stream): zero when allocated, and the last CTA of every launch
     puts them back to zero, so the launches of one stream (which run one after another) share a pair and pay for
     no reset. A launch that faults leaves them set, but its context is then lost with them."""
+    return _stream_zeros(_tile_counters, 2)
+
+
+def _stream_zeros(cache: dict, n: int):
+    """``n`` int32 zeros cached in ``cache`` per (device, stream), allocated at the first call."""
     import cupy
 
     key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
-    counter = _tile_counters.get(key)
-    if counter is None:
-        counter = _tile_counters[key] = cupy.zeros(2, dtype=cupy.int32)
-    return counter
+    words = cache.get(key)
+    if words is None:
+        words = cache[key] = cupy.zeros(n, dtype=cupy.int32)
+    return words
 
 
 _ref_flags: dict = {}
@@ -362,13 +367,7 @@ def ref_flag():
     call's number there (FwdParams::ref_gen), and the REF_RUNNING launch after it recomputes the call only when the
     word holds that number, so the word never needs a reset. (A CUDA graph replays one number: after one failed
     check, every later replay of it recomputes, correct but slower.)"""
-    import cupy
-
-    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
-    flag = _ref_flags.get(key)
-    if flag is None:
-        flag = _ref_flags[key] = cupy.zeros(1, dtype=cupy.int32)
-    return flag
+    return _stream_zeros(_ref_flags, 1)
 
 
 def next_ref_gen() -> int:

@@ -99,12 +99,18 @@ class Problem:
         return self.varlen or self.seqused_k or self.softcap > 0 or self.alibi or windowed
 
     @property
+    def p_above_one(self) -> bool:
+        """Whether the FA3 forward's P may exceed 1 (a softmax reference other than the running max): bfloat16 (P
+        has float32's exponent range) at head_dim <= BOUNDED_MAX_HEAD_DIM."""
+        return self.dtype == "bfloat16" and self.padded_head_dim <= BOUNDED_MAX_HEAD_DIM
+
+    @property
     def bounded_scores(self) -> bool:
         """Whether every score is bounded in a range the softmax can take a fixed reference for (policy.cuh's
-        Policy::fixed_ref: no running max, no rescale of O): soft-capped (softcap <= BOUNDED_SOFTCAP_MAX) bfloat16
-        scores without ALiBi, head_dim <= BOUNDED_MAX_HEAD_DIM. The FA3 forward compiles it in (its BOUNDED instantiations); the other forms ignore it."""
-        return (self.dtype == "bfloat16" and 0 < self.softcap <= BOUNDED_SOFTCAP_MAX and not self.alibi
-                and self.padded_head_dim <= BOUNDED_MAX_HEAD_DIM)
+        Policy::fixed_ref: no running max, no rescale of O): soft-capped (softcap <= BOUNDED_SOFTCAP_MAX) scores
+        without ALiBi where :attr:`p_above_one`. The FA3 forward compiles it in (its REF_BOUNDED instantiations); the
+        other forms ignore it."""
+        return self.p_above_one and 0 < self.softcap <= BOUNDED_SOFTCAP_MAX and not self.alibi
 
     @property
     def softmax_ref(self) -> int:
@@ -117,8 +123,7 @@ class Problem:
         failed a dQ test that is not understood)."""
         if self.bounded_scores:
             return REF_BOUNDED
-        first = self.dtype == "bfloat16" and not self.general and self.padded_head_dim <= BOUNDED_MAX_HEAD_DIM
-        return REF_FIRST if first else REF_RUNNING
+        return REF_FIRST if self.p_above_one and not self.general else REF_RUNNING
 
     @property
     def mask(self) -> int:
@@ -389,8 +394,6 @@ STAGE_O_ARG = 12  # fa3_fwd_sm90's STAGE_O among its template arguments (fa3_fwd
 REF_ARG = 7   # fa3_fwd_sm90's REF (Problem.softmax_ref)
 # softmax.cuh's SoftmaxRef: what the FA3 16-bit forward's softmax subtracts in the exponent
 REF_RUNNING, REF_BOUNDED, REF_FIRST = 0, 1, 2
-SOFTMAX_REFS = {REF_RUNNING: "the running max", REF_BOUNDED: "a fixed reference (bounded scores)",
-                REF_FIRST: "the first block's max, checked"}
 
 
 def schedule_of(lau: "Launch") -> str | None:
