@@ -297,12 +297,13 @@ struct MainloopFwdSm90Ws
   static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
   // The softmax's reference (SoftmaxRef; the host's Problem.softmax_ref): without the running max P may exceed 1,
   // which needs P's type to have float32's exponent range (bfloat16). REF_BOUNDED: soft-capped scores without ALiBi
-  // (the general policy); REF_FIRST: plain attention, whose rows see their first block's keys if they see any. (The
+  // (the general policy); REF_FIRST: rows that see their first block's keys if they see any (no left bound). (The
   // host keeps both to head_dim <= 128: launch.BOUNDED_MAX_HEAD_DIM.)
   static constexpr int REF = REF_;
   static_assert(REF == REF_RUNNING || Same<T_, __nv_bfloat16>::value, "P above 1: bfloat16 only");
   static_assert(REF != REF_BOUNDED || Pol_::GENERAL, "bounded scores: soft-capping, the general policy");
-  static_assert(REF != REF_FIRST || !Pol_::GENERAL, "the first block's reference: the plain policy");
+  // (REF_FIRST under the general policy: the host allows it only without a window's left bound, where a row that
+  // sees nothing in its first block sees nothing at all, as in plain attention)
   // REF_FIRST's check, at the end of a tile's walk: a row whose l ends above 2^80 (or not finite) had a P above
   // 2^80 (or an inf): the warp writes this call's number to the flag, and the REF_RUNNING launch after this one
   // recomputes the call (fa3_fwd_sm90's guard). Rows past seqlen_q score zeros; rows that see nothing have l = 0.

@@ -52,8 +52,9 @@ template <int ROWS> struct OnlineSoftmax {
   // skipped. 0 keeps the exact max of every block.
   // REF (SoftmaxRef) other than REF_RUNNING: no max is taken and fo is exactly 1 (the caller skips O's rescale):
   // REF_BOUNDED subtracts fixed_ref (log2 units), which becomes m; REF_FIRST keeps m, the reference an earlier
-  // REF_RUNNING update of the row set (its first block's max), and a row that has seen nothing yet (m = -inf: under
-  // the plain policy it sees nothing at all) subtracts 0, so its -inf scores give P = 0.
+  // REF_RUNNING update of the row set (its first block's max), and a row that has seen nothing yet (m = -inf: where
+  // REF_FIRST runs, no window bounds the rows on the left, so it sees nothing at all) subtracts 0, so its -inf
+  // scores give P = 0.
   template <typename T, bool NORMALIZE = false, int REF = REF_RUNNING, int MT, int NT>
   __device__ __forceinline__ void update(Acc<MT, NT>& s, float scale, float (&fo)[ROWS], float p_log2 = 0.f,
                                          float stale_log2 = 0.f, float fixed_ref = 0.f) {

@@ -360,20 +360,39 @@ def test_fa3_deterministic_packed_window_bitwise_equal_20_runs():
     _twenty_runs(dout, q, k, v, out, lse, **feats)
 
 
+@pytest.mark.parametrize("feature", ["plain", "seqused_k", "softcap"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_first_block_reference_and_its_way_back(d, causal):
-    """Plain bfloat16 attention on FA3's form keeps each row's first block's max as its softmax reference
-    (REF_FIRST). Normal inputs pass its check and the REF_RUNNING launch after it returns at once; keys past the
-    first block aligned with every query (scores 140 - 200 natural units above the first block's) fail it: the
-    flag word holds the call's number, the way back recomputes the call, and both results keep flash-attn's rule."""
+def test_first_block_reference_and_its_way_back(d, causal, feature):
+    """bfloat16 attention on FA3's form without ALiBi or a window's left bound keeps each row's first block's max
+    as its softmax reference (REF_FIRST): plain, and the general policy (seqused_k, soft-capping past the bounded
+    range). Normal inputs pass its check and the REF_RUNNING launch after it returns at once; keys past the first
+    block aligned with every query (scores 140 - 200 natural units above the first block's, or the cap of 60) fail
+    it: the flag word holds the call's number, the way back recomputes the call, and both results keep flash-attn's
+    rule."""
+    import cupy
+
     from conftest import random_qkv
     from rawflash import reference
     from rawflash.kernels import cupy_backend
 
-    p = launch.Problem(2, 300, 700, 4, 2, d, "bfloat16", causal, "sm_90")
+    feats = {"plain": {}, "seqused_k": dict(seqused_k=np.array([700, 640], np.int32)),
+             "softcap": dict(softcap=2.0 * launch.BOUNDED_SOFTCAP_MAX)}[feature]
+    p = launch.Problem(2, 300, 700, 4, 2, d, "bfloat16", causal, "sm_90", seqused_k="seqused_k" in feats,
+                       softcap=feats.get("softcap", 0.0))
     assert [x.template_args[launch.REF_ARG] for x in forms.forward_plan(p)] == [launch.REF_FIRST, launch.REF_RUNNING]
-    check_forward(2, 300, 700, 4, 2, d, "bfloat16", causal, "fa2")
+    dev = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in feats.items()}
+
+    def check(q, k, v):
+        out, lse = rawflash.forward(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=causal, **dev)
+        ref_out, ref_lse = reference.forward(q, k, v, causal=causal, **feats)
+        base_out, base_lse = reference.forward(q, k, v, causal=causal, upcast=False, **feats)
+        for name, got, ref, base in (("out", out, ref_out, base_out), ("lse", lse, ref_lse, base_lse)):
+            ok, err, base_err, bound = reference.error_ratio_ok(got.get(), ref, base, q.dtype, 2)
+            assert ok, f"{name}: max error {err:.3g} > bound {bound:.3g} (naive error {base_err:.3g})"
+
+    q, k, v = random_qkv(2, 300, 700, 4, 2, d, "bfloat16")
+    check(q, k, v)
     assert int(cupy_backend.ref_flag().get()[0]) != cupy_backend._ref_gen[0], "normal inputs pass the check"
     q, k, v = random_qkv(2, 300, 700, 4, 2, d, "bfloat16", seed=4)
     u = np.full(d, 40 / np.sqrt(d))
@@ -381,10 +400,5 @@ def test_first_block_reference_and_its_way_back(d, causal):
     k = k.astype(np.float64)
     k[:, 400:] += u
     k = k.astype(q.dtype)
-    out, lse = rawflash.forward(q, k, v, causal=causal)
+    check(q, k, v)
     assert int(cupy_backend.ref_flag().get()[0]) == cupy_backend._ref_gen[0], "the check failed: the way back ran"
-    ref_out, ref_lse = reference.forward(q, k, v, causal=causal)
-    base_out, base_lse = reference.forward(q, k, v, causal=causal, upcast=False)
-    for name, got, ref, base in (("out", out, ref_out, base_out), ("lse", lse, ref_lse, base_lse)):
-        ok, err, base_err, bound = reference.error_ratio_ok(got, ref, base, q.dtype, 2)
-        assert ok, f"{name}: max error {err:.3g} > bound {bound:.3g} (naive error {base_err:.3g})"

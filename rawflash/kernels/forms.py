@@ -475,11 +475,17 @@ def _variants_of(p: Problem) -> list[Problem]:
     """The compile-time variants a (dtype, head_dim) instantiates: plain without and with the causal mask, and the
     general policy without a mask and with a window (which is how every feature reaches the kernels), the window
     unbounded and bounded on the left (FA3's forward runs the latter on its persistent grid); for bfloat16 the general
-    ones also with bounded scores (soft-capping without ALiBi: the FA3 forward's REF_BOUNDED instantiations)."""
+    ones also with bounded scores (soft-capping without ALiBi: the FA3 forward's REF_BOUNDED instantiations) and
+    without ALiBi or a left bound (the general policy's REF_FIRST instantiations: soft-capping past the bounded
+    range stands for the persistent grids, seqused_k for the grids of one tile per CTA)."""
     general = [dataclasses.replace(p, alibi=True), dataclasses.replace(p, alibi=True, causal=True),
                dataclasses.replace(p, window=(8, 0))]
-    bounded = [dataclasses.replace(x, alibi=False, softcap=1.0) for x in general] if p.dtype == "bfloat16" else []
-    return [dataclasses.replace(p, causal=False), dataclasses.replace(p, causal=True), *general, *bounded]
+    bf16 = p.dtype == "bfloat16"
+    bounded = [dataclasses.replace(x, alibi=False, softcap=1.0) for x in general] if bf16 else []
+    unbounded = 2 * launch.BOUNDED_SOFTCAP_MAX
+    first = [dataclasses.replace(x, alibi=False, **f) for x in general[:2]
+             for f in (dict(softcap=unbounded), dict(seqused_k=True))] if bf16 else []
+    return [dataclasses.replace(p, causal=False), dataclasses.replace(p, causal=True), *general, *bounded, *first]
 
 
 def all_instantiations(arch: str = "sm_90") -> list[Launch]:
