@@ -200,12 +200,21 @@ struct Fa3FwdPipeline {
     // running max there is no rescale of O. (Compiled in, not a run-time choice: both softmaxes in one kernel made
     // ptxas spill 68 - 100 B at d = 128 / 256, offline.)
     constexpr int REF = Derived::REF;
+    // ALiBi's first block sets the reference from its scores without their bias (Policy::first_ref) and keeps it.
     auto softmax = [&](int step, auto first) {                               // S of block `step` -> P, fo
-      constexpr int ref = decltype(first)::value && REF == REF_FIRST ? REF_RUNNING : REF;
+      constexpr bool FIRST = decltype(first)::value && REF == REF_FIRST;
       const int k0 = kv.block(step) * BC;
       pol.template scores<T>(s, q0 + wq, k0, kv.is_edge(step));
-      st.sm.template update<T, false, ref>(s, pol.template softmax_scale<T>(), fo, Derived::P_LOG2,
-                                           Derived::STALE_LOG2, pol.fixed_ref());
+      const float scale = pol.template softmax_scale<T>();
+      if constexpr (FIRST) {
+        if (pol.biased()) {
+          pol.template first_ref<T>(s, q0 + wq, k0, st.sm.m);
+          st.sm.template update<T, false, REF_FIRST>(s, scale, fo, Derived::P_LOG2);
+          return;
+        }
+      }
+      st.sm.template update<T, false, FIRST ? REF_RUNNING : REF>(s, scale, fo, Derived::P_LOG2, Derived::STALE_LOG2,
+                                                                 pol.fixed_ref());
     };
     mbar_wait(sm.q_full(qs), pipes.q.parity());
     pipes.q.advance();
@@ -297,19 +306,24 @@ struct MainloopFwdSm90Ws
   static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
   // The softmax's reference (SoftmaxRef; the host's Problem.softmax_ref): without the running max P may exceed 1,
   // which needs P's type to have float32's exponent range (bfloat16). REF_BOUNDED: soft-capped scores without ALiBi
-  // (the general policy); REF_FIRST: rows that see their first block's keys if they see any (no left bound). (The
-  // host keeps both to head_dim <= 128: launch.BOUNDED_MAX_HEAD_DIM.)
+  // (the general policy); REF_FIRST: rows that see their first block's keys if they see any (no left bound;
+  // ALiBi's reference from the first block's scores without their bias, Policy::first_ref). (The host keeps both
+  // to head_dim <= 128: launch.BOUNDED_MAX_HEAD_DIM.)
   static constexpr int REF = REF_;
   static_assert(REF == REF_RUNNING || Same<T_, __nv_bfloat16>::value, "P above 1: bfloat16 only");
   static_assert(REF != REF_BOUNDED || Pol_::GENERAL, "bounded scores: soft-capping, the general policy");
   // (REF_FIRST under the general policy: the host allows it only without a window's left bound, where a row that
   // sees nothing in its first block sees nothing at all, as in plain attention)
   // REF_FIRST's check, at the end of a tile's walk: a row whose l ends above 2^80 (or not finite) had a P above
-  // 2^80 (or an inf): the warp writes this call's number to the flag, and the REF_RUNNING launch after this one
-  // recomputes the call (fa3_fwd_sm90's guard). Rows past seqlen_q score zeros; rows that see nothing have l = 0.
+  // 2^80 (or an inf), and a row with a reference whose l ends below 2^-60 (ALiBi's reference, Policy::first_ref,
+  // can lie far above the row's biased scores; elsewhere the reference's own score gives l >= 1) may have lost
+  // its P below float32's range: the warp writes this call's number to the flag, and the REF_RUNNING launch after
+  // this one recomputes the call (fa3_fwd_sm90's guard). Rows that see nothing have m = -inf and l = 0.
   __device__ __forceinline__ static void check_ref(const FwdParams& p, const typename Base::State& st) {
-    const float top = __int_as_float(0x67800000);  // 2^80
-    const bool bad = !(st.sm.l[0] <= top) || !(st.sm.l[1] <= top);
+    const float top = __int_as_float(0x67800000), bottom = __int_as_float(0x21800000);  // 2^80, 2^-60
+    bool bad = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) bad |= !(st.sm.l[r] <= top) || (st.sm.m[r] != -INFINITY && !(st.sm.l[r] >= bottom));
     if (__any_sync(0xffffffffu, bad) && lane_id() == 0 && p.ref_flag)
       *reinterpret_cast<volatile int*>(p.ref_flag) = p.ref_gen;
   }

@@ -227,6 +227,32 @@ template <int MASK_, bool GENERAL_> struct Policy {
     return fabsf(base + (float)(TRANSPOSED ? -off : off));
   }
 
+  // REF_FIRST's reference for a row of ALiBi scores (softmax.cuh's SoftmaxRef; the FA3 16-bit forward's first key
+  // block, s as scores() left it): the block's largest visible score without its bias, minus the bias of the
+  // row's nearest visible key, in log2 units (-inf where the row sees nothing in the block). Its own biased scores
+  // lie at or below it (a key's bias is at least its nearest key's), and a later block's P exceeds 1 only where
+  // the score without the bias exceeds the first block's, as in plain attention. (The biased max would not do:
+  // the first block holds key 0, whose bias -slope * (i + diag) the row's later keys shed.) Without a left bound
+  // (where REF_FIRST runs) row i sees keys [0, row_end(i)); rows past seqlen_q too, by the same formula.
+  template <typename T, int NT> __device__ __forceinline__ void first_ref(const Acc<1, NT>& s, int r0, int c0,
+                                                                          float (&ref)[2]) const {
+    const float slope = slope_nat * LOG2E / softmax_scale<T>(), base = distance_base<false>(r0, c0);
+    float mx[2] = {-INFINITY, -INFINITY};
+    for_each_index<1, NT>([&](int i, int j, int e, int, int) {
+      mx[e >> 1] = fmaxf(mx[e >> 1], fmaf(slope, distance<false>(base, i, j, e), s.v[i][j][e]));
+    });
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float m = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const int row = r0 + (lane_id() >> 2) + 8 * r, at = row + diag;
+      const int nearest = min(max(at, 0), max(row_end(row) - 1, 0));  // (a row that sees nothing has m = -inf)
+      ref[r] = (m - slope * (float)abs(at - nearest)) * softmax_scale<T>();
+    }
+  }
+  // Whether this head's scores carry an ALiBi bias (uniform over the CTA).
+  __device__ __forceinline__ bool biased() const { return GENERAL_ && slope_nat != 0.f; }
+
   // The ALiBi slope (natural units) of query head hk * group + hh of the block's sequence: decode's packed rows
   // mix the heads of a group.
   template <class P> __device__ __forceinline__ float head_slope(const P& p, const Info& bi, int hh) const {

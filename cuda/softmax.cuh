@@ -28,9 +28,11 @@ __device__ __forceinline__ void finalize_row(float m, float l, float sink_log2, 
 // only P's range depends on it):
 //   REF_RUNNING: the running max (FA2's online softmax), O rescaled when it moves;
 //   REF_BOUNDED: a fixed reference (Policy::fixed_ref) for scores known to be bounded (soft-capping);
-//   REF_FIRST:   the max of the row's first block, kept for the rest of the row (no max, no rescale after it):
-//                P = 2^(s - m_first) may exceed 1, and the caller checks at the end of the row that l stayed
-//                <= 2^80 (every P did), else the call is recomputed with REF_RUNNING (FwdParams::ref_flag).
+//   REF_FIRST:   the max of the row's first block (under ALiBi, of its scores without their bias: Policy::
+//                first_ref), kept for the rest of the row (no max, no rescale after it): P = 2^(s - m_first) may
+//                exceed 1, and the caller checks at the end of the row that l stayed <= 2^80 (every P did) and,
+//                where the row has a reference, >= 2^-60, else the call is recomputed with REF_RUNNING
+//                (FwdParams::ref_flag).
 enum SoftmaxRef { REF_RUNNING = 0, REF_BOUNDED = 1, REF_FIRST = 2 };
 
 template <int ROWS> struct OnlineSoftmax {
@@ -52,9 +54,9 @@ template <int ROWS> struct OnlineSoftmax {
   // skipped. 0 keeps the exact max of every block.
   // REF (SoftmaxRef) other than REF_RUNNING: no max is taken and fo is exactly 1 (the caller skips O's rescale):
   // REF_BOUNDED subtracts fixed_ref (log2 units), which becomes m; REF_FIRST keeps m, the reference an earlier
-  // REF_RUNNING update of the row set (its first block's max), and a row that has seen nothing yet (m = -inf: where
-  // REF_FIRST runs, no window bounds the rows on the left, so it sees nothing at all) subtracts 0, so its -inf
-  // scores give P = 0.
+  // REF_RUNNING update of the row set (its first block's max) or the caller (Policy::first_ref) set, and a row
+  // that has seen nothing yet (m = -inf: where REF_FIRST runs, no window bounds the rows on the left, so it sees
+  // nothing at all) subtracts 0, so its -inf scores give P = 0.
   template <typename T, bool NORMALIZE = false, int REF = REF_RUNNING, int MT, int NT>
   __device__ __forceinline__ void update(Acc<MT, NT>& s, float scale, float (&fo)[ROWS], float p_log2 = 0.f,
                                          float stale_log2 = 0.f, float fixed_ref = 0.f) {

@@ -60,14 +60,15 @@ def test_bounded_scores_pick_the_fixed_reference_instantiation(dtype, features, 
     ("bfloat16", 128, {}, launch.REF_FIRST), ("bfloat16", 64, dict(causal=True), launch.REF_FIRST),
     ("bfloat16", 96, dict(sinks=True), launch.REF_FIRST), ("bfloat16", 256, {}, launch.REF_RUNNING),
     ("float16", 128, {}, launch.REF_RUNNING), ("bfloat16", 128, dict(window=(64, 0)), launch.REF_RUNNING),
-    ("bfloat16", 128, dict(alibi=True), launch.REF_RUNNING), ("bfloat16", 128, dict(window=(-1, 8)), launch.REF_FIRST),
+    ("bfloat16", 128, dict(alibi=True), launch.REF_FIRST),
+    ("bfloat16", 64, dict(alibi=True, softcap=30.0), launch.REF_FIRST), ("bfloat16", 128, dict(window=(-1, 8)), launch.REF_FIRST),
     ("bfloat16", 128, dict(varlen=True, causal=True), launch.REF_FIRST),
     ("bfloat16", 64, dict(causal=True, softcap=60.0), launch.REF_FIRST),
     ("bfloat16", 128, dict(softcap=30.0), launch.REF_BOUNDED)])
 def test_softmax_reference_and_its_way_back(dtype, d, features, ref):
-    """bfloat16 forwards without a left-bounded window or ALiBi (head_dim <= 128) keep each row's first block's max
-    (REF_FIRST) and are followed by their running-max twin, the way back; everything else runs one launch with its
-    reference."""
+    """bfloat16 forwards without a left-bounded window (head_dim <= 128; ALiBi too, with or without soft-capping)
+    keep each row's first block's reference (REF_FIRST) and are followed by their running-max twin, the way back;
+    everything else runs one launch with its reference (soft-capping alone: the fixed one)."""
     causal = features.pop("causal", False)
     p = _problem(d, dtype, causal=causal, **features)
     assert p.softmax_ref == ref

@@ -360,16 +360,18 @@ def test_fa3_deterministic_packed_window_bitwise_equal_20_runs():
     _twenty_runs(dout, q, k, v, out, lse, **feats)
 
 
-@pytest.mark.parametrize("feature", ["plain", "seqused_k", "softcap"])
+@pytest.mark.parametrize("feature", ["plain", "seqused_k", "softcap", "alibi"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_first_block_reference_and_its_way_back(d, causal, feature):
-    """bfloat16 attention on FA3's form without ALiBi or a window's left bound keeps each row's first block's max
-    as its softmax reference (REF_FIRST): plain, and the general policy (seqused_k, soft-capping past the bounded
-    range). Normal inputs pass its check and the REF_RUNNING launch after it returns at once; keys past the first
-    block aligned with every query (scores 140 - 200 natural units above the first block's, or the cap of 60) fail
-    it: the flag word holds the call's number, the way back recomputes the call, and both results keep flash-attn's
-    rule."""
+    """bfloat16 attention on FA3's form without a window's left bound keeps each row's first block's reference
+    (REF_FIRST): plain, and the general policy (seqused_k, soft-capping past the bounded range, ALiBi with slopes
+    from 0.84 to 1/256, whose reference is the first block's max without the bias). Normal inputs pass its check
+    and the REF_RUNNING launch after it returns at once; keys past the first block aligned with every query (scores
+    140 - 200 natural units above the first block's, or the cap of 60) fail it: the flag word holds the call's
+    number, the way back recomputes the call, and both results keep flash-attn's rule. Keys of the first block
+    aligned instead leave every reference high: the rows' sums stay >= 1 but ALiBi's steep heads, whose first
+    block lies hundreds of units down its bias, sum to almost nothing (below 2^-60) and fail the check too."""
     import cupy
 
     from conftest import random_qkv
@@ -377,9 +379,10 @@ def test_first_block_reference_and_its_way_back(d, causal, feature):
     from rawflash.kernels import cupy_backend
 
     feats = {"plain": {}, "seqused_k": dict(seqused_k=np.array([700, 640], np.int32)),
-             "softcap": dict(softcap=2.0 * launch.BOUNDED_SOFTCAP_MAX)}[feature]
+             "softcap": dict(softcap=2.0 * launch.BOUNDED_SOFTCAP_MAX),
+             "alibi": dict(alibi_slopes=np.array([0.84, 0.5, 0.0625, 2.0 ** -8], np.float32))}[feature]
     p = launch.Problem(2, 300, 700, 4, 2, d, "bfloat16", causal, "sm_90", seqused_k="seqused_k" in feats,
-                       softcap=feats.get("softcap", 0.0))
+                       softcap=feats.get("softcap", 0.0), alibi="alibi_slopes" in feats)
     assert [x.template_args[launch.REF_ARG] for x in forms.forward_plan(p)] == [launch.REF_FIRST, launch.REF_RUNNING]
     dev = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in feats.items()}
 
@@ -397,8 +400,12 @@ def test_first_block_reference_and_its_way_back(d, causal, feature):
     q, k, v = random_qkv(2, 300, 700, 4, 2, d, "bfloat16", seed=4)
     u = np.full(d, 40 / np.sqrt(d))
     q = (0.1 * q.astype(np.float64) + u).astype(q.dtype)
-    k = k.astype(np.float64)
-    k[:, 400:] += u
-    k = k.astype(q.dtype)
-    check(q, k, v)
+    k64 = k.astype(np.float64)
+    k64[:, 400:] += u
+    check(q, k64.astype(q.dtype), v)
     assert int(cupy_backend.ref_flag().get()[0]) == cupy_backend._ref_gen[0], "the check failed: the way back ran"
+    k64 = k.astype(np.float64)
+    k64[:, :64] += u
+    check(q, k64.astype(q.dtype), v)
+    failed = int(cupy_backend.ref_flag().get()[0]) == cupy_backend._ref_gen[0]
+    assert failed == (feature == "alibi"), "only ALiBi's steep heads sum below 2^-60 under a high reference"

@@ -561,8 +561,10 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                                   "the softmax subtracts the fixed reference softcap log2(e) - 56, no running max and "
                                   "no rescale of O")
                 elif ref == launch.REF_FIRST:
-                    add_note(row, "softmax reference: each row's first block's max, kept (no running max, no rescale "
-                                  "of O); a row whose sum ends above 2^80 flags the call")
+                    add_note(row, "softmax reference: each row's first block's max" + (
+                        " without the ALiBi bias, less the bias of the row's nearest key" if p.alibi else "") +
+                        ", kept (no running max, no rescale of O); a row whose sum ends above 2^80 or below 2^-60 "
+                        "flags the call")
                 elif ref == launch.REF_RUNNING and i > 0 and forms.checks_ref(planned[i - 1][1]):
                     add_note(row, "the way back: runs only where the launch before flagged this call (the running "
                                   "max then recomputes it); otherwise every CTA returns at once")

@@ -115,19 +115,18 @@ class Problem:
     @property
     def softmax_ref(self) -> int:
         """What the FA3 16-bit forward's softmax subtracts (softmax.cuh's SoftmaxRef): a fixed reference for
-        bounded scores; for bfloat16 attention without a window's left bound or ALiBi its rows' first block's max,
-        kept for the rest of the row (no max, no rescale of O: session 24 measured the running max at 9 - 16 % of
-        the forward at d <= 128), checked at the end of every row, with a REF_RUNNING launch after it that
-        recomputes the call where the check failed (forms.forward_plan); else the running max. The first block
-        visited holds key 0 of each row's range: a left-bounded window may hide it from a row that sees keys later,
-        and ALiBi's bias there is -slope * i, so a row's later blocks would outgrow it by far (P past 2^80, the
-        check fails and the call runs twice). float16's P (<= 2^16) has too little range for either; head dims
-        above BOUNDED_MAX_HEAD_DIM keep it too (d = 256 gains 3 - 4 % without it, and its REF_BOUNDED kernel failed
-        a dQ test that is not understood)."""
+        bounded scores; for bfloat16 attention without a window's left bound its rows' first block's max (under
+        ALiBi, of the scores without their bias, less the bias of the row's nearest key: policy.cuh's
+        Policy::first_ref), kept for the rest of the row (no max, no rescale of O: session 24 measured the running
+        max at 9 - 16 % of the forward at d <= 128), checked at the end of every row, with a REF_RUNNING launch
+        after it that recomputes the call where the check failed (forms.forward_plan); else the running max. The
+        first block visited holds key 0 of each row's range: a left-bounded window may hide it from a row that sees
+        keys later. float16's P (<= 2^16) has too little range for either; head dims above BOUNDED_MAX_HEAD_DIM
+        keep it too (d = 256 gains 3 - 4 % without it, and its REF_BOUNDED kernel failed a dQ test that is not
+        understood)."""
         if self.bounded_scores:
             return REF_BOUNDED
-        first = self.p_above_one and self.window_bounds[0] < 0 and not self.alibi
-        return REF_FIRST if first else REF_RUNNING
+        return REF_FIRST if self.p_above_one and self.window_bounds[0] < 0 else REF_RUNNING
 
     @property
     def mask(self) -> int:
