@@ -301,7 +301,7 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // of their own (hide), and ALiBi's one-sided tiles split the bias (backward_alibi_one_side); the forms at the
   // 255-register cap keep the select inside the element loop and the distance form (the other two spill there:
   // 8 - 56 B in fa2_bwd at d = 96 / 256 and 16 B in fa2_bwd_sm90's column split, offline; NOTES, session 11), and
-  // so does FA3's d <= 128 mainloop under a window, which passes false there.
+  // so do FA3's 128-row tiles, which pass false.
   template <typename T, bool TRANSPOSED, bool SPARE_REGS = false, int MT, int NT>
   __device__ __forceinline__ void backward_tile(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, const float* L,
                                                 const float* D, bool edge) const {
@@ -412,11 +412,30 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // and 98 integer instructions for a warp tile's 32 scores against plain attention's 16 and ~20; offline SASS,
   // NOTES session 11). Hidden elements computed on the way may be inf or NaN (a masked score above L_i); they are
   // overwritten, never used.
+  // Under a window the test is one unsigned compare of j - i against the window's span: key j is visible to query
+  // i iff diag - left <= j - i <= diag + right (a side without a bound taken as +-2^30) and j < seqlen_k (j >= 0
+  // always, so row_start's and row_end's clamps to 0 change nothing), with j - i a per-thread base plus a
+  // compile-time offset per register. (visible() per element, each row's two bounds clamped, spilled 16 / 52 B in
+  // FA3's d = 128 backward, whose windowed loops kept the per-element select for it until session 26.)
   template <bool TRANSPOSED, int MT, int NT>
   __device__ __forceinline__ void hide(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0) const {
-    for_each2(s, dp, [&](float& x, float& y, int row, int col) {
-      if (!visible(q0 + (TRANSPOSED ? col : row), k0 + (TRANSPOSED ? row : col))) x = y = 0.f;
-    });
+    if constexpr (MASK_ == WINDOW) {
+      const int g = lane_id() >> 2, t = lane_id() & 3;
+      const int lo = left >= 0 ? diag - left : -(1 << 30), hi = right >= 0 ? diag + right : (1 << 30);
+      const u32 span = (u32)hi - (u32)lo;
+      // (j - i - lo) of this thread's first element: rows are keys (TRANSPOSED) or queries
+      const int base = (TRANSPOSED ? k0 + g - q0 - 2 * t : k0 + 2 * t - q0 - g) - lo;
+      for_each_index<MT, NT>([&](int i, int j, int e, int row, int col) {
+        const int roff = 16 * i + 8 * (e >> 1), coff = 8 * j + (e & 1);
+        const int key = k0 + (TRANSPOSED ? row : col);
+        if ((u32)(base + (TRANSPOSED ? roff - coff : coff - roff)) > span || key >= seqlen_k)
+          s.v[i][j][e] = dp.v[i][j][e] = 0.f;
+      });
+    } else {
+      for_each2(s, dp, [&](float& x, float& y, int row, int col) {
+        if (!visible(q0 + (TRANSPOSED ? col : row), k0 + (TRANSPOSED ? row : col))) x = y = 0.f;
+      });
+    }
   }
   // Scores of a tile (rows queries r0.., columns keys c0..) through soft-capping and ALiBi (GENERAL only, and only
   // on heads that transforms()), in the units softmax_scale<T>() turns into log2 units.
