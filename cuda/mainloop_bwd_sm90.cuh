@@ -137,14 +137,14 @@ __device__ __forceinline__ void probs_ds_sm90(Acc<1, NT>& s, Acc<1, NT>& dp, con
   for_each2(s, dp, [&](float& x, float& y, int, int col) { y = x * (y - sDelta[col]); });
 }
 // (SPARE_REGS: Policy::backward_tile's; FA3's consumers pass true, but under a window at d <= 128)
-template <typename T, bool SPARE_REGS, class Pol, int NT>
+template <typename T, bool SPARE_REGS, bool PREMASK = false, class Pol, int NT>
 __device__ __forceinline__ void probs_sm90(const Pol& pol, Acc<1, NT>& s, Acc<1, NT>& dp, int q0, int k_row,
                                            const float* sL, const float* sDelta, bool edge) {
   if constexpr (Pol::GENERAL) {
     wgmma_wait<0>();
     fence_operand(s);
     fence_operand(dp);
-    pol.template backward_tile<T, true, SPARE_REGS>(s, dp, q0, k_row, sL, sDelta, edge);
+    pol.template backward_tile<T, true, SPARE_REGS, PREMASK>(s, dp, q0, k_row, sL, sDelta, edge);
   } else {
     probs_p_sm90<T>(pol, s, q0, k_row, sL, edge);
     probs_ds_sm90<0>(s, dp, sDelta);

@@ -428,8 +428,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       // Rows past the sequence: the copies may have read a packed neighbour's rows (not zeros), so P = dS = 0.
       u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
       if constexpr (!EARLY_DV) {
-        // SPARE_REGS but on 128-row tiles (128 B spilled at d = 64 bf16 without a mask)
-        probs_sm90<T, !ROW_SPLIT>(pol, sc, dp, q0, k0 + wk, sL, sDelta, edge);
+        // SPARE_REGS but on 128-row tiles (128 B spilled at d = 64 bf16 without a mask; 24 - 140 B with the window's
+        // one-compare hide too), which take windows' hidden scores to -inf before the exponential instead (PREMASK)
+        probs_sm90<T, !ROW_SPLIT, ROW_SPLIT>(pol, sc, dp, q0, k0 + wk, sL, sDelta, edge);
         if (q0 + BR > bh.seqlen_q) {
           const int nq = bh.seqlen_q - q0;
           for_each2(sc, dp, [&](float& x, float& y, int, int col) {

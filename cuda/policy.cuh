@@ -301,8 +301,9 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // of their own (hide), and ALiBi's one-sided tiles split the bias (backward_alibi_one_side); the forms at the
   // 255-register cap keep the select inside the element loop and the distance form (the other two spill there:
   // 8 - 56 B in fa2_bwd at d = 96 / 256 and 16 B in fa2_bwd_sm90's column split, offline; NOTES, session 11), and
-  // so do FA3's 128-row tiles, which pass false.
-  template <typename T, bool TRANSPOSED, bool SPARE_REGS = false, int MT, int NT>
+  // so do FA3's 128-row tiles, which pass false. PREMASK (those tiles): a window's elements without a transform run
+  // as plain attention's do, hidden scores to -inf before the exponential and no select (for_each_hidden).
+  template <typename T, bool TRANSPOSED, bool SPARE_REGS = false, bool PREMASK = false, int MT, int NT>
   __device__ __forceinline__ void backward_tile(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, const float* L,
                                                 const float* D, bool edge) const {
     if constexpr (GENERAL_ && sizeof(T) == 4) {  // float32, the accuracy path: every element through score()
@@ -312,10 +313,10 @@ template <int MASK_, bool GENERAL_> struct Policy {
       });
     } else if constexpr (GENERAL_) {  // the transform's parts chosen once per tile
       const bool cap = cap_in > 0.f, alibi = slope_nat != 0.f;
-      if (cap && alibi) backward_general<T, TRANSPOSED, true, true, SPARE_REGS>(s, dp, q0, k0, L, D, edge);
-      else if (cap) backward_general<T, TRANSPOSED, true, false, SPARE_REGS>(s, dp, q0, k0, L, D, edge);
-      else if (alibi) backward_general<T, TRANSPOSED, false, true, SPARE_REGS>(s, dp, q0, k0, L, D, edge);
-      else backward_general<T, TRANSPOSED, false, false, SPARE_REGS>(s, dp, q0, k0, L, D, edge);
+      if (cap && alibi) backward_general<T, TRANSPOSED, true, true, SPARE_REGS, PREMASK>(s, dp, q0, k0, L, D, edge);
+      else if (cap) backward_general<T, TRANSPOSED, true, false, SPARE_REGS, PREMASK>(s, dp, q0, k0, L, D, edge);
+      else if (alibi) backward_general<T, TRANSPOSED, false, true, SPARE_REGS, PREMASK>(s, dp, q0, k0, L, D, edge);
+      else backward_general<T, TRANSPOSED, false, false, SPARE_REGS, PREMASK>(s, dp, q0, k0, L, D, edge);
     } else {
       if (edge) {
         if constexpr (TRANSPOSED) mask_t(s, k0, q0);
@@ -346,13 +347,26 @@ template <int MASK_, bool GENERAL_> struct Policy {
   }
   // P and dS of every element of a 16-bit tile (hidden elements of edge blocks 0), soft-capping (CAP) and ALiBi
   // compiled in or out; SPARE_REGS as in backward_tile.
-  template <typename T, bool TRANSPOSED, bool CAP, bool ALIBI, bool SPARE_REGS, int MT, int NT>
+  template <typename T, bool TRANSPOSED, bool CAP, bool ALIBI, bool SPARE_REGS, bool PREMASK, int MT, int NT>
   __device__ __forceinline__ void backward_general(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, const float* L,
                                                    const float* D, bool edge) const {
     if constexpr (SPARE_REGS && ALIBI && !CAP) {
       const float side = alibi_side<TRANSPOSED, MT, NT>(q0, k0);
       if (side != 0.f)
         return backward_alibi_one_side<T, TRANSPOSED>(s, dp, q0, k0, L, D, edge, side * slope_nat * LOG2E);
+    }
+    if constexpr (PREMASK && !SPARE_REGS && !CAP && !ALIBI && MASK_ == WINDOW) {
+      // A window without a transform where the select stays: hidden scores to -inf before the exponential as plain
+      // attention's edge blocks do (P = 0 and dS = 0 (dP - D) = 0; a row that sees nothing has L = +inf,
+      // fa2_bwd_preprocess), so the element loop runs without a predicate. (Offline: without a mask the same
+      // spilled 20 - 56 B in FA3's d = 64 backward, and fa2_bwd's windowed d = 256 tiles spilled 8 B with it.)
+      if (edge) for_each_hidden<TRANSPOSED>(s, dp, q0, k0, [](float& x, float&) { x = -INFINITY; });
+      for_each2(s, dp, [&](float& x, float& y, int row, int col) {
+        const int r = TRANSPOSED ? col : row;
+        x = exp2_<T>(__fmul_rn(x, scale_log2) - L[r]);
+        y = x * (y - D[r]);
+      });
+      return;
     }
     const float slope = slope_nat * LOG2E, base = distance_base<TRANSPOSED>(TRANSPOSED ? k0 : q0, TRANSPOSED ? q0 : k0);
     for_each_index<MT, NT>([&](int i, int j, int e, int row, int col) {
@@ -405,20 +419,15 @@ template <int MASK_, bool GENERAL_> struct Policy {
     });
     if (edge) hide<TRANSPOSED>(s, dp, q0, k0);
   }
-  // P = dS = 0 where the key is hidden from the query, for the general policy's edge tiles (rows queries q0..,
-  // columns keys k0..; TRANSPOSED: rows keys). A pass of its own after the element-wise one, which then runs without
-  // a predicate: selected per element there, every L_i and D_i load and exponential became predicated and ptxas
-  // loaded L_i, D_i once per element instead of once per register column (FA3 backward, d = 128: 42 shared loads
-  // and 98 integer instructions for a warp tile's 32 scores against plain attention's 16 and ~20; offline SASS,
-  // NOTES session 11). Hidden elements computed on the way may be inf or NaN (a masked score above L_i); they are
-  // overwritten, never used.
-  // Under a window the test is one unsigned compare of j - i against the window's span: key j is visible to query
-  // i iff diag - left <= j - i <= diag + right (a side without a bound taken as +-2^30) and j < seqlen_k (j >= 0
-  // always, so row_start's and row_end's clamps to 0 change nothing), with j - i a per-thread base plus a
-  // compile-time offset per register. (visible() per element, each row's two bounds clamped, spilled 16 / 52 B in
-  // FA3's d = 128 backward, whose windowed loops kept the per-element select for it until session 26.)
-  template <bool TRANSPOSED, int MT, int NT>
-  __device__ __forceinline__ void hide(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0) const {
+  // f(x, y) for the elements of two tiles whose key is hidden from their query (rows queries q0.., columns keys
+  // k0..; TRANSPOSED: rows keys). Under a window the test is one unsigned compare of j - i against the window's
+  // span: key j is visible to query i iff diag - left <= j - i <= diag + right (a side without a bound taken as
+  // +-2^30) and j < seqlen_k (j >= 0 always, so row_start's and row_end's clamps to 0 change nothing), with j - i a
+  // per-thread base plus a compile-time offset per register. (visible() per element, each row's two bounds
+  // clamped, spilled 16 / 52 B in FA3's d = 128 backward, whose windowed loops kept the per-element select for it
+  // until session 26.)
+  template <bool TRANSPOSED, int MT, int NT, class F>
+  __device__ __forceinline__ void for_each_hidden(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, F f) const {
     if constexpr (MASK_ == WINDOW) {
       const int g = lane_id() >> 2, t = lane_id() & 3;
       const int lo = left >= 0 ? diag - left : -(1 << 30), hi = right >= 0 ? diag + right : (1 << 30);
@@ -429,13 +438,24 @@ template <int MASK_, bool GENERAL_> struct Policy {
         const int roff = 16 * i + 8 * (e >> 1), coff = 8 * j + (e & 1);
         const int key = k0 + (TRANSPOSED ? row : col);
         if ((u32)(base + (TRANSPOSED ? roff - coff : coff - roff)) > span || key >= seqlen_k)
-          s.v[i][j][e] = dp.v[i][j][e] = 0.f;
+          f(s.v[i][j][e], dp.v[i][j][e]);
       });
     } else {
       for_each2(s, dp, [&](float& x, float& y, int row, int col) {
-        if (!visible(q0 + (TRANSPOSED ? col : row), k0 + (TRANSPOSED ? row : col))) x = y = 0.f;
+        if (!visible(q0 + (TRANSPOSED ? col : row), k0 + (TRANSPOSED ? row : col))) f(x, y);
       });
     }
+  }
+  // P = dS = 0 where the key is hidden from the query, for the general policy's edge tiles (for_each_hidden's
+  // layout). A pass of its own after the element-wise one, which then runs without a predicate: selected per
+  // element there, every L_i and D_i load and exponential became predicated and ptxas loaded L_i, D_i once per
+  // element instead of once per register column (FA3 backward, d = 128: 42 shared loads and 98 integer
+  // instructions for a warp tile's 32 scores against plain attention's 16 and ~20; offline SASS, NOTES session
+  // 11). Hidden elements computed on the way may be inf or NaN (a masked score above L_i); they are overwritten,
+  // never used.
+  template <bool TRANSPOSED, int MT, int NT>
+  __device__ __forceinline__ void hide(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0) const {
+    for_each_hidden<TRANSPOSED>(s, dp, q0, k0, [](float& x, float& y) { x = y = 0.f; });
   }
   // Scores of a tile (rows queries r0.., columns keys c0..) through soft-capping and ALiBi (GENERAL only, and only
   // on heads that transforms()), in the units softmax_scale<T>() turns into log2 units.
