@@ -68,6 +68,10 @@ template <int MT, int NT> __device__ __forceinline__ void scale_rows(Acc<MT, NT>
 }
 
 // Row maxima and sums: a row lives in one quad (4 lanes), reduced with two shuffles.
+__device__ __forceinline__ float quad_max(float m) {
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+}
 template <int MT, int NT> __device__ __forceinline__ void row_max(float (&mx)[2 * MT], const Acc<MT, NT>& a) {
 #pragma unroll
   for (int i = 0; i < MT; ++i)
@@ -76,8 +80,7 @@ template <int MT, int NT> __device__ __forceinline__ void row_max(float (&mx)[2 
       float m = -INFINITY;
 #pragma unroll
       for (int j = 0; j < NT; ++j) m = fmaxf(m, fmaxf(a.v[i][j][2 * h], a.v[i][j][2 * h + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      mx[2 * i + h] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      mx[2 * i + h] = quad_max(m);
     }
 }
 template <int MT, int NT> __device__ __forceinline__ void row_sum(float (&sm)[2 * MT], const Acc<MT, NT>& a) {

@@ -136,7 +136,7 @@ __device__ __forceinline__ void probs_ds_sm90(Acc<1, NT>& s, Acc<1, NT>& dp, con
   fence_operand(dp);
   for_each2(s, dp, [&](float& x, float& y, int, int col) { y = x * (y - sDelta[col]); });
 }
-// (SPARE_REGS: Policy::backward_tile's; FA3's consumers pass true, but under a window at d <= 128)
+// (SPARE_REGS, PREMASK: Policy::backward_tile's; FA3's consumers pass SPARE_REGS, but its 128-row tiles PREMASK)
 template <typename T, bool SPARE_REGS, bool PREMASK = false, class Pol, int NT>
 __device__ __forceinline__ void probs_sm90(const Pol& pol, Acc<1, NT>& s, Acc<1, NT>& dp, int q0, int k_row,
                                            const float* sL, const float* sDelta, bool edge) {

@@ -243,8 +243,7 @@ template <int MASK_, bool GENERAL_> struct Policy {
     });
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float m = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float m = quad_max(mx[r]);
       const int row = r0 + (lane_id() >> 2) + 8 * r, at = row + diag;
       const int nearest = min(max(at, 0), max(row_end(row) - 1, 0));  // (a row that sees nothing has m = -inf)
       ref[r] = (m - slope * (float)abs(at - nearest)) * softmax_scale<T>();
@@ -322,12 +321,19 @@ template <int MASK_, bool GENERAL_> struct Policy {
         if constexpr (TRANSPOSED) mask_t(s, k0, q0);
         else mask(s, q0, k0);
       }
-      for_each2(s, dp, [&](float& x, float& y, int row, int col) {
-        const int r = TRANSPOSED ? col : row;
-        x = exp2_<T>(__fmul_rn(x, scale_log2) - L[r]);
-        y = x * (y - D[r]);
-      });
+      plain_elements<T, TRANSPOSED>(s, dp, L, D);
     }
+  }
+  // P and dS of scores without a transform, hidden ones already -inf (L = +inf for a row that sees nothing,
+  // fa2_bwd_preprocess, so its P is 0 too): the plain policy's element loop, without a predicate.
+  template <typename T, bool TRANSPOSED, int MT, int NT>
+  __device__ __forceinline__ void plain_elements(Acc<MT, NT>& s, Acc<MT, NT>& dp, const float* L,
+                                                 const float* D) const {
+    for_each2(s, dp, [&](float& x, float& y, int row, int col) {
+      const int r = TRANSPOSED ? col : row;
+      x = exp2_<T>(__fmul_rn(x, scale_log2) - L[r]);
+      y = x * (y - D[r]);
+    });
   }
   // The plain policy's backward_tile in its two halves, for a mainloop that runs a product between them
   // (mainloop_bwd_sm80's EARLY_DV): P from q.k (edge blocks masked: P = 0 where hidden), then dS from P and dP.
@@ -357,16 +363,11 @@ template <int MASK_, bool GENERAL_> struct Policy {
     }
     if constexpr (PREMASK && !SPARE_REGS && !CAP && !ALIBI && MASK_ == WINDOW) {
       // A window without a transform where the select stays: hidden scores to -inf before the exponential as plain
-      // attention's edge blocks do (P = 0 and dS = 0 (dP - D) = 0; a row that sees nothing has L = +inf,
-      // fa2_bwd_preprocess), so the element loop runs without a predicate. (Offline: without a mask the same
-      // spilled 20 - 56 B in FA3's d = 64 backward, and fa2_bwd's windowed d = 256 tiles spilled 8 B with it.)
+      // attention's edge blocks do (P = 0 and dS = 0 (dP - D) = 0), then plain attention's element loop, without a
+      // predicate. (Offline: without a mask the same spilled 20 - 56 B in FA3's d = 64 backward, and fa2_bwd's
+      // windowed d = 256 tiles spilled 8 B with it.)
       if (edge) for_each_hidden<TRANSPOSED>(s, dp, q0, k0, [](float& x, float&) { x = -INFINITY; });
-      for_each2(s, dp, [&](float& x, float& y, int row, int col) {
-        const int r = TRANSPOSED ? col : row;
-        x = exp2_<T>(__fmul_rn(x, scale_log2) - L[r]);
-        y = x * (y - D[r]);
-      });
-      return;
+      return plain_elements<T, TRANSPOSED>(s, dp, L, D);
     }
     const float slope = slope_nat * LOG2E, base = distance_base<TRANSPOSED>(TRANSPOSED ? k0 : q0, TRANSPOSED ? q0 : k0);
     for_each_index<MT, NT>([&](int i, int j, int e, int row, int col) {

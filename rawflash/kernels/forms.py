@@ -476,14 +476,13 @@ def _variants_of(p: Problem) -> list[Problem]:
     general policy without a mask and with a window (which is how every feature reaches the kernels), the window
     unbounded and bounded on the left (FA3's forward runs the latter on its persistent grid); for bfloat16 the general
     ones also with bounded scores (soft-capping without ALiBi: the FA3 forward's REF_BOUNDED instantiations) and
-    without a left bound (the general policy's REF_FIRST instantiations: ALiBi with soft-capping stands for the
-    persistent grids, ALiBi with seqused_k for the grids of one tile per CTA)."""
+    without a left bound (the general policy's REF_FIRST instantiations: the ALiBi ones above give the persistent
+    grids, ALiBi with seqused_k those of one tile per CTA)."""
     general = [dataclasses.replace(p, alibi=True), dataclasses.replace(p, alibi=True, causal=True),
                dataclasses.replace(p, window=(8, 0))]
     bf16 = p.dtype == "bfloat16"
     bounded = [dataclasses.replace(x, alibi=False, softcap=1.0) for x in general] if bf16 else []
-    first = [dataclasses.replace(x, **f) for x in general[:2]
-             for f in (dict(softcap=1.0), dict(seqused_k=True))] if bf16 else []
+    first = [dataclasses.replace(x, seqused_k=True) for x in general[:2]] if bf16 else []
     return [dataclasses.replace(p, causal=False), dataclasses.replace(p, causal=True), *general, *bounded, *first]
 
 
