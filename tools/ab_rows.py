@@ -1,15 +1,16 @@
 """The A/B of CUDA source folders and FA3 tile rows on the FA2 sweep's forward or backward (bf16, kernels alone,
-TFLOP/s), each combination validated first (tools/tune.py's rule on a small problem), cuDNN in the same run.
-tools/ab_sources.py compares folders on the table's rows; this also takes a row per combination.
+TFLOP/s), each combination validated first (tools/tune.py's rule on a small problem), cuDNN in the same run. A
+contributor runs it on a GPU machine when a kernel change and a tile row go together (a change that frees
+registers or shared memory for another row): tools/ab_sources.py compares folders on the table's rows, this also
+takes a row per combination. A combination is NAME=DIR, optionally @BR,BC,STAGES[,QSTAGES]: that fa3_fwd_sm90 row
+(4 * (BR / 64 + 1) warps), or with --direction bwd that fa3_bwd_sm90 row (12 warps), for every case's head_dim (a
+row that does not fit is reported, not timed). Precompile the folders first (tools/precompile.py --cuda-dir DIR
+--filter 'fa3_fwd_sm90<__nv_bfloat16'); a row not in the table compiles at its first call. Example:
 
-    python tools/ab_rows.py --combo base=old/cuda --combo new=cuda --combo q2=cuda@128,128,2,2 \
-        [--direction fwd] [--head-dims 64,128,256] [--seqlens 512,1024,2048,4096,16384] [--causal both] \
+    python tools/ab_rows.py --combo base=old/cuda --combo new=cuda --combo q2=cuda@128,128,2,2 \\
+        [--direction fwd] [--head-dims 64,128,256] [--seqlens 512,1024,2048,4096,16384] [--causal both] \\
         [--repeats 5] [--out FILE]
-
-A combination is NAME=DIR, optionally @BR,BC,STAGES[,QSTAGES]: that fa3_fwd_sm90 row (4 * (BR / 64 + 1) warps),
-or with --direction bwd that fa3_bwd_sm90 row (12 warps), for every case's head_dim (a row that does not fit is
-reported, not timed). Precompile the folders first (tools/precompile.py --cuda-dir DIR --filter
-'fa3_fwd_sm90<__nv_bfloat16'); a row not in the table compiles at its first call."""
+"""
 from __future__ import annotations
 
 import argparse
@@ -22,20 +23,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--combo", action="append", required=True,
+                    help="NAME=DIR[@BR,BC,STAGES[,QSTAGES]], once per combination; the first is the base")
+    ap.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
+    ap.add_argument("--head-dims", default="64,128,256", help="comma-separated head dims")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,16384", help="comma-separated sequence lengths")
+    ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats per case (the median)")
+    ap.add_argument("--out", help="also write the rows as JSON here")
+    a = ap.parse_args()
     import tune  # tools/tune.py: the candidates' validation rule
     from ab_sources import peer_tflops, print_table, record_row
     from rawflash.cli import bench
     from rawflash.kernels.configs import TileConfig
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--combo", action="append", required=True)
-    ap.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
-    ap.add_argument("--head-dims", default="64,128,256")
-    ap.add_argument("--seqlens", default="512,1024,2048,4096,16384")
-    ap.add_argument("--causal", default="both")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out")
-    a = ap.parse_args()
     combos = []
     for c in a.combo:
         name, rest = c.split("=", 1)
@@ -62,7 +64,8 @@ def main() -> None:
                 if st != "ok":
                     row[name] = st
                     continue
-                row[name] = case.flops / bench.time_ms(bench.bound_call(case, q, k, v, dout, ov).launch, a.repeats) / 1e9
+                launch = bench.bound_call(case, q, k, v, dout, ov).launch
+                row[name] = case.flops / bench.time_ms(launch, a.repeats) / 1e9
             except Exception as e:
                 row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
         os.environ.pop("RAWFLASH_CUDA_DIR", None)

@@ -1,10 +1,11 @@
-"""Time the same cases under several CUDA source folders in one process, beside cuDNN: the A/B test of a kernel
-change before it lands. Each folder is what ``RAWFLASH_CUDA_DIR`` would select (a copy of ``cuda/`` with the
-change); the first is the baseline (default: the installed sources). Every source is validated on a reduced case
-of each kind (``rawflash bench``'s rule against the float64 reference) before it is timed, and the sources are
-timed back to back per case (kernels alone: ``Bound.launch``), so clock drift between them stays small.
+"""Time the same cases under several CUDA source folders in one process, beside cuDNN: the A/B test a contributor
+runs on a GPU machine before a kernel change lands. Each folder is what ``RAWFLASH_CUDA_DIR`` would select (a copy
+of ``cuda/`` with the change); the first is the baseline (default: the installed sources). Every source is
+validated on a reduced case of each kind (``rawflash bench``'s rule against the float64 reference) before it is
+timed, and the sources are timed back to back per case (kernels alone: ``Bound.launch``), so clock drift between
+them stays small. Example:
 
-    python tools/ab_sources.py --sources cuda,expt/R/cuda [--direction fwd] [--dtype bfloat16]
+    python tools/ab_sources.py --sources cuda,my/cuda [--direction fwd] [--dtype bfloat16]
         [--head-dims 64,128,256] [--seqlens 1024,4096,16384] [--causal both|true|false] [--repeats 5] [--kv-ratio 1]
         [--no-peer] [--out FILE]
     python tools/ab_sources.py --sources ... --decode [--repeats 10]   (rawflash bench --decode --quick's cases:
@@ -24,7 +25,7 @@ in a process of its own with its ``rawflash`` on PYTHONPATH, cuDNN beside it in 
 the rows are merged by case: not interleaved case by case, so read each tree against its own cuDNN column. The
 child runs the tree's own ``tools/ab_sources.py``; precompile with ``cd TREE && tools/precompile.py``.
 
-    python tools/ab_sources.py --trees --sources expt/main,. --direction bwd --head-dims 192
+    python tools/ab_sources.py --trees --sources my/old-tree,. --direction bwd --head-dims 192
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     from rawflash.cli import bench
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sources", default="cuda", help="comma-separated CUDA source folders; the first is the base")
     ap.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
     ap.add_argument("--dtype", default="bfloat16")

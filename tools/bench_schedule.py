@@ -1,10 +1,12 @@
 """FA3's forward under its three grids, on the FA2 paper's sweep (16k tokens, hidden 2048), beside cuDNN in the same
 process: one CTA per tile, the persistent grid with the static schedule, and with the dynamic one (CTAs take tiles
-from a counter). Each persistent output is first checked bitwise against the one-tile-per-CTA output (the same tiles
-computed the same way), then every grid is timed with rawflash bench's timer (kernels alone: ``Bound.launch``).
+from a counter). Each persistent output is first checked bitwise against the one-tile-per-CTA output (the same
+tiles computed the same way), then every grid is timed with rawflash bench's timer (kernels alone:
+``Bound.launch``). A contributor runs it after a change to the scheduler (cuda/scheduler.cuh) or to the rule that
+picks a grid (forms.py), to see which grid each case should take. Example:
 
-    python tools/bench_schedule.py [--dtype bfloat16] [--head-dims 64,128,256] [--seqlens 512,...,16384]
-        [--repeats 10] [--no-peer] [--out FILE]
+    python tools/bench_schedule.py --head-dims 128 --seqlens 1024,16384 [--dtype bfloat16] [--repeats 10]
+        [--no-peer] [--out FILE]
 """
 from __future__ import annotations
 
@@ -27,11 +29,11 @@ def main() -> None:
     from rawflash.cli import bench
     from rawflash.kernels import cupy_backend, forms
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--head-dims", default="64,128,256")
-    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--head-dims", default="64,128,256", help="comma-separated head dims")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="comma-separated sequence lengths")
+    ap.add_argument("--repeats", type=int, default=10, help="timed repeats per case (the median)")
     ap.add_argument("--no-peer", action="store_true", help="skip torch-cudnn")
     ap.add_argument("--out", help="also write the rows as JSON here")
     args = ap.parse_args()

@@ -1,15 +1,15 @@
 """Where a backward call's time goes: each launch of a bound backward (``cupy_backend.Bound``) timed alone, then
 the whole ``launch()``, beside torch-cudnn's whole backward in the same process (FA2 sweep shapes: B = 16384 / N,
-H = 2048 / d). Times are ``rawflash bench``'s (CUDA events, L2 flushed, median); a launch timed alone repeats into
-buffers it already wrote, which changes no kernel's time.
+H = 2048 / d). A contributor runs it on a GPU machine when the backward's side passes (the D pass, the dQ cast,
+the zeroing) or its main kernel change, to see each one's share of the call. Times are ``rawflash bench``'s (CUDA
+events, L2 flushed, median); a launch timed alone repeats into buffers it already wrote, which changes no
+kernel's time. One line per case: the whole call in ms and TFLOP/s, each launch in ms (``zero`` is launch()'s
+zeroing of the buffers it resets), the side passes' share of the call (everything but the main kernel), the main
+kernel alone in TFLOP/s, and cuDNN's call; with ``--peer-kernels`` also the kernels cuDNN's call is made of
+(torch.profiler), to set beside ours. Example:
 
-    python3 tools/bwd_parts.py [--head-dims 64,128] [--seqlens 1024,2048,4096,16384] [--causal both|true|false]
+    python3 tools/bwd_parts.py --head-dims 64,128,256 [--seqlens 1024,2048,4096,16384] [--causal both|true|false]
         [--dtype bfloat16] [--repeats 7] [--no-peer] [--peer-kernels]
-
-One line per case: the whole call in ms and TFLOP/s, each launch in ms (``zero`` is launch()'s zeroing of the
-buffers it resets), the side passes' share of the call (everything but the main kernel), the main kernel alone
-in TFLOP/s, and cuDNN's call; with ``--peer-kernels`` also the kernels cuDNN's call is made of (torch.profiler),
-to set beside ours.
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--seqlens", default="1024,2048,4096,16384")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dims", default="64,128", help="comma-separated head dims")
+    ap.add_argument("--seqlens", default="1024,2048,4096,16384", help="comma-separated sequence lengths")
     ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=7, help="timed repeats per launch (the median)")
     ap.add_argument("--no-peer", action="store_true", help="skip torch-cudnn")
     ap.add_argument("--peer-kernels", action="store_true",
                     help="also list the kernels torch-cudnn's backward launches, each with its mean time")
@@ -63,8 +63,8 @@ def main() -> None:
                         peer = f"unavailable ({type(err).__name__})"
                 print(f"d={d} N={n} causal={causal}{'' if ok else ' NOT VALIDATED: ' + why}: whole {whole:.3f} ms "
                       f"({case.flops / whole / 1e9:.0f} TF) | " + " ".join(f"{k}={t:.3f}" for k, t in ms.items())
-                      + f" | side share {(whole - main_ms) / whole:.1%} | main alone {case.flops / main_ms / 1e9:.0f} TF"
-                      f" | cudnn {peer}", flush=True)
+                      + f" | side share {(whole - main_ms) / whole:.1%}"
+                      f" | main alone {case.flops / main_ms / 1e9:.0f} TF | cudnn {peer}", flush=True)
                 del q, k, v, dout, bound
                 cupy.get_default_memory_pool().free_all_blocks()
 
@@ -89,6 +89,7 @@ def peer_kernels(fn, calls: int = 5) -> str:
             k[1] += e.time_range.elapsed_us()
     rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
     return "; ".join(f"{name[:70]} x{n / calls:g} {us / calls / 1000:.3f} ms" for name, (n, us) in rows)
+
 
 if __name__ == "__main__":
     main()

@@ -1,29 +1,41 @@
 #!/usr/bin/env bash
-# The one command that checks rawflash on a GPU machine: precompile, GPU tests, compute-sanitizer, benchmark.
-#   tools/gpu_run.sh [tests] [numba] [tests-mma] [hopper] [hopper-cp-async] [fp8] [sanitize] [bench-decode] [bench-decode-quick] [bench-features] [SCRIPT.py] [bench ARGS...]
-#   (no argument: tests, sanitize; bench takes every argument after it, so it comes last)
+# The one command that checks rawflash on a GPU machine: precompile, GPU tests, compute-sanitizer, benchmark. A
+# contributor runs it from the repository root of a GPU machine after a kernel change (tests, sanitize) and to
+# measure one (bench ...). Example: SANITIZE_JOBS=9 tools/gpu_run.sh tests sanitize bench --dtype bfloat16
+#   tools/gpu_run.sh [-h|--help] [STEP...] [bench ARGS...]
+#   (no step: tests, sanitize; bench takes every argument after it, so it comes last)
+# Steps:
 #     tests      every GPU test (the default forward path: wgmma on an H200 where it applies)
-#     numba      only tests/test_numba_gpu.py (the Numba twins on the GPU), in NUMBA_JOBS (default 8) processes
-#                side by side, each a run of consecutive tests: compiling the twins (6 - 8 s each) is the cost, on
-#                the CPU cores (use TESTS="tests --ignore=tests/test_numba_gpu.py" with tests to avoid running them twice;
-#                NUMBA_K: a pytest -k expression that picks some of them)
+#     numba      only tests/test_numba_gpu.py (the Numba twins on the GPU), in NUMBA_JOBS (default 8)
+#                processes side by side, each a run of consecutive tests: compiling the twins (6 - 8 s each) is
+#                the cost, on the CPU cores (use TESTS="tests --ignore=tests/test_numba_gpu.py" with tests to
+#                avoid running them twice; NUMBA_K: a pytest -k expression that picks some of them)
 #     tests-mma  the kernel tests again with RAWFLASH_WGMMA=0 (the mma.sync forward on the same GPU)
 #     hopper     only tests/test_gpu_hopper.py and tests/test_gpu_fa3.py (the wgmma and FA3 forms)
 #     hopper-cp-async  tests/test_gpu_hopper.py with RAWFLASH_FA3=0 (the backward's cp.async wgmma form too)
-#     fp8        tests/test_gpu_fp8.py, then rawflash bench of the FP8 forward beside bf16 (d 128 / 256, N 4k / 16k)
+#     fp8        tests/test_gpu_fp8.py, then rawflash bench of the FP8 forward beside bf16 (d 128 / 256,
+#                N 4k / 16k; FP8_REPEATS)
+#     sanitize   compute-sanitizer memcheck, racecheck and synccheck over tools/sanitize.py's workload
 #     bench-decode / bench-features   rawflash bench --decode / --features (DECODE_REPEATS, FEATURE_REPEATS;
-#                FEATURE_DTYPES, e.g. "bfloat16 float8_e4m3fn" for the FP8 forward's cases too, FEATURE_DIRECTIONS)
+#                FEATURE_DTYPES, e.g. "bfloat16 float8_e4m3fn" for the FP8 forward's cases too,
+#                FEATURE_DIRECTIONS)
 #     bench-decode-quick              rawflash bench --decode --quick (12 cases, about 2 minutes)
-#     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES (default
-#                "softcap fp8 plain decode"), d = PROFILE_D (128; decode is always 128), N = PROFILE_N (4096);
-#                one file ncu_<case>.txt per case
-# Logs go to $OUT (or ./gpu_logs). Run from the repository root. PRECOMPILE_FILTER limits the precompile step;
-# TESTS (default: tests) the test paths, SANITIZE_TOOLS (memcheck racecheck synccheck) and SANITIZE_DTYPES
-# (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype as its own process, side
-# by side; SANITIZE_ONLY=decode, splitk, fa3, fp8 or feature:NAME, e.g. feature:alibi (that feature in every form):
-# that part of its workload alone); TAR_TO=path packs every log into one archive at the end (for machines that
-# return only a few files). TESTS_K: a pytest -k expression for the tests step.
+#     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES
+#                (default "softcap fp8 plain decode"), d = PROFILE_D (128; decode is always 128),
+#                N = PROFILE_N (4096); one file ncu_<case>.txt per case
+#     SCRIPT.py  python3 SCRIPT.py, its output appended to extra.log
+#     bench ARGS rawflash bench ARGS (the FA2 paper's sweep against the peers present)
+# Logs go to $OUT (or ./gpu_logs). PRECOMPILE_FILTER limits the precompile step; TESTS (default: tests) the test
+# paths and TESTS_K (a pytest -k expression) the tests step; SANITIZE_TOOLS (memcheck racecheck synccheck) and
+# SANITIZE_DTYPES (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype as its
+# own process, side by side; SANITIZE_ONLY=decode, splitk, fa3, fp8 or feature:NAME, e.g. feature:alibi (that
+# feature in every form): that part of its workload alone); TAR_TO=path packs every log into one archive at the
+# end (for machines that return only a few files).
 set -uo pipefail
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as usage
+  awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
+  exit 0
+fi
 OUT=${OUT:-$PWD/gpu_logs}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -31,8 +43,10 @@ status=0
 # compute-sanitizer TOOL over tools/sanitize.py's workload for DTYPES, into LOG; prints its summary line
 sanitize_one() {  # TOOL LOG DTYPES...
   local tool=$1 log=$2; shift 2
-  compute-sanitizer --tool "$tool" --error-exitcode 9 python3 tools/sanitize.py "$@" > "$log" 2>&1; local rc=$?
-  echo "compute-sanitizer $tool $*: exit $rc; $(grep -c 'ERROR SUMMARY: 0 errors\|0 hazards displayed' "$log") clean summaries"
+  compute-sanitizer --tool "$tool" --error-exitcode 9 python3 tools/sanitize.py "$@" > "$log" 2>&1
+  local rc=$? clean
+  clean=$(grep -c 'ERROR SUMMARY: 0 errors\|0 hazards displayed' "$log")
+  echo "compute-sanitizer $tool $*: exit $rc; $clean clean summaries"
   tail -3 "$log"
   return $rc
 }
@@ -45,9 +59,11 @@ while [ $i -lt ${#steps[@]} ]; do
   step=${steps[$i]}; i=$((i + 1))
   case $step in
     tests)
-      python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TESTS:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider ${TESTS:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -40 || status=1 ;;
     numba)
-      python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider tests/test_numba_gpu.py ${NUMBA_K:+-k "$NUMBA_K"} 2>/dev/null \
+      python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider tests/test_numba_gpu.py \
+        ${NUMBA_K:+-k "$NUMBA_K"} 2>/dev/null \
         | grep '::' > "$OUT/.numba_ids"
       n=$(wc -l < "$OUT/.numba_ids"); jobs=${NUMBA_JOBS:-8}; per=$(( (n + jobs - 1) / jobs )); pids=()
       for j in $(seq 0 $((jobs - 1))); do  # consecutive runs of the ids: a twin's tests share its compiled kernels
@@ -102,12 +118,14 @@ while [ $i -lt ${#steps[@]} ]; do
         ncu --clock-control none --kernel-name "regex:$regex" --launch-skip $skip --launch-count $count \
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
           --section SchedulerStats --section InstructionStats --section Occupancy --section LaunchStats \
-          --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables python3 tools/profile_kernels.py --case $case --seqlen ${PROFILE_N:-4096} --head-dim ${PROFILE_D:-128} \
+          --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+          python3 tools/profile_kernels.py --case $case --seqlen ${PROFILE_N:-4096} --head-dim ${PROFILE_D:-128} \
           > "$OUT/ncu_$case.txt" 2>&1 || status=1
         echo "ncu $case: $(grep -c 'Section: SpeedOfLight\|GPU Speed Of Light' "$OUT/ncu_$case.txt") kernels profiled"
       done ;;
     bench-decode)
-      python3 -m rawflash.cli bench --decode --repeats ${DECODE_REPEATS:-20} --out "$OUT" 2>&1 | tee "$OUT/bench_decode.log" \
+      python3 -m rawflash.cli bench --decode --repeats ${DECODE_REPEATS:-20} --out "$OUT" 2>&1 \
+        | tee "$OUT/bench_decode.log" \
         | tail -60 || status=1 ;;
     bench-decode-quick)
       python3 -m rawflash.cli bench --decode --quick --repeats ${DECODE_REPEATS:-10} --out "$OUT" --tag quick 2>&1 \
@@ -115,7 +133,8 @@ while [ $i -lt ${#steps[@]} ]; do
     bench-features)
       fdt=(); for x in ${FEATURE_DTYPES:-bfloat16}; do fdt+=(--dtype "$x"); done
       fdir=(); for x in ${FEATURE_DIRECTIONS:-fwd bwd}; do fdir+=(--direction "$x"); done
-      python3 -m rawflash.cli bench --features "${fdt[@]}" "${fdir[@]}" --repeats ${FEATURE_REPEATS:-10} --out "$OUT" 2>&1 \
+      python3 -m rawflash.cli bench --features "${fdt[@]}" "${fdir[@]}" --repeats ${FEATURE_REPEATS:-10} \
+        --out "$OUT" 2>&1 \
         | tee "$OUT/bench_features.log" | tail -60 || status=1 ;;
     bench)
       python3 -m rawflash.cli bench "${steps[@]:$i}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1

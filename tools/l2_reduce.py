@@ -1,10 +1,7 @@
-"""What float32 reductions into L2 cost on this GPU: the backward's dQ additions, three ways (run on a GPU machine).
-
-    python3 tools/l2_reduce.py [--share 1,16,64] [--gbytes 8] [--repeats 5]
-
-Session 19's Nsight Compute profile of the d = 256 backward (bench/results/ncu-s19-bwd256-4096.txt) found it bound
-by L2 (84.7 % of L2's throughput), which carries its float32 dQ additions and its copies of Q_i and dO_i. Before
-choosing how to cut those bytes, this measures how fast the L2 takes float32 additions when they arrive
+"""What float32 additions into L2 cost on this GPU: the backward's dQ additions, three ways. The d = 256 backward is
+bound by L2, which carries its float32 dQ additions and its copies of Q_i and dO_i; a contributor runs this on a
+GPU machine before choosing how dQ reaches global memory (cuda/mainloop_bwd_sm90_ws_split_d.cuh cites its
+figures), or on a new GPU, to see how fast the L2 takes float32 additions when they arrive:
 
 - ``red_v4``: as ``red.global.add.v4.f32`` from registers, lane for lane in the column split's pattern
   (``MainloopBwdSm90WsSplitD::add_dq``: a warp adds 16 rows x 8 columns, each lane 4 floats, per instruction);
@@ -17,10 +14,11 @@ Each CTA-iteration adds one 64 x 256 float32 block (64 KB: one step's dQ_i at d 
 2048 blocks; ``share`` consecutive CTAs add into the same block in the same iteration (the key blocks of one head
 reaching the same query block together: up to 64 of them at N = 4096). Every kernel is checked first: one
 iteration on a zeroed buffer must leave each block holding the number of CTAs that added into it (1 for stores).
-The figure printed is GB of float32 added (or stored) per millisecond, i.e. TB/s.
+The figure printed is GB of float32 added (or stored) per millisecond, i.e. TB/s; on an H200, red_v4 gives
+1.8 - 2.4 TB/s, red_bulk 2.6 - 3.8 and st_v4 4.7. tests/test_compile.py compiles its source for sm_90a offline.
+Example:
 
-Written in session 19 and compiled offline (tests/test_compile.py compiles its source for sm_90a); first run in
-session 20 (bench/results/l2-reduce-s20.log): red_v4 1.8 - 2.4 TB/s, red_bulk 2.6 - 3.8, st_v4 4.7.
+    python3 tools/l2_reduce.py --share 1,16,64 [--gbytes 8] [--repeats 5]
 """
 from __future__ import annotations
 
@@ -99,10 +97,10 @@ def expected_counts(grid: int, share: int, iters: int = 1):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--share", default="1,16,64", help="CTAs adding into the same block at once")
     ap.add_argument("--gbytes", type=float, default=8.0, help="float32 bytes added per timed launch")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats per launch (the median)")
     args = ap.parse_args()
     import cupy as cp
     import numpy as np

@@ -1,8 +1,9 @@
-"""Compile every kernel instantiation into CuPy's disk cache, in parallel (run on a GPU machine).
+"""Compile every kernel instantiation for this GPU into CuPy's disk cache, in parallel, and report each one that
+fails or spills. A contributor runs it first on a fresh GPU machine (``tools/gpu_run.sh`` does), so that tests and
+benchmarks do not compile in series at their first call; ``--cuda-dir`` compiles another source folder (as
+``RAWFLASH_CUDA_DIR`` selects at run time) before an A/B with tools/ab_sources.py or tools/ab_rows.py. Example:
 
-    python3 tools/precompile.py [--jobs N] [--filter SUBSTRING] [--cuda-dir DIR]
-
-``--cuda-dir`` compiles another source folder (as ``RAWFLASH_CUDA_DIR`` selects at run time; tools/ab_sources.py).
+    python3 tools/precompile.py --filter 'fa3_fwd_sm90<__nv_bfloat16' --cuda-dir my/cuda [--jobs 8]
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ def _compile(item):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", type=int, default=max(1, mp.cpu_count() - 1))
-    ap.add_argument("--filter", default="")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=max(1, mp.cpu_count() - 1), help="compiles side by side")
+    ap.add_argument("--filter", default="", help="only the instantiations whose name contains this")
     ap.add_argument("--cuda-dir", default=None, help="another CUDA source folder (default: the installed one)")
     args = ap.parse_args()
     from rawflash.kernels import cupy_backend, forms

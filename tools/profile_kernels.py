@@ -1,13 +1,13 @@
-"""A workload for Nsight Compute: one kind of call at one shape, a few times each (the FA2 sweep's shapes:
-B = 16384 / N, H = 2048 / d, bf16 unless --dtype says otherwise).
+"""A workload for Nsight Compute: one kind of call at one shape, run a few times (the FA2 sweep's shapes:
+B = 16384 / N, H = 2048 / d, bf16 unless --dtype says otherwise). A contributor profiles it to see where a
+kernel's time goes (its roofline, stalls, occupancy); ``tools/gpu_run.sh profile`` runs ncu on it for each of
+PROFILE_CASES. Cases: ``plain`` (forward and backward), ``softcap`` / ``alibi`` (forward and backward with that
+feature, softcap 30, slopes 2^-1..2^-H), ``fp8`` (the FP8 forward, per-head descales), ``decode`` (one decode
+step: batch --batch, 32 query heads on --kv-heads (8) kv heads, d 128, N cached keys). Example:
 
-    ncu --clock-control none --kernel-name regex:'fa[23]_(fwd|bwd)' --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+    ncu --clock-control none --kernel-name regex:'fa[23]_(fwd|bwd)' --launch-skip 2 --launch-count 1 \\
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         python3 tools/profile_kernels.py --case softcap --head-dim 128 --seqlen 4096
-
-Cases: ``plain`` (forward and backward), ``softcap`` / ``alibi`` (forward and backward with that feature, softcap
-30, slopes 2^-1..2^-H), ``fp8`` (the FP8 forward, per-head descales), ``decode`` (one decode step: batch
---batch, 32 query heads on --kv-heads (8) kv heads, d 128, N cached keys).
 """
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ def feature_args(name: str, heads: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=CASES, default="plain")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--seqlen", type=int, default=4096)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--head-dim", type=int, default=128, help="d (decode: always 128)")
+    ap.add_argument("--seqlen", type=int, default=4096, help="N (decode: the cached keys)")
+    ap.add_argument("--dtype", default="bfloat16", help="the inputs' dtype (fp8: always FP8)")
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--forward-only", action="store_true", help="no backward call")
     ap.add_argument("--batch", type=int, default=64, help="decode only: sequences in the batch")
     ap.add_argument("--kv-heads", type=int, default=8, help="decode only: kv heads under the 32 query heads")
     args = ap.parse_args()
@@ -50,7 +50,8 @@ def main() -> None:
     if args.case == "decode":
         from rawflash.cli import bench_decode
 
-        case = bench_decode.DecodeCase(batch=args.batch, cache=args.seqlen, heads=32, kv_heads=args.kv_heads, head_dim=128)
+        case = bench_decode.DecodeCase(batch=args.batch, cache=args.seqlen, heads=32, kv_heads=args.kv_heads,
+                                       head_dim=128)
         q, kc, vc, kn, vn, lens, table = bench_decode._inputs(case)
         _, public = bench_decode._rawflash(case, q, kc, vc, kn, vn, lens, table)
         for _ in range(4):

@@ -1,12 +1,17 @@
-"""Run every kernel once on small ragged shapes; meant to run under compute-sanitizer (see tools/gpu_run.sh).
+"""Run every kernel once on small ragged shapes, as the workload of compute-sanitizer's memcheck, racecheck and
+synccheck. A contributor runs it (through ``tools/gpu_run.sh sanitize``) after any kernel change, before it lands:
+an out-of-bounds access, a shared-memory race or a barrier misuse shows there and rarely in a test. CuPy's memory
+pool is switched off so that out-of-bounds accesses inside a pooled chunk are seen. Every form runs (the Hopper
+forms where the GPU has them, the mma.sync forms through wgmma=False and RAWFLASH_WGMMA=0's backward), with and
+without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k); decode with
+contiguous and paged caches. SANITIZE_ONLY=decode, splitk, fa3, fp8 or feature:NAME (e.g. feature:alibi: that
+feature in every form) runs that part alone (racecheck is slow). Example:
 
-CuPy's memory pool is switched off so that out-of-bounds accesses inside a pooled chunk are seen. Every form runs
-(the Hopper forms where the GPU has them, the mma.sync forms through wgmma=False and RAWFLASH_WGMMA=0's backward),
-with and without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k); decode
-with contiguous and paged caches.
+    SANITIZE_ONLY=fa3 compute-sanitizer --tool racecheck python3 tools/sanitize.py bfloat16
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -24,6 +29,7 @@ import numpy as np  # noqa: E402
 import rawflash  # noqa: E402
 from conftest import random_qkv  # noqa: E402
 
+DTYPES = ("float16", "bfloat16", "float32")
 CASES = [(2, 37, 53, 4, 2, 64), (1, 70, 33, 2, 1, 128), (1, 17, 17, 2, 2, 40), (1, 33, 65, 2, 1, 256)]
 FEATURES = [dict(window=(9, 0)), dict(window=(5, 7)), dict(softcap=5.0), dict(alibi=True), dict(sinks=True),
             dict(varlen=True), dict(seqused=True, window=(3, 3), sinks=True, softcap=2.0)]
@@ -216,7 +222,11 @@ def _fp8(dtype: str) -> None:
 
 
 def main() -> None:
-    dtypes = sys.argv[1:] or ["float16", "bfloat16", "float32"]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dtypes", nargs="*", metavar="DTYPE", help=f"of {', '.join(DTYPES)} (default: all three)")
+    dtypes = ap.parse_args().dtypes or list(DTYPES)
+    if set(dtypes) - set(DTYPES):
+        ap.error(f"DTYPE is one of {', '.join(DTYPES)}, not {', '.join(sorted(set(dtypes) - set(DTYPES)))}")
     # 'decode', 'splitk', 'fa3', 'fp8' or 'feature:NAME' (e.g. feature:alibi): that part alone (racecheck is slow)
     only = os.environ.get("SANITIZE_ONLY")
     if only:
@@ -257,7 +267,8 @@ def main() -> None:
     os.environ["RAWFLASH_WGMMA"] = "0"  # this script's own process: the mma.sync atomic-dQ backward too
     q, k, v = (cupy.asarray(x) for x in random_qkv(1, 70, 33, 2, 1, 128, "bfloat16"))
     o, l = rawflash.forward(q, k, v, causal=True, window=(8, 0), sinks=cupy.zeros(2, cupy.float32))
-    rawflash.backward(cupy.ones_like(q), q, k, v, o, l, causal=True, window=(8, 0), sinks=cupy.zeros(2, cupy.float32))
+    rawflash.backward(cupy.ones_like(q), q, k, v, o, l, causal=True, window=(8, 0),
+                      sinks=cupy.zeros(2, cupy.float32))
     cupy.cuda.Device().synchronize()
     print("sanitize workload done: mma.sync backward with features", flush=True)
 

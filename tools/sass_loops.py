@@ -1,5 +1,7 @@
-"""The key loop of wgmma kernels in SASS, offline: instruction counts per instantiation, for one source folder or
-two side by side (a change against the tree it started from). No GPU needed.
+"""Count the key loop's instructions of wgmma kernels in SASS, offline, for one source folder or two side by
+side. A contributor runs it on a change to a Hopper kernel before any GPU run: a change that makes ptxas rebuild
+the key loop's wgmma descriptors every step (more R2UR) or adds instructions to the loop shows here, with no GPU
+needed. Example:
 
     python3 tools/sass_loops.py --filter 'fa3_fwd_sm90<__nv_bfloat16, 64' [--against OLD/cuda] [--jobs 2]
 
@@ -7,13 +9,9 @@ Each instantiation of ``forms.all_instantiations('sm_90')`` whose name contains 
 NVRTC (as the library does), assembled by ``ptxas`` (the CUDA toolkit's, ``--ptxas``) and disassembled by
 ``nvdisasm`` (``pip install nvidia-cuda-nvdisasm``, or the toolkit's; ``--nvdisasm``). Of the loops (backward
 branches) whose body holds wgmma (HGMMA, or QGMMA for FP8), the one where the softmax's exponentials (MUFU) are
-densest is the key loop; the tool prints its instructions, HGMMA (QGMMA), MUFU and R2UR counts. ``--against`` compiles the same name in another source
-folder (``RAWFLASH_CUDA_DIR``'s meaning); a template argument the other tree lacks can be dropped with ``--drop
-POS`` (its position in the name's argument list).
-
-Why (session 13, bench/results/NOTES.md): a second store path after the FA3 forward's key loop made ptxas rebuild
-the loop's wgmma descriptors every step (8 -> 32 R2UR, 584 -> 610 instructions at d = 64), 3 - 7.5 % slower at
-every N; the counts here showed it before a GPU did not.
+densest is the key loop; the tool prints its instructions, HGMMA (QGMMA), MUFU and R2UR counts. ``--against``
+compiles the same name in another source folder (``RAWFLASH_CUDA_DIR``'s meaning); a template argument the other
+tree lacks can be dropped with ``--drop POS`` (its position in the name's argument list).
 """
 from __future__ import annotations
 
@@ -106,16 +104,17 @@ def _find(tool: str, *patterns: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--filter", required=True, help="a substring of the instantiations' names")
     ap.add_argument("--cuda-dir", default=None, help="the source folder (default: the installed one)")
     ap.add_argument("--against", default=None, help="another source folder, compiled side by side")
     ap.add_argument("--drop", type=int, action="append", default=[],
                     help="template argument positions the --against tree does not have")
-    ap.add_argument("--ptxas", default=_find("ptxas", "/usr/local/cuda*/bin/ptxas"))
-    ap.add_argument("--nvdisasm", default=_find("nvdisasm", f"{sysconfig.get_paths()['purelib']}/nvidia/cu*/bin/nvdisasm",
+    ap.add_argument("--ptxas", default=_find("ptxas", "/usr/local/cuda*/bin/ptxas"), help="the ptxas to run")
+    ap.add_argument("--nvdisasm", default=_find("nvdisasm",
+                                                f"{sysconfig.get_paths()['purelib']}/nvidia/cu*/bin/nvdisasm",
                                                 "/usr/local/cuda*/bin/nvdisasm"))
-    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="compiles side by side")
     args = ap.parse_args()
     from rawflash.kernels import forms
 

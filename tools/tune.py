@@ -1,12 +1,15 @@
-"""Time candidate tile configurations on a GPU (the numbers behind rawflash/kernels/configs.py).
+"""Time candidate tile rows of one kernel on a GPU: the numbers behind rawflash/kernels/configs.py's table. A
+contributor runs it after a change to a kernel's tiling or shared memory, or on a new GPU, to see whether the
+table's row is still the fastest. Each candidate is passed as a tile-row override (nothing in configs.TABLE
+changes), validated on a small problem by flash-attn's rule, then its kernels alone are timed (bench.bound_call)
+on the FA2 paper's shape (B = 16384 / N, H = 2048 / d), causal off and on; the table's own row is marked
+"(current)". Example:
 
-    python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] [--which fwd,bwd,fwd_sm90,fwd_fa3,bwd_sm90,fwd_fp8]
-    python3 tools/tune.py --which fwd_fa3 --head-dims 128 --features window,dense   # bench --features' cases instead
+    python3 tools/tune.py --which fwd_fa3 --head-dims 128 --seqlen 2048,8192
+    python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] \\
+        [--which fwd,bwd,fwd_sm90,fwd_fa3,bwd_sm90,fwd_fp8]
+    python3 tools/tune.py --which fwd_fa3 --head-dims 128 --features window,dense   # bench --features' cases
     python3 tools/tune.py --which fwd_fp8 --head-dims 128 --features window,dense   # (the FP8 forward's ones)
-
-Each candidate is passed as a tile-row override (nothing in configs.TABLE changes), validated on a small problem
-by flash-attn's rule, then its kernels alone are timed (bench.bound_call) on the FA2 paper's shape (B = 16384 / N,
-H = 2048 / d), causal off and on.
 """
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ from rawflash.kernels import configs, forms  # noqa: E402
 from rawflash.kernels.configs import TileConfig  # noqa: E402
 
 CANDIDATES = {
-    ("fa2_fwd", 64): [TileConfig(128, 64, 4, kunroll=k) for k in (1, 2, 4)] + [TileConfig(128, 128, 4, kunroll=k) for k in (1, 2)]
+    ("fa2_fwd", 64): [TileConfig(128, 64, 4, kunroll=k) for k in (1, 2, 4)]
+    + [TileConfig(128, 128, 4, kunroll=k) for k in (1, 2)]
     + [TileConfig(64, 64, 4, kunroll=2), TileConfig(128, 64, 4, min_blocks=2, kunroll=2)],
-    ("fa2_fwd", 128): [TileConfig(128, 32, 4, kunroll=k) for k in (1, 2, 4)] + [TileConfig(128, 64, 4, kunroll=k) for k in (1, 2)]
+    ("fa2_fwd", 128): [TileConfig(128, 32, 4, kunroll=k) for k in (1, 2, 4)]
+    + [TileConfig(128, 64, 4, kunroll=k) for k in (1, 2)]
     + [TileConfig(64, 64, 4, kunroll=2), TileConfig(64, 32, 4, kunroll=2)],
     ("fa2_bwd", 64): [TileConfig(64, 128, 8, kunroll=k) for k in (1, 2, 4)] + [TileConfig(32, 128, 8, kunroll=2),
                                                                              TileConfig(64, 64, 4, kunroll=2)],
@@ -47,11 +52,11 @@ CANDIDATES = {
                             TileConfig(128, 128, 12, stages=3), *forms.FA3_TILE_CANDIDATES[128]],
     ("fa3_fwd_sm90", 256): [TileConfig(128, 80, 12, stages=2), TileConfig(128, 64, 12, stages=2)],
     # FP8: a key block is whole 64- or 128-byte panels of V^T (Bc a multiple of 64: hopper.cuh's Sw64x8 / Sw128x8);
-    # 128 x 256 and 192 x 128 spill 288 B offline (session 5).
+    # 128 x 256 and 192 x 128 are not candidates: they spill 288 B (offline compile).
     ("fa3_fwd_sm90_fp8", 128): [TileConfig(128, 128, 12, stages=3), *forms.FP8_TILE_CANDIDATES,
                                 TileConfig(128, 192, 12, stages=3, q_stages=2)],
     ("fa3_fwd_sm90_fp8", 256): [TileConfig(128, 128, 12, stages=2), TileConfig(128, 128, 12, stages=2, q_stages=2)],
-    # float32 (the FMA path): the rows with and without the 3 CTAs per SM that min_blocks asks for (session 7)
+    # float32 (the FMA path): the rows with and without the 3 CTAs per SM that min_blocks asks for
     ("fa2_fwd", 64, "float32"): [TileConfig(64, 32, 4), TileConfig(64, 32, 4, min_blocks=3)],
     ("fa2_bwd", 32, "float32"): [TileConfig(32, 64, 4), TileConfig(32, 64, 4, min_blocks=3)],
     ("fa2_bwd_sm90", 64): [TileConfig(64, 128, 8)],
@@ -146,10 +151,10 @@ def tune_features(kernel: str, dims: list[int], prefixes: list[str], direction: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlen", default="4096", help="one or more, comma-separated")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--dtype", default="bfloat16", help="the rows' dtype (fwd_fp8 always times FP8 rows)")
+    ap.add_argument("--head-dims", default="64,128", help="comma-separated head dims")
     ap.add_argument("--which", default="fwd,bwd", help=f"comma-separated, of {', '.join(WHICH)}")
     ap.add_argument("--features", default="", help="comma-separated prefixes of bench --features' case names "
                     "(e.g. window,dense): time the candidates on those cases instead of the FA2 sweep's shapes")

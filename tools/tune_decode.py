@@ -1,10 +1,12 @@
-"""Time candidate decode_split tile rows side by side on a GPU, each validated first (flash-attn's rule against the
-float64 reference on reduced cases: contiguous and paged, one and two query rows); PyTorch SDPA's flash backend is
-timed on the same contiguous shapes when PyTorch is importable. Prints one table; nothing is written to configs.py.
+"""Time candidate decode_split tile rows side by side on a GPU: the numbers behind decode's rows in
+rawflash/kernels/configs.py. A contributor runs it after a change to the decode kernel or its split model, to see
+whether the table's row (marked "(table)") is still the fastest. Each row is validated first (flash-attn's rule
+against the float64 reference on reduced cases: contiguous and paged, one and two query rows); PyTorch SDPA's
+flash and cuDNN backends are timed on the same contiguous shapes when PyTorch is importable. It prints one table
+and writes nothing. ``--splits`` times each row at those split counts too, beside forms.decode_splits's choice
+(marked "(model)"). Example:
 
-    python3 tools/tune_decode.py [--repeats N] [--case SUBSTRING] [--br ROWS] [--splits 16,32,64,128]
-
---splits times each row at those split counts too (beside forms.decode_splits's choice, marked "(model)").
+    python3 tools/tune_decode.py --case h32/1 --br 32 --splits 16,32,64 [--repeats 10]
 """
 from __future__ import annotations
 
@@ -22,16 +24,19 @@ from rawflash.kernels import cupy_backend  # noqa: E402
 from rawflash.kernels.configs import TileConfig, tile_config  # noqa: E402
 
 CANDIDATES = {
-    # session 4: the 3-stage rows keep two tiles in flight per warp (16 x 16 x 4 x 3: 100 KB, 2 CTAs per SM; x 2 warps:
-    # 52 KB, 4 CTAs); the split count follows each row (forms.decode_splits models its stages and CTAs per SM)
-    (128, "bfloat16"): [TileConfig(16, 16, 4, stages=2), TileConfig(16, 16, 4, stages=3), TileConfig(16, 16, 2, stages=3),
-                        TileConfig(16, 16, 2, stages=4), TileConfig(16, 32, 2, stages=3), TileConfig(16, 32, 4, stages=3),
+    # the 3-stage rows keep two tiles in flight per warp (16 x 16 x 4 x 3: 100 KB, 2 CTAs per SM; x 2 warps: 52 KB,
+    # 4 CTAs); the split count follows each row (forms.decode_splits models its stages and CTAs per SM)
+    (128, "bfloat16"): [TileConfig(16, 16, 4, stages=2), TileConfig(16, 16, 4, stages=3),
+                        TileConfig(16, 16, 2, stages=3), TileConfig(16, 16, 2, stages=4),
+                        TileConfig(16, 32, 2, stages=3), TileConfig(16, 32, 4, stages=3),
                         TileConfig(16, 16, 2, stages=2), TileConfig(16, 16, 8, stages=2),
-                        # session 9 (untimed): 32 packed rows, so MQA 32/1 reads its cache once (one row group, and
-                        # decode_split appends itself); 255 registers, 24 B spilled after the key loop (offline SASS)
-                        TileConfig(32, 16, 4, stages=2), TileConfig(32, 16, 4, stages=3), TileConfig(32, 16, 2, stages=3)],
-    (64, "bfloat16"): [TileConfig(32, 32, 4, stages=3), TileConfig(16, 32, 4, stages=2), TileConfig(16, 16, 4, stages=2),
-                       TileConfig(32, 16, 4, stages=2), TileConfig(16, 32, 2, stages=3)],
+                        # 32 packed rows, so MQA 32/1 reads its cache once (one row group, and decode_split appends
+                        # itself); 255 registers, 24 B spilled after the key loop (offline SASS)
+                        TileConfig(32, 16, 4, stages=2), TileConfig(32, 16, 4, stages=3),
+                        TileConfig(32, 16, 2, stages=3)],
+    (64, "bfloat16"): [TileConfig(32, 32, 4, stages=3), TileConfig(16, 32, 4, stages=2),
+                       TileConfig(16, 16, 4, stages=2), TileConfig(32, 16, 4, stages=2),
+                       TileConfig(16, 32, 2, stages=3)],
 }
 SHAPES = {128: [bd.DecodeCase(8, 32768), bd.DecodeCase(1, 32768), bd.DecodeCase(64, 4096),
                 bd.DecodeCase(8, 32768, page=16), bd.DecodeCase(8, 32768, page=64), bd.DecodeCase(8, 32768, sq=4),
@@ -62,8 +67,8 @@ def _model_splits(bound) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=10)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=10, help="timed repeats per row (the median)")
     ap.add_argument("--case", default="", help="only the shapes whose name contains this (e.g. 'h32/1': MQA)")
     ap.add_argument("--br", type=int, default=0, help="only the candidates of this many packed rows (and the table's)")
     ap.add_argument("--splits", default="", help="comma-separated split counts to time beside the model's choice")
@@ -81,7 +86,8 @@ def main() -> None:
                         ms = time_ms(bd._torch_call(peer, case, *arrays[:3]), repeats=args.repeats)
                         lines.append((case.name, peer, ms, case.bytes_moved() / ms / 1e6, "ok"))
                     except Exception as err:  # a backend PyTorch does not offer for this shape
-                        lines.append((case.name, peer, float("nan"), float("nan"), f"unavailable: {type(err).__name__}"))
+                        lines.append((case.name, peer, float("nan"), float("nan"),
+                                      f"unavailable: {type(err).__name__}"))
             for cfg in (c for c in cands if not args.br or c.br == args.br or c == current):
                 label = f"br{cfg.br} bc{cfg.bc} w{cfg.warps} s{cfg.stages}" + (" (table)" if cfg == current else "")
                 try:
