@@ -124,7 +124,8 @@ __device__ __forceinline__ void store_rows(T* g, long long ld, const Acc<MT, NT>
 }
 
 // One value per row (lse, L, D ...): lane t = 0 of each quad writes row r0 + (its row) when it is < nrows.
-template <int MT> __device__ __forceinline__ void store_row_values(float* g, const float (&x)[2 * MT], int r0, int nrows) {
+template <int MT>
+__device__ __forceinline__ void store_row_values(float* g, const float (&x)[2 * MT], int r0, int nrows) {
   const int gg = lane_id() >> 2;
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) {

@@ -80,8 +80,10 @@ __device__ __forceinline__ void store_dkdv(const BwdParams& p, const Info& bi, c
   float fk[2 * MT], fv[2 * MT];
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) { fk[r] = p.scale; fv[r] = 1.f; }
-  store_rows<T>(bi.template k_like<T>(p.dk, p.dk_sb, p.dk_ss, p.dk_sh), p.dk_ss, dk, fk, kr, c0, bi.seqlen_k, p.head_dim);
-  store_rows<T>(bi.template k_like<T>(p.dv, p.dv_sb, p.dv_ss, p.dv_sh), p.dv_ss, dv, fv, kr, c0, bi.seqlen_k, p.head_dim);
+  store_rows<T>(bi.template k_like<T>(p.dk, p.dk_sb, p.dk_ss, p.dk_sh), p.dk_ss, dk, fk, kr, c0, bi.seqlen_k,
+                p.head_dim);
+  store_rows<T>(bi.template k_like<T>(p.dv, p.dv_sb, p.dv_ss, p.dv_sh), p.dv_ss, dv, fv, kr, c0, bi.seqlen_k,
+                p.head_dim);
 }
 
 template <class Mainloop> __device__ __forceinline__ void bwd_kernel(const BwdParams& p) {

@@ -157,7 +157,8 @@ __device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* w
     }
     if (row_lse[row] != row_lse[row]) acc = make_float4(nan_f(), nan_f(), nan_f(), nan_f());
     T* out = (T*)p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh + c;
-    out[0] = from_float<T>(acc.x), out[1] = from_float<T>(acc.y), out[2] = from_float<T>(acc.z), out[3] = from_float<T>(acc.w);
+    out[0] = from_float<T>(acc.x), out[1] = from_float<T>(acc.y), out[2] = from_float<T>(acc.z),
+    out[3] = from_float<T>(acc.w);
   }
 }
 
@@ -199,13 +200,14 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   bi.seqlen_q = p.seqlen_q;
   bi.seqlen_k = len_ok ? len + p.new_keys : 0;
   const Policy<WINDOW, true> pol(p, bi);
-  // ---- [decode:load_q] the packed Q tile (row r: query r / group, head hk * group + r % group), shared by the warps ----
+  // ---- [decode:load_q] the packed Q tile, shared by the warps (row r: query r / group, head hk * group + r % group)
   const Tile<T, ROWS, D> sQ{(T*)smem};
   using TQ = Tile<T, ROWS, D>;
   for (int idx = threadIdx.x; idx < ROWS * TQ::C; idx += WARPS * 32) {
     const int row = idx / TQ::C, col = (idx % TQ::C) * TQ::CHUNK, r = r0 + row;
     const bool valid = row < nrows && col < p.head_dim;
-    const T* src = (const T*)p.q + (valid ? b * p.q_sb + (r / group) * p.q_ss + (hk * group + r % group) * p.q_sh + col : 0);
+    const T* src =
+        (const T*)p.q + (valid ? b * p.q_sb + (r / group) * p.q_ss + (hk * group + r % group) * p.q_sh + col : 0);
     cp_async16(sQ.saddr(row, col), src, valid);
   }
   cp_async_commit();
@@ -223,9 +225,8 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   // cache path), then __syncwarp() (which orders the lanes' memory operations for the warp), then this warp's
   // cp.async of the tiles: non-bulk cp.async reads its source as an ordinary weak (generic-proxy) load of the
   // issuing thread, so issued after the barrier it sees the stores. One fence per split that holds new keys.
-  // The __syncwarp() stands outside the branch: inside it, ptxas gave the tile loop up to 38 more registers
-  // (float32 d = 256 spilled 628 B, offline); outside, every instantiation keeps its registers within one of
-  // before but sm_90 float16 d = 32 (148 -> 156, no spill). A warp past num_splits has the empty range [0, 0).
+  // The __syncwarp() stands outside the branch: inside it, ptxas gives the tile loop up to 38 more registers
+  // (float32 d = 256 spills 628 B, offline; bench/NOTES.md). A warp past num_splits has the empty range [0, 0).
   const int per = cdiv(cdiv(bi.seqlen_k, BCW), p.num_splits) * BCW;
   const int k_begin = active ? s * per : 0, k_end = active ? min(bi.seqlen_k, k_begin + per) : 0;
   if (p.split_appends && len_ok) {
@@ -256,10 +257,13 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   const Merge mg(smem);
   const int g = lane_id() >> 2, t = lane_id() & 3;
   if (active && tiles > 0 && !bad)
-    for_each(o, [&](float& x, int row, int col) { mg.o(warp_id(), row)[col] = x * f[2 * (row / 16) + ((row % 16) >= 8)]; });
+    for_each(o, [&](float& x, int row, int col) {
+      mg.o(warp_id(), row)[col] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
+    });
 #pragma unroll
   for (int rr = 0; rr < 2 * MT; ++rr)
-    if (t == 0) mg.lse[warp_id() * ROWS + 16 * (rr / 2) + g + 8 * (rr % 2)] = !active ? -INFINITY : bad ? nan_f() : lse[rr];
+    if (t == 0)
+      mg.lse[warp_id() * ROWS + 16 * (rr / 2) + g + 8 * (rr % 2)] = !active ? -INFINITY : bad ? nan_f() : lse[rr];
   __syncthreads();  // every split's O and lse are in shared memory
   const long long lse_split = p.ws_split / p.head_dim;
   float* ows = p.o_ws + blockIdx.x * p.ws_split;
@@ -374,7 +378,8 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
     }
     T* out = (T*)p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh + 4 * c4;
     if (nan) acc = make_float4(nan_f(), nan_f(), nan_f(), nan_f());
-    out[0] = from_float<T>(acc.x), out[1] = from_float<T>(acc.y), out[2] = from_float<T>(acc.z), out[3] = from_float<T>(acc.w);
+    out[0] = from_float<T>(acc.x), out[1] = from_float<T>(acc.y), out[2] = from_float<T>(acc.z),
+    out[3] = from_float<T>(acc.w);
   }
   if (threadIdx.x == 0 && p.lse) p.lse[lse_row] = lse;
 }
@@ -384,7 +389,7 @@ template <typename T, int WARPS> __global__ void __launch_bounds__(WARPS * 32, 1
   using namespace rf;
   constexpr unsigned FULL = 0xffffffffu;
   constexpr int BATCH = 16;  // independent loads per lane before their sums (12 - 32 splits: one or two round trips)
-  // ---- [decode:combine_warp] row (b, i, h) by one warp (num_splits <= 32), WARPS rows per CTA: decode_combine's math ----
+  // ---- [decode:combine_warp] decode_combine's math, row (b, i, h) by one warp (num_splits <= 32), WARPS a CTA ----
   // Lane s holds split s's lse: max and sum by xor shuffles (the same tree, hence the same lse, as decode_combine's
   // block reduction over at most 32 splits), then each lane owns 4-column chunks of out and sums them over the
   // splits in order, the weights broadcast by shuffles; head dims of fewer than 128 columns split the splits
@@ -392,7 +397,7 @@ template <typename T, int WARPS> __global__ void __launch_bounds__(WARPS * 32, 1
   // CTA barrier. Empty splits (lse -inf, weight 0) are not read; a NaN lse (a sequence outside its cache) makes
   // the row NaN. Each lane issues BATCH loads of its partials before it sums them, so a row costs the lse's round
   // trip and one or two of the partials'. __launch_bounds__ with 16 / WARPS CTAs: given the thread count alone,
-  // ptxas held this kernel at 40 registers and spilled 28 B (offline, CUDA 13); with 16 warps per SM it keeps the
+  // ptxas holds this kernel at 40 registers and spills 28 B (offline, CUDA 13); with 16 warps per SM it keeps the
   // 16 loads in flight (112 - 118 registers), and 132 SMs hold 2112 rows at once (b = 64 x 32 heads: one wave).
   const long long row = (long long)blockIdx.x * WARPS + warp_id();  // (b * seqlen_q + i) * heads + h
   if (row >= (long long)p.batch * p.seqlen_q * p.heads) return;      // the whole warp

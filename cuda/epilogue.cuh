@@ -2,8 +2,9 @@
 //
 // Forward, register mainloops (each warp holds 16 MT whole query rows of O in C layout; sm80 and sm90 share it):
 // FA2 Alg.1 l.12-13, O_i = diag(l_i)^-1 O_i (and the sink's share of the denominator) written in the input dtype,
-// L_i = m_i + log(l_i) to lse (FP8: O also times o_scale, V's descale); rows past the sequence are not written. Split-KV writes its partial O (float32,
-// normalised by its own l) and partial lse instead, for the combine kernel to merge.
+// L_i = m_i + log(l_i) to lse (FP8: O also times o_scale, V's descale); rows past the sequence are not written.
+// Split-KV writes its partial O (float32, normalised by its own l) and partial lse instead, for the combine kernel
+// to merge.
 #pragma once
 #include "acc.cuh"
 #include "block_info.cuh"

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa1_fwd(const __grid_
   while (j < tc) {
     const int jc = j, k0 = j * BC;
     const BlockRange qb = pol.q_blocks(k0, BC, BR, tr);
-    // ---- [fa1_fwd:inner] Alg.1 l.7-8: for each Q_i of this split that sees K_j (blocks that see none are skipped) ----
+    // ---- [fa1_fwd:inner] Alg.1 l.7-8: each Q_i of this split that sees K_j (blocks that see none are skipped) ----
     while (j == jc) {
       int jn = j, in = i;
       advance(jn, in);

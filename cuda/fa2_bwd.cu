@@ -14,7 +14,8 @@ namespace rf {
 // (b, h, i) of row `row` of the per-row buffers, and the element offset of that row in a q-like tensor.
 __device__ __forceinline__ long long row_offset(const BwdParams& p, long long row, long long sb, long long ss,
                                                 long long sh) {
-  const int i = row % p.rows_seqlen, h = (row / p.rows_seqlen) % p.heads, b = row / ((long long)p.rows_seqlen * p.heads);
+  const int i = row % p.rows_seqlen, h = (row / p.rows_seqlen) % p.heads,
+            b = row / ((long long)p.rows_seqlen * p.heads);
   return b * sb + i * ss + h * sh;
 }
 

@@ -8,7 +8,8 @@ __global__ void __launch_bounds__((SPLIT_D ? 2 : BC / 64) * 128, MIN_BLOCKS)
 fa2_bwd_sm90(const __grid_constant__ rf::BwdParams p) {
   using namespace rf;
   using Pol = Policy<MASK, GENERAL>;
-  using Mainloop = typename Select<SPLIT_D, MainloopBwdSm90SplitD<T, D, BR, BC, Pol>, MainloopBwdSm90<T, D, BR, BC, Pol>>::type;
+  using Mainloop =
+      typename Select<SPLIT_D, MainloopBwdSm90SplitD<T, D, BR, BC, Pol>, MainloopBwdSm90<T, D, BR, BC, Pol>>::type;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   bwd_kernel<Mainloop>(p);

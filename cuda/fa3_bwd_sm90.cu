@@ -18,7 +18,7 @@ template <class Mainloop> __device__ __forceinline__ void bwd_kernel_ws(const Bw
   using Pol = typename Mainloop::Pol;
   extern __shared__ __align__(16) char smem[];
   const typename Mainloop::Smem sm(smem);
-  // ---- [fa3_bwd_sm90:setup] the barriers; this CTA's key block K_j of kv head hk, batch b; the query blocks that see it ----
+  // ---- [fa3_bwd_sm90:setup] the barriers; this CTA's key block K_j (kv head hk, batch b); the query blocks seeing it
   if (threadIdx.x == 0) sm.init();
   // the last CTA-wide barrier (PAIR: cluster-wide, so no CTA arrives on or copies into the other's barriers before
   // they are initialised)

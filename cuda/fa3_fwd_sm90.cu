@@ -4,8 +4,8 @@
 // schedule; MASK / GENERAL select the variant policy, REF what the softmax subtracts (softmax.cuh's SoftmaxRef:
 // the running max, a fixed reference for soft-capped bfloat16 scores, or the first block's max for plain bfloat16
 // attention, checked, with the REF_RUNNING launch after it as the way back), OVERLAP is FA3's intra-warpgroup
-// overlap, PINGPONG its inter-warpgroup schedule, QSTAGES the Q_i buffers (2: the next tile's Q_i is copied during this one), STAGE_O
-// the epilogue through shared memory and a TMA store.
+// overlap, PINGPONG its inter-warpgroup schedule, QSTAGES the Q_i buffers (2: the next tile's Q_i is copied during
+// this one), STAGE_O the epilogue through shared memory and a TMA store.
 // fa3_fwd_sm90_fp8 is the same skeleton with the FP8 mainloop (mainloop_fwd_sm90_fp8.cuh, on the same pipeline):
 // e4m3 inputs, the output in OutT (bfloat16 or float16), the plain policy or the general one without its score
 // transforms (windows, packed sequences, seqused_k).

@@ -21,7 +21,7 @@ template <int BR, bool VARLEN> struct WalksTiles<QTileScheduler<BR, true, VARLEN
 // OPAQUE_TILE (a tile-row switch, configs.TileConfig.opaque_tile; the serial walk only): each tile's (b, h, i) is
 // hidden from the optimiser at the tile's start instead of the next index at its end, so the tile's base addresses
 // are computed per tile, not carried through the mainloop (fewer registers for the sm_80 float32 rows that set it;
-// NOTES, session 8).
+// bench/NOTES.md).
 template <class Mainloop, class Scheduler, bool OPAQUE_TILE = false>
 __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
   extern __shared__ __align__(16) char smem[];
@@ -46,7 +46,7 @@ __device__ __forceinline__ void fwd_kernel(const FwdParams& p) {
     Mainloop::store(p, bi, pol, q0, smem, st);
     // The serial walk only: the next tile's index must not be derivable from this one's, or the compiler carries
     // the next tile's output row addresses, strength-reduced, through the whole mainloop (14 registers at d = 128
-    // on sm_80; NOTES, session 6).
+    // on sm_80; bench/NOTES.md).
     if constexpr (WalksTiles<Scheduler>::value && !OPAQUE_TILE) tiles.i = opaque(tiles.i);
   } while (tiles.advance());
 }

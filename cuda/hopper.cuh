@@ -132,7 +132,8 @@ __device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
 // then of 8j + 8..), each 8-row matrix on 8 different 16-byte bank groups (the swizzle). The epilogue's staging
 // of O for its TMA store.
 template <typename T, int NT, int R, int C>
-__device__ __forceinline__ void stage_rows(const Sw128<T, R, C>& s, const Acc<1, NT>& acc, const float (&f)[2], int r0) {
+__device__ __forceinline__ void stage_rows(const Sw128<T, R, C>& s, const Acc<1, NT>& acc, const float (&f)[2],
+                                           int r0) {
   static_assert(NT % 2 == 0, "whole 16-column steps");
   const int m = lane_id() >> 3, row = r0 + (lane_id() & 7) + 8 * (m & 1);
 #pragma unroll

@@ -5,8 +5,8 @@
 // P^T dO_i, dK_j += dS^T Q_i; with ATOMIC_DQ, dQ_i += dS K_j through shared memory (dS^T) and float32 atomics.
 // Q_i, dO_i, L_i, D_i are double-buffered: the next iteration's stream in (cp.async) behind this one's products.
 // EARLY_DV (a tile-row switch, configs.TileConfig.early_dv; plain policy only): P^T and dV_j += P^T dO_i come
-// before dP^T = V_j dO_i^T, the pre-skeleton order, with the block's first query row hidden from the optimiser
-// (opaque): fewer registers for the sm_80 rows that set it (ptxas of sm_80; NOTES, session 8).
+// before dP^T = V_j dO_i^T, with the block's first query row hidden from the optimiser
+// (opaque): fewer registers for the sm_80 rows that set it (ptxas of sm_80; bench/NOTES.md).
 #pragma once
 #include "bwd.cuh"
 #include "epilogue.cuh"
@@ -15,7 +15,9 @@
 namespace rf {
 
 // Column groups for the dQ product: as many as the warps allow while each stays a multiple of 16 columns.
-constexpr int dq_column_groups(int groups, int d) { return (d / groups) % 16 == 0 ? groups : dq_column_groups(groups / 2, d); }
+constexpr int dq_column_groups(int groups, int d) {
+  return (d / groups) % 16 == 0 ? groups : dq_column_groups(groups / 2, d);
+}
 
 // Q_i, dO_i to shared memory (cp.async) and L_i, D_i beside them; rows past the sequence read L = +inf, D = 0.
 template <int NTHREADS, typename T, int BR, int D>

@@ -81,7 +81,7 @@ __device__ __forceinline__ void walk_sm90(const BwdParams& p, const typename Pol
   if (walk.total > 0) load_query_block_sm90<NTHREADS, T, BR, D>(p, bi, walk, 0, sm);
   for (int it = 0; it < walk.total; ++it) {
     const int q0 = walk.enter<BR>(p, it, bh, pol), stage = it & 1;
-    // ---- [mainloop_bwd_sm90:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i have landed; the next block's stream in behind ----
+    // ---- [mainloop_bwd_sm90:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i have landed; the next block's stream in ----
     cp_async_wait<0>();
     fence_async_smem();
     __syncthreads();  // this stage is visible to all; every warpgroup is done with the other stage and with dS^T
@@ -111,7 +111,8 @@ __device__ __forceinline__ void accumulate_dq(const BwdParams& p, const Info& bh
     for (int hh = 0; hh < 2; ++hh) {
       const int row = q0 + qr + g + 8 * hh, col = c0 + 8 * y + 2 * t;
       if (row < bh.seqlen_q && col < p.head_dim)
-        red_add2(dq_rows + (long long)row * p.head_dim + col, p.scale * dq.v[0][y][2 * hh], p.scale * dq.v[0][y][2 * hh + 1]);
+        red_add2(dq_rows + (long long)row * p.head_dim + col, p.scale * dq.v[0][y][2 * hh],
+                 p.scale * dq.v[0][y][2 * hh + 1]);
     }
 }
 
@@ -158,7 +159,8 @@ template <typename T_, int D, int BR_, int BC_, class Pol_> struct MainloopBwdSm
   static constexpr int NO = D / 8;
   using Sm = SmemBwdSm90<T_, D, BR_, BC_, 0>;
   static constexpr int SMEM_BYTES = Sm::BYTES;
-  static_assert(BC_ % 64 == 0 && BR_ == 64 && D % 64 == 0 && DQN % 32 == 0, "warpgroup tiles: dQ_i is one 64-row wgmma");
+  static_assert(BC_ % 64 == 0 && BR_ == 64 && D % 64 == 0 && DQN % 32 == 0,
+                "warpgroup tiles: dQ_i is one 64-row wgmma");
   // dQ_i's column slice must not straddle two 64-column panels (an MN-major operand may start inside a panel only
   // when it ends there).
   static_assert(DQN % 64 == 0 || 64 % DQN == 0, "column slices within panels");
@@ -189,14 +191,14 @@ template <typename T_, int D, int BR_, int BC_, class Pol_> struct MainloopBwdSm
       to_a_operand<T>(ds_a, dp);
       store_acc(sm.sdS, dp, wk, 0);
       fence_async_smem();
-      // ---- [mainloop_bwd_sm90:dkdv] Alg.2 l.11 and l.15: dV_w += P^T dO_i, dK_w += dS^T Q_i (scale applied at the end) ----
+      // ---- [mainloop_bwd_sm90:dkdv] Alg.2 l.11 and l.15: dV_w += P^T dO_i, dK_w += dS^T Q_i (scale at the end) ----
       fence_operand(st.dk);
       fence_operand(st.dv);
       wgmma_fence();
       wg_gemm_rb(st.dv, p_a, sdO, 0, 0);
       wg_gemm_rb(st.dk, ds_a, sQ, 0, 0);
       wgmma_commit();
-      // ---- [mainloop_bwd_sm90:dq] Alg.2 l.14: dQ_i += scale * dS K_j, columns w*D/NWG.. from dS^T in shared memory ----
+      // ---- [mainloop_bwd_sm90:dq] Alg.2 l.14: dQ_i += scale * dS K_j, columns w*D/NWG.., dS^T from shared memory
       __syncthreads();  // every warpgroup's dS^T is in shared memory
       accumulate_dq<BC, DQN>(p, bh, sm.sdS, sm.sK, q0, w * DQN, st);
     });
@@ -215,7 +217,8 @@ template <typename T_, int D, int BR_, int BC_, class Pol_> struct MainloopBwdSm
   static constexpr int DS = BC_ * BR_ * 2, DP = BC_ * BR_ * 4;
   using Sm = SmemBwdSm90<T_, D, BR_, BC_, DS + DP>;  // EXTRA: P^T (16-bit), then dP^T (float32)
   static constexpr int SMEM_BYTES = Sm::BYTES;
-  static_assert(BC_ == 64 && BR_ == 64 && D % 64 == 0, "both warpgroups own the same 64 keys; dQ_i is one 64-row wgmma");
+  static_assert(BC_ == 64 && BR_ == 64 && D % 64 == 0,
+                "both warpgroups own the same 64 keys; dQ_i is one 64-row wgmma");
   // A warpgroup's column slice (dQ_i's, dK_j's and dV_j's) must not straddle two 64-column panels: an MN-major
   // operand may start inside a panel only when it ends there (head_dim 192 would split at 96).
   static_assert(DW % 64 == 0 || 64 % DW == 0, "column slices within panels");
@@ -234,7 +237,7 @@ template <typename T_, int D, int BR_, int BC_, class Pol_> struct MainloopBwdSm
                                                                         const Sw128<T, BR, D>& sQ,
                                                                         const Sw128<T, BR, D>& sdO, const float* sL,
                                                                         const float* sDelta) {
-      // ---- [mainloop_bwd_sm90_split_d:scores] warpgroup 0: S^T = K Q_i^T; warpgroup 1: dP^T = V dO_i^T, to shared memory ----
+      // ---- [mainloop_bwd_sm90_split_d:scores] to shared memory: S^T = K Q_i^T (warpgroup 0), dP^T = V dO_i^T (1)
       // (one instruction stream for both warpgroups: ptxas serialises wgmma in divergent code)
       Acc<1, NQ> s;
       const Sw128<T, BC, D> sA{w == 0 ? sm.sK.base : sm.sV.base};
@@ -265,7 +268,7 @@ template <typename T_, int D, int BR_, int BC_, class Pol_> struct MainloopBwdSm
         fence_async_smem();
       }
       __syncthreads();  // P^T and dS^T are in shared memory; every thread is done reading dP^T
-      // ---- [mainloop_bwd_sm90_split_d:dkdv] Alg.2 l.11 and l.15: this warpgroup's columns dc..dc+DW of dV_j and dK_j ----
+      // ---- [mainloop_bwd_sm90_split_d:dkdv] Alg.2 l.11 and l.15: this warpgroup's columns dc..dc+DW of dV_j, dK_j
       fence_operand(st.dk);
       fence_operand(st.dv);
       wgmma_fence();

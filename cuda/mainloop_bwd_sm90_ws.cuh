@@ -19,17 +19,18 @@
 // fixed order (FlashAttention-3's ordered dQ accumulation), so float32's non-associative sums come out bitwise the
 // same every run. The consumers leave the reduce-add to two warps of the producer warpgroup, the dQ writers
 // (write_dq), one per dQ buffer (even and odd steps): per step a writer takes both warpgroups' slices (named
-// barriers DQ_FULL / DQ_EMPTY per warpgroup and buffer), waits until the query block's int32 semaphore (p.dq_semaphore, zeroed before the launch) equals this
-// key block's rank (Policy::dq_rank), adds, waits for the additions to be complete in global memory and stores
-// rank + 1. The waiting is the writers' alone: the consumers run up to two steps ahead (the double buffer), and
-// with a writer per buffer one step's wait for its additions to land overlaps the next step's.
+// barriers DQ_FULL / DQ_EMPTY per warpgroup and buffer), waits until the query block's int32 semaphore
+// (p.dq_semaphore, zeroed before the launch) equals this key block's rank (Policy::dq_rank), adds, waits for the
+// additions to be complete in global memory and stores rank + 1. The waiting is the writers' alone: the consumers
+// run up to two steps ahead (the double buffer), and with a writer per buffer one step's wait for its additions
+// to land overlaps the next step's.
 // Each head walks its query blocks in ascending order (QIterAscending) and, under a mask bounded on the right,
 // the key tiles are dispatched last-first (KTileScheduler's reverse): the rank order is then the order in which
 // the key blocks reach a query block, and a CTA waits only on CTAs dispatched before it. Without a mask bound,
 // where a (sequence, kv head) has at most half as many key blocks as the GPU has SMs (p.dq_rotate), each key
 // block's walk starts at its own query block instead (Policy::dq_start / dq_rank_rotated): in the ascending order
 // key block j waits on key block j - 1's addition of the same step, a chain as long as the key blocks; rotated,
-// each waits on additions made steps earlier (session 15: +12 - 27 % at N = 2048 / 4096).
+// each waits on additions made steps earlier (+12 - 27 % at N = 2048 / 4096; bench/NOTES.md).
 #pragma once
 #include "mainloop_bwd_sm90.cuh"
 #include "tma.cuh"
@@ -47,8 +48,8 @@ struct TmaBwd {
 // r at c ^ r % 8), the layout the dq map's box reads (tma_reduce_add_2d). A 64-bit store is served a half-warp at a
 // time (lanes of groups g = 0..3, then 4..7), and groups g and g ^ 1 swizzle one chunk pair onto the same banks,
 // so lanes of odd g store the column slot y ^ 2 while the others store y: each half-warp then covers all 32 banks
-// and a store takes two wavefronts instead of four (ncu, session 8: 2.5-way average conflicts over the backward's
-// shared stores).
+// and a store takes two wavefronts instead of four (Nsight Compute shows the unswizzled slots at 2.5-way average
+// conflicts over the backward's shared stores; bench/NOTES.md).
 // (J0, NJ: only the 8-column groups J0.. J0 + NJ - 1 of dq, at the tile's columns 0.., e.g. half a panel)
 template <int PANEL, int J0, int NJ, int NT>
 __device__ __forceinline__ void stage_dq_rows(u32 tile, const Acc<1, NT>& dq, float scale) {
@@ -96,8 +97,10 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd&
     mbar_expect_tx(sm.kv_full(), 2 * KV + Sm::KX);
 #pragma unroll
     for (int c = 0; c < D; c += 64) {
-      tma_load_4d(tma.k, sm.k().base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
-      tma_load_4d(tma.v, sm.v().base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
+      tma_load_4d(tma.k, sm.k().base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0,
+                  bi.hk, bk);
+      tma_load_4d(tma.v, sm.v().base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0,
+                  bi.hk, bk);
     }
     if constexpr (Sm::KX > 0) {  // the partner's key block K_j' (k0 ^ BC), the columns this CTA's dQ_i owns
       using Kx = decltype(sm.kx());
@@ -120,7 +123,8 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd&
       mbar_expect_tx(sm.full(s), Sm::DO_RING ? QB : 2 * QB);
 #pragma unroll
       for (int c = 0; c < D; c += 64) {
-        tma_load_4d(tma.q, sm.q(s).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.full(s), c, bh.q_row0 + q0, bh.h, bq);
+        tma_load_4d(tma.q, sm.q(s).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.full(s), c, bh.q_row0 + q0,
+                    bh.h, bq);
         if constexpr (!Sm::DO_RING)
           tma_load_4d(tma.dout, sm.dout(s).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.full(s), c,
                       bh.q_row0 + q0, bh.h, bq);
@@ -228,11 +232,11 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, DS_BUFS * DS + DQ_BUFS * NWG * DQB>;
   static constexpr int SMEM_BYTES = Map::BYTES;
   // EARLY_DV: the plain policy at head_dim 128 issues dV_w += P^T dO_i as soon as P^T is formed, so it runs while
-  // dS^T is formed (H200, bf16, N = 4096: 456 -> 470 TFLOP/s); at head_dim 64 the same order lost 4 % (346 -> 332),
-  // and the general policy needs dP^T for P^T's transform first. P^T (float and A fragments), dP^T, dK and dV are
-  // then live at once: at 232 registers that spilled 32 B, and the spill code touching registers of products in
-  // flight made ptxas serialise every product, so those instantiations take 24 / 240 (FA3's split for two consumer
-  // warpgroups), the others keep 40 / 232. ROW_SPLIT's 128-row scores take 240 too (the general policy spilled
+  // dS^T is formed (+3 % on H200, bf16, N = 4096; at head_dim 64 the same order costs 4 %; bench/NOTES.md), and
+  // the general policy needs dP^T for P^T's transform first. P^T (float and A fragments), dP^T, dK and dV are
+  // then live at once: at 232 registers that spills 32 B, and the spill code touching registers of products in
+  // flight makes ptxas serialise every product, so those instantiations take 24 / 240 (FA3's split for two consumer
+  // warpgroups), the others keep 40 / 232. ROW_SPLIT's 128-row scores take 240 too (the general policy spills
   // 148 B at 232); the producer warpgroup keeps 24 there (32 / 240 is more than the launch's pool, launch_regs),
   // where DET's dQ writer warps spill a few bytes (configs.KNOWN_SPILLS).
   // SWAP_DQ's 80-row tile takes 24 / 240 without EARLY_DV (dQ_i^T's 40 accumulators beside dK, dV and dS).
@@ -282,7 +286,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
 
   // ---------------------------------------------------------------- producer
   // DET: warps 1 and 2 of the producer warpgroup write dQ, of the even and the odd steps (dQ buffer 0 and 1)
-  __device__ __forceinline__ static bool is_dq_writer() { return DET && (warp_id() == 4 * NWG + 1 || warp_id() == 4 * NWG + 2); }
+  __device__ __forceinline__ static bool is_dq_writer() {
+    return DET && (warp_id() == 4 * NWG + 1 || warp_id() == 4 * NWG + 2);
+  }
   __device__ __forceinline__ static bool producer_start(const TmaBwd& tma) {
     return bwd_ws_producer_start<PRODUCER_REGS, 4 * NWG>(tma);
   }
@@ -376,7 +382,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int row = 8 * y + 2 * t + e, col = qr + g + 8 * hh;
-            const u32 at = tile + col / 32 * DQ_PANEL + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
+            const u32 at =
+                tile + col / 32 * DQ_PANEL + row * 128 + ((((col % 32) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
             asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(p.scale * dq.v[0][y][2 * hh + e]) : "memory");
           }
     } else {
@@ -428,8 +435,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       // Rows past the sequence: the copies may have read a packed neighbour's rows (not zeros), so P = dS = 0.
       u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
       if constexpr (!EARLY_DV) {
-        // SPARE_REGS but on 128-row tiles (128 B spilled at d = 64 bf16 without a mask; 24 - 140 B with the window's
-        // one-compare hide too), which take windows' hidden scores to -inf before the exponential instead (PREMASK)
+        // SPARE_REGS but on 128-row tiles (which spill 128 B at d = 64 bf16 without a mask; 24 - 140 B with the
+        // window's one-compare hide too), which take windows' hidden scores to -inf before the exponential instead
+        // (PREMASK)
         probs_sm90<T, !ROW_SPLIT, ROW_SPLIT>(pol, sc, dp, q0, k0 + wk, sL, sDelta, edge);
         if (q0 + BR > bh.seqlen_q) {
           const int nq = bh.seqlen_q - q0;

@@ -22,7 +22,7 @@
 // deterministic=True runs fa2_bwd + fa2_bwd_dq at these head dims (forms.py): this mainloop has no ordered dQ.
 //
 // PAIR (D = 192 and 256, every policy; packed sequences cut into pairs of key tiles by KTileScheduler): at these
-// head dims the additions of dQ_i bound the kernel (session 20: without them it ran 1.4 - 1.65x faster;
+// head dims the additions of dQ_i bound the kernel (without them it runs 1.4 - 1.65x faster, bench/NOTES.md;
 // `red.global.add.v4.f32` takes 1.8 - 2.4 TB/s on the H200, tools/l2_reduce.py). Two CTAs on neighbouring key
 // blocks j, j' = j ^ 1 of one kv head run as a cluster and walk the same steps (the query blocks that see either
 // block), so their dQ_i = dS_ij K_j + dS_ij' K_j' can be summed before it is added. At D = 256 CTA rank r owns
@@ -30,25 +30,24 @@
 // 1 the panels 1, 2 (one panel a warpgroup, so every operand is panel aligned), and each adds half of the shared
 // panel 1 (pair_dq_lo / pair_dq_hi: a window of its 8-column groups): 96 columns a CTA. Each CTA keeps 128 of
 // the partner's K_j' columns (kx(), 16 KB, copied once with K_j: its half at D = 256, columns 0..127 or 64..191 at
-// D = 192) and receives the
-// partner's dS^T every step (dsx(), 8 KB, a bulk copy from the partner's shared memory into this one's, completing
-// on this CTA's barrier xfull), so it adds half the floats a step. The room for kx() and two dsx() (32 KB at
-// D = 256) is dO_i's: one stage of its own (BwdWsSmem's DO_RING), released right after dV_j's product. It also
-// leaves room for a float32 tile per consumer warpgroup: the warpgroup stores its dQ_i panel there (stage_dq_rows,
-// the dq map's layout) and one thread adds the panel's 32-column boxes of its window by TMA reduce-add instead of
-// vector atomics (cp.reduce.async.bulk). At D = 192 the tile is 64 x 64 (223320 B in all; session 21: 1.08 -
-// 1.17x over the atomics); at D = 256 (TIGHT) one P^T buffer and one dsx() instead of two each free 16 KB for a
-// 64 x 32 tile, and the panel goes out in two halves: the first at once, the second (held in registers, dqb)
-// under the next step's S^T and dP^T products, once the first half's add has read the tile (add_dq_second_half;
-// 231496 B; session 22: 1.04 - 1.07x over the atomics with both halves in the step, then 1.05 - 1.10x more).
+// D = 192) and receives the partner's dS^T every step (dsx(), 8 KB, a bulk copy from the partner's shared memory
+// into this one's, completing on this CTA's barrier xfull), so it adds half the floats a step. The room for kx()
+// and two dsx() (32 KB at D = 256) is dO_i's: one stage of its own (BwdWsSmem's DO_RING), released right after
+// dV_j's product. It also leaves room for a float32 tile per consumer warpgroup: the warpgroup stores its dQ_i
+// panel there (stage_dq_rows, the dq map's layout) and one thread adds the panel's 32-column boxes of its window
+// by TMA reduce-add instead of vector atomics (cp.reduce.async.bulk). At D = 192 the tile is 64 x 64 (223320 B in
+// all; 1.08 - 1.17x over the atomics); at D = 256 (TIGHT) one P^T buffer and one dsx() instead of two each free
+// 16 KB for a 64 x 32 tile, and the panel goes out in two halves: the first at once, the second (held in
+// registers, dqb) under the next step's S^T and dP^T products, once the first half's add has read the tile
+// (add_dq_second_half; 231496 B; over the atomics 1.04 - 1.07x with both halves in one step and a further 1.05 -
+// 1.10x with the second half under the next step; figures in bench/NOTES.md).
 // Each step then runs dV_j (release dO_i), dQ_i (release the partner's dS^T on its barrier xfree, add dQ_i while
-// dK_j runs), dK_j (release Q_i). A CTA writes its dS^T of
-// step it (ds(it), and the copy into the partner's dsx(it)) only once the partner has read the one of step
-// it - DSX_BUFS (it - 2 at D = 192, it - 1 at D = 256, where P^T's one buffer also waits, on the named barrier
-// PT_FREE, for the other warpgroup's dV_j product of step it - 1; xfree: 8 warp arrivals from the partner), which
-// also means that copy has landed. The partner of an odd count's
-// last key block walks with it past the keys (all its keys masked). (Measured in session 20 beside copying Q_i,
-// dO_i once for both CTAs with TMA multicast: that was 0 - 3.5 % slower, so each CTA copies its own.)
+// dK_j runs), dK_j (release Q_i). A CTA writes its dS^T of step it (ds(it), and the copy into the partner's
+// dsx(it)) only once the partner has read the one of step it - DSX_BUFS (it - 2 at D = 192, it - 1 at D = 256,
+// where P^T's one buffer also waits, on the named barrier PT_FREE, for the other warpgroup's dV_j product of step
+// it - 1; xfree: 8 warp arrivals from the partner), which also means that copy has landed. The partner of an odd
+// count's last key block walks with it past the keys (all its keys masked). Each CTA copies its own Q_i, dO_i:
+// one copy for both CTAs by TMA multicast is 0 - 3.5 % slower (bench/NOTES.md).
 #pragma once
 #include "mainloop_bwd_sm90_ws.cuh"
 
@@ -163,7 +162,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   // The panel of dQ_i's columns warpgroup w of the pair's CTA `rank` computes, and which of its 8-column groups
   // [lo, hi) it adds: D = 256 a whole panel each; D = 192 panels 0, 1 (CTA 0) and 1, 2 (CTA 1), the shared panel 1
   // added half by each (its other half computed for nothing: the price of panel-aligned operands).
-  __device__ __forceinline__ static int pair_dq_panel(int rank, int w) { return D == 256 ? 128 * rank + 64 * w : 64 * (rank + w); }
+  __device__ __forceinline__ static int pair_dq_panel(int rank, int w) {
+    return D == 256 ? 128 * rank + 64 * w : 64 * (rank + w);
+  }
   __device__ __forceinline__ static int pair_dq_lo(int rank, int w) { return D == 192 && rank == 1 && w == 0 ? 4 : 0; }
   __device__ __forceinline__ static int pair_dq_hi(int rank, int w) { return D == 192 && rank == 0 && w == 1 ? 4 : 8; }
 
@@ -207,7 +208,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
     PipeState<STAGES> pipe;
 #pragma unroll 1
     for (int it = 0; it < walk.total; ++it, pipe.advance()) {
-      const int q0 = walk.block(it) * BR, s = pipe.stage(), use = (it >> (DSX_BUFS - 1)) & 1;  // of dsx(it), xfull, xfree
+      // use: the buffer of dsx(it), xfull, xfree
+      const int q0 = walk.block(it) * BR, s = pipe.stage(), use = (it >> (DSX_BUFS - 1)) & 1;
       const auto sdO = sm.dout(0);
       const bool edge = walk.edge(it);
       bh.set_head(p, walk.head(it));

@@ -22,8 +22,8 @@ namespace rf {
 // page division per tile (page_pos). When the tile lies in one page (always in a contiguous cache, and for every
 // tile when the page size is a multiple of the tile's keys) its rows are one stride apart from the first, located
 // once (key_offsets of row 0): a chunk's address is then one multiply-add, where locating each row on its own (a
-// page-table read, the carry, six 64-bit products) made the copies 60 % of the tile loop's instructions
-// (offline SASS, d = 128). Otherwise each row's offsets come with a carry (key_offsets). The split's pages were
+// page-table read, the carry, six 64-bit products) makes the copies 60 % of the tile loop's instructions
+// (offline SASS, d = 128). Otherwise each row's offsets come with a carry (key_offsets). The split's pages are
 // checked before its first tile (BlockInfo::pages_inside).
 template <typename T, int ROWS, int D, class Info>
 __device__ __forceinline__ void load_kv_warp(const Tile<T, ROWS, D>& sk, const Tile<T, ROWS, D>& sv,

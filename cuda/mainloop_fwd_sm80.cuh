@@ -55,7 +55,8 @@ struct MainloopFwdSm80 {
       zero(sc);
       gemm_abt<MT, NT, D, KUNROLL>(sc, sQ, wq, sK, 0);
       pol.template transform<T>(sc, q0 + wq, k0);
-      pol.template prescale<T>(sc);  // S in log2 units, rounded once: the float32 path stays as exact as a naive float32 softmax
+      // S in log2 units, rounded once: the float32 path stays as exact as a naive float32 softmax
+      pol.template prescale<T>(sc);
       // ---- [mainloop_fwd_sm80:mask] edge blocks only: hidden scores to -inf ----
       if (kv.is_edge(s)) pol.mask(sc, q0 + wq, k0);
       // ---- [mainloop_fwd_sm80:softmax] Alg.1 l.9-10: P = exp2(S - m_new), l and O rescaled by e^(m_old - m_new) ----

@@ -87,7 +87,7 @@ template <typename T_, int D, int BR_, int BC, bool OVERLAP, class Pol_> struct 
       load(sV(j + 1), v, p.v_ss, j + 1);
       if (j + 2 < n) load(sK(j), k, p.k_ss, j + 2);
       cp_async_commit();
-      // ---- [mainloop_fwd_sm90:issue] Alg.1 l.8 and l.10: S_{j+1} = Q_i K_{j+1}^T and O += P_j V_j on the tensor cores ----
+      // ---- [mainloop_fwd_sm90:issue] Alg.1 l.8 and l.10 on the tensor cores: S_{j+1} = Q_i K_{j+1}^T, O += P_j V_j
       // (each branch waits for everything it issued: ptxas serialises every wgmma when a batch may cross a branch)
       fence_operand(st.o);
       wgmma_fence();
@@ -101,7 +101,7 @@ template <typename T_, int D, int BR_, int BC, bool OVERLAP, class Pol_> struct 
         wg_gemm_abt(s, sQ, wg_row, sK(j + 1), 0, false);
         wgmma_commit();
       }
-      // ---- [mainloop_fwd_sm90:softmax] Alg.1 l.9 for block j+1 while P_j V_j runs (OVERLAP), then O *= e^(m_old - m_new) ----
+      // ---- [mainloop_fwd_sm90:softmax] Alg.1 l.9 for block j+1 while P_j V_j runs (OVERLAP); O *= e^(m_old - m_new)
       if (OVERLAP) wgmma_wait<1>();                                          // S_{j+1} is done; P_j V_j may still run
       else wgmma_wait<0>();
       fence_operand(s);

@@ -75,8 +75,9 @@ struct MainloopFwdSm90Fp8
   static constexpr bool O_VIA_Q = false; // O (OutT) is twice Q_i's bytes: stored from registers
   static constexpr int REF = REF_RUNNING;  // e4m3's P has a narrow range: the running max always
   static constexpr float P_LOG2 = 8.f;  // P in [0, 256] before its cast (e4m3's largest finite value is 448) ...
-  // ... and in [0, 430] under a stale max (2^8.75; OnlineSoftmax::update's stale_log2) at head_dim 128: H200,
-  // 128 x 128 tiles, +3 - 4 % non-causal (819 -> 852 TFLOP/s at N = 16384), +-1 % causal; at 256 it lost 1 - 3 %.
+  // ... and in [0, 430] under a stale max (2^8.75; OnlineSoftmax::update's stale_log2) at head_dim 128, where it
+  // gains 3 - 4 % non-causal on H200 (+-1 % causal); at 256 it costs 1 - 3 %, so 256 keeps the exact max
+  // (bench/NOTES.md).
   static constexpr float STALE_LOG2 = D == 128 ? 0.75f : 0.f;
   using PA = u32[BC / 32][4];  // P's A fragments, one per 32 keys
 

@@ -197,7 +197,7 @@ struct Fa3FwdPipeline {
     st.sm.init();
     // Derived::REF (softmax.cuh's SoftmaxRef): the running max; a fixed reference for bounded scores; or the
     // first block's max (that block runs the running max's update, the rest keep its reference). Without the
-    // running max there is no rescale of O. (Compiled in, not a run-time choice: both softmaxes in one kernel made
+    // running max there is no rescale of O. (Compiled in, not a run-time choice: both softmaxes in one kernel make
     // ptxas spill 68 - 100 B at d = 128 / 256, offline.)
     constexpr int REF = Derived::REF;
     // ALiBi's first block sets the reference from its scores without their bias (Policy::first_ref) and keeps it.
@@ -333,7 +333,7 @@ struct MainloopFwdSm90Ws
   static constexpr bool O_VIA_Q = STAGE_O;
   static constexpr int EPILOGUE_BARRIER = 1 + Base::NC;  // named barriers 1 + NC + w (ping-pong has 1..NC)
   // FA4's lazy rescale (OnlineSoftmax::update's stale_log2) at head_dim 256, where O's rescale is 2 - 4
-  // multiplies per score: H200, bf16, +3 - 6 % (716 -> 763 TFLOP/s at N = 16384); at 64 and 128 the warp's vote
+  // multiplies per score: +3 - 6 % (H200, bf16, N = 16384; bench/NOTES.md); at 64 and 128 the warp's vote
   // and branch cost more than the multiplies they skip (-2 - 5 %), so those keep the exact max. P <= 2^8 before
   // its 16-bit cast: no range is lost.
   static constexpr float STALE_LOG2 = D >= 256 ? 8.f : 0.f;
@@ -361,8 +361,9 @@ struct MainloopFwdSm90Ws
   // Q_i buffer and stored by one TMA copy per 64-column panel (rows past seqlen_q and columns past head_dim are
   // clipped by the tensor map); lse as in epilogue_fwd. A packed sequence's last tile, where this warpgroup's 64
   // rows run past the sequence (the box would write into the next one), is copied out of the buffer by the
-  // warpgroup's threads instead. (Keeping a second, register path for that tile made ptxas rebuild the key
-  // loop's wgmma descriptors every step: 610 instructions a step against 584 at d = 64, offline.)
+  // warpgroup's threads instead. (A second, register path for that tile makes ptxas rebuild the key
+  // loop's wgmma descriptors every step: 610 instructions a step against 584 at d = 64, offline; tools/sass_loops.py
+  // shows the counts.)
   __device__ __forceinline__ static void store(const FwdParams& p, const TmaFwd& tma, const Info& bi, const Pol_& pol,
                                                int q0, const Smem& sm, const Pipes& pipes, const State& st) {
     if constexpr (!O_VIA_Q) {

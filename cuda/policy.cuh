@@ -13,11 +13,11 @@
 // Score transform, GENERAL = true (natural units, then times log2(e) for the exp2-based softmax):
 //     s = softcap > 0 ? softcap * tanh(scale * q.k / softcap) : scale * q.k;   s -= slope * |i + diag - j| (ALiBi)
 // GENERAL = false, and in 16-bit GENERAL = true on a head with neither soft-capping nor ALiBi (transforms() is
-// false: a window or packed lengths alone; float32's general policy takes every score through score(), exactly): s = scale * q.k, and the scale is folded into the softmax's exponent
-// (softmax_scale<T>()), so those calls do no per-score work beyond plain attention's. Where the transform runs, its
-// parts are chosen once per tile by branches uniform over the CTA (not per score), ALiBi's distance
-// |i + diag - j| is a per-thread float base plus a compile-time offset per register (no integer conversion per
-// score: conversions run at the special-function unit's rate, like the exponential), and in 16-bit the scores
+// false: a window or packed lengths alone; float32's general policy takes every score through score(), exactly):
+// s = scale * q.k, and the scale is folded into the softmax's exponent (softmax_scale<T>()), so those calls do no
+// per-score work beyond plain attention's. Where the transform runs, its parts are chosen once per tile by
+// branches uniform over the CTA (not per score), ALiBi's distance |i + diag - j| is a per-thread float base plus
+// a compile-time offset per register (no integer conversion per score: conversions run at the special-function unit's rate, like the exponential), and in 16-bit the scores
 // stay in the units of their last step (tanh values with soft-capping, q.k with ALiBi alone) for the softmax's
 // exponent to scale (softmax_scale<T>()), so neither pays a multiply per score of its own.
 // Sinks: sink_log2() is the sink logit of a head in log2 units (-inf without sinks); it only changes the
@@ -345,7 +345,9 @@ template <int MASK_, bool GENERAL_> struct Policy {
       if constexpr (TRANSPOSED) mask_t(s, k0, q0);
       else mask(s, q0, k0);
     }
-    for_each(s, [&](float& x, int row, int col) { x = exp2_<T>(__fmul_rn(x, scale_log2) - L[TRANSPOSED ? col : row]); });
+    for_each(s, [&](float& x, int row, int col) {
+      x = exp2_<T>(__fmul_rn(x, scale_log2) - L[TRANSPOSED ? col : row]);
+    });
   }
   template <bool TRANSPOSED, int MT, int NT>
   __device__ __forceinline__ static void dscores_tile(Acc<MT, NT>& pr, Acc<MT, NT>& dp, const float* D) {
@@ -460,7 +462,8 @@ template <int MASK_, bool GENERAL_> struct Policy {
   }
   // Scores of a tile (rows queries r0.., columns keys c0..) through soft-capping and ALiBi (GENERAL only, and only
   // on heads that transforms()), in the units softmax_scale<T>() turns into log2 units.
-  template <typename T, int MT, int NT> __device__ __forceinline__ void transform(Acc<MT, NT>& s, int r0, int c0) const {
+  template <typename T, int MT, int NT>
+  __device__ __forceinline__ void transform(Acc<MT, NT>& s, int r0, int c0) const {
     if constexpr (GENERAL_) {
       if constexpr (sizeof(T) == 4) {  // float32, the accuracy path: every score through score(), which rounds the
         for_each(s, [&](float& x, int row, int col) { x = score<T>(x, r0 + row, c0 + col); });  // ALiBi sum once

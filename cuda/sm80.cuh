@@ -172,7 +172,9 @@ __device__ __forceinline__ void gemm_rb(Acc<MT, NT>& acc, const Acc<MT, 2 * KT>&
                                         const Tile<T, R, C>& sb, int b_k0, int n0) {
   mma_k_loop<MT, NT, 16 * KT, KT, T>(
       acc, [&](typename Frag<T>::A& a, int i, int kk) { acc_to_a<T>(a, p, i, kk / 16); },
-      [&](typename Frag<T>::B& x, typename Frag<T>::B& y, int j, int kk) { load_b2_kn(x, y, sb, b_k0 + kk, n0 + 8 * j); });
+      [&](typename Frag<T>::B& x, typename Frag<T>::B& y, int j, int kk) {
+        load_b2_kn(x, y, sb, b_k0 + kk, n0 + 8 * j);
+      });
 }
 
 // acc += A B where A[m][k] is read from sa stored [k][m] (columns m0..) and B from sb stored [k][n]

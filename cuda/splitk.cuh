@@ -172,7 +172,8 @@ template <typename T_, int D, int BR_, int BC, int NWARPS, bool DEFER_NORM, clas
       splitk_merge<T, !DEFER_NORM>(sk, st);
     }
     cp_async_wait<0>();
-    __syncthreads();  // every warp is done with the tiles and slots (with SEQ_PARALLEL off the next query tile reuses them)
+    // every warp is done with the tiles and slots (with SEQ_PARALLEL off the next query tile reuses them)
+    __syncthreads();
   }
 
   // ---- [splitk:store] O_i = diag(l)^-1 O_i (or as kept), L_i = m_i + log(l_i), with the sink in the denominator ----

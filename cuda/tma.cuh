@@ -33,7 +33,9 @@ __device__ __forceinline__ void mbar_init(u32 bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 // Make barrier initialisation visible to the async proxy (the TMA unit) before anyone uses them.
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -66,7 +68,8 @@ __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc& d) {
 // Box (c0.., c1.., c2, c3) of the tensor of `d` into shared memory at dst; completes `bytes` on bar.
 __device__ __forceinline__ void tma_load_4d(const TmaDesc& d, u32 dst, u32 bar, int c0, int c1, int c2, int c3) {
   asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], \
+[%1, {%3, %4, %5, %6}], [%2];\n"  // (a backslash-newline continues the string: one literal, spliced before tokens)
       ::"r"(dst), "l"((u64)&d), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 // A whole swizzled tile (hopper.cuh's Sw128, Sw128x8 or Sw64x8: PANELS panels of PANEL_COLS columns,
