@@ -73,8 +73,8 @@ template <> __device__ __forceinline__ float exp2_<float>(float x) { return (flo
 // unit's budget (16 operations per clock per SM on sm_90, which the softmax alone uses a third of at 650 TFLOP/s).
 // bfloat16: the hardware tanh.approx.f32 (one operation; relative error 2^-10.99, 8x below bfloat16's own
 // rounding of the score that the same-precision baseline has). float16, whose rounding is as fine as that error:
-// 1 - 2 / (2^(2x log2 e) + 1) with the hardware exp2 and reciprocal (two operations, about 1e-7 relative; the
-// correctly rounded reciprocal this used before is a dozen instructions with a slow path). float32: tanhf.
+// 1 - 2 / (2^(2x log2 e) + 1) with the hardware exp2 and reciprocal (two operations, about 1e-7 relative; a
+// correctly rounded reciprocal is a dozen instructions with a slow path). float32: tanhf.
 template <typename T> __device__ __forceinline__ float tanh_(float x) {
   return 1.f - __fdividef(2.f, exp2f(2.f * LOG2E * x) + 1.f);
 }

@@ -34,7 +34,7 @@ template <typename T> __device__ __forceinline__ float exp_lse(float x) {
   return sizeof(T) == 4 ? expf(x) : __expf(x);
 }
 
-// cache_seqlens[b] as given (seqused_k; cache_len when an int was given for every sequence).
+// cache_seqlens[b] as given (seqused_k; cache_len when the caller gives one int for every sequence).
 __device__ __forceinline__ int decode_cache_len(const FwdParams& p, int b) {
   return p.seqused_k ? p.seqused_k[b] : p.cache_len;
 }
@@ -149,7 +149,7 @@ __device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* w
       for (int u = 0; u < BATCH; ++u) {
         wt[u] = c0 + u < parts ? wr[c0 + u] : 0.f;
         y[u] = wt[u] != 0.f ? __ldcg(reinterpret_cast<const float4*>(src + (c0 + u) * p.ws_split))
-                            : make_float4(0.f, 0.f, 0.f, 0.f);  // (no O was written for a weight of 0)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);  // (no O is written for a weight of 0)
       }
 #pragma unroll
       for (int u = 0; u < BATCH; ++u)
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
       const float y = mg.lse[w * ROWS + row];
-      if (y == -INFINITY) continue;  // no O was written for it
+      if (y == -INFINITY) continue;  // no O is written for it
       const float wt = exp_lse<T>(y - l);
       const float4 v = *reinterpret_cast<const float4*>(mg.o(w, row) + c);
       acc.x += wt * v.x, acc.y += wt * v.y, acc.z += wt * v.z, acc.w += wt * v.w;

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa1_fwd(const __grid_
   };
   int j = 0, i = -1, buf = 0;
   advance(j, i);
-  if (j >= tc) return;  // no query block of this split sees any key (never with today's policies)
+  if (j >= tc) return;  // no query block of this split sees any key (a guard: no policy leaves a split so)
   // ---- [fa1_fwd:outer] Alg.1 l.5-6: for each K_j, V_j this CTA has work in: load them to shared memory once ----
   load_kv(j);
   load_q(i, buf);

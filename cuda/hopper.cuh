@@ -169,7 +169,7 @@ __device__ __forceinline__ void store_acc_transposed(const Sw128<T, R, C>& s, co
 }
 
 // ---------------------------------------------------------------- ordering
-// Before the first wgmma of a batch: registers it reads or accumulates into were written by ordinary code.
+// Before the first wgmma of a batch: ordinary code has written registers it reads or accumulates into.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Wait until at most N committed batches of this warpgroup are still running (they finish in order).

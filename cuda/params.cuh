@@ -52,7 +52,7 @@ struct FwdParams {
   int new_keys;              // decode: rows of k_new / v_new per sequence
   int cache_capacity;        // decode: keys one sequence's cache holds (capacity, or page_size x max_pages)
   int num_pages;             // decode, paged: pages of the cache (valid block_table entries are 0 .. num_pages - 1)
-  int cache_len;             // decode: cache_seqlens of every sequence when seqused_k is nullptr (an int was given)
+  int cache_len;             // decode: cache_seqlens of every sequence when seqused_k is nullptr (one int given)
   int split_appends;         // decode: 1 when decode_split writes k_new / v_new itself (no decode_append launch)
   int num_partials;          // decode: partial results per row, one per CTA of decode_split (cdiv(num_splits, warps))
   int ref_gen;               // this call's number for ref_flag (never 0)

@@ -17,9 +17,10 @@
 // s = scale * q.k, and the scale is folded into the softmax's exponent (softmax_scale<T>()), so those calls do no
 // per-score work beyond plain attention's. Where the transform runs, its parts are chosen once per tile by
 // branches uniform over the CTA (not per score), ALiBi's distance |i + diag - j| is a per-thread float base plus
-// a compile-time offset per register (no integer conversion per score: conversions run at the special-function unit's rate, like the exponential), and in 16-bit the scores
-// stay in the units of their last step (tanh values with soft-capping, q.k with ALiBi alone) for the softmax's
-// exponent to scale (softmax_scale<T>()), so neither pays a multiply per score of its own.
+// a compile-time offset per register (no integer conversion per score: conversions run at the special-function
+// unit's rate, like the exponential), and in 16-bit the scores stay in the units of their last step (tanh values
+// with soft-capping, q.k with ALiBi alone) for the softmax's exponent to scale (softmax_scale<T>()), so neither
+// pays a multiply per score of its own.
 // Sinks: sink_log2() is the sink logit of a head in log2 units (-inf without sinks); it only changes the
 // softmax's denominator (OnlineSoftmax::finalize), so the backward needs nothing beyond an lse that includes it.
 #pragma once
@@ -32,8 +33,8 @@ namespace rf {
 // them [lo_full, hi_full) are visible in every element: interior blocks, which skip the mask. A kernel visits them
 // as a sequence of n() steps, the interior first and the edges after it, so "is this block an edge" is one
 // comparison of the step with interior_steps(), a branch that is uniform over the CTA. (A loop per stage, as the
-// Triton tutorial writes it, costs ptxas a second set of accumulator registers here: 187 -> 250 registers for
-// the d = 128 wgmma forward, measured offline; bench/results/NOTES.md, session 3.)
+// Triton tutorial writes it, costs ptxas a second set of accumulator registers here: 250 registers instead of 187
+// for the d = 128 wgmma forward, offline; bench/NOTES.md.)
 struct BlockRange {
   int lo, lo_full, hi_full, hi;
   __device__ __forceinline__ int n() const { return hi - lo; }
@@ -143,7 +144,7 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // are those starting in (s_j, i] (if s_j <= i) or in [0, i] and (s_j, nq) (if s_j > i), then those starting at
   // s_j with a lower index.
   // (32-bit unsigned products: the host allows the rotation only for nk <= SMs / 2, so a nk and j nq stay far
-  // below 2^32 for any query length an int holds in rows; 64-bit divisions spilled the dQ writer warps' 24
+  // below 2^32 for any query length an int holds in rows; 64-bit divisions spill the dQ writer warps' 24
   // registers)
   __device__ __forceinline__ static int dq_start(int j, int nq, int nk) { return (int)((u32)j * (u32)nq / (u32)nk); }
   // (the host's flag, checked against the mask; the host sets it without a mask only, so the masked
@@ -294,12 +295,12 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // rows are keys k0.., columns queries q0.. (S^T), L and D indexed by column; else rows are queries q0.., columns
   // keys k0.., L and D indexed by row. The plain policy masks edge blocks only and leaves interior blocks without
   // any mask code (-inf before the exponential gives the same P = dS = 0 as backward()'s select, in ~20 fewer
-  // registers than testing visibility per element in every block: NOTES, session 4); the general one runs
+  // registers than testing visibility per element in every block: bench/NOTES.md); the general one runs
   // backward() per element. SPARE_REGS: the caller's threads have registers to spare (FA3's consumers, 240 each):
   // the general 16-bit elements then run without a predicate and edge tiles zero their hidden elements in a pass
   // of their own (hide), and ALiBi's one-sided tiles split the bias (backward_alibi_one_side); the forms at the
   // 255-register cap keep the select inside the element loop and the distance form (the other two spill there:
-  // 8 - 56 B in fa2_bwd at d = 96 / 256 and 16 B in fa2_bwd_sm90's column split, offline; NOTES, session 11), and
+  // 8 - 56 B in fa2_bwd at d = 96 / 256 and 16 B in fa2_bwd_sm90's column split, offline; bench/NOTES.md), and
   // so do FA3's 128-row tiles, which pass false. PREMASK (those tiles): a window's elements without a transform run
   // as plain attention's do, hidden scores to -inf before the exponential and no select (for_each_hidden).
   template <typename T, bool TRANSPOSED, bool SPARE_REGS = false, bool PREMASK = false, int MT, int NT>
@@ -366,8 +367,8 @@ template <int MASK_, bool GENERAL_> struct Policy {
     if constexpr (PREMASK && !SPARE_REGS && !CAP && !ALIBI && MASK_ == WINDOW) {
       // A window without a transform where the select stays: hidden scores to -inf before the exponential as plain
       // attention's edge blocks do (P = 0 and dS = 0 (dP - D) = 0), then plain attention's element loop, without a
-      // predicate. (Offline: without a mask the same spilled 20 - 56 B in FA3's d = 64 backward, and fa2_bwd's
-      // windowed d = 256 tiles spilled 8 B with it.)
+      // predicate. (Offline: without a mask the same spills 20 - 56 B in FA3's d = 64 backward, and fa2_bwd's
+      // windowed d = 256 tiles spill 8 B with it.)
       if (edge) for_each_hidden<TRANSPOSED>(s, dp, q0, k0, [](float& x, float&) { x = -INFINITY; });
       return plain_elements<T, TRANSPOSED>(s, dp, L, D);
     }
@@ -427,8 +428,8 @@ template <int MASK_, bool GENERAL_> struct Policy {
   // span: key j is visible to query i iff diag - left <= j - i <= diag + right (a side without a bound taken as
   // +-2^30) and j < seqlen_k (j >= 0 always, so row_start's and row_end's clamps to 0 change nothing), with j - i a
   // per-thread base plus a compile-time offset per register. (visible() per element, each row's two bounds
-  // clamped, spilled 16 / 52 B in FA3's d = 128 backward, whose windowed loops kept the per-element select for it
-  // until session 26.)
+  // clamped, spills 16 / 52 B in FA3's d = 128 backward; the one compare does not, so its windowed loops need no
+  // per-element select.)
   template <bool TRANSPOSED, int MT, int NT, class F>
   __device__ __forceinline__ void for_each_hidden(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0, F f) const {
     if constexpr (MASK_ == WINDOW) {
@@ -451,10 +452,10 @@ template <int MASK_, bool GENERAL_> struct Policy {
   }
   // P = dS = 0 where the key is hidden from the query, for the general policy's edge tiles (for_each_hidden's
   // layout). A pass of its own after the element-wise one, which then runs without a predicate: selected per
-  // element there, every L_i and D_i load and exponential became predicated and ptxas loaded L_i, D_i once per
+  // element there, every L_i and D_i load and exponential becomes predicated and ptxas loads L_i, D_i once per
   // element instead of once per register column (FA3 backward, d = 128: 42 shared loads and 98 integer
-  // instructions for a warp tile's 32 scores against plain attention's 16 and ~20; offline SASS, NOTES session
-  // 11). Hidden elements computed on the way may be inf or NaN (a masked score above L_i); they are overwritten,
+  // instructions for a warp tile's 32 scores against plain attention's 16 and ~20; offline SASS, bench/NOTES.md).
+  // Hidden elements computed on the way may be inf or NaN (a masked score above L_i); they are overwritten,
   // never used.
   template <bool TRANSPOSED, int MT, int NT>
   __device__ __forceinline__ void hide(Acc<MT, NT>& s, Acc<MT, NT>& dp, int q0, int k0) const {

@@ -56,8 +56,8 @@ template <int BR, bool SERIAL, bool VARLEN> struct QTileScheduler {
     stop = SERIAL ? tr : i + 1;
     return i < stop;
   }
-  // One tile per CTA unless SERIAL, said at compile time: the compiler did not fold ++i < i + 1 and kept the
-  // skeleton's tile loop (16 more registers and 200 more instructions at d = 128, offline; NOTES, session 4).
+  // One tile per CTA unless SERIAL, said at compile time: the compiler does not fold ++i < i + 1 and would keep
+  // the skeleton's tile loop (16 more registers and 200 more instructions at d = 128, offline; bench/NOTES.md).
   __device__ __forceinline__ bool advance() { return SERIAL && ++i < stop; }
 };
 
@@ -109,8 +109,8 @@ template <int BR, bool PERSISTENT, bool VARLEN> struct LinearTileScheduler {
 template <int BR> struct DynamicTileScheduler : LinearTileScheduler<BR, true, false> {
   static constexpr bool DYNAMIC = true;
   // ---- producer warp (all 32 lanes) ----
-  // (Taking the next index a tile ahead, when this tile starts, measured slower at N = 16384: 652 against 696
-  // TFLOP/s non-causal at d = 128, H200, session 6; NOTES.)
+  // The next index is taken when the tile ends: taking it a tile ahead, when this tile starts, is 6 % slower
+  // (non-causal, d = 128, N = 16384, H200; bench/NOTES.md).
   template <class P> __device__ __forceinline__ bool start(const P& p) { return fetch(p); }
   template <class P> __device__ __forceinline__ bool advance(const P& p) { return fetch(p); }
   template <class P> __device__ __forceinline__ bool fetch(const P& p) {

@@ -103,8 +103,8 @@ template <int ROWS> struct OnlineSoftmax {
   // Alg.1 l.10: O = diag(fo) O. LAZY (a stale_log2 update): skipped when no row of the warp moved its max (every
   // fo exactly 1), decided by one vote so the warp stays converged. EMPTY_ROWS: rows that see nothing for many
   // blocks (decode's padding rows) do not count (m = -inf: their O is 0 whatever fo); the FA3 forwards count
-  // them (under a mask a row sees nothing for a few blocks at most), which keeps their SASS as session 7's run 3
-  // measured it (NOTES).
+  // them (under a mask a row sees nothing for a few blocks at most), which keeps the test out of their key loop
+  // (bench/NOTES.md).
   template <bool LAZY, bool EMPTY_ROWS = false, int MT, int NT>
   __device__ __forceinline__ void rescale(Acc<MT, NT>& o, const float (&fo)[ROWS]) const {
     if constexpr (LAZY) {

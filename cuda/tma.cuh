@@ -129,8 +129,8 @@ __device__ __forceinline__ u32 map_shared(u32 a, u32 rank) {
 }
 // Arrive on the mbarrier at this CTA's shared offset `bar` in the cluster's CTA `rank`, releasing at the CTA's
 // scope (the default), which is what "done reading a buffer" needs. (At the cluster's scope, .release.cluster, the
-// arrive also waits until this thread's earlier global reductions are performed: session 20 measured a loop that
-// issued one after its dQ additions 27 % slower.)
+// arrive also waits until this thread's earlier global reductions are performed: a loop that issues one after its
+// dQ additions is 27 % slower; bench/NOTES.md.)
 __device__ __forceinline__ void mbar_arrive_remote(u32 bar, u32 rank) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(map_shared(bar, rank)) : "memory");
 }
