@@ -212,9 +212,8 @@ __device__ __forceinline__ void add_block(Acc<MT, NT>& acc, const Acc<MT, NP>& p
 }
 // A from sa at [row][k] (TRANS_A: at [k][row]), B from sb at [col][k] (TRANS_B: at [k][col]). The k loop is
 // not unrolled: a step's 2 MT + 2 NT shared loads feed 4 MT NT FMAs, and the warps of a CTA hide the loads'
-// latency between them. Unrolled 4 steps it takes NVRTC about 4x as long to compile (the float32 backward at
-// d = 128: 10.6 s against 2.6 s; every float32 instantiation, CI's compile test: 1295 s of CPU time against 374 s)
-// for 0 - 14 % more float32 speed (bench/NOTES.md).
+// latency between them. Unrolled 4 steps, NVRTC takes about 4x as long to compile every float32 instantiation
+// for 0 - 14 % more float32 speed (the figures are in bench/NOTES.md).
 template <int MT, int NT, int K, bool TRANS_A, bool TRANS_B, int RA, int CA, int RB, int CB>
 __device__ __forceinline__ void fma_gemm(Acc<MT, NT>& acc, const Tile<float, RA, CA>& sa, int a0,
                                          const Tile<float, RB, CB>& sb, int b0) {
