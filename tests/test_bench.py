@@ -42,7 +42,8 @@ def test_feature_ratios_pair_each_case_with_its_target():
     equal_bwd = out[(varlen_bwd["vs"], "bwd")]
     assert varlen_bwd["ratio (kernels)"] == varlen_bwd["kernel_tflops"] / equal_bwd["kernel_tflops"]
     assert out[("window (1024, 0), N 16384", "bwd")]["ratio (kernels)"] == (
-        out[("window (1024, 0), N 16384", "bwd")]["kernel_tflops"] / out[("dense causal, N 2048", "bwd")]["kernel_tflops"])
+        out[("window (1024, 0), N 16384", "bwd")]["kernel_tflops"]
+        / out[("dense causal, N 2048", "bwd")]["kernel_tflops"])
     assert out[("softcap 30, N 4096", "bwd")]["vs"] == "plain, N 4096"
     assert "vs" not in out[("plain, N 4096", "fwd")]
 
@@ -105,7 +106,8 @@ def test_deterministic_backward_rows_only_when_asked():
     available = list(bench.IMPLS)
     assert "rawflash-fa2-det" not in bench.default_impls(available)
     with_det = bench.default_impls(available, deterministic=True)
-    assert "rawflash-fa2-det" in with_det and set(with_det) - {"rawflash-fa2-det"} == set(bench.default_impls(available))
+    assert "rawflash-fa2-det" in with_det and (set(with_det) - {"rawflash-fa2-det"}
+                                               == set(bench.default_impls(available)))
     cases = bench.sweep_cases(["rawflash-fa2", "rawflash-fa2-det"], ("fwd", "bwd"), ("bfloat16",), (64, 128),
                               (2048, 4096), (False, True))
     det = [c for c in cases if c.impl == "rawflash-fa2-det"]

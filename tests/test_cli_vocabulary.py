@@ -282,7 +282,8 @@ def test_explain_numba_shows_the_twins_launches():
     assert shown.returncode == 0, shown.stdout + shown.stderr
     rows = json.loads(shown.stdout)["launches"]
     assert [[r["kernel"], r["grid"], r["block"], r["smem"]] for r in rows] == twins
-    assert rows[0]["block"] == str(forms.fa2_forward(Problem(1, 40, 70, 4, 2, 64, "float16", True), forms.Switches(wgmma=False)).config.br)
+    assert rows[0]["block"] == str(forms.fa2_forward(Problem(1, 40, 70, 4, 2, 64, "float16", True),
+                                                     forms.Switches(wgmma=False)).config.br)
 
 
 @no_gpu
@@ -318,7 +319,7 @@ def test_simulator_estimates_order_the_shapes():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=sysinfo.child_env())
     assert done.returncode == 0, done.stderr
     small, old = json.loads(done.stdout)
-    assert small < 10 and old > commands.SIMULATOR_WARN_S  # old: the former default, 41-45 s measured on 2 cores
+    assert small < 10 and old > commands.SIMULATOR_WARN_S  # old: a shape over the warning, 41-45 s on 2 cores
 
 
 def test_python_m_rawflash_runs_the_command_line():

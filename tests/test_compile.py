@@ -41,10 +41,11 @@ def _compile_one(item):
 
 
 def _selected(session) -> list[tuple[str, Launch]]:
-    """The instantiations the session's selected tests read (``-k`` filters compile only theirs): those of the
+    """The instantiations the run's selected tests read (``-k`` filters compile only theirs): those of the
     selected per-instantiation tests, and every one of KNOWN_SPILLS when its test is selected."""
     names = {item.name for item in session.items if item.module.__name__ == __name__}
-    known = {(expr, arch) for expr, arch in configs.KNOWN_SPILLS} if "test_known_spills_are_still_real" in names else set()
+    known = ({(expr, arch) for expr, arch in configs.KNOWN_SPILLS} if "test_known_spills_are_still_real" in names
+             else set())
     return [(arch, lau) for (arch, lau), case in zip(INSTANTIATIONS, IDS)
             if f"test_instantiation_compiles_within_its_launch_bounds[{case}]" in names
             or (lau.name_expression, arch) in known]

@@ -178,8 +178,8 @@ def _sweep_problem(batch, cache, heads=32, kv_heads=8, sq=1):
 
 @pytest.mark.parametrize("batch,cache", [(8, 32768), (64, 4096), (64, 8192), (8, 131072)])
 def test_split_heuristic_fills_whole_waves(batch, cache):
-    """Large caches: waves of CTAs come out nearly whole (session 3's 50 splits at b8 N32768 made 2.1 waves, 0.7 of
-    the bandwidth's time wasted in the last one), with full CTAs."""
+    """Large caches: waves of CTAs come out nearly whole (50 splits at b8 N32768 would make 2.1 waves, 0.7 of the
+    bandwidth's time wasted in the last one), with full CTAs."""
     p = _sweep_problem(batch, cache)
     cfg = tile_config("decode_split", 128, "bfloat16", "sm_90")
     n = forms.decode_splits(p, cfg)
@@ -310,7 +310,8 @@ def test_decode_combine_form(partials, kernel):
 
 def _combine_warp_reads(head_dim, splits, batch=16):
     """decode_combine_warp's index arithmetic on the host, lane by lane: {(split, 4-column chunk): how often read
-    into an output lane's sum} after the lanes' groups are added into group 0 (cuda/decode.cu, [decode:combine_warp])."""
+    into an output lane's sum} after the lanes' groups are added into group 0 (cuda/decode.cu,
+    [decode:combine_warp])."""
     chunks = head_dim // 4
     groups = 1 if chunks >= 32 else 32 // chunks
     summed = {}

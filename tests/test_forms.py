@@ -1,7 +1,8 @@
 """Which form runs where (no GPU needed): forms.py chooses FA3's warp-specialised form on sm_90 for 16-bit inputs
-(the cp.async wgmma form when warp specialisation is switched off), the mma.sync form everywhere else, refuses clearly where wgmma is demanded but cannot run,
-and picks the variant policy (plain or general, the mask mode) from the call's features. Also: the generated wgmma
-wrappers are up to date with their generator, and the registry agrees with the tile table and the sources."""
+(the cp.async wgmma form when warp specialisation is switched off), the mma.sync form everywhere else, refuses
+clearly where wgmma is demanded but cannot run, and picks the variant policy (plain or general, the mask mode)
+from the call's features. Also: the generated wgmma wrappers are up to date with their generator, and the
+registry agrees with the tile table and the sources."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,7 +40,8 @@ def test_sm90_16bit_runs_wgmma(d, dtype):
 
 @pytest.mark.parametrize("dtype,features,bounded", [
     ("bfloat16", dict(softcap=30.0), True), ("bfloat16", dict(softcap=launch.BOUNDED_SOFTCAP_MAX), True),
-    ("bfloat16", dict(softcap=launch.BOUNDED_SOFTCAP_MAX + 0.5), False), ("bfloat16", dict(softcap=30.0, alibi=True), False),
+    ("bfloat16", dict(softcap=launch.BOUNDED_SOFTCAP_MAX + 0.5), False),
+    ("bfloat16", dict(softcap=30.0, alibi=True), False),
     ("bfloat16", dict(softcap=30.0, window=(64, 0), varlen=True, total_q=300, total_k=300), True),
     ("bfloat16", dict(window=(64, 0)), False), ("bfloat16", {}, False), ("float16", dict(softcap=30.0), False),
     ("float32", dict(softcap=30.0), False), ("bfloat16", dict(softcap=30.0, d=256), False),
@@ -61,7 +63,8 @@ def test_bounded_scores_pick_the_fixed_reference_instantiation(dtype, features, 
     ("bfloat16", 96, dict(sinks=True), launch.REF_FIRST), ("bfloat16", 256, {}, launch.REF_RUNNING),
     ("float16", 128, {}, launch.REF_RUNNING), ("bfloat16", 128, dict(window=(64, 0)), launch.REF_RUNNING),
     ("bfloat16", 128, dict(alibi=True), launch.REF_FIRST),
-    ("bfloat16", 64, dict(alibi=True, softcap=30.0), launch.REF_FIRST), ("bfloat16", 128, dict(window=(-1, 8)), launch.REF_FIRST),
+    ("bfloat16", 64, dict(alibi=True, softcap=30.0), launch.REF_FIRST),
+    ("bfloat16", 128, dict(window=(-1, 8)), launch.REF_FIRST),
     ("bfloat16", 128, dict(varlen=True, causal=True), launch.REF_FIRST),
     ("bfloat16", 64, dict(causal=True, softcap=60.0), launch.REF_FIRST),
     ("bfloat16", 128, dict(softcap=30.0), launch.REF_BOUNDED)])
@@ -91,7 +94,8 @@ def test_head_dims_off_the_64_grid_run_fa3_with_zero_filled_panels(d):
 
 
 def test_persistent_dynamic_grid_by_default_for_fixed_lengths():
-    schedule = lambda p, sw=Switches(): forms.fa2_forward(p, sw).template_args[launch.SCHEDULE_ARG["fa3_fwd_sm90"]]  # noqa: E731
+    schedule = lambda p, sw=Switches(): (  # noqa: E731
+        forms.fa2_forward(p, sw).template_args[launch.SCHEDULE_ARG["fa3_fwd_sm90"]])
     dynamic, static, none = (launch.SCHEDULES[k] for k in ("persistent, dynamic", "persistent, static",
                                                              "one tile per CTA"))
     assert schedule(_problem()) == static, "equal tiles: the static schedule balances them already"
@@ -134,7 +138,8 @@ def test_short_calls_without_a_mask_take_their_own_rows(d):
     fwd = lambda **kw: forms.fa2_forward(Problem(**{**dict(batch=2, seqlen_q=1024, seqlen_k=1024, heads=4,  # noqa: E731
                                                         kv_heads=4, head_dim=d, dtype="bfloat16", causal=False,
                                                         arch="sm_90"), **kw}))
-    row, table = configs.SHORT_FULL_ROWS[("fa3_fwd_sm90", d, "bfloat16")], configs.TABLE[("fa3_fwd_sm90", d, "bfloat16")]
+    row, table = (configs.SHORT_FULL_ROWS[("fa3_fwd_sm90", d, "bfloat16")],
+                  configs.TABLE[("fa3_fwd_sm90", d, "bfloat16")])
     assert fwd().config == row and fwd(seqlen_q=7, seqlen_k=512).config == row
     assert fwd(seqlen_k=1025).config == table, "more keys than SHORT_FULL_SEQLEN"
     assert fwd(causal=True, seqlen_k=2048).config == table
@@ -144,9 +149,9 @@ def test_short_calls_without_a_mask_take_their_own_rows(d):
 
 @pytest.mark.parametrize("d", [96, 128])
 def test_short_windows_take_their_own_rows(d):
-    fwd = lambda **kw: forms.fa2_forward(Problem(**{**dict(batch=2, seqlen_q=16384, seqlen_k=16384, heads=4,  # noqa: E731
-                                                        kv_heads=4, head_dim=d, dtype="bfloat16", causal=True,
-                                                        arch="sm_90"), **kw}))
+    fwd = lambda **kw: forms.fa2_forward(  # noqa: E731
+        Problem(**{**dict(batch=2, seqlen_q=16384, seqlen_k=16384, heads=4, kv_heads=4, head_dim=d,
+                          dtype="bfloat16", causal=True, arch="sm_90"), **kw}))
     row = configs.WINDOW_ROWS[("fa3_fwd_sm90", d, "bfloat16")]
     assert fwd(window=(1024, 0)).config == row, "the measured case: (1024, 0) causal"
     assert fwd(window=(64, 17), causal=False).config == row, "two-sided, 81 keys beside the diagonal"
@@ -229,8 +234,8 @@ def test_the_cp_async_wgmma_form_needs_the_64_grid_and_fa3_needs_the_ideas():
 @pytest.mark.parametrize("d", [80, 96])
 def test_fa3_off_in_the_settings_falls_back_off_the_64_grid(d):
     """RAWFLASH_FA3=0 (the settings, not the call) at a head_dim the cp.async wgmma form has no row for: the mma.sync
-    forward, not an error (session 11's H200 run found the forward refusing); the call's own warp_specialize=False
-    or wgmma=True there is still refused."""
+    forward, not an error (without the fallback an H200 refuses the forward); the call's own
+    warp_specialize=False or wgmma=True there is still refused."""
     off = Settings(warp_specialize=False)
     assert forms.fa2_forward(_problem(d=d), settings=off).kernel == "fa2_fwd"
     assert forms.forward_plan(_problem(d=d, alibi=True), settings=off)[0].kernel == "fa2_fwd"
@@ -242,7 +247,8 @@ def test_fa3_off_in_the_settings_falls_back_off_the_64_grid(d):
 
 
 def test_overlap_switch_reaches_the_template():
-    on, off = forms.fa2_forward(_problem(), Switches(overlap=True)), forms.fa2_forward(_problem(), Switches(overlap=False))
+    on, off = (forms.fa2_forward(_problem(), Switches(overlap=True)),
+               forms.fa2_forward(_problem(), Switches(overlap=False)))
     assert on.name_expression != off.name_expression
     assert on.template_args[8] is True and off.template_args[8] is False
 
@@ -419,7 +425,7 @@ def test_fa3_backward_query_rows_per_step(d, rows, ds_buffers):
 def test_backward_key_tiles_longest_first_under_a_right_bound_and_few_pairs():
     """The default FA3 backward dispatches key tiles longest first (BwdParams::longest_first) under a mask bounded
     on the right, with fixed lengths, outside the column split's pairs, where (batch, kv head) pairs number at most
-    half the SMs; the bound is inclusive (64 pairs: MHA d = 128 N = 4096, 1.0x; 128: 0.78 - 0.89x, session 23)."""
+    half the SMs; the bound is inclusive (64 pairs: MHA d = 128 N = 4096, 1.0x; 128: 0.78 - 0.89x on an H200)."""
     cfg = configs.TileConfig(64, 128, 12, stages=2)
     gqa = Problem(4, 4096, 4096, 16, 4, 128, "bfloat16", True, "sm_90")  # 16 pairs
     assert launch.fa3_bwd_longest_first(gqa, cfg, 132)
@@ -467,8 +473,9 @@ def test_fa3_backward_80_rows_on_long_sequences(d, dtype):
         det = forms.backward_plan(x, deterministic=True)[1]
         assert det.kernel == "fa3_bwd_sm90" and det.config.br == 64 and det.template_args[7] is True
     assert tma.dq_box_rows(80) == 80
-    for other in (dataclasses.replace(p, seqlen_q=nc - 1, seqlen_k=nc, causal=True), dataclasses.replace(p, softcap=5.0),
-                  dataclasses.replace(p, seqlen_q=n - 1), dataclasses.replace(p, window=(64, 64))):
+    for other in (dataclasses.replace(p, seqlen_q=nc - 1, seqlen_k=nc, causal=True),
+                  dataclasses.replace(p, softcap=5.0), dataclasses.replace(p, seqlen_q=n - 1),
+                  dataclasses.replace(p, window=(64, 64))):
         assert forms.backward_plan(other)[1].config.br == 64
     with pytest.raises(ValueError, match="80-row tile runs head_dim 128"):
         launch.fa3_bwd_sm90(p, main.config, deterministic=True)

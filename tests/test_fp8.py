@@ -175,7 +175,8 @@ def test_fp8_plan_on_hopper_and_refusals():
 def test_fp8_instantiations_are_compiled_by_the_compile_tests():
     names = {lau.name_expression for lau in forms.all_instantiations("sm_90")}
     assert {lau.name_expression for lau in forms.fp8_instantiations()} <= names
-    assert not any(lau.kernel.startswith("fp8") or lau.kernel.endswith("_fp8") for lau in forms.all_instantiations("sm_80"))
+    assert not any(lau.kernel.startswith("fp8") or lau.kernel.endswith("_fp8")
+                   for lau in forms.all_instantiations("sm_80"))
 
 
 def test_reference_backend_runs_fp8_windows_and_packed_sequences():

@@ -208,7 +208,7 @@ SPLIT_D_FEATURES = [  # the general policy through the column split's policy cal
 ]
 
 
-# Fails on the H200 (session 10): dsinks 0.00412 against a bound of 0.00236 (5.2x the naive error), with FA3's
+# Fails on an H200: dsinks 0.00412 against a bound of 0.00236 (5.2x the naive error), with FA3's
 # forward's O and lse; with RAWFLASH_FA3=0 (fa2_fwd_sm90's) it passes. dsinks comes from fa2_bwd_preprocess (O, lse),
 # not from the column split. A FlashAttention-2 forward done exactly in float16's precision already misses the rule
 # on this case (0.0026: tests/test_reference.py pins it); FA3's lazy rescale at d = 256 adds to it. Strict: a change
@@ -239,8 +239,8 @@ def test_fa3_backward_split_d_features(name, opts, d, dtype):
 
 
 def test_fa3_split_d_and_cp_async_form_agree(monkeypatch):
-    """d = 256 through the column split and through fa2_bwd_sm90's (cp.async, two warpgroups on 64 keys; RAWFLASH_FA3=0):
-    the same gradients up to rounding (the float32 dQ sums in another order)."""
+    """d = 256 through the column split and through fa2_bwd_sm90's (cp.async, two warpgroups on 64 keys;
+    RAWFLASH_FA3=0): the same gradients up to rounding (the float32 dQ sums in another order)."""
     import cupy
 
     from conftest import random_qkv

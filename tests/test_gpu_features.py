@@ -68,7 +68,8 @@ def _inputs(sq, sk, h, hk, d, dtype, opts, seed):
         qs, ks = VARLEN_Q, VARLEN_K
         q, k, v = random_qkv(1, sum(qs), sum(ks), h, hk, d, dtype, seed=seed, scale=scale_in)
         q, k, v = q[0], k[0], v[0]
-        extra.update(cu_seqlens_q=np.cumsum([0] + qs).astype(np.int32), cu_seqlens_k=np.cumsum([0] + ks).astype(np.int32))
+        extra.update(cu_seqlens_q=np.cumsum([0] + qs).astype(np.int32),
+                     cu_seqlens_k=np.cumsum([0] + ks).astype(np.int32))
         batch = len(qs)
     else:
         batch = 2
@@ -153,13 +154,13 @@ def test_feature(sq, sk, h, hk, d, dtype, opts):
 
 @pytest.mark.parametrize("sq,sk,h,hk,d,dtype,opts", [x for x in _grid(BOUNDED) if x.values[5] != "float32"])
 def test_softcap_bounds(sq, sk, h, hk, d, dtype, opts):  # (float16: the running max, as a control)
-    # (float32, the mma.sync general path, misses the rule by 1.2 - 1.5x on these saturated rows: session 24, run 2)
+    # (float32, the mma.sync general path, misses the rule by 1.2 - 1.5x on these saturated rows on an H200)
     check_feature(sq, sk, h, hk, d, dtype, opts)
 
 
-# Fails on the H200 (runs 2 and 4 of session 3): dK 0.0146 against a bound of 0.0128 (4.0x the naive error of
-# 0.00363) in the mma.sync backward at d = 96, float16, packed lengths with seqused_k and soft-capping. Understood
-# (session 9, offline): the error is FlashAttention's D = rowsum(dO * O) taken from the stored float16 O. The float64
+# Fails on an H200: dK 0.0146 against a bound of 0.0128 (4.0x the naive error of 0.00363) in the mma.sync backward
+# at d = 96, float16, packed lengths with seqused_k and soft-capping. The error is FlashAttention's
+# D = rowsum(dO * O) taken from the stored float16 O (reproduced offline). The float64
 # backward given the exact O rounded to float16 and the exact lse has the same dK error (0.0145), and the Numba twin
 # on the simulator reproduces the kernels' (0.0145); tests/test_reference.py pins it. Soft-capping x8 inputs spreads
 # P over many saturated keys, where D's rounding error, times P, is not small against the naive error. Kept as a

@@ -1,7 +1,8 @@
 """The cp.async wgmma forward kernel (fa2_fwd_sm90, warp_specialize=False) on an sm_90 GPU, by flash-attn's rule
-against the float64 reference, with and without FA3's softmax / P V overlap, over ragged lengths, seqlen_q != seqlen_k both ways, GQA / MQA and
-causal both ways, and the wgmma backward. (tests/test_gpu_fa3.py tests FA3's form, the default forward on an
-H200; tests/test_gpu_kernels.py runs the default path; tools/gpu_run.sh runs that file once more with RAWFLASH_WGMMA=0 so the mma.sync kernel stays covered.)"""
+against the float64 reference, with and without FA3's softmax / P V overlap, over ragged lengths, seqlen_q !=
+seqlen_k both ways, GQA / MQA and causal both ways, and the wgmma backward. (tests/test_gpu_fa3.py tests FA3's
+form, the default forward on an H200; tests/test_gpu_kernels.py runs the default path; tools/gpu_run.sh runs that
+file once more with RAWFLASH_WGMMA=0 so the mma.sync kernel stays covered.)"""
 from __future__ import annotations
 
 import itertools

@@ -71,7 +71,8 @@ def test_wgmma_rungs_cannot_run_off_hopper():
 
 def test_predicted_bytes_are_rawflash_io_for_each_rungs_own_tiles():
     shape = iomodel.Shape(4, 4096, 4096, 16, 16, 128, 2, False)
-    assert ablation.predicted_bytes(ablation.rung("naive"), SHAPE) == iomodel.io_bytes("naive", "fwd", shape).total_bytes
+    assert (ablation.predicted_bytes(ablation.rung("naive"), SHAPE)
+            == iomodel.io_bytes("naive", "fwd", shape).total_bytes)
     fa1 = forms.forward_plan(SHAPE, "fa1")[0]
     assert ablation.predicted_bytes(ablation.rung("fa1"), SHAPE) == iomodel.io_bytes(
         "fa1", "fwd", shape, Br=fa1.config.br, Bc=fa1.config.bc, splits=fa1.grid[2]).total_bytes

@@ -1,10 +1,10 @@
-"""The Numba twins mirror the CUDA C, checked on the source text and the registry (no numba,
-no GPU).
+"""The Numba twins mirror the CUDA C, checked on the source text and the registry (no numba, no GPU).
 
 - Every ``cuda/*.cu`` / ``*.cuh`` file with section anchors (``// ---- [stem:name] ... ----``) has a twin module
   ``rawflash/numba_kernels/<stem>.py`` whose anchors (``# ---- [stem:name] ... ----``) are the same names in the
-  same order, or the registry declares the file twin-less: a form whose ``source`` or one of whose ``mainloops`` is that file has
-  ``twin=None`` and says why (``no_twin``). Twin modules of headers without anchors carry none either.
+  same order, or the registry declares the file twin-less: a form whose ``source`` or one of whose ``mainloops``
+  is that file has ``twin=None`` and says why (``no_twin``). Twin modules of headers without anchors carry none
+  either.
 - Every form and helper of the registry with a twin names a module that exists and has its factory
   ``make_<kernel>``.
 - Every ``# MIRROR:`` comment that marks an intended difference says what differs.

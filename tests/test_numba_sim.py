@@ -442,7 +442,8 @@ def test_rotated_dq_ranks_follow_the_walks(sq, sk, br, bc):
     def rounds(step_block, rank):  # all CTAs at once: in a round each adds if its turn had come by the round's start
         step, count, n = [0] * nk, [0] * nq, 0
         while min(step) < nq:
-            ready = [j for j in range(nk) if step[j] < nq and count[step_block(j, step[j])] == rank(step_block(j, step[j]), j)]
+            ready = [j for j in range(nk)
+                     if step[j] < nq and count[step_block(j, step[j])] == rank(step_block(j, step[j]), j)]
             assert ready, "deadlock"
             for j in ready:
                 count[step_block(j, step[j])] += 1

@@ -15,8 +15,8 @@ from rawflash.kernels import params
 from rawflash.kernels.launch import Problem
 
 HEADER = Path(__file__).resolve().parents[1] / "cuda" / "params.cuh"
-CTYPES = {"const void*": "ptr", "void*": "ptr", "float*": "ptr", "const float*": "ptr", "const int*": "ptr", "int*": "ptr",
-          "long long": "i64", "int": "i32", "float": "f32"}
+CTYPES = {"const void*": "ptr", "void*": "ptr", "float*": "ptr", "const float*": "ptr", "const int*": "ptr",
+          "int*": "ptr", "long long": "i64", "int": "i32", "float": "f32"}
 
 
 def _struct_fields(name: str) -> list[tuple[str, str]]:

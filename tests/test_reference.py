@@ -389,11 +389,11 @@ def test_naive_dsinks_rounds_each_rows_share():
     """The naive (``upcast=False``) dsinks is what autograd gives for a naive attention that concatenates the sink
     to the scores (gpt-oss's reference): each row's sink probability and its gradient are elements of the 16-bit
     probability and score-gradient tensors, rounded before the float32 sum over rows. Summing unrounded float32
-    shares made the naive 3x more accurate than the 16-bit tensors allow, and the bound it set was below the error
-    a kernel that computes D from its own 16-bit O cannot avoid: on test_numba_gpu.py's sinks case (float16, 203 x
-    113, causal) the float64 backward given the exact O rounded to float16 is off by 0.00164, where the old naive
-    error was 0.00052 (bound 0.00157; the twin on the H200: 0.00158). With the rounded shares the method's own
-    error is within the rule."""
+    shares would make the naive 3x more accurate than the 16-bit tensors allow, with a bound below the error a
+    kernel that computes D from its own 16-bit O cannot avoid: on test_numba_gpu.py's sinks case (float16, 203 x
+    113, causal) the float64 backward given the exact O rounded to float16 is off by 0.00164, where a naive with
+    unrounded shares errs by 0.00052 (bound 0.00157; the twin on an H200: 0.00158). With the rounded shares the
+    method's own error is within the rule."""
     from test_gpu_features import _inputs
 
     q, k, v, extra = _inputs(203, 113, 4, 2, 64, "float16", dict(sinks="random", causal=True), 12)
@@ -450,7 +450,8 @@ def _flash_forward_float16(q, k, v, sinks, block_keys):
                 p = np.exp2(s[:, j:j + block_keys] - m_new[:, None])
                 fo = np.exp2(m - m_new)
                 l = fo * l + p.sum(1, dtype=np.float32)
-                o = fo[:, None] * o + p.astype(np.float16).astype(np.float32) @ v[b, j:j + block_keys, hk].astype(np.float32)
+                o = fo[:, None] * o + (p.astype(np.float16).astype(np.float32)
+                                       @ v[b, j:j + block_keys, hk].astype(np.float32))
                 m = m_new
             sink = np.float32(sinks[h] * 1.4426950408889634)
             top = np.maximum(m, sink)
