@@ -384,7 +384,7 @@ def ratios(records: list[Record], impl: str = "rawflash-fa2") -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------- the features models use (issue targets)
+# ---------------------------------------------------------------- the features models use (their speed targets)
 @dataclasses.dataclass(frozen=True)
 class FeatureCase:
     """One feature measurement: a name, the call's shape (packed lengths for varlen) and its feature arguments."""
@@ -534,7 +534,8 @@ def run_features(repeats: int = 10, head_dim: int = 128, directions: tuple = ("f
         ms = time_ms(public, repeats=repeats)
         row = {"case": case.name, "direction": case.direction, "dtype": case.dtype, "kernel_ms": kernel_ms, "ms": ms,
                "kernel_tflops": case.flops / (kernel_ms * 1e-3) / 1e12, "tflops": case.flops / (ms * 1e-3) / 1e12}
-        if case.lengths and case.direction == "fwd" and case.dtype != FP8 and _torch() is not None:  # a PyTorch user's peer for packed ones
+        # a PyTorch user's peer for packed sequences: torch-flash called once per sequence
+        if case.lengths and case.direction == "fwd" and case.dtype != FP8 and _torch() is not None:
             torch_ms = time_ms(_torch_per_sequence(case, q, k, v), repeats=repeats)
             row.update({"torch-flash per sequence ms": torch_ms, "x torch-flash per sequence": torch_ms / ms})
         rows.append(row)

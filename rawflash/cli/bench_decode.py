@@ -71,7 +71,7 @@ GROUPS = ((32, 8), (64, 8), (32, 1))  # GQA 32/8 (Llama 3 8B), 64/8 (Llama 3 70B
 
 
 def sweep_cases() -> list[DecodeCase]:
-    """The issue's sweep: batch x context x group x layout at d = 128, bf16; then 4 query rows (GQA 32/8)."""
+    """The full sweep: batch x context x group x layout at d = 128, bf16; then 4 query rows (GQA 32/8)."""
     out = [DecodeCase(b, n, h, hk, page=page) for b in (1, 8, 64) for n in (1024, 8192, 32768, 131072)
            for h, hk in GROUPS for page in (0, 16, 64, 256)]
     out += [DecodeCase(b, n, sq=4) for b in (1, 8, 64) for n in (1024, 8192, 32768, 131072)]
@@ -88,7 +88,8 @@ def quick_cases() -> list[DecodeCase]:
 
 
 def decode_cases() -> list[DecodeCase]:
-    """Session 3's cases (kept for comparison with bench-decode-bf16.json)."""
+    """A fixed set of 13 cases: GQA 32/8 at d = 128, bf16, batch 1 / 8 / 64 with 4k - 128k keys, contiguous; then
+    pages of 16 and 256, 4 query rows, MHA at d = 64, MQA and float16, one shape each."""
     out = [DecodeCase(b, n) for b, n in ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (64, 4096),
                                          (64, 8192))]
     out += [DecodeCase(8, 32768, page=16), DecodeCase(8, 32768, page=256), DecodeCase(8, 32768, sq=4),

@@ -512,8 +512,8 @@ class GPU:
 
 
 GPUS = {
-    # Measured on the H200 test machine (2026-11-29): cuBLAS bf16 8192^3 matmul through PyTorch,
-    # 751 TFLOP/s; device-to-device copy, 4.26 TB/s read + written. fp32 was not measured: datasheet value.
+    # Measured on the H200 test machine: cuBLAS bf16 8192^3 matmul through PyTorch, 751 TFLOP/s; device-to-device
+    # copy, 4.26 TB/s read + written. fp32 is the datasheet value (not measured).
     "H200": GPU("H200", 751.0, 67.0, 4.26),
     # NVIDIA H200 datasheet (SXM): bf16/fp16 1979 TFLOP/s with sparsity = 989 dense; fp32 67; HBM3e 4.8 TB/s.
     "H200-datasheet": GPU("H200-datasheet", 989.0, 67.0, 4.8),
