@@ -557,9 +557,10 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                     add_note(row, "O staged in the Q_i buffer, stored by TMA")
                 ref = lau.template_args[launch.REF_ARG] if lau.kernel == "fa3_fwd_sm90" else None
                 if ref == launch.REF_BOUNDED:
-                    add_note(row, f"bounded scores (softcap {p.softcap:g} <= {launch.BOUNDED_SOFTCAP_MAX:g}, bfloat16): "
-                                  "the softmax subtracts the fixed reference softcap log2(e) - 56, no running max and "
-                                  "no rescale of O")
+                    add_note(row,
+                             f"bounded scores (softcap {p.softcap:g} <= {launch.BOUNDED_SOFTCAP_MAX:g}, bfloat16): "
+                             "the softmax subtracts the fixed reference softcap log2(e) - 56, no running max and "
+                             "no rescale of O")
                 elif ref == launch.REF_FIRST:
                     add_note(row, "softmax reference: each row's first block's max" + (
                         " without the ALiBi bias, less the bias of the row's nearest key" if p.alibi else "") +

@@ -118,7 +118,7 @@ def make_decode_append(T: str) -> Twin:
     def decode_append(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws, counters):
         g = DecodeArrays(q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws,
                          counters)
-        # ---- [decode:append] one thread per 8 columns of one new key (K and V): into its row (or page) of the cache ----
+        # ---- [decode:append] one thread per 8 columns of one new key (K and V): into its cache row (or page) ----
         c8 = p.head_dim // 8
         n = p.batch * p.new_keys * p.kv_heads * c8
         for x in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n, cuda.gridDim.x * cuda.blockDim.x):
@@ -170,7 +170,7 @@ def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int
         # MIRROR: a new namedtuple with the decode lengths where the CUDA C assigns bi.seqlen_q / seqlen_k.
         bi = BlockInfo(bi0.b, bi0.ab, bi0.h, bi0.hk, p.seqlen_q, length + p.new_keys if ok else 0, 0, 0)
         pol = make_policy(WINDOW, True, EXACT, p, g, bi)
-        # ---- [decode:load_q] the packed Q tile (row r: query r / group, head hk * group + r % group), shared by the warps ----
+        # ---- [decode:load_q] the packed Q tile (row r: query r / group, head hk * group + r % group) ----
         sQ = smem[0:ROWS * D].reshape((ROWS, D))
         for idx in range(cuda.threadIdx.x, ROWS * D, cuda.blockDim.x):
             rr = idx // D
@@ -325,7 +325,7 @@ def make_decode_combine_warp(T: str, WARPS: int) -> Twin:
                             m_ws, counters):
         # MIRROR: a per-thread array of the row's split lse where the CUDA C keeps one per lane.
         w = cuda.local.array(32, float32)
-        # ---- [decode:combine_warp] row (b, i, h) by one warp (num_splits <= 32), WARPS rows per CTA: decode_combine's math ----
+        # ---- [decode:combine_warp] row (b, i, h) by one warp (num_splits <= 32), WARPS rows per CTA ----
         # MIRROR: one thread per row does the lanes' work in turn: the max and the sum over the splits in order
         # (the CUDA C: xor-shuffle trees), each column summed over every split in order (the CUDA C's order below
         # 128 columns: groups of lanes over every groups-th split, then the groups in order). math.exp for every

@@ -99,15 +99,16 @@ def make_fa1_fwd(T: str, D: int, BR: int, BC: int, NWARPS: int, MIN_BLOCKS: int,
             jc = j
             k0 = j * BC
             qb = q_blocks(pol, k0, BC, BR, tr)
-            # ---- [fa1_fwd:inner] Alg.1 l.7-8: for each Q_i of this split that sees K_j (blocks that see none are skipped) ----
+            # ---- [fa1_fwd:inner] Alg.1 l.7-8: for each Q_i of this split that sees K_j (others are skipped) ----
             while j == jc:
                 jn, inext = advance(pol, split, splits, tr, tc, j, i)
                 q0 = i * BR
                 nq = min(BR, bi.seqlen_q - q0)
-                cuda.syncthreads()  # Q_i (and K_j, V_j) are visible; every thread is done with the slots and other Q buffer
+                # Q_i (and K_j, V_j) are visible; every thread is done with the slots and the other Q buffer
+                cuda.syncthreads()
                 if jn == j:                                                  # Q of the next step
                     load_tile(sQ1 if buf == 0 else sQ0, Q, inext * BR, min(BR, bi.seqlen_q - inext * BR), p.head_dim)
-                # ---- [fa1_fwd:load] Alg.1 l.8: O_i, l_i, m_i from HBM into the registers of the warps that merge them ----
+                # ---- [fa1_fwd:load] Alg.1 l.8: O_i, l_i, m_i from HBM into the merging warps' registers ----
                 if r < nq:
                     for c in range(OWN):
                         st[c] = O[q0 + r, w * OWN + c] if w * OWN + c < p.head_dim else ZERO
@@ -115,7 +116,7 @@ def make_fa1_fwd(T: str, D: int, BR: int, BC: int, NWARPS: int, MIN_BLOCKS: int,
                     st[OWN + 1] = l[q0 + r]
                 else:
                     init_state(st)
-                # ---- [fa1_fwd:block] Alg.1 l.9-10: S_ij, m~_ij, P~_ij, l~_ij and P~_ij V_j, keys split across warps ----
+                # ---- [fa1_fwd:block] Alg.1 l.9-10: S_ij, m~_ij, P~_ij, l~_ij, P~_ij V_j; keys split across warps ----
                 edge = i < qb.lo_full or i >= qb.hi_full
                 splitk_block(sk, sQ0 if buf == 0 else sQ1, sK, sV, pol, q0, k0, edge)
                 cuda.syncthreads()  # every warp's partials are in its slot; K_j, V_j and this Q buffer are free

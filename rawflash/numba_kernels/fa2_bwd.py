@@ -49,7 +49,7 @@ def make_fa2_bwd_preprocess(T: str) -> Twin:
             i = row % p.rows_seqlen
             h = (row // p.rows_seqlen) % p.heads
             b = row // (p.rows_seqlen * p.heads)
-            # ---- [fa2_bwd:zero_dq] the float32 dQ rows the main pass adds into start at zero: this block's columns ----
+            # ---- [fa2_bwd:zero_dq] the float32 dQ rows the main pass adds into start at zero (these columns) ----
             if dq_ws.shape[3] == p.head_dim:  # (the deterministic backward passes a dummy of one element)
                 for c in range(16 * blk, min(16 * blk + 16, p.head_dim)):
                     dq_ws[b, h, i, c] = 0

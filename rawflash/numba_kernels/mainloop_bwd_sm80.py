@@ -84,7 +84,7 @@ def make_mainloop_bwd_sm80(T: str, D: int, BR: int, BC: int, NWARPS: int, WC: in
             # MIRROR: the head's policy as a new value every iteration (a plain policy's slope stays 0), where the
             # CUDA C updates it in place under GENERAL only.
             hpol = set_head(pol, p, g, bh)
-            # ---- [mainloop_bwd_sm80:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i; the next block's stream in behind them ----
+            # ---- [mainloop_bwd_sm80:load_q] Alg.2 l.8: Q_i, dO_i, L_i, D_i (the next block's stream in behind) ----
             # MIRROR: loaded here, in one stage; the CUDA C streams the next iteration's in behind this one (two
             # stages, cp.async).
             load_query_block(sQ, sdO, sL, sDelta, g.q[bh.ab, bh.q_row0:, bh.h], g.dout[bh.ab, bh.q_row0:, bh.h],
@@ -100,11 +100,11 @@ def make_mainloop_bwd_sm80(T: str, D: int, BR: int, BC: int, NWARPS: int, WC: in
                 x, y = backward(hpol, pp[c], ds[c], q0 + c, k0 + kr, sL[c], sDelta[c], edge)
                 pp[c] = x
                 ds[c] = y
-            # ---- [mainloop_bwd_sm80:dkdv] Alg.2 l.11 and l.15: dV_j += P^T dO_i, dK_j += dS^T Q_i (scale at the end) ----
+            # ---- [mainloop_bwd_sm80:dkdv] Alg.2 l.11, l.15: dV_j += P^T dO_i, dK_j += dS^T Q_i (scale at the end) ----
             for d in range(D):
                 st[D + d] += dot_vec_col(pp, sdO, 0, d)
                 st[d] += dot_vec_col(ds, sQ, 0, d)
-            # ---- [mainloop_bwd_sm80:dq] Alg.2 l.14: dQ_i += scale * dS K_j, through shared memory and float32 atomics ----
+            # ---- [mainloop_bwd_sm80:dq] Alg.2 l.14: dQ_i += scale * dS K_j via shared memory and float32 atomics ----
             if ATOMIC_DQ:
                 for c in range(BR):
                     sdS[kr, c] = ds[c]

@@ -78,7 +78,7 @@ def make_mainloop_fwd_sm80(T: str, D: int, BR: int, BC: int, NWARPS: int, KUNROL
             # ---- [mainloop_fwd_sm80:mask] edge blocks only: hidden scores to -inf ----
             if is_edge(kv, step):
                 mask(pol, s, q0 + r, k0)
-            # ---- [mainloop_fwd_sm80:softmax] Alg.1 l.9-10: P = exp2(S - m_new), l and O rescaled by e^(m_old - m_new) ----
+            # ---- [mainloop_fwd_sm80:softmax] Alg.1 l.9-10: P = exp2(S - m_new); l, O scaled by e^(m_old - m_new) ----
             m, l, fo = update(s, ONE, m, l, not DEFER_NORM, ZERO)
             for c in range(D):
                 st[c] *= fo

@@ -55,7 +55,8 @@ def make_splitk(BR: int, BC: int, D: int, NWARPS: int):
         """SplitK(base): the slots from float32 word ``at`` of the dynamic shared array."""
         # MIRROR: each slot row-major (warps, BR, D); the CUDA C stores a warp's partial O in C-fragment order.
         return SplitK(smem[at + O_AT:at + MX_AT].reshape((NWARPS, BR, D)),
-                      smem[at + MX_AT:at + SUM_AT].reshape((NWARPS, BR)), smem[at + SUM_AT:at + END].reshape((NWARPS, BR)))
+                      smem[at + MX_AT:at + SUM_AT].reshape((NWARPS, BR)),
+                      smem[at + SUM_AT:at + END].reshape((NWARPS, BR)))
 
     @cuda.jit(device=True)
     def init_state(st):
