@@ -208,7 +208,7 @@ LADDER: tuple[Rung, ...] = (
     Rung("+ persistent", "fa2", _FA3 + (("warp_specialize", True), ("overlap", True), ("pingpong", True),
                                         ("persistent", True)),
          "one CTA per SM loops over tiles, taking the next from a counter when it is ready for one (a dynamic "
-         "schedule; session 4 measured this rung with the static one): no launch of a CTA per tile, the next "
+         "schedule): no launch of a CTA per tile, the next "
          "tile's loads start under this tile's epilogue",
          "FA3's released kernels; the paper gives no separate figure"),
 )

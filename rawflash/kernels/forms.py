@@ -77,8 +77,8 @@ def persistent_default(p: Problem) -> bool:
     dynamic schedule (CTAs take the next tile from a counter, ``DynamicTileScheduler``) balances unequal causal
     tiles as the hardware's dispatch of one CTA per tile does, and overlaps each tile's end with the next one's
     copies (H200, bf16, d = 128, causal: N = 1024 366 against 323 TFLOP/s one tile per CTA, N = 16384 703 against
-    692; session 4's static schedule had lost there, 442 against 676 at N = 16384; bench/results/NOTES.md,
-    session 6). Packed sequences and ``seqused_k`` run one CTA per tile: their tiles are unequal without a mask,
+    692, where the static schedule gives 442; bench/NOTES.md). Packed sequences and ``seqused_k`` run one CTA per tile:
+    their tiles are unequal without a mask,
     and the dynamic scheduler does not walk packed tiles."""
     return not p.varlen and not p.seqused_k
 
@@ -86,9 +86,9 @@ def persistent_default(p: Problem) -> bool:
 def fa3_dynamic(p: Problem, sw: Switches) -> bool:
     """Whether a persistent FA3 grid takes its tiles from the counter: the switch when given; by default under a
     mask (unequal tiles), while without one the static schedule balances the equal tiles already at d = 64 / 128
-    (H200, bf16, session 6: static 1 - 4 % faster for N <= 1024 and 2 % at N = 16384); the 16-bit d = 256 forward
-    takes the counter without a mask too (3 - 5 % faster in session 6, 1 - 2 % in session 7: its long tiles end
-    unevenly). Never for packed sequences, which only the static schedule walks (its holes between sequences)."""
+    (H200, bf16: static 1 - 4 % faster for N <= 1024 and 2 % at N = 16384); the 16-bit d = 256 forward takes the
+    counter without a mask too (1 - 5 % faster: its long tiles end unevenly; bench/NOTES.md). Never for packed
+    sequences, which only the static schedule walks (its holes between sequences)."""
     if p.varlen:
         return False
     if sw.dynamic is not None:
@@ -326,7 +326,7 @@ class DecodePlan:
 
 
 MAX_SPLITS = launch.DECODE_MAX_SPLITS
-# The split model's two constants (H200, bf16; bench/results/NOTES.md, decode session 4): the HBM read rate a
+# The split model's two constants (H200, bf16; bench/NOTES.md, decode): the HBM read rate a
 # full grid reaches, and the time one warp waits for each tile it has in flight when the grid is too small to
 # be bandwidth-bound (a loaded round trip plus the tile's own work).
 DECODE_BYTES_PER_US = 4.0e6
@@ -395,7 +395,8 @@ def decode_splits(p: Problem, cfg: TileConfig, sms: int = 132) -> int:
     """How many splits decode cuts every sequence's keys into when the caller does not say (``num_splits=None``).
 
     The split count from 1 to min(256, key tiles of the capacity) that minimises ``decode_split_cost``; among
-    those within 2 % of the best, the one whose waves are fullest (``decode_occupancy``), then the fewest. What the model trades: more splits give more CTAs (a small batch or
+    those within 2 % of the best, the one whose waves are fullest (``decode_occupancy``), then the fewest. What
+    the model trades: more splits give more CTAs (a small batch or
     few kv heads cannot fill ``sms`` multiprocessors otherwise, and one warp alone is latency-bound) and shorter
     latency chains, but waves must come out near whole (a last wave of a few CTAs costs as long as a full one),
     and every split adds its float32 partial O to write and read and a step to the combine. Planned from the
@@ -548,7 +549,8 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
 # FP8 tile rows not in configs.TABLE that tools/tune.py times at d = 128 (compiled by fp8_instantiations, so CI
 # keeps them compiling): the rows the table's 128 x 192 (3 stages, 2 Q_i buffers) was measured against.
 FP8_TILE_CANDIDATES = (configs.TileConfig(128, 128, 12, stages=2), configs.TileConfig(128, 192, 12, stages=2),
-                       configs.TileConfig(128, 192, 12, stages=3), configs.TileConfig(128, 128, 12, stages=2, q_stages=2))
+                       configs.TileConfig(128, 192, 12, stages=3),
+                       configs.TileConfig(128, 128, 12, stages=2, q_stages=2))
 # 16-bit FA3 forward rows not in configs.TABLE that tools/tune.py times (compiled by all_instantiations for
 # bfloat16's plain policy, so CI keeps them compiling): one Q_i buffer where the table has two and two where it
 # has one (they fit in shared memory at d = 128 with 160 or 128 keys, not with the table's 176).

@@ -21,7 +21,8 @@ MAX_GRID_YZ = 65535
 NO_MASK, CAUSAL, WINDOW = 0, 1, 2  # policy.cuh's Mask: the compile-time mask mode of a kernel
 # Where each tiled kernel's template arguments hold its mask mode (the general-policy bool follows it, except in
 # fa1_fwd, which has only the plain policy): the formulas below build them in this order.
-MASK_ARG = {"fa2_fwd": 7, "fa2_fwd_sm90": 5, "fa3_fwd_sm90": 5, "fa3_fwd_sm90_fp8": 5, "fa3_bwd_sm90": 5, "fa2_bwd": 8, "fa2_bwd_sm90": 5, "fa2_bwd_dq": 7, "fa1_fwd": 6}
+MASK_ARG = {"fa2_fwd": 7, "fa2_fwd_sm90": 5, "fa3_fwd_sm90": 5, "fa3_fwd_sm90_fp8": 5, "fa3_bwd_sm90": 5,
+            "fa2_bwd": 8, "fa2_bwd_sm90": 5, "fa2_bwd_dq": 7, "fa1_fwd": 6}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,9 +33,9 @@ def cdiv(a: int, b: int) -> int:
 # The largest softcap whose scores take the FA3 forward's fixed softmax reference (Problem.bounded_scores): with
 # the reference softcap log2(e) - 56 (policy.cuh's FIXED_TOP_LOG2) P stays in [2^-88.3, 2^56] up to softcap 50.
 BOUNDED_SOFTCAP_MAX = 50.0
-# ... and the head dims that take it (and Problem.softmax_ref's REF_FIRST): at d = 256 (session 24, run 2) one GPU
-# test's dQ came out 1.5x past its bound (softcap 30, causal, 203 x 113, MQA; not understood), and soft-capping
-# costs d = 256 9 % without it: d <= 128.
+# ... and the head dims that take it (and Problem.softmax_ref's REF_FIRST): d <= 128. At d = 256 one GPU test's dQ
+# comes out 1.5x past its bound with it (softcap 30, causal, 203 x 113, MQA; not understood: an open problem in
+# bench/NOTES.md), and soft-capping costs d = 256 9 % without it.
 BOUNDED_MAX_HEAD_DIM = 128
 
 
@@ -117,8 +118,8 @@ class Problem:
         """What the FA3 16-bit forward's softmax subtracts (softmax.cuh's SoftmaxRef): a fixed reference for
         bounded scores; for bfloat16 attention without a window's left bound its rows' first block's max (under
         ALiBi, of the scores without their bias, less the bias of the row's nearest key: policy.cuh's
-        Policy::first_ref), kept for the rest of the row (no max, no rescale of O: session 24 measured the running
-        max at 9 - 16 % of the forward at d <= 128), checked at the end of every row, with a REF_RUNNING launch
+        Policy::first_ref), kept for the rest of the row (no max, no rescale of O: the running max costs 9 - 16 % of
+        the forward at d <= 128, bench/NOTES.md), checked at the end of every row, with a REF_RUNNING launch
         after it that recomputes the call where the check failed (forms.forward_plan); else the running max. The
         first block visited holds key 0 of each row's range: a left-bounded window may hide it from a row that sees
         keys later. float16's P (<= 2^16) has too little range for either; head dims above BOUNDED_MAX_HEAD_DIM
@@ -248,8 +249,8 @@ def smem_fa3_fwd_sm90(cfg: TileConfig, d: int, item: int = 2) -> int:
     """mainloop_fwd_sm90_ws.cuh Fa3FwdPipeline::SMEM_BYTES: 1024 B of alignment slack, `q_stages` Q_i buffers,
     `stages` stages each of K_j and V_j (elements of `item` bytes), 2 q_stages + 4 stages mbarriers of 8 B and 16 B
     for the tile indices (the dynamic schedule's)."""
-    return (1024 + (cfg.q_stages * cfg.br + 2 * cfg.stages * cfg.bc) * d * item + 8 * (2 * cfg.q_stages + 4 * cfg.stages)
-            + 16)
+    return (1024 + (cfg.q_stages * cfg.br + 2 * cfg.stages * cfg.bc) * d * item
+            + 8 * (2 * cfg.q_stages + 4 * cfg.stages) + 16)
 
 
 def smem_fa3_fwd_sm90_fp8(cfg: TileConfig, d: int) -> int:
@@ -306,7 +307,8 @@ def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
     bulk = 2 * 64 * (32 if tight else 64) * 4 if pair else 0  # (each consumer warpgroup's float32 dQ_i tile)
     mid = tiles + kx + bulk + (0 if pair else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4)
     barriers = 1 + 2 * cfg.stages + (2 + 2 * dsx if pair else 0)  # (the pair: dO_i's ring, xfull, xfree)
-    return 1024 + (2 * cfg.bc + (cfg.stages + do_stages) * cfg.br) * d * 2 + mid + 2 * cfg.stages * cfg.br * 4 + 8 * barriers
+    return (1024 + (2 * cfg.bc + (cfg.stages + do_stages) * cfg.br) * d * 2 + mid + 2 * cfg.stages * cfg.br * 4
+            + 8 * barriers)
 
 
 def smem_fa1_fwd(cfg: TileConfig, d: int, itemsize: int) -> int:
@@ -418,8 +420,8 @@ def fa3_fwd_stage_o(p: Problem, cfg: TileConfig, d: int) -> bool:
     """Whether fa3_fwd_sm90 stores O through shared memory and a TMA store (STAGE_O: each consumer warpgroup stages
     its rows in the tile's Q_i buffer; mainloop_fwd_sm90_ws.cuh) rather than from registers: on rows with two Q_i
     buffers, and at head_dim 256 with one (the next tile's Q_i then waits for the store; a d = 256 tile is long
-    enough for that). H200, bf16, kernels alone, against the registers' epilogue (session 13,
-    bench/results/NOTES.md): d = 256 +15 % at N = 512, +9 - 11 % at 1024, +2 % at 4096, even at 16384; d = 64's
+    enough for that). H200, bf16, kernels alone, against the registers' epilogue (bench/NOTES.md): d = 256 +15 % at N =
+    512, +9 - 11 % at 1024, +2 % at 4096, even at 16384; d = 64's
     short causal row (one buffer) -7 - 9 %; d = 128's 128 x 176 even (+-1 %). The general policy at d = 256 keeps
     the registers (staging spills 8 B there); d = 192 is unmeasured and keeps them too."""
     return cfg.q_stages == 2 or (d == 256 and not p.general)
@@ -551,7 +553,8 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
     (scheduler.cuh's KTileScheduler)."""
     if deterministic and fa3_bwd_split_d(cfg):
         raise ValueError("fa3_bwd_sm90's column split (head_dim > 128) has no deterministic form")
-    if cfg.threads != 384 or cfg.bc not in (64, 128) or cfg.br not in ((64,) if fa3_bwd_split_d(cfg) else (64, 80, 128)):
+    rows = (64,) if fa3_bwd_split_d(cfg) else (64, 80, 128)
+    if cfg.threads != 384 or cfg.bc not in (64, 128) or cfg.br not in rows:
         raise ValueError(f"fa3_bwd_sm90 runs a producer and two consumer warpgroups (12 warps) on 64 or 128 keys "
                          f"and 64 query rows (80 or 128 with 128 keys); got {cfg.warps} warps, bc = {cfg.bc}, "
                          f"br = {cfg.br}")
@@ -587,7 +590,7 @@ def fa3_bwd_longest_first(p: Problem, cfg: TileConfig, sms: int) -> bool:
     with j, so the longest walks no longer start in the last waves; but the CTAs that run at once then belong to
     different (batch, kv head)s and share no Q_i / dO_i in L2, so only where those are few: at most half the SMs
     (then each runs in at least two CTAs at a time). Fixed lengths only; not the column split's pairs (d = 192 /
-    256). Measured (session 23, H200, bf16, causal, kernels): GQA 4:1 +7 - 20 % (16 - 64 pairs), MHA 1.0x at 16
+    256). Measured (H200, bf16, causal, kernels; bench/NOTES.md): GQA 4:1 +7 - 20 % (16 - 64 pairs), MHA 1.0x at 16
     - 64 pairs and 0.78 - 0.89x at 128 - 512 (d = 64 / 128, N 1024 - 4096), hence the bound."""
     return (p.bounded_right and not p.varlen and not fa3_bwd_pair(cfg, p.padded_head_dim)
             and p.batch * p.kv_heads <= sms // 2)

@@ -39,8 +39,8 @@ FWD_FIELDS: tuple[tuple[str, str], ...] = (
 BWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("dout", "ptr"), ("dq", "ptr"), ("dk", "ptr"),
     ("dv", "ptr"), ("lse", "ptr"), ("lse2", "ptr"), ("delta", "ptr"), ("dq_ws", "ptr"), ("dsink_ws", "ptr"),
-    ("dq_semaphore", "ptr"), *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"), *_strides("do"), *_strides("dq"),
-    *_strides("dk"), *_strides("dv"), ("lse_sb", "i64"), ("lse_sh", "i64"),
+    ("dq_semaphore", "ptr"), *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"), *_strides("do"),
+    *_strides("dq"), *_strides("dk"), *_strides("dv"), ("lse_sb", "i64"), ("lse_sh", "i64"),
     ("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"), ("seqused_k", "ptr"), ("alibi_slopes", "ptr"),
     ("alibi_sb", "i64"), ("sinks", "ptr"),
     ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
