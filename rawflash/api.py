@@ -12,13 +12,23 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, reference, settings, validation
-from .kernels import configs, forms
+from . import arrays, reference, settings, signature, validation
+from . import fp8 as quantisation  # (forward's argument fp8 is a flag)
+from .kernels import configs, forms, plans
 from .validation import Checked, Features
 
 Array = Any  # a CuPy array, a NumPy array, or any object with __dlpack__ / __cuda_array_interface__
 SWITCHES = ("defer_norm", "seq_parallel", "split_q", "wgmma", "overlap", "warp_specialize", "pingpong", "persistent",
             "dynamic")
+
+
+PLANS = plans.PlanCache()  # planned calls by signature (rawflash.signature), every device's
+
+
+def clear_cache() -> None:
+    """Forget every planned call (the next call of each signature validates and plans again). Compiled kernels stay
+    in CuPy's caches."""
+    PLANS.clear()
 
 
 def _import(named):
@@ -60,7 +70,8 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, seqused_k: Array | None = None,
             q_descale: Array | None = None, k_descale: Array | None = None, v_descale: Array | None = None,
             out_dtype: str | None = None, fp8: bool = False, incoherent: bool = False,
-            kernel: str = "fa2", backend: str = "cupy", **switches: bool) -> tuple[Array, Array]:
+            kernel: str = "fa2", backend: str = "cupy", out: Array | None = None, lse: Array | None = None,
+            **switches: bool) -> tuple[Array, Array]:
     """Exact attention, forward.
 
     Parameters
@@ -103,6 +114,10 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     kernel : {'fa2', 'fa1', 'naive'}
         fa1 and naive run plain attention (naive also windows); every feature needs fa2.
     backend : {'cupy', 'numba', 'reference'}
+    out, lse : arrays, optional
+        Where to write the results (the cupy backend): ``out`` of q's shape and dtype (any layout the kernels can
+        write; otherwise the result is copied in), ``lse`` C-contiguous float32 of lse's shape, on q's device.
+        They are returned.
     **switches
         fa2 only, for the ablation (plain attention only): ``defer_norm``, ``seq_parallel``, ``split_q`` (all True
         by default); ``wgmma`` (default: Hopper's warpgroup form where it applies, False forces mma.sync, True
@@ -124,38 +139,150 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     back as NumPy. Work is queued on CuPy's current stream; nothing synchronises the host (except checking
     cu_seqlens / seqused_k values).
     """
+    if backend == "cupy" and kernel == "fa2" and fp8 is False and incoherent is False and out_dtype is None \
+            and q_descale is None and k_descale is None and v_descale is None:
+        q, k, v = _import((("q", q), ("k", k), ("v", v)))
+        key = signature.forward(q, k, v, (causal, scale, window, softcap, max_seqlen_q, max_seqlen_k,
+                                          tuple([(n, v.__class__, v) for n, v in sorted(switches.items())])),
+                                (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k), out, lse)
+        call = PLANS.get(key) if key is not None else None
+        if call is not None:
+            with _on(q):
+                return call.run(q, k, v, _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
+                                                cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k), out, lse)
+    else:
+        key = None
     env = settings.load()
     q, k, v = _import((("q", q), ("k", k), ("v", v)))
     feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       seqused_k)
     c = validation.check_forward(q, k, v, causal, scale, kernel, backend, feats)
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    ds = None
     if c.problem.dtype == configs.FP8 or fp8 is True or incoherent is True:
-        from .kernels import fp8_forward
-
-        return fp8_forward.forward(q, k, v, c, feats, descales, out_dtype, fp8, incoherent, kernel, backend,
-                                   _check_switches(kernel, switches, c), env)
-    validation.check_fp8_options(descales, out_dtype, incoherent, fp8)
+        q, k, v, c, ds = _fp8_inputs(q, k, v, c, feats, descales, out_dtype, fp8, incoherent, kernel, backend)
+    else:
+        validation.check_fp8_options(descales, out_dtype, incoherent, fp8)
     sw = _check_switches(kernel, switches, c)
-    to_numpy = c.kind == "numpy"
+    p, to_numpy = c.problem, c.kind == "numpy"
+    out_dtype = p.out_dtype or p.dtype
+    outputs = validation.check_outputs(c, (("out", out, tuple(q.shape), out_dtype, False),
+                                           ("lse", lse, _lse_shape(c), "float32", True)))
     if backend == "reference":
-        out, lse = reference.forward(q, k, v, **validation.reference_features(c, feats))
-        return _host_result(out.astype(q.dtype), to_numpy), _host_result(lse.astype(np.float32), to_numpy)
-    if _is_empty(c):
+        if ds is not None:  # e4m3 inputs: their values, dequantised, in float64
+            q, k, v = (quantisation.dequantize(x, d, cu_seqlens=cu) for x, d, cu in
+                       zip((q, k, v), ds, (feats.cu_seqlens_q, feats.cu_seqlens_k, feats.cu_seqlens_k)))
+        res, res_lse = reference.forward(q, k, v, **validation.reference_features(c, feats))
+        res = res.astype(np.float32) if ds is not None else res  # (as the FP8 kernels round: through float32)
+        res = _host_result(res.astype(_np_dtype(out_dtype)), to_numpy)
+        res = (res, _host_result(res_lse.astype(np.float32), to_numpy))
+    elif _is_empty(c):
         xp = _xp(c.kind, backend)
-        return (arrays.export(xp.zeros(q.shape, dtype=q.dtype), to_numpy),
-                arrays.export(_empty_lse(xp, c), to_numpy))
-    _require_gpu(backend)
-    with _device(c):
-        if backend == "numba":
-            from .kernels import numba_backend
+        res = (xp.zeros(q.shape, dtype=_np_dtype(out_dtype)), _empty_lse(xp, c))
+    else:
+        _require_gpu(backend)
+        with _device(c):
+            if backend == "numba":
+                from .kernels import numba_backend
 
-            out, lse = numba_backend.forward(c.problem, q, k, v, c.scale, kernel, sw, c.extras)
-        else:
-            from .kernels import cupy_backend
+                res = numba_backend.forward(p, q, k, v, c.scale, kernel, sw, c.extras)
+            elif ds is not None:
+                from .kernels import cupy_backend
 
-            out, lse = cupy_backend.forward(c.problem, q, k, v, c.scale, kernel, sw, c.extras, env)
-    return arrays.export(out, to_numpy), arrays.export(lse, to_numpy)
+                bound = cupy_backend.bind_forward_fp8(p, q, k, v, c.scale, ds, sw, c.extras, env)
+                bound.launch()
+                res = bound.result()
+            else:
+                from .kernels import cupy_backend
+
+                bound = cupy_backend.bind_forward(p, q, k, v, c.scale, kernel, sw, c.extras, env, out=out, lse=lse)
+                call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out))
+                if call is not None:
+                    return call.run(q, k, v, c.extras, out, lse)
+                bound.launch()
+                res = bound.result()
+    return tuple(arrays.export(_into(x, given), to_numpy) for x, given in zip(res, outputs))
+
+
+def _fp8_inputs(q, k, v, c: Checked, feats: Features, descales: dict, out_dtype, use_fp8, incoherent, kernel: str,
+                backend: str):
+    """The FP8 forward's inputs: e4m3 q, k, v as given, or 16-bit / float32 ones quantised per (batch, kv head)
+    (q and k rotated first with ``incoherent``); returns them, the call checked with its FP8 rules
+    (``validation.check_fp8``) and the descales."""
+    p = c.problem
+    if p.dtype != configs.FP8:
+        validation.check_flag(use_fp8, "fp8")
+        validation.check_flag(incoherent, "incoherent")
+        given = [n for n, x in descales.items() if x is not None]
+        if given:
+            raise ValueError(f"{given[0]} goes with float8_e4m3fn q, k, v; with fp8=True / incoherent=True rawflash "
+                             f"computes the descales itself (got {given[0]} with {p.dtype} inputs)")
+        if p.varlen:
+            raise ValueError("fp8=True / incoherent=True takes fixed-length q, k, v; got cu_seqlens_q")
+        if incoherent:
+            quantisation.check_rotatable(p.head_dim)
+        if out_dtype is None:
+            out_dtype = p.dtype if p.dtype in validation.OUT_DTYPES else "bfloat16"
+        q, qd = quantisation.quantize(q, "head", kv_heads=p.kv_heads, incoherent=incoherent)
+        k, kd = quantisation.quantize(k, "head", incoherent=incoherent)
+        v, vd = quantisation.quantize(v, "head")
+        c = validation.check_forward(q, k, v, p.causal, c.scale, kernel, backend, feats)
+        descales, incoherent = {"q_descale": qd, "k_descale": kd, "v_descale": vd}, False
+    c, ds = validation.check_fp8(c, kernel, backend, feats, descales, out_dtype, incoherent)
+    return q, k, v, c, ds
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _given(**features) -> dict:
+    """The feature arrays a call gave, by name (as ``Checked.extras`` names them)."""
+    return {n: arrays.import_array(x, n) for n, x in features.items() if x is not None}
+
+
+def _plan(key, build):
+    """The planned call of a new signature, made by ``build`` and kept in the cache; None when the call has no
+    signature or its launches cannot be prepacked (it then runs through its bound launches)."""
+    if key is None:
+        return None
+    try:
+        call = build()
+    except plans.NotPackable:
+        return None
+    PLANS.put(key, call)
+    return call
+
+
+def _into(x, given):
+    """A result written into the caller's array when one was given (and returned as it)."""
+    if given is None or x is given:
+        return x
+    given[...] = x
+    return given
+
+
+class _on:
+    """The device of a CuPy array, made current for a planned call when another one is (a no-op otherwise)."""
+
+    def __init__(self, x):
+        import cupy
+
+        self.device = x.data.device_id
+        self.ctx = cupy.cuda.Device(self.device) if cupy.cuda.runtime.getDevice() != self.device else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+        return False
 
 
 def _empty_lse(xp, c: Checked):
@@ -171,7 +298,8 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
              scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
              alibi_slopes: Array | None = None, sinks: Array | None = None, cu_seqlens_q: Array | None = None,
              cu_seqlens_k: Array | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-             seqused_k: Array | None = None, deterministic: bool = False, backend: str = "cupy") -> tuple[Array, ...]:
+             seqused_k: Array | None = None, deterministic: bool = False, backend: str = "cupy",
+             dq: Array | None = None, dk: Array | None = None, dv: Array | None = None) -> tuple[Array, ...]:
     """Gradients of ``sum(out * dout)`` with respect to q, k, v (FlashAttention-2 Algorithm 2), and the sinks.
 
     Parameters
@@ -188,6 +316,8 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
         to run). True: bitwise repeatable; on Hopper (16-bit, head_dim <= 128) FA3's form adds into dQ in a fixed
         order per query block, elsewhere a separate dQ pass without atomics.
     backend : {'cupy', 'numba', 'reference'}
+    dq, dk, dv : arrays, optional
+        Where to write the gradients (shapes and dtypes of q, k, v, on their device); they are returned.
 
     Returns
     -------
@@ -195,35 +325,58 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
     dk, dv : arrays like k (summed over the query heads of each GQA group)
     dsinks : array (heads,) float32, only when ``sinks`` is given
     """
-    env = settings.load()
+    grads_given = (dq, dk, dv)
+    options = (causal, scale, window, softcap, max_seqlen_q, max_seqlen_k, deterministic)
+    features = (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k)
     named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
+    key = None
+    if backend == "cupy":
+        ins = _import(named)
+        key = signature.backward(ins, options, features, grads_given)
+        call = PLANS.get(key) if key is not None else None
+        if call is not None:
+            with _on(ins[1]):
+                return call.run(*ins, _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
+                                             cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k), grads_given)
+    env = settings.load()
     dout, q, k, v, out, lse = _import(named)
     feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       seqused_k)
     c = validation.check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backend, feats)
     to_numpy = c.kind == "numpy"
     p = c.problem
+    given = validation.check_outputs(c, tuple((n, g, tuple(x.shape), p.dtype, False) for n, g, x in
+                                              (("dq", dq, q), ("dk", dk, k), ("dv", dv, v))))
     if backend == "reference":
         grads = reference.backward(dout, q, k, v, out=out, lse=lse, **validation.reference_features(c, feats))
-        cast = [g.astype(q.dtype) for g in grads[:3]] + [g.astype(np.float32) for g in grads[3:]]
-        return tuple(_host_result(g, to_numpy) for g in cast)
-    if _is_empty(c):
+        grads = [_host_result(g.astype(q.dtype), to_numpy) for g in grads[:3]] + \
+                [_host_result(g.astype(np.float32), to_numpy) for g in grads[3:]]
+    elif _is_empty(c):
         xp = _xp(c.kind, backend)
         grads = [xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)]
         if "sinks" in c.extras:
             grads.append(xp.zeros((p.heads,), np.float32))
-        return tuple(arrays.export(g, to_numpy) for g in grads)
-    _require_gpu(backend)
-    with _device(c):
-        if backend == "numba":
-            from .kernels import numba_backend
+    else:
+        _require_gpu(backend)
+        with _device(c):
+            if backend == "numba":
+                from .kernels import numba_backend
 
-            grads = numba_backend.backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras)
-        else:
-            from .kernels import cupy_backend
+                grads = numba_backend.backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras)
+            else:
+                from .kernels import cupy_backend
 
-            grads = cupy_backend.backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras, env)
-    return tuple(arrays.export(g, to_numpy) for g in grads)
+                bound = cupy_backend.bind_backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras, env,
+                                                   grads=given)
+                arrays_in = (dout, q, k, v, out, lse)
+                call = _plan(key, lambda: cupy_backend.BackwardCall(bound, arrays_in[:5], deterministic, env, given))
+                if call is not None:
+                    return call.run(*arrays_in, c.extras, given)
+                bound.launch()
+                grads = bound.result()
+                if hasattr(bound, "sinks"):
+                    grads = (*grads, bound.sinks())
+    return tuple(arrays.export(_into(g, gv), to_numpy) for g, gv in zip(grads, given + (None,)))
 
 
 def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
@@ -328,7 +481,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
            v_new: Array | None = None, block_table: Array | None = None, causal: bool = True,
            scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
            alibi_slopes: Array | None = None, sinks: Array | None = None, num_splits: int | None = None,
-           return_lse: bool = False, backend: str = "cupy") -> Array | tuple[Array, Array]:
+           return_lse: bool = False, backend: str = "cupy", out: Array | None = None,
+           lse: Array | None = None) -> Array | tuple[Array, Array]:
     """Attention of a few new query rows against a KV cache, for inference (flash-attn's ``flash_attn_with_kvcache``).
 
     Sequence b attends to the first ``cache_seqlens[b]`` keys of its cache followed by its ``seqlen_new`` new keys,
@@ -372,15 +526,35 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
         Also return lse (batch, heads, seqlen_q) float32.
     backend : {'cupy', 'numba', 'reference'}
         'numba': the Numba twins of the kernels (on a GPU, or Numba's CPU simulator).
+    out, lse : arrays, optional
+        Where to write the results: ``out`` of q's shape and dtype, ``lse`` C-contiguous float32 (batch, heads,
+        seqlen_q), on q's device (``lse`` is returned only with ``return_lse``).
 
     Returns
     -------
     out : array like q, and lse when ``return_lse``.
     """
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new),
+             ("block_table", block_table))
+    key = None
+    if backend == "cupy":
+        ins = _import(named)
+        key = signature.decode(ins, cache_seqlens, (causal, scale, window, softcap, num_splits, return_lse),
+                               (alibi_slopes, sinks), (out, lse))
+        call = PLANS.get(key) if key is not None else None
+        if call is not None and call.takes_cache_len(cache_seqlens):
+            features = _given(alibi_slopes=alibi_slopes, sinks=sinks)
+            if ins[5] is not None:
+                features["block_table"] = ins[5]
+            if isinstance(cache_seqlens, int):
+                features["cache_len"] = cache_seqlens
+            else:
+                features["seqused_k"] = cache_seqlens
+            with _on(ins[0]):
+                res = call.run(*ins[:5], features, out, lse)
+            return res if return_lse else res[0]
     env = settings.load()
-    q, k_cache, v_cache, k_new, v_new, block_table = _import(
-        (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new),
-         ("block_table", block_table)))
+    q, k_cache, v_cache, k_new, v_new, block_table = _import(named)
     if not isinstance(cache_seqlens, (int, np.integer)):
         (cache_seqlens,) = _import((("cache_seqlens", cache_seqlens),))
     feats = _features(window, softcap, alibi_slopes, sinks, None, None, None, None, None)
@@ -391,33 +565,43 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
                                    or not 1 <= num_splits <= forms.MAX_SPLITS):
         raise ValueError(f"num_splits must be None or an int between 1 and {forms.MAX_SPLITS}, got {num_splits!r}")
     p, to_numpy = c.problem, c.kind == "numpy"
+    given = validation.check_outputs(c, (("out", out, tuple(q.shape), p.dtype, False),
+                                         ("lse", lse, (p.batch, p.heads, p.seqlen_q), "float32", True)))
     lens = c.extras.get("seqused_k", c.extras.get("cache_len"))  # an array, or the int of every sequence
     if backend == "reference":
         host_lens = np.broadcast_to(np.asarray(reference._host(lens)).astype(np.int64), (p.batch,))
-        out, lse = reference.decode(q, k_cache, v_cache, host_lens, k_new=k_new, v_new=v_new, block_table=block_table,
-                                    causal=p.causal, scale=c.scale, window=p.window, softcap=p.softcap,
-                                    alibi_slopes=feats.alibi_slopes, sinks=feats.sinks)
-        out, lse = _host_result(out.astype(q.dtype), to_numpy), _host_result(lse.astype(np.float32), to_numpy)
+        res = reference.decode(q, k_cache, v_cache, host_lens, k_new=k_new, v_new=v_new, block_table=block_table,
+                               causal=p.causal, scale=c.scale, window=p.window, softcap=p.softcap,
+                               alibi_slopes=feats.alibi_slopes, sinks=feats.sinks)
+        res = _host_result(res[0].astype(q.dtype), to_numpy), _host_result(res[1].astype(np.float32), to_numpy)
         _append_in_place(k_cache, v_cache, host_lens, k_new, v_new, block_table)
-        return (out, lse) if return_lse else out
-    _require_gpu(backend)
-    with _device(c):
-        if backend == "numba":
-            from .kernels import numba_backend
+    else:
+        _require_gpu(backend)
+        with _device(c):
+            if backend == "numba":
+                from .kernels import numba_backend
 
-            out, lse = numba_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras)
-            if p.new_keys and numba_backend.copies_caches(k_cache):  # the twins appended to copies: the caller's too
-                _append_in_place(k_cache, v_cache, np.broadcast_to(np.asarray(reference._host(lens)), (p.batch,)),
-                                 k_new, v_new, block_table)
-        else:
-            from .kernels import cupy_backend
+                res = numba_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras)
+                if p.new_keys and numba_backend.copies_caches(k_cache):  # the twins appended to copies
+                    _append_in_place(k_cache, v_cache,
+                                     np.broadcast_to(np.asarray(reference._host(lens)), (p.batch,)), k_new, v_new,
+                                     block_table)
+            else:
+                from .kernels import cupy_backend
 
-            out, lse = cupy_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras, env)
-            if to_numpy and p.new_keys:  # the device appended to copies of NumPy caches: append to the caller's too
-                _append_in_place(k_cache, v_cache, np.broadcast_to(np.asarray(lens), (p.batch,)), k_new, v_new,
-                                 block_table)
-    out, lse = arrays.export(out, to_numpy), arrays.export(lse, to_numpy)
-    return (out, lse) if return_lse else out
+                bound = cupy_backend.bind_decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras,
+                                                 env, out=out, lse=lse)
+                call = _plan(key, lambda: cupy_backend.DecodeCall(bound, env, out))
+                if call is not None:
+                    res = call.run(q, k_cache, v_cache, k_new, v_new, c.extras, out, lse)
+                    return res if return_lse else res[0]
+                bound.launch()
+                res = bound.result()
+                if to_numpy and p.new_keys:  # the device appended to copies of NumPy caches: the caller's too
+                    _append_in_place(k_cache, v_cache, np.broadcast_to(np.asarray(lens), (p.batch,)), k_new, v_new,
+                                     block_table)
+    res = tuple(arrays.export(_into(x, g), to_numpy) for x, g in zip(res, given))
+    return res if return_lse else res[0]
 
 
 def _append_in_place(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table) -> None:

@@ -11,6 +11,8 @@ def import_array(x, name: str):
 
     DLPack is tried first because it describes bfloat16 (``__cuda_array_interface__`` cannot).
     """
+    if type(x) is np.ndarray or _is_cupy_array(x):
+        return x
     kind = array_kind(x, name)
     if kind != "foreign":
         return x
@@ -19,6 +21,13 @@ def import_array(x, name: str):
     if hasattr(x, "__dlpack__"):
         return cupy.from_dlpack(x)
     return cupy.asarray(x)
+
+
+def _is_cupy_array(x) -> bool:
+    import sys
+
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and type(x) is cupy.ndarray
 
 
 def kernel_ready(x, chunk_elems: int):

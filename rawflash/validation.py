@@ -535,3 +535,30 @@ def check_fp8_options(descales: dict, out_dtype, incoherent, fp8) -> None:
     if out_dtype is not None and not on:
         raise ValueError("out_dtype goes with the FP8 forward (float8_e4m3fn inputs, fp8=True or incoherent=True); "
                          f"got out_dtype={out_dtype!r} without it")
+
+
+def check_outputs(c: Checked, specs: tuple) -> tuple:
+    """The caller's output arrays (``out=``, ``lse=``, ``dq=`` ...), each None or checked against what the call
+    returns there: ``specs`` holds (name, array, shape, dtype name, whether it must be C-contiguous). An output
+    lives where the results do (q's device, or the host for NumPy inputs) and must not be a read-only view."""
+    checked = []
+    for name, x, shape, dtype, contiguous in specs:
+        if x is None:
+            checked.append(None)
+            continue
+        kind = array_kind(x, name)
+        if kind == "foreign":
+            raise TypeError(f"{name} must be a CuPy or NumPy array (the result is written into it), got "
+                            f"{type(x).__name__}")
+        if tuple(int(s) for s in x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+        if dtype_name(x.dtype) != dtype:
+            raise TypeError(f"{name} must have dtype {dtype}, got {dtype_name(x.dtype)}")
+        if device_of(x, kind) != c.device:
+            raise ValueError(f"{name} must be on q's device ({c.device}), got {device_of(x, kind)}")
+        if contiguous and not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous, got strides {tuple(x.strides)}")
+        if kind == "numpy" and not x.flags.writeable:
+            raise ValueError(f"{name} must be writeable")
+        checked.append(x)
+    return tuple(checked)

@@ -698,9 +698,12 @@ def demo(ctx, gpu, arch, sms, as_json):
               help="With --features: the head dim of every feature case (heads = 2048 / it)  [default: 128]")
 @click.option("--deterministic", is_flag=True,
               help="Also time the backward with deterministic=True (rawflash-fa2-det) beside the default one.")
+@click.option("--host", is_flag=True,
+              help="What a call costs on the host beside its kernels (forward, backward, decode; PyTorch's SDPA "
+                   "beside it where importable).")
 @json_option
 def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
-          features, decode, quick, feature_head_dim, deterministic, as_json):
+          features, decode, quick, feature_head_dim, deterministic, host, as_json):
     """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
     only. The rawflash rows also give the kernels' own time (kernel_tflops: the launches alone, CUDA events)."""
     if quick and not decode:
@@ -713,6 +716,16 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, token
         raise click.UsageError("--features times bfloat16 and float8_e4m3fn (the FP8 forward) only, got --dtype "
                                + ", ".join(sorted(set(dtypes) - {"bfloat16", bench_mod.FP8})))
     _require_gpu("bench", "'rawflash io' and 'rawflash explain' give the predicted numbers without one")
+    if host:
+        from . import bench_host
+
+        rows = bench_host.measure(progress=None if as_json else click.echo)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"bench-host{('-' + tag) if tag else ''}.json").write_text(json.dumps(rows, indent=1))
+        if as_json:
+            _emit({"host": rows}, True)
+        return
     if decode or features:  # the decode sweep or the feature cases instead of the FA2 sweep
         from . import bench_decode
 

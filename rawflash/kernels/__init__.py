@@ -11,7 +11,8 @@ folder imports the command line or its tools (``rawflash.cli``). Module by modul
 - ``params``: the parameter structs of ``cuda/params.cuh`` as NumPy structured scalars, one builder per direction.
 - ``tma``: Hopper's TMA tensor maps, encoded on the host through the CUDA driver.
 - ``compile``: finds ``cuda/``, instantiates templates through NVRTC, caches kernels and compile reports.
-- ``cupy_backend``: the CUDA C backend (CuPy arrays, buffers, binding, launch).
+- ``cupy_backend``: the CUDA C backend (CuPy arrays, buffers, binding, launch) and the planned calls of each
+  direction (``ForwardCall``, ``BackwardCall``, ``DecodeCall``).
+- ``plans``: a call's launches prepacked once per signature (``CallPlan``) and the cache that keeps them.
 - ``numba_backend``: the Numba backend, running the twins of ``rawflash.numba_kernels`` for the same plan.
-- ``fp8_forward``: the FP8 forward's call path (quantisation, then the FP8 forms).
 """

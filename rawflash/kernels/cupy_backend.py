@@ -44,8 +44,9 @@ def _smem_optin(device_id: int) -> int:
                                                     device_id))
 
 
-def run(lau: Launch, args: tuple, env: Settings = Settings()) -> None:
-    """Launch one kernel on CuPy's current stream, raising its dynamic shared-memory limit when needed."""
+def kernel_handle(lau: Launch, env: Settings = Settings()):
+    """The compiled kernel of a launch (``cupy.RawKernel``), its dynamic shared-memory limit raised to the launch's;
+    a ValueError when the GPU cannot give that much."""
     import cupy
 
     limit = _smem_optin(cupy.cuda.runtime.getDevice())
@@ -55,7 +56,12 @@ def run(lau: Launch, args: tuple, env: Settings = Settings()) -> None:
     fn = compile.get_kernel(lau.source, lau.name_expression, lau.target, env.cuda_dir)
     if lau.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < lau.smem:
         fn.max_dynamic_shared_size_bytes = lau.smem
-    fn(lau.grid, lau.block, args, shared_mem=lau.smem)
+    return fn
+
+
+def run(lau: Launch, args: tuple, env: Settings = Settings()) -> None:
+    """Launch one kernel on CuPy's current stream (CuPy packs the arguments)."""
+    kernel_handle(lau, env)(lau.grid, lau.block, args, shared_mem=lau.smem)
 
 
 @dataclasses.dataclass
@@ -69,11 +75,8 @@ class Prepared:
 
 
 def prepare(p: Problem, extras: dict, env: Settings, *arrays) -> Prepared:
-    import cupy
-
     hd = run_head_dim(p.head_dim)
-    chunk = 16 // np.dtype(arrays[0].dtype).itemsize
-    ready = tuple(kernel_ready(pad_head_dim(cupy.asarray(x), hd), chunk) for x in arrays)
+    ready = tuple(_ready(x, hd, 16 // np.dtype(x.dtype).itemsize) for x in arrays)
     return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch(env), sms=_sms()), ready, p.head_dim,
                     _feature_arrays(extras))
 
@@ -111,6 +114,7 @@ class Bound:
     outputs: tuple
     env: Settings
     reset: list = dataclasses.field(default_factory=list)  # buffers a launch expects zeroed
+    problem: Problem | None = None  # as the kernels see it (head_dim padded, the GPU's arch)
 
     def launch(self) -> None:
         for x in self.reset:
@@ -122,38 +126,120 @@ class Bound:
         return _results(self.outputs)
 
 
-def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switches: forms.Switches = forms.Switches(),
-                 extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None) -> Bound:
-    """Allocate the forward's outputs and bind them; ``override`` (tools/tune.py) replaces tile rows."""
+def _ready(x, hd: int, chunk: int):
+    """An input as the kernels read it: head_dim padded to ``hd`` and a kernel-ready layout (a copy only if needed)."""
     import cupy
 
+    return kernel_ready(pad_head_dim(cupy.asarray(x), hd), chunk)
+
+
+def forward_buffers(pr: Problem, first: Launch, q, out=None, lse=None) -> dict:
+    """A forward call's per-call buffers, by the parameter struct's field names: its outputs ``o`` (the caller's
+    ``out`` when given) and ``lse`` (likewise), fa1's work rows, FA3's tile counter and the REF_FIRST flag word
+    with this call's number (``ref_gen``). The one place both the template (``bind_forward``) and every planned
+    call (:class:`ForwardCall`) make them."""
+    import cupy
+
+    bufs = {"o": cupy.empty(q.shape, dtype=q.dtype) if out is None else out,
+            "lse": cupy.empty(_rows(pr), dtype=cupy.float32) if lse is None else lse}
+    if first.kernel == "fa1_fwd":
+        bufs.update(o_ws=cupy.zeros(_rows(pr, pr.head_dim), dtype=cupy.float32),
+                    m_ws=cupy.full(_rows(pr), -np.inf, dtype=cupy.float32),
+                    l_ws=cupy.zeros(_rows(pr), dtype=cupy.float32))
+    if first.kernel == "fa3_fwd_sm90":
+        bufs["tile_counter"] = tile_counter()
+    if forms.checks_ref(first):  # the first block's reference, checked; the plan's next launch is its way back
+        bufs["ref_flag"], bufs["ref_gen"] = ref_flag(), next_ref_gen()
+    return bufs
+
+
+def _writes_in_place(x, out, head_dim: int, chunk: int) -> bool:
+    """Whether the kernels can write the caller's ``out`` directly (no padded head_dim, a kernel-ready layout)."""
+    return out is not None and x.shape[-1] == head_dim and kernel_ready(out, chunk) is out
+
+
+def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switches: forms.Switches = forms.Switches(),
+                 extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None,
+                 out=None, lse=None) -> Bound:
+    """Allocate the forward's outputs (or take ``out`` / ``lse``) and bind them; ``override`` (tools/tune.py)
+    replaces tile rows."""
     prep = prepare(p, extras or {}, env, q, k, v)
     pr, (q, k, v) = prep.problem, prep.arrays
     plan = forms.forward_plan(pr, kernel, switches, env, override)
-    lse = cupy.empty(_rows(pr), dtype=cupy.float32)
     if plan[0].kernel == "naive_softmax":
-        return _bind_naive(pr, q, k, v, scale, lse, plan, prep, env)
-    out = cupy.empty(q.shape, dtype=q.dtype)
-    ws = {}
-    if plan[0].kernel == "fa1_fwd":
-        ws = dict(o_ws=cupy.zeros(_rows(pr, pr.head_dim), dtype=cupy.float32),
-                  m_ws=cupy.full(_rows(pr), -np.inf, dtype=cupy.float32), l_ws=cupy.zeros(_rows(pr), dtype=cupy.float32))
-    if plan[0].kernel == "fa3_fwd_sm90":
-        ws["tile_counter"] = tile_counter()
-    if forms.checks_ref(plan[0]):  # the first block's reference, checked; plan[1] is its way back
-        ws["ref_flag"], ws["ref_gen"] = ref_flag(), next_ref_gen()
-    rec = params.fwd_params(pr, q, k, v, out, lse, scale, **prep.extras, **ws)
+        import cupy
+
+        return _bind_naive(pr, q, k, v, scale, cupy.empty(_rows(pr), dtype=cupy.float32), plan, prep, env)
+    direct = _writes_in_place(q, out, prep.head_dim, 16 // q.dtype.itemsize)
+    bufs = forward_buffers(pr, plan[0], q, out if direct else None, lse)
+    rec = params.fwd_params(pr, q, k, v, bufs["o"], bufs["lse"], scale, **prep.extras,
+                            **{n: x for n, x in bufs.items() if n not in ("o", "lse")})
     args = (rec,)
     if plan[0].kernel == "fa3_fwd_sm90":
         try:
-            args = (rec, tma.fwd_maps(q, k, v, out, plan[0].config.br, plan[0].config.bc, pr.varlen))
+            args = (rec, tma.fwd_maps(q, k, v, bufs["o"], plan[0].config.br, plan[0].config.bc, pr.varlen))
         except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: every thread copies instead
             if switches.warp_specialize:
                 raise
             plan = forms.forward_plan_without_tma(pr, kernel, switches, env, override)
-    bound = Bound(plan, [(lau, args) for lau in plan], (_Trimmed(out, prep.head_dim), lse), env)
-    bound.keep = (q, k, v, prep.extras, ws)  # the parameter struct holds their addresses
+    bound = Bound(plan, [(lau, args) for lau in plan], (_Trimmed(bufs["o"], prep.head_dim), bufs["lse"]), env,
+                  problem=pr)
+    bound.roles = _roles(dict(q=q, k=k, v=v), prep.extras, bufs)
+    bound.keep = (q, k, v, prep.extras, bufs)  # the parameter struct holds their addresses
     return bound
+
+
+def _roles(*named: dict) -> dict:
+    """The arrays of a bound call by the parameter fields that hold their addresses (ints left out)."""
+    return {n: x for d in named for n, x in d.items() if x is not None and x.__class__ is not int}
+
+
+def _ptrs(roles: dict) -> dict:
+    return {n: x.data.ptr for n, x in roles.items()}
+
+
+CAPTURED: list = []  # the arrays of every planned call made while its stream captured a CUDA graph
+
+
+def _launch_planned(plan, roles: dict, ints: dict) -> None:
+    """Run a planned call's launches on CuPy's current stream. While that stream captures a CUDA graph, the call's
+    arrays (inputs as the kernels read them, outputs, work buffers) are kept for the life of the process: the graph
+    replays into them after the call has returned, so the memory pool must never hand them to anything else."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    plan.run(_ptrs(roles), ints, stream.ptr)
+    if stream.is_capturing():
+        CAPTURED.append(roles)
+
+
+class ForwardCall:
+    """A planned forward: the template's launches prepacked (:class:`plans.CallPlan`) and what a call needs besides
+    its arrays (whether each input is read as it is, the problem the buffers are shaped by)."""
+
+    def __init__(self, bound: Bound, q, k, v, extras: dict, env: Settings, out=None):
+        from . import plans
+
+        self.problem = bound.problem
+        self.first = bound.plan[0]
+        self.head_dim = int(q.shape[-1])
+        self.hd = run_head_dim(self.head_dim)
+        self.chunk = 16 // np.dtype(q.dtype).itemsize
+        self.as_is = tuple(_ready(x, self.hd, self.chunk) is x for x in (q, k, v))
+        self.out_direct = out is not None and bound.outputs[0].x is out
+        self.plan = plans.CallPlan(bound.launches, bound.roles, lambda lau: kernel_handle(lau, env))
+
+    def run(self, q, k, v, extras: dict, out=None, lse=None):
+        qkv = [x if ok else _ready(x, self.hd, self.chunk) for x, ok in zip((q, k, v), self.as_is)]
+        feats = _feature_arrays(extras) if extras else {}
+        bufs = forward_buffers(self.problem, self.first, qkv[0], out if self.out_direct else None, lse)
+        roles = _roles(dict(q=qkv[0], k=qkv[1], v=qkv[2]), feats, bufs)
+        _launch_planned(self.plan, roles, bufs)
+        o = _trim(bufs["o"], self.head_dim)
+        if out is not None and o is not out:
+            out[...] = o
+            o = out
+        return o, bufs["lse"]
 
 
 def _bytes(x):
@@ -263,57 +349,90 @@ def _matmul(a, b, out):
         cupy.matmul(a, b, out=out)
 
 
-def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False,
-                  extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None) -> Bound:
-    """Allocate the backward's outputs and work buffers and bind them."""
+def backward_buffers(pr: Problem, main: Launch, deterministic: bool, q, k, v, dq=None, dk=None, dv=None) -> dict:
+    """A backward call's per-call buffers, by the parameter struct's field names: the gradients (the caller's
+    ``dq`` / ``dk`` / ``dv`` when given), L and D rows, the float32 dQ rows, the sinks' per-row terms and the ordered
+    dQ's semaphores. ``main`` is the plan's main launch (what decides the work buffers). Shared by the template
+    (``bind_backward``) and every planned call (:class:`BackwardCall`)."""
     import cupy
 
+    f32 = cupy.float32
+    # keys past seqused_k are never written by a kernel: their gradients start (and stay) zero
+    alloc = cupy.zeros if pr.seqused_k else cupy.empty
+    bufs = {"lse2": cupy.empty(_rows(pr), dtype=f32), "delta": cupy.empty(_rows(pr), dtype=f32),
+            "dq": cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq}
+    for name, x, given in (("dk", k, dk), ("dv", v, dv)):
+        if given is not None and pr.seqused_k:
+            given.fill(0)
+        bufs[name] = alloc(x.shape, dtype=x.dtype) if given is None else given
+    if pr.sinks:
+        bufs["dsink_ws"] = cupy.empty(_rows(pr), dtype=f32)
+    # FA3's deterministic form adds into the float32 dQ rows like the default one, in an order its int32
+    # semaphores keep (one per query block of every (sequence, head)). The preprocess kernel zeroes the dQ rows
+    # (it reads the same rows of O and dO); the launches are preceded by a reset of the semaphores.
+    ordered = deterministic and main.kernel == "fa3_bwd_sm90"
+    if not deterministic or ordered:
+        bufs["dq_ws"] = cupy.empty(_rows(pr, pr.head_dim), dtype=f32)
+    if ordered:
+        bufs["dq_semaphore"] = cupy.empty(launch.dq_semaphores(pr, main.config.br), dtype=cupy.int32)
+    return bufs
+
+
+def _lse_f32(lse):
+    import cupy
+
+    return cupy.ascontiguousarray(cupy.asarray(lse), dtype=cupy.float32)
+
+
+def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False,
+                  extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None,
+                  grads: tuple = (None, None, None)) -> Bound:
+    """Allocate the backward's outputs (or take ``grads``: the caller's dq, dk, dv, each possibly None) and work
+    buffers and bind them."""
     prep = prepare(p, extras or {}, env, q, k, v, dout, out)  # out too: D reads it at the kernels' head_dim
     pr, (q, k, v, do, out) = prep.problem, prep.arrays
     plan = forms.backward_plan(pr, deterministic, env, override)
-    f32 = cupy.float32
-    lse = cupy.ascontiguousarray(cupy.asarray(lse), dtype=f32)
-    lse2, delta = cupy.empty(_rows(pr), dtype=f32), cupy.empty(_rows(pr), dtype=f32)
-    dq = cupy.empty(q.shape, dtype=q.dtype)
-    # keys past seqused_k are never written by a kernel: their gradients start (and stay) zero
-    alloc = cupy.zeros if pr.seqused_k else cupy.empty
-    dk, dv = alloc(k.shape, dtype=q.dtype), alloc(v.shape, dtype=q.dtype)
-    sinks = "sinks" in prep.extras
-    dsink_ws = cupy.empty(_rows(pr), dtype=f32) if sinks else None
+    lse = _lse_f32(lse)
     main = plan[1]
-    # FA3's deterministic form adds into the float32 dQ rows like the default one, in an order its int32
-    # semaphores keep (one per query block of every (sequence, head)). The preprocess kernel zeroes the dQ rows
-    # (it reads the same rows of O and dO); launch() zeroes the semaphores.
-    ordered = deterministic and main.kernel == "fa3_bwd_sm90"
-    dq_ws = None if deterministic and not ordered else cupy.empty(_rows(pr, pr.head_dim), dtype=f32)
-    dq_sem = cupy.empty(launch.dq_semaphores(pr, main.config.br), dtype=cupy.int32) if ordered else None
-    rec = params.bwd_params(pr, q, k, v, out, do, lse, scale, dq=dq, dk=dk, dv=dv, lse2=lse2, delta=delta,
-                            dq_ws=dq_ws, dsink_ws=dsink_ws, dq_semaphore=dq_sem,
+    chunk = 16 // q.dtype.itemsize
+    direct = [g if _writes_in_place(x, g, prep.head_dim, chunk) else None for x, g in zip((q, k, v), grads)]
+    bufs = backward_buffers(pr, main, deterministic, q, k, v, *direct)
+    ordered = "dq_semaphore" in bufs
+    rec = params.bwd_params(pr, q, k, v, out, do, lse, scale, **bufs,
                             dq_rotate=ordered and launch.fa3_bwd_dq_rotates(pr, main.config, _sms()),
                             longest_first=(main.kernel == "fa3_bwd_sm90" and not ordered
                                            and launch.fa3_bwd_longest_first(pr, main.config, _sms())),
                             **prep.extras)
     hd = prep.head_dim
-    outputs = (_Trimmed(dq, hd), _Trimmed(dk, hd), _Trimmed(dv, hd))
+    outputs = tuple(_Trimmed(bufs[n], hd) for n in ("dq", "dk", "dv"))
     launches = [(lau, (rec,)) for lau in plan]
-    reset = [dq_sem] if dq_sem is not None else []
+    reset = [bufs["dq_semaphore"]] if ordered else []
     if main.kernel == "fa3_bwd_sm90":
         try:
-            launches[1] = (main, (rec, tma.bwd_maps(q, k, v, do, dq_ws, main.config.br, main.config.bc, pr.varlen)))
+            maps = tma.bwd_maps(q, k, v, do, bufs.get("dq_ws"), main.config.br, main.config.bc, pr.varlen)
+            launches[1] = (main, (rec, maps))
         except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: the wgmma form whose threads all copy
             if ordered:  # ... which has no ordered dQ: the deterministic plan without FA3's form
                 plan = forms.deterministic_without_fa3(pr, settings=env, override=override)
                 launches, reset = [(lau, (rec,)) for lau in plan], []
             else:
-                main = forms.fa2_backward_main(pr, True, settings=env, override=override, warp_specialize=False)
-                plan[1] = main
-                launches[1] = (main, (rec,))
-    bound = Bound(plan, launches, outputs, env, reset=reset)
-    bound.keep = (q, k, v, do, out, lse, lse2, delta, dq_ws, dq_sem, prep.extras)  # alive while the kernels run
-    if sinks:
-        axes = (1,) if pr.varlen else (0, 2)
-        bound.sinks = lambda: (-dsink_ws.sum(axis=axes, dtype=cupy.float64)).astype(f32)
+                plan[1] = forms.fa2_backward_main(pr, True, settings=env, override=override, warp_specialize=False)
+                launches[1] = (plan[1], (rec,))
+    bound = Bound(plan, launches, outputs, env, reset=reset, problem=pr)
+    bound.roles = _roles(dict(q=q, k=k, v=v, out=out, dout=do, lse=lse), prep.extras, bufs)
+    bound.main = main  # the launch that decided the work buffers (before any fallback)
+    bound.keep = (q, k, v, do, out, lse, bufs, prep.extras)  # alive while the kernels run
+    if pr.sinks:
+        bound.sinks = lambda: dsinks(pr, bufs["dsink_ws"])
     return bound
+
+
+def dsinks(pr: Problem, dsink_ws):
+    """The sinks' gradient (heads,) float32 from the backward's per-row terms."""
+    import cupy
+
+    axes = (1,) if pr.varlen else (0, 2)
+    return (-dsink_ws.sum(axis=axes, dtype=cupy.float64)).astype(cupy.float32)
 
 
 def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False,
@@ -323,6 +442,48 @@ def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: b
     bound.launch()
     grads = bound.result()
     return (*grads, bound.sinks()) if hasattr(bound, "sinks") else grads
+
+
+class BackwardCall:
+    """A planned backward (see :class:`ForwardCall`)."""
+
+    def __init__(self, bound: Bound, arrays: tuple, deterministic: bool, env: Settings, grads: tuple):
+        from . import plans
+
+        self.problem, self.main, self.deterministic = bound.problem, bound.main, deterministic
+        q = arrays[1]
+        self.head_dim = int(q.shape[-1])
+        self.hd = run_head_dim(self.head_dim)
+        self.chunk = 16 // np.dtype(q.dtype).itemsize
+        self.as_is = tuple(_ready(x, self.hd, self.chunk) is x for x in arrays)  # dout, q, k, v, out
+        self.direct = tuple(g is not None and g is o.x for g, o in zip(grads, bound.outputs))
+        self.resets = bool(bound.reset)
+        self.plan = plans.CallPlan(bound.launches, bound.roles, lambda lau: kernel_handle(lau, env))
+
+    def run(self, dout, q, k, v, out, lse, extras: dict, grads: tuple = (None, None, None)):
+        import cupy
+
+        do, q, k, v, out = [x if ok else _ready(x, self.hd, self.chunk)
+                            for x, ok in zip((dout, q, k, v, out), self.as_is)]
+        lse = _lse_f32(lse)
+        feats = _feature_arrays(extras) if extras else {}
+        given = [g if d else None for g, d in zip(grads, self.direct)]
+        bufs = backward_buffers(self.problem, self.main, self.deterministic, q, k, v, *given)
+        roles = _roles(dict(q=q, k=k, v=v, out=out, dout=do, lse=lse), feats, bufs)
+        if self.resets:
+            sem = bufs["dq_semaphore"]
+            cupy.cuda.runtime.memsetAsync(sem.data.ptr, 0, sem.nbytes, cupy.cuda.get_current_stream().ptr)
+        _launch_planned(self.plan, roles, {})
+        result = []
+        for name, g in zip(("dq", "dk", "dv"), grads):
+            x = _trim(bufs[name], self.head_dim)
+            if g is not None and x is not g:
+                g[...] = x
+                x = g
+            result.append(x)
+        if self.problem.sinks:
+            result.append(dsinks(self.problem, bufs["dsink_ws"]))
+        return tuple(result)
 
 
 def _cache_ready(x, name: str, chunk: int, in_place: bool):
@@ -403,38 +564,92 @@ def decode_workspace(partials: int, q_shape: tuple, lse_shape: tuple, row_groups
     return ws
 
 
+def decode_buffers(pr: Problem, plan: forms.DecodePlan, q, out=None, lse=None) -> dict:
+    """A decode call's buffers, by the parameter struct's field names: its outputs (the caller's ``out`` / ``lse``
+    when given) and the split pass's work buffers of this stream (``decode_workspace``). Shared by the template
+    (``bind_decode``) and every planned call (:class:`DecodeCall`)."""
+    import cupy
+
+    lse_shape = (pr.batch, pr.heads, pr.seqlen_q)
+    o_ws, m_ws, counters = decode_workspace(plan.partials, q.shape, lse_shape, plan.row_groups if plan.fused else 0)
+    bufs = {"o": cupy.empty(q.shape, dtype=q.dtype) if out is None else out,
+            "lse": cupy.empty(lse_shape, dtype=cupy.float32) if lse is None else lse, "o_ws": o_ws, "m_ws": m_ws}
+    if plan.fused:
+        bufs["decode_counters"] = counters
+    return bufs
+
+
+def _decode_inputs(q, k_cache, v_cache, k_new, v_new, hd: int):
+    """decode's arrays as its kernels read them: q kernel-ready, the caches in place (or read-only copies), the new
+    keys and values kernel-ready (or None)."""
+    import cupy
+
+    chunk = 16 // q.dtype.itemsize
+    appends = k_new is not None
+    q = _ready(q, hd, chunk)
+    k_cache = _cache_ready(cupy.asarray(k_cache), "k_cache", chunk, appends)
+    v_cache = _cache_ready(cupy.asarray(v_cache), "v_cache", chunk, appends)
+    new = tuple(kernel_ready(cupy.asarray(x), chunk) for x in (k_new, v_new)) if appends else (None, None)
+    return q, k_cache, v_cache, *new
+
+
 def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,
-                extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None) -> Bound:
+                extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None,
+                out=None, lse=None) -> Bound:
     """Bind a decode call: the append (k_new / v_new into the caches, in place: by decode_split itself, or by
     decode_append before it: ``forms.decode_split_appends``), the split-KV pass into float32 work buffers (one
     partial per CTA of it: plan.partials x the output, cached per shape and stream) and the combine into out and
     lse (batch, heads, seqlen_q), by decode_split's last CTAs (``forms.decode_fuses_combine``) or a launch of its
     own. Nothing here reads a device value: the plan comes from the shapes (``forms.decode_plan``)."""
-    import cupy
-
     extras = dict(extras or {})
     cache_len = extras.pop("cache_len", 0)
-    prep = prepare(p, extras, env, q)  # head_dim is a multiple of 8 (checked): nothing is padded
-    pr, (q,) = prep.problem, prep.arrays
-    chunk = 16 // q.dtype.itemsize
-    appends = k_new is not None
-    k_cache = _cache_ready(cupy.asarray(k_cache), "k_cache", chunk, appends)
-    v_cache = _cache_ready(cupy.asarray(v_cache), "v_cache", chunk, appends)
-    new = tuple(kernel_ready(cupy.asarray(x), chunk) for x in (k_new, v_new)) if appends else (None, None)
+    prep = prepare(p, extras, env)  # head_dim is a multiple of 8 (checked): nothing is padded
+    pr = prep.problem
+    q, k_cache, v_cache, k_new, v_new = _decode_inputs(q, k_cache, v_cache, k_new, v_new, pr.head_dim)
     plan = forms.decode_plan(pr, num_splits, _sms(), override)
-    out = cupy.empty(q.shape, dtype=q.dtype)
-    lse_shape = (pr.batch, pr.heads, pr.seqlen_q)
-    lse = cupy.empty(lse_shape, dtype=cupy.float32)
-    o_ws, m_ws, counters = decode_workspace(plan.partials, q.shape, lse_shape, plan.row_groups if plan.fused else 0)
-    rec = params.fwd_params(pr, q, k_cache, v_cache, out, lse, scale, o_ws=o_ws, m_ws=m_ws,
-                            num_splits=plan.num_splits, k_new=new[0], v_new=new[1], decode=True, cache_len=cache_len,
-                            split_appends=plan.split_appends, num_partials=plan.partials,
-                            decode_counters=counters if plan.fused else None, **prep.extras)
+    direct = _writes_in_place(q, out, pr.head_dim, 16 // q.dtype.itemsize)
+    bufs = decode_buffers(pr, plan, q, out if direct else None, lse)
+    rec = params.fwd_params(pr, q, k_cache, v_cache, bufs["o"], bufs["lse"], scale, o_ws=bufs["o_ws"],
+                            m_ws=bufs["m_ws"], num_splits=plan.num_splits, k_new=k_new, v_new=v_new, decode=True,
+                            cache_len=cache_len, split_appends=plan.split_appends, num_partials=plan.partials,
+                            decode_counters=bufs.get("decode_counters"), **prep.extras)
     launches = plan.launches
-    bound = Bound(list(launches), [(lau, (rec,)) for lau in launches], (out, lse), env)
-    bound.keep = (q, k_cache, v_cache, new, o_ws, m_ws, counters, prep.extras)
+    bound = Bound(list(launches), [(lau, (rec,)) for lau in launches], (bufs["o"], bufs["lse"]), env, problem=pr)
+    bound.roles = _roles(dict(q=q, k=k_cache, v=v_cache, k_new=k_new, v_new=v_new), prep.extras, bufs)
+    bound.keep = (q, k_cache, v_cache, k_new, v_new, bufs, prep.extras)
     bound.plan_info = plan
     return bound
+
+
+class DecodeCall:
+    """A planned decode step (see :class:`ForwardCall`); ``cache_len`` (an int cache_seqlens) is a per-call word."""
+
+    def __init__(self, bound: Bound, env: Settings, out=None):
+        from . import plans
+
+        self.problem, self.decode_plan = bound.problem, bound.plan_info
+        self.out_direct = out is not None and bound.outputs[0] is out
+        self.plan = plans.CallPlan(bound.launches, bound.roles, lambda lau: kernel_handle(lau, env))
+
+    def takes_cache_len(self, cache_seqlens) -> bool:
+        """Whether an int cache_seqlens is within the cache with this call's appends (else the call takes the full
+        path, which refuses it by name); arrays are checked by the kernels."""
+        p = self.problem
+        return not isinstance(cache_seqlens, int) or 0 <= cache_seqlens <= p.seqlen_k - p.new_keys
+
+    def run(self, q, k_cache, v_cache, k_new, v_new, extras: dict, out=None, lse=None):
+        extras = dict(extras)
+        ints = {"cache_len": extras.pop("cache_len", 0)}
+        q, k_cache, v_cache, k_new, v_new = _decode_inputs(q, k_cache, v_cache, k_new, v_new, self.problem.head_dim)
+        feats = _feature_arrays(extras) if extras else {}
+        bufs = decode_buffers(self.problem, self.decode_plan, q, out if self.out_direct else None, lse)
+        roles = _roles(dict(q=q, k=k_cache, v=v_cache, k_new=k_new, v_new=v_new), feats, bufs)
+        _launch_planned(self.plan, roles, ints)
+        o = bufs["o"]
+        if out is not None and o is not out:
+            out[...] = o
+            o = out
+        return o, bufs["lse"]
 
 
 def _sms() -> int:

@@ -1,0 +1,112 @@
+"""A call's signature: everything that decides its launches, as a hashable key, computed without validating.
+
+Two calls with equal signatures pass or fail validation alike and run the same launches with other addresses, so
+the public functions look a signature up in their plan cache before anything else and validate only on a miss.
+A signature holds, for each array, its shape, strides, dtype, device and whether its address is 16-byte aligned
+(the kernels' and TMA's requirement; other addresses take another plan); for each option, its type beside its
+value (``causal=1`` is refused where ``causal=True`` is not, and ``1 == True`` in Python); and the host values
+a plan depends on (packed sequences' offsets, ``seqused_k``). A call that is not on the fast path (NumPy inputs,
+another backend, the FP8 forward, zero-size arrays, anything unhashable) has no signature (``None``) and takes
+the full path every time.
+"""
+from __future__ import annotations
+
+import os
+
+_SETTINGS = ("RAWFLASH_WGMMA", "RAWFLASH_FA3", "RAWFLASH_TILE_ARCH", "RAWFLASH_CUDA_DIR")
+# os.environ's own dict of encoded names and values (POSIX CPython): a lookup there skips os.environ's per-call
+# encoding of the name, a few microseconds a call over the four names
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENCODED = tuple(name.encode() for name in _SETTINGS)
+_ndarray = None  # cupy.ndarray, once a call has shown CuPy is imported
+
+
+class NoSignature(Exception):
+    """Raised inside the key builders for a call that takes the full path."""
+
+
+def is_cupy(x) -> bool:
+    """Whether ``x`` is a CuPy array (the only arrays a signature describes)."""
+    global _ndarray
+    if _ndarray is None:
+        if not type(x).__module__.startswith("cupy"):
+            return False
+        import cupy
+
+        _ndarray = cupy.ndarray
+    return isinstance(x, _ndarray)
+
+
+def array(x):
+    """A CuPy array's layout: shape, strides, dtype, device and whether its address is 16-byte aligned."""
+    if not is_cupy(x) or x.size == 0:
+        raise NoSignature
+    data = x.data
+    return x.shape, x.strides, x.dtype, data.device_id, data.ptr % 16 == 0
+
+
+def optional(x):
+    return None if x is None else array(x)
+
+
+def values(x):
+    """A small int32 array (offsets, lengths) by its layout and its values (a device array is copied to the
+    host: validation reads them too)."""
+    if x is None:
+        return None
+    return array(x), x.get().tobytes()
+
+
+def option(v):
+    """An option's value with its type: unhashable values raise (the call then takes the full path)."""
+    if v.__class__ is tuple or v.__class__ is list:
+        return v.__class__, tuple([(x.__class__, x) for x in v])
+    hash(v)
+    return v.__class__, v
+
+
+def options(values: tuple) -> tuple:
+    return tuple([option(v) for v in values])
+
+
+def settings_key() -> tuple:
+    """The ``RAWFLASH_*`` variables that change a plan (``settings.load`` reads them on a miss)."""
+    if _ENVIRON is not None:
+        return tuple([_ENVIRON.get(name) for name in _ENCODED])
+    return tuple([os.environ.get(name) for name in _SETTINGS])
+
+
+def forward(q, k, v, opts: tuple, features: tuple, out, lse):
+    """The signature of a forward call (``opts``: the options' values; ``features``: alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
+    as given); None where it takes the full path."""
+    alibi, sinks, cu_q, cu_k, used = features
+    try:
+        return ("forward", array(q), array(k), array(v), options(opts), optional(alibi),
+                optional(sinks), values(cu_q), values(cu_k), values(used), optional(out), optional(lse),
+                settings_key())
+    except (NoSignature, TypeError):
+        return None
+
+
+def backward(arrays: tuple, opts: tuple, features: tuple, grads: tuple):
+    """The signature of a backward call (``arrays``: dout, q, k, v, out, lse; ``grads``: the caller's dq, dk, dv)."""
+    alibi, sinks, cu_q, cu_k, used = features
+    try:
+        return ("backward", *(array(x) for x in arrays), options(opts), optional(alibi),
+                optional(sinks), values(cu_q), values(cu_k), values(used), *(optional(g) for g in grads),
+                settings_key())
+    except (NoSignature, TypeError):
+        return None
+
+
+def decode(arrays: tuple, cache_seqlens, opts: tuple, features: tuple, outputs: tuple):
+    """The signature of a decode call (``arrays``: q, k_cache, v_cache, k_new, v_new, block_table). An int
+    cache_seqlens enters by its type only: its value is a per-call word, checked on every call."""
+    q, k_cache, v_cache, k_new, v_new, table = arrays
+    try:
+        lens = ("int", type(cache_seqlens)) if isinstance(cache_seqlens, int) else array(cache_seqlens)
+        return ("decode", array(q), array(k_cache), array(v_cache), optional(k_new), optional(v_new),
+                optional(table), lens, options(opts), *(optional(f) for f in features),
+                *(optional(o) for o in outputs), settings_key())
+    except (NoSignature, TypeError):
+        return None
