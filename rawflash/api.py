@@ -153,21 +153,12 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     else:
         key = None
     env = settings.load()
-    q, k, v = _import((("q", q), ("k", k), ("v", v)))
-    feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      seqused_k)
-    c = validation.check_forward(q, k, v, causal, scale, kernel, backend, feats)
-    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    ds = None
-    if c.problem.dtype == configs.FP8 or fp8 is True or incoherent is True:
-        q, k, v, c, ds = _fp8_inputs(q, k, v, c, feats, descales, out_dtype, fp8, incoherent, kernel, backend)
-    else:
-        validation.check_fp8_options(descales, out_dtype, incoherent, fp8)
-    sw = _check_switches(kernel, switches, c)
+    (q, k, v), c, feats, ds, sw, outputs = _checked_forward(
+        q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, seqused_k, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale},
+        out_dtype, fp8, incoherent, kernel, backend, switches, out, lse)
     p, to_numpy = c.problem, c.kind == "numpy"
     out_dtype = p.out_dtype or p.dtype
-    outputs = validation.check_outputs(c, (("out", out, tuple(q.shape), out_dtype, False),
-                                           ("lse", lse, _lse_shape(c), "float32", True)))
     if backend == "reference":
         if ds is not None:  # e4m3 inputs: their values, dequantised, in float64
             q, k, v = (quantisation.dequantize(x, d, cu_seqlens=cu) for x, d, cu in
@@ -202,6 +193,27 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
                 bound.launch()
                 res = bound.result()
     return tuple(arrays.export(_into(x, given), to_numpy) for x, given in zip(res, outputs))
+
+
+def _checked_forward(q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, seqused_k, descales: dict, out_dtype, fp8, incoherent, kernel: str,
+                     backend: str, switches: dict, out, lse):
+    """forward's arrays imported (and quantised for fp8=True / incoherent=True) and every argument checked: the
+    arrays, the checked call, its features, the FP8 descales (None for 16-bit and float32), the switches and the
+    caller's outputs."""
+    q, k, v = _import((("q", q), ("k", k), ("v", v)))
+    feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      seqused_k)
+    c = validation.check_forward(q, k, v, causal, scale, kernel, backend, feats)
+    ds = None
+    if c.problem.dtype == configs.FP8 or fp8 is True or incoherent is True:
+        q, k, v, c, ds = _fp8_inputs(q, k, v, c, feats, descales, out_dtype, fp8, incoherent, kernel, backend)
+    else:
+        validation.check_fp8_options(descales, out_dtype, incoherent, fp8)
+    sw = _check_switches(kernel, switches, c)
+    outputs = validation.check_outputs(c, (("out", out, tuple(q.shape), c.problem.out_dtype or c.problem.dtype,
+                                            False), ("lse", lse, _lse_shape(c), "float32", True)))
+    return (q, k, v), c, feats, ds, sw, outputs
 
 
 def _fp8_inputs(q, k, v, c: Checked, feats: Features, descales: dict, out_dtype, use_fp8, incoherent, kernel: str,
@@ -554,19 +566,10 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
                 res = call.run(*ins[:5], features, out, lse)
             return res if return_lse else res[0]
     env = settings.load()
-    q, k_cache, v_cache, k_new, v_new, block_table = _import(named)
-    if not isinstance(cache_seqlens, (int, np.integer)):
-        (cache_seqlens,) = _import((("cache_seqlens", cache_seqlens),))
-    feats = _features(window, softcap, alibi_slopes, sinks, None, None, None, None, None)
-    c = validation.check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend,
-                                feats)
-    validation.check_flag(return_lse, "return_lse")
-    if num_splits is not None and (isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= forms.MAX_SPLITS):
-        raise ValueError(f"num_splits must be None or an int between 1 and {forms.MAX_SPLITS}, got {num_splits!r}")
+    (q, k_cache, v_cache, k_new, v_new, block_table), c, feats, given = _checked_decode(
+        named, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks, num_splits, return_lse, backend,
+        out, lse)
     p, to_numpy = c.problem, c.kind == "numpy"
-    given = validation.check_outputs(c, (("out", out, tuple(q.shape), p.dtype, False),
-                                         ("lse", lse, (p.batch, p.heads, p.seqlen_q), "float32", True)))
     lens = c.extras.get("seqused_k", c.extras.get("cache_len"))  # an array, or the int of every sequence
     if backend == "reference":
         host_lens = np.broadcast_to(np.asarray(reference._host(lens)).astype(np.int64), (p.batch,))
@@ -604,6 +607,25 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
     return res if return_lse else res[0]
 
 
+def _checked_decode(named: tuple, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks, num_splits,
+                    return_lse, backend: str, out, lse):
+    """decode's arrays imported and every argument checked (raises before anything is launched or appended)."""
+    q, k_cache, v_cache, k_new, v_new, block_table = _import(named)
+    if not isinstance(cache_seqlens, (int, np.integer)):
+        (cache_seqlens,) = _import((("cache_seqlens", cache_seqlens),))
+    feats = _features(window, softcap, alibi_slopes, sinks, None, None, None, None, None)
+    c = validation.check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend,
+                                feats)
+    validation.check_flag(return_lse, "return_lse")
+    if num_splits is not None and (isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= forms.MAX_SPLITS):
+        raise ValueError(f"num_splits must be None or an int between 1 and {forms.MAX_SPLITS}, got {num_splits!r}")
+    p = c.problem
+    given = validation.check_outputs(c, (("out", out, tuple(q.shape), p.dtype, False),
+                                         ("lse", lse, (p.batch, p.heads, p.seqlen_q), "float32", True)))
+    return (q, k_cache, v_cache, k_new, v_new, block_table), c, feats, given
+
+
 def _append_in_place(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table) -> None:
     """k_new / v_new written into the caller's caches (NumPy or CuPy, like k_new) as decode's kernel does on the
     device; the destinations are reference.append_slots'."""
@@ -615,3 +637,114 @@ def _append_in_place(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
 
         slots, rows = cupy.asarray(slots), cupy.asarray(rows)
     k_cache[slots, rows], v_cache[slots, rows] = k_new, v_new
+
+
+class Plan:
+    """A call checked and planned once, for loops that repeat it (a serving loop's decode step, a layer's forward):
+    ``run(...)`` takes the arrays of one call, compares their layouts with the plan's (shape, strides, dtype,
+    device, 16-byte alignment: a few microseconds), and launches. It reads no device value on the host and
+    allocates nothing but its outputs (nothing with ``out=`` / ``lse=``), so every run can be captured in a CUDA
+    graph. Made by :func:`plan_forward` and :func:`plan_decode`; the feature arrays given there (slopes, sinks,
+    packed offsets) are the ones every run reads, so new values go into them in place."""
+
+    def __init__(self, key, call, options: tuple, features: dict, raw_features: tuple):
+        if call is None:
+            raise ValueError("this call's launches cannot be planned (they run through rawflash's full path only)")
+        self._key, self._call = key, call
+        self._options, self._features, self._raw = options, features, raw_features
+
+    def _check(self, key, what: str) -> None:
+        if key != self._key:
+            raise ValueError(f"the arrays given to run() do not match the plan's ({what}: shapes, strides, dtypes, "
+                             "device, 16-byte alignment, and out / lse given or not as when planned): make a plan "
+                             "for them")
+
+
+class ForwardPlan(Plan):
+    def run(self, q, k, v, *, out=None, lse=None):
+        """``rawflash.forward``'s (out, lse) for new q, k, v of the planned layouts (CuPy arrays)."""
+        self._check(signature.forward(q, k, v, self._options, self._raw, out, lse), "q, k, v")
+        with _on(q):
+            return self._call.run(q, k, v, self._features, out, lse)
+
+
+class DecodePlan(Plan):
+    def run(self, q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, out=None,
+            lse=None):
+        """``rawflash.decode``'s result for one step: arrays of the planned layouts (CuPy), ``cache_seqlens`` an
+        int (checked against the cache here) or the planned int32 device array (checked by the kernels)."""
+        ins = (q, k_cache, v_cache, k_new, v_new, block_table)
+        self._check(signature.decode(ins, cache_seqlens, self._options, self._raw, (out, lse)),
+                    "q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table")
+        if not self._call.takes_cache_len(cache_seqlens):
+            p = self._call.problem
+            raise ValueError(f"cache_seqlens + seqlen_new ({p.new_keys}) must be between 0 and the cache's capacity "
+                             f"per sequence ({p.seqlen_k}), got cache_seqlens {cache_seqlens}")
+        features = dict(self._features)
+        if block_table is not None:
+            features["block_table"] = block_table
+        features["cache_len" if isinstance(cache_seqlens, int) else "seqused_k"] = cache_seqlens
+        with _on(q):
+            res = self._call.run(q, k_cache, v_cache, k_new, v_new, features, out, lse)
+        return res if self._options[-1] else res[0]
+
+
+def plan_forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
+                 window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Array | None = None,
+                 sinks: Array | None = None, cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
+                 max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, seqused_k: Array | None = None,
+                 out: Array | None = None, lse: Array | None = None) -> ForwardPlan:
+    """A :class:`Plan` of :func:`forward` (16-bit and float32 CuPy arrays, kernel='fa2', the cupy backend) for
+    arrays laid out as ``q``, ``k``, ``v`` (and ``out``, ``lse`` when runs will give them). Every argument is
+    checked here, as ``forward`` checks it; nothing is launched."""
+    opts = (causal, scale, window, softcap, max_seqlen_q, max_seqlen_k, ())
+    raw = (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    env = settings.load()
+    (q, k, v), c, _, ds, sw, _ = _checked_forward(q, k, v, causal, scale, window, softcap, alibi_slopes, sinks,
+                                                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                                  {}, None, False, False, "fa2", "cupy", {}, out, lse)
+    key = signature.forward(q, k, v, opts, raw, out, lse)
+    if key is None:
+        raise ValueError("a plan takes non-empty CuPy arrays (q, k, v, the feature arrays and the outputs)")
+    call = PLANS.get(key)
+    if call is None:
+        from .kernels import cupy_backend
+
+        with _device(c):
+            bound = cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", sw, c.extras, env, out=out,
+                                              lse=lse)
+            call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out))
+    # a run compares the layouts of its own arrays: the feature arrays are the plan's, never read on the host again
+    return ForwardPlan(signature.forward(q, k, v, opts, (None,) * 5, out, lse), call, opts, dict(c.extras),
+                       (None,) * 5)
+
+
+def plan_decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Array, k_new: Array | None = None,
+                v_new: Array | None = None, block_table: Array | None = None, causal: bool = True,
+                scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                alibi_slopes: Array | None = None, sinks: Array | None = None, num_splits: int | None = None,
+                return_lse: bool = False, out: Array | None = None, lse: Array | None = None) -> DecodePlan:
+    """A :class:`Plan` of :func:`decode` (CuPy arrays, the cupy backend) for one step laid out as the arrays given
+    (``cache_seqlens`` an int, or an int32 device array whose values runs may change on the device). Every
+    argument is checked here, as ``decode`` checks it; nothing is launched or appended."""
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new),
+             ("block_table", block_table))
+    opts = (causal, scale, window, softcap, num_splits, return_lse)
+    raw = (alibi_slopes, sinks)
+    env = settings.load()
+    ins, c, _, _ = _checked_decode(named, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks,
+                                   num_splits, return_lse, "cupy", out, lse)
+    key = signature.decode(ins, cache_seqlens, opts, raw, (out, lse))
+    if key is None:
+        raise ValueError("a plan takes CuPy arrays (q, the caches, the new keys and values, block_table, "
+                         "cache_seqlens unless an int, the feature arrays and the outputs)")
+    call = PLANS.get(key)
+    if call is None:
+        from .kernels import cupy_backend
+
+        with _device(c):
+            bound = cupy_backend.bind_decode(c.problem, *ins[:5], c.scale, num_splits, c.extras, env, out=out,
+                                             lse=lse)
+            call = _plan(key, lambda: cupy_backend.DecodeCall(bound, env, out))
+    features = {n: x for n, x in c.extras.items() if n in ("alibi_slopes", "sinks")}
+    return DecodePlan(key, call, opts, features, raw)

@@ -303,3 +303,26 @@ def test_decode_step_replays_while_cache_seqlens_grows():
         want = rawflash.decode(q, k_cache, v_cache, cache_seqlens=lens)
         assert bool(cupy.all(out == want))
         lens += 1
+
+
+def test_explicit_plans_run_what_the_calls_run():
+    rawflash.clear_cache()
+    q, k, v = _device(*random_qkv(2, 140, 200, 4, 2, 64, "bfloat16", seed=16))
+    plan = rawflash.plan_forward(q, k, v, causal=True, window=(50, 0))
+    want = rawflash.forward(q, k, v, causal=True, window=(50, 0))
+    got = plan.run(q, k, v)
+    assert bool(cupy.all(got[0] == want[0])) and bool(cupy.all(got[1] == want[1]))
+    with pytest.raises(ValueError, match="do not match the plan"):
+        plan.run(q[:, :100], k, v)
+    rng = np.random.default_rng(17)
+    bf16 = q.dtype
+    k_cache = cupy.asarray(rng.standard_normal((2, 96, 2, 64)).astype(bf16))
+    v_cache = cupy.asarray(rng.standard_normal((2, 96, 2, 64)).astype(bf16))
+    q1 = cupy.asarray(rng.standard_normal((2, 1, 4, 64)).astype(bf16))
+    step = rawflash.plan_decode(q1, k_cache, v_cache, cache_seqlens=7, return_lse=True)
+    for lens in (7, 50, 96):
+        out, lse = step.run(q1, k_cache, v_cache, lens)
+        want_out, want_lse = rawflash.decode(q1, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
+        assert bool(cupy.all(out == want_out)) and bool(cupy.all(lse == want_lse))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        step.run(q1, k_cache, v_cache, 97)

@@ -132,3 +132,15 @@ def test_untemplated_arguments_are_not_packed():
 
     with pytest.raises(plans.NotPackable):
         plans.CallPlan([(Lau(), (np.int32(3),))], {}, lambda lau: None)
+
+
+def test_plans_take_cupy_arrays_and_check_their_arguments():
+    import rawflash
+
+    q = np.zeros((1, 8, 2, 64), np.float16)
+    with pytest.raises(ValueError, match="a plan takes"):
+        rawflash.plan_forward(q, q, q)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        rawflash.plan_forward(q, q, q, causal=1)
+    with pytest.raises(ValueError, match="num_splits"):
+        rawflash.plan_decode(q, q, q, cache_seqlens=1, num_splits=0)
