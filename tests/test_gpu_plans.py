@@ -326,3 +326,39 @@ def test_explicit_plans_run_what_the_calls_run():
         assert bool(cupy.all(out == want_out)) and bool(cupy.all(lse == want_lse))
     with pytest.raises(ValueError, match="cache_seqlens"):
         step.run(q1, k_cache, v_cache, 97)
+
+
+def test_the_readme_decode_graph_pattern():
+    """README's "Calls in a loop": a planned step run once eagerly, one step captured, replayed 63 times with the
+    step's q, k1, v1 written in place between replays; equal to 64 eager decode calls on a copy of the cache."""
+    rawflash.clear_cache()
+    rng = np.random.default_rng(18)
+    bf16 = random_qkv(1, 1, 1, 1, 1, 1, "bfloat16")[0].dtype
+    k_cache = cupy.asarray(rng.standard_normal((2, 128, 2, 64)).astype(bf16))
+    v_cache = cupy.asarray(rng.standard_normal((2, 128, 2, 64)).astype(bf16))
+    k_eager, v_eager = k_cache.copy(), v_cache.copy()
+    qs, k1s, v1s = (cupy.asarray(rng.standard_normal((64, 2, 1, h, 64)).astype(bf16)) for h in (8, 2, 2))
+    q, k1, v1, out = qs[0].copy(), k1s[0].copy(), v1s[0].copy(), cupy.empty((2, 1, 8, 64), bf16)
+    lens = cupy.asarray(np.array([3, 20], dtype=np.int32))
+    eager_lens = lens.copy()
+    step = rawflash.plan_decode(q, k_cache, v_cache, cache_seqlens=lens, k_new=k1, v_new=v1, out=out)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    outs = []
+    with stream:
+        step.run(q, k_cache, v_cache, lens, k_new=k1, v_new=v1, out=out)
+        lens += 1
+        outs.append(out.copy())
+        stream.begin_capture()
+        step.run(q, k_cache, v_cache, lens, k_new=k1, v_new=v1, out=out)
+        lens += 1
+        graph = stream.end_capture()
+        for t in range(1, 64):
+            q[...], k1[...], v1[...] = qs[t], k1s[t], v1s[t]
+            graph.launch(stream)
+            outs.append(out.copy())
+        stream.synchronize()
+    for t in range(64):
+        want = rawflash.decode(qs[t], k_eager, v_eager, cache_seqlens=eager_lens, k_new=k1s[t], v_new=v1s[t])
+        eager_lens += 1
+        assert bool(cupy.all(outs[t] == want)), f"step {t}"
+    assert bool(cupy.all(k_cache == k_eager)) and bool(cupy.all(lens == eager_lens))
