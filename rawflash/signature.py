@@ -58,15 +58,24 @@ def values(x):
 
 
 def option(v):
-    """An option's value with its type: unhashable values raise (the call then takes the full path)."""
-    if v.__class__ is tuple or v.__class__ is list:
-        return v.__class__, tuple([(x.__class__, x) for x in v])
-    hash(v)
-    return v.__class__, v
+    """An option's value with its type (a tuple or list option: each item's too)."""
+    cls = v.__class__
+    if cls is tuple or cls is list:
+        return cls, tuple([(x.__class__, x) for x in v])
+    return cls, v
 
 
 def options(values: tuple) -> tuple:
     return tuple([option(v) for v in values])
+
+
+def _hashable(key: tuple):
+    """``key``, or None where an option cannot be hashed (that call takes the full path, which refuses it)."""
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def settings_key() -> tuple:
@@ -81,9 +90,9 @@ def forward(q, k, v, opts: tuple, features: tuple, out, lse):
     as given); None where it takes the full path."""
     alibi, sinks, cu_q, cu_k, used = features
     try:
-        return ("forward", array(q), array(k), array(v), options(opts), optional(alibi),
-                optional(sinks), values(cu_q), values(cu_k), values(used), optional(out), optional(lse),
-                settings_key())
+        return _hashable(("forward", array(q), array(k), array(v), options(opts), optional(alibi),
+                          optional(sinks), values(cu_q), values(cu_k), values(used), optional(out), optional(lse),
+                          settings_key()))
     except (NoSignature, TypeError):
         return None
 
@@ -92,9 +101,9 @@ def backward(arrays: tuple, opts: tuple, features: tuple, grads: tuple):
     """The signature of a backward call (``arrays``: dout, q, k, v, out, lse; ``grads``: the caller's dq, dk, dv)."""
     alibi, sinks, cu_q, cu_k, used = features
     try:
-        return ("backward", *(array(x) for x in arrays), options(opts), optional(alibi),
-                optional(sinks), values(cu_q), values(cu_k), values(used), *(optional(g) for g in grads),
-                settings_key())
+        return _hashable(("backward", *[array(x) for x in arrays], options(opts), optional(alibi),
+                          optional(sinks), values(cu_q), values(cu_k), values(used), *[optional(g) for g in grads],
+                          settings_key()))
     except (NoSignature, TypeError):
         return None
 
@@ -105,8 +114,8 @@ def decode(arrays: tuple, cache_seqlens, opts: tuple, features: tuple, outputs: 
     q, k_cache, v_cache, k_new, v_new, table = arrays
     try:
         lens = ("int", type(cache_seqlens)) if isinstance(cache_seqlens, int) else array(cache_seqlens)
-        return ("decode", array(q), array(k_cache), array(v_cache), optional(k_new), optional(v_new),
-                optional(table), lens, options(opts), *(optional(f) for f in features),
-                *(optional(o) for o in outputs), settings_key())
+        return _hashable(("decode", array(q), array(k_cache), array(v_cache), optional(k_new), optional(v_new),
+                           optional(table), lens, options(opts), *[optional(f) for f in features],
+                           *[optional(o) for o in outputs], settings_key()))
     except (NoSignature, TypeError):
         return None
