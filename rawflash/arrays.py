@@ -1,9 +1,42 @@
-"""Moving arrays in and out: foreign device arrays without copies, NumPy through the device, kernel-ready views."""
+"""Moving arrays in and out: what kind of array a value is and where it lives, foreign device arrays without copies,
+NumPy through the device, kernel-ready views. Imports nothing of rawflash (validation and the backends build on it).
+"""
 from __future__ import annotations
 
 import numpy as np
 
-from .validation import array_kind
+
+def dtype_name(dtype) -> str:
+    """'float16', 'bfloat16', 'float32' (or whatever NumPy calls any other dtype)."""
+    return np.dtype(dtype).name
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.startswith("cupy") and hasattr(x, "device") and hasattr(x, "data")
+
+
+def array_kind(x, name: str) -> str:
+    """'numpy', 'cupy' or 'foreign' (another library's device array); TypeError for anything else."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if _is_cupy(x):
+        return "cupy"
+    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
+        return "foreign"
+    raise TypeError(f"{name} must be an array (CuPy, NumPy, or any object with __cuda_array_interface__ or "
+                    f"__dlpack__), got {type(x).__name__}")
+
+
+def device_of(x, kind: str):
+    """An identifier of where the array lives: 'host' or the CUDA device id."""
+    if kind == "numpy":
+        return "host"
+    if kind == "cupy":
+        return int(x.device.id)
+    if hasattr(x, "__dlpack_device__"):
+        dev_type, dev_id = x.__dlpack_device__()
+        return "host" if int(dev_type) == 1 else int(dev_id)
+    return "cuda"
 
 
 def import_array(x, name: str):

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._xp import Array, array_module
-from .validation import dtype_name
+from .arrays import dtype_name
 
 __all__ = ["combine", "merge", "lse_to_base2", "lse_from_base2"]
 

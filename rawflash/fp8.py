@@ -178,8 +178,9 @@ def _quantize_host(x, granularity, kv, group, incoherent, seed):
 def _quantize_device(x, granularity, kv, group, incoherent, seed):
     import cupy
 
+    from .arrays import dtype_name
     from .kernels import cupy_backend, launch
-    from .validation import dtype_name
+    from .problem import Problem
 
     b, s, h, d = (int(n) for n in x.shape)
     dt = dtype_name(x.dtype)
@@ -193,7 +194,7 @@ def _quantize_device(x, granularity, kv, group, incoherent, seed):
     st = [np.int64(v // x.dtype.itemsize) for v in x.strides[:3]]
     args = (x, *st, np.int32(b), np.int32(s), np.int32(h), np.int32(d), np.int32(group),
             np.int32(granularity == "head"), signs, amax, out)
-    p = launch.Problem(b, s, s, h, kv, d, dt, False)
+    p = Problem(b, s, s, h, kv, d, dt, False)
     for pass_ in (0, 1):
         cupy_backend.run(launch.fp8_quantize(p, b * s * h, dt, incoherent, pass_), args)
     a = amax.view(cupy.float32)

@@ -12,45 +12,14 @@ import numbers
 
 import numpy as np
 
+from .arrays import array_kind, device_of, dtype_name
 from .kernels import configs, registry
-from .kernels.launch import MAX_GRID_YZ, Problem
+from .kernels.launch import MAX_GRID_YZ
+from .problem import Problem
 
 BACKENDS = ("cupy", "numba", "reference")
 KERNELS = registry.api_kernels()  # the forward's kernel= values
 FEATURE_ARGS = ("window", "softcap", "alibi_slopes", "sinks", "cu_seqlens_q", "seqused_k")
-
-
-def dtype_name(dtype) -> str:
-    """'float16', 'bfloat16', 'float32' (or whatever NumPy calls any other dtype)."""
-    return np.dtype(dtype).name
-
-
-def _is_cupy(x) -> bool:
-    return type(x).__module__.startswith("cupy") and hasattr(x, "device") and hasattr(x, "data")
-
-
-def array_kind(x, name: str) -> str:
-    """'numpy', 'cupy' or 'foreign' (another library's device array); TypeError for anything else."""
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    if _is_cupy(x):
-        return "cupy"
-    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
-        return "foreign"
-    raise TypeError(f"{name} must be an array (CuPy, NumPy, or any object with __cuda_array_interface__ or "
-                    f"__dlpack__), got {type(x).__name__}")
-
-
-def device_of(x, kind: str):
-    """An identifier of where the array lives: 'host' or the CUDA device id."""
-    if kind == "numpy":
-        return "host"
-    if kind == "cupy":
-        return int(x.device.id)
-    if hasattr(x, "__dlpack_device__"):
-        dev_type, dev_id = x.__dlpack_device__()
-        return "host" if int(dev_type) == 1 else int(dev_id)
-    return "cuda"
 
 
 def check_flag(value, name: str) -> bool:

@@ -18,7 +18,7 @@ import rawflash
 from conftest import gpu_available, random_qkv
 from rawflash.cli import accuracy, commands, introspect, iomodel, ncu, occupancy, sysinfo
 from rawflash.kernels import compile, configs, forms, launch, registry
-from rawflash.kernels.launch import Problem
+from rawflash.problem import Problem
 
 SMALL = ["--batch", "2", "--seqlen-q", "300", "--seqlen-k", "200", "--heads", "8", "--kv-heads", "2",
          "--head-dim", "64", "--dtype", "float16", "--causal"]

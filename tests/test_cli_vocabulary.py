@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from conftest import gpu_available
 from rawflash.cli import commands, introspect, iomodel, occupancy, sysinfo
-from rawflash.kernels import configs, forms, launch
-from rawflash.kernels.launch import Problem
+from rawflash.kernels import configs, forms
+from rawflash.problem import Problem
 
 no_gpu = pytest.mark.skipif(gpu_available(), reason="checks the path taken without a GPU")
 TARGETED = ("launch-config", "occupancy", "io", "explain", "list", "demo")
@@ -272,7 +272,7 @@ def _child_cli(*args, sim=True, timeout=300):
 def test_explain_numba_shows_the_twins_launches():
     code = ("import json, dataclasses; from rawflash.kernels import launch, numba_backend; "
             "from rawflash.cli import introspect; "
-            "from rawflash.kernels.launch import Problem; p = Problem(1, 40, 70, 4, 2, 64, 'float16', True); "
+            "from rawflash.problem import Problem; p = Problem(1, 40, 70, 4, 2, 64, 'float16', True); "
             "print(json.dumps([[t.kernel, 'x'.join(map(str, t.grid)), str(t.threads), t.smem] "
             "for t in numba_backend.twin_launches(p, 'fa2', 'both', False)]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=sysinfo.child_env())
@@ -312,7 +312,7 @@ def test_check_numba_warns_with_an_estimate_for_a_large_shape():
 
 
 def test_simulator_estimates_order_the_shapes():
-    code = ("import json; from rawflash.cli import commands, introspect; from rawflash.kernels.launch import Problem; "
+    code = ("import json; from rawflash.cli import commands, introspect; from rawflash.problem import Problem; "
             "s = commands.SIMULATOR_SHAPE; small = Problem(s['batch'], s['seqlen_q'], s['seqlen_q'], s['heads'], "
             "s['heads'], s['head_dim'], 'bfloat16', False); old = Problem(1, 256, 256, 4, 4, 64, 'bfloat16', False); "
             "print(json.dumps([introspect.simulator_seconds(small), introspect.simulator_seconds(old)]))")

@@ -14,6 +14,7 @@ import pytest
 from rawflash.cli.occupancy import ARCHS as ARCHS_LIMITS
 from rawflash.kernels import compile, configs, forms, launch
 from rawflash.kernels.launch import Launch
+from rawflash.problem import Problem
 
 pytestmark = pytest.mark.compile
 ARCHS = ("sm_80", "sm_90")
@@ -89,7 +90,7 @@ def test_smem_mismatch_fails_to_compile():
     """The SMEM_BYTES static_assert is live: a wrong size is refused by the compiler."""
     if not _nvrtc_available():
         pytest.skip("NVRTC missing")
-    lau = forms.fa2_forward(launch.Problem(1, 1, 1, 1, 1, 64, "float16", False), forms.Switches(wgmma=False))
+    lau = forms.fa2_forward(Problem(1, 1, 1, 1, 1, 64, "float16", False), forms.Switches(wgmma=False))
     wrong = lau.name_expression.replace(f", {lau.smem}>", f", {lau.smem + 16}>")
     with pytest.raises(RuntimeError, match="disagree on shared memory"):
         compile.compile_offline(lau.source, wrong, "sm_90")

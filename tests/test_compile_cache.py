@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from rawflash.cli import commands
 from rawflash.kernels import compile, launch
-from rawflash.kernels.launch import Problem
+from rawflash.problem import Problem
 
 pytestmark = pytest.mark.compile
 SMALL = launch.fa2_bwd_preprocess(Problem(1, 1, 1, 1, 1, 64, "float16", False))  # an elementwise kernel: quick

@@ -18,6 +18,7 @@ import rawflash
 from rawflash import reference
 from rawflash.kernels import configs, forms, launch
 from rawflash.kernels.configs import TileConfig, tile_config
+from rawflash.problem import Problem
 from conftest import DTYPES
 from test_numba_gpu import PTX_CHECK as _FWD_PTX_CHECK
 
@@ -163,7 +164,7 @@ def test_decode_rejects_bad_pages():
 @pytest.mark.parametrize("seqlen,group,sq", [(1, 1, 1), (100, 4, 1), (5000, 8, 1), (100000, 1, 4), (64, 16, 8)])
 def test_split_heuristic(seqlen, group, sq):
     """Between 1 and min(MAX_SPLITS, key tiles of the capacity); the cost model's best within 2 %."""
-    p = launch.Problem(2, sq, seqlen, 8 * group, 8, 128, "bfloat16", False, seqused_k=True, new_keys=1)
+    p = Problem(2, sq, seqlen, 8 * group, 8, 128, "bfloat16", False, seqused_k=True, new_keys=1)
     cfg = tile_config("decode_split", 128, "bfloat16", "sm_90")
     n = forms.decode_splits(p, cfg)
     tiles = -(-seqlen // cfg.bc)
@@ -173,7 +174,7 @@ def test_split_heuristic(seqlen, group, sq):
 
 
 def _sweep_problem(batch, cache, heads=32, kv_heads=8, sq=1):
-    return launch.Problem(batch, sq, cache + 1, heads, kv_heads, 128, "bfloat16", sq > 1, seqused_k=True, new_keys=1)
+    return Problem(batch, sq, cache + 1, heads, kv_heads, 128, "bfloat16", sq > 1, seqused_k=True, new_keys=1)
 
 
 @pytest.mark.parametrize("batch,cache", [(8, 32768), (64, 4096), (64, 8192), (8, 131072)])
@@ -208,14 +209,14 @@ def test_decode_plan_launches():
     """GQA 32/8 with one new key: decode_split appends it itself (one row group), merges each CTA's 4 splits into
     one partial and its last CTAs merge the partials (no combine launch); MQA 32/1 over many partials takes a
     combine launch (the warp one up to 32 partials, the CTA one above); no new keys, no append either way."""
-    p = launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True, new_keys=1)
+    p = Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True, new_keys=1)
     plan = forms.decode_plan(p, 16)
     cfg = tile_config("decode_split", 128, "float16", "sm_90")
     assert [lau.kernel for lau in plan.launches] == ["decode_split"]
     assert plan.num_splits == 16 and plan.split_appends and plan.fused and plan.partials == -(-16 // cfg.warps)
     assert plan.launches[0].grid == (-(-16 // cfg.warps), 8 * -(-4 // cfg.br), 2)
     assert forms.decode_plan(p, 256).fused, "4 rows of 128 columns: one chunk a thread, 8 round trips at 64 partials"
-    mqa = launch.Problem(2, 1, 4096, 32, 1, 128, "float16", False, seqused_k=True)
+    mqa = Problem(2, 1, 4096, 32, 1, 128, "float16", False, seqused_k=True)
     rows = 2 * 32
     for splits, kernel in ((128, "decode_combine_warp"), (256, "decode_combine")):
         plan = forms.decode_plan(mqa, splits)
@@ -229,7 +230,7 @@ def test_decode_plan_launches():
     assert combine.grid == (rows, 1, 1) and combine.block == (launch.DECODE_COMBINE_THREADS, 1, 1)
     assert combine.template_args[2] == forms.MAX_SPLITS and combine.smem == combine.template_args[3]
     assert forms.decode_plan(mqa, 32).fused, "32 rows x 8 partials: 8 round trips a thread"
-    no_new = forms.decode_plan(launch.Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True), 16)
+    no_new = forms.decode_plan(Problem(2, 1, 4096, 32, 8, 128, "float16", False, seqused_k=True), 16)
     assert [lau.kernel for lau in no_new.launches] == ["decode_split"] and not no_new.split_appends
 
 
@@ -239,7 +240,7 @@ def test_decode_plan_launches():
 def test_decode_fuses_combine_by_its_round_trips(rows, d, partials, fused):
     """A thread of the last CTA makes cdiv(rows x d / 4, threads) x cdiv(partials, 8) round trips to L2; fused up to
     DECODE_FUSE_ROUND_TRIPS."""
-    p = launch.Problem(1, 1, 4096, rows, 1, d, "bfloat16", False, seqused_k=True)
+    p = Problem(1, 1, 4096, rows, 1, d, "bfloat16", False, seqused_k=True)
     cfg = TileConfig(32, 16, 4, stages=2)
     assert forms.decode_fuses_combine(p, cfg, partials) is fused
 
@@ -264,7 +265,7 @@ def test_decode_append_is_folded_iff_one_row_group(heads, kv_heads, sq, d, dtype
     """decode_split writes the new keys itself iff one row group holds the packed rows (group x seqlen_q <= br);
     else decode_append runs first. Windows (even ones that hide appended keys from every row) change nothing: the
     splits' key ranges do not depend on the mask."""
-    p = launch.Problem(3, sq, 4096, heads, kv_heads, d, dtype, sq > 1, seqused_k=True, new_keys=sq,
+    p = Problem(3, sq, 4096, heads, kv_heads, d, dtype, sq > 1, seqused_k=True, new_keys=sq,
                        window=window)
     plan = forms.decode_plan(p, 8)
     cfg = next(lau.config for lau in plan.launches if lau.kernel == "decode_split")
@@ -300,7 +301,7 @@ def test_split_ranges_give_every_new_key_one_writer(bc):
 @pytest.mark.parametrize("partials,kernel", [(1, "decode_combine_warp"), (32, "decode_combine_warp"),
                                              (33, "decode_combine"), (64, "decode_combine")])
 def test_decode_combine_form(partials, kernel):
-    p = launch.Problem(2, 3, 4096, 8, 2, 64, "bfloat16", True, seqused_k=True)
+    p = Problem(2, 3, 4096, 8, 2, 64, "bfloat16", True, seqused_k=True)
     assert forms.decode_combine(p, partials).kernel == kernel
     plan = forms.decode_plan(p, 4 * partials)  # (4 warps a CTA: one partial per 4 splits)
     assert plan.partials == partials
@@ -386,7 +387,7 @@ def test_explain_decode_shows_the_split_plan():
     assert got["valid"] and [r["kernel"] for r in got["launches"]] == ["decode_split"]
     plan = got["split plan"]
     assert plan["append"].startswith("in decode_split") and plan["combine"].startswith("in decode_split")
-    want = forms.decode_plan(launch.Problem(8, 1, got["problem"]["cache capacity per sequence"], 32, 8, 128,
+    want = forms.decode_plan(Problem(8, 1, got["problem"]["cache capacity per sequence"], 32, 8, 128,
                                             "bfloat16", False, seqused_k=True, new_keys=1, page_size=64))
     assert plan["num_splits"] == want.num_splits
     split = next(r for r in got["launches"] if r["kernel"] == "decode_split")
@@ -935,7 +936,7 @@ def test_many_packed_rows_take_the_32_row_tile(heads, kv_heads, sq, dtype, wide)
     """More than 16 packed rows per kv head at d = 128 (MQA 32 / 1, long speculative chunks): 32-row tiles
     (configs.MANY_ROWS_DECODE), so each row group reads the cache once per 32 rows and MQA 32 / 1 is one row group
     (the append folded into decode_split); 16 rows or fewer keep the table's row. Other head dims keep theirs."""
-    p = launch.Problem(8, sq, 32768, heads, kv_heads, 128, dtype, sq > 1, seqused_k=True, new_keys=sq)
+    p = Problem(8, sq, 32768, heads, kv_heads, 128, dtype, sq > 1, seqused_k=True, new_keys=sq)
     cfg = next(lau.config for lau in forms.decode_plan(p).launches if lau.kernel == "decode_split")
     assert cfg == (configs.MANY_ROWS_DECODE[("decode_split", 128, dtype)] if wide else
                    tile_config("decode_split", 128, dtype, "sm_90"))

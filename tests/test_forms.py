@@ -14,7 +14,7 @@ import pytest
 
 from rawflash.kernels import compile, configs, forms, launch, params, registry, tma
 from rawflash.kernels.forms import Switches
-from rawflash.kernels.launch import Problem
+from rawflash.problem import Problem
 from rawflash.settings import Settings, load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +39,8 @@ def test_sm90_16bit_runs_wgmma(d, dtype):
 
 
 @pytest.mark.parametrize("dtype,features,bounded", [
-    ("bfloat16", dict(softcap=30.0), True), ("bfloat16", dict(softcap=launch.BOUNDED_SOFTCAP_MAX), True),
-    ("bfloat16", dict(softcap=launch.BOUNDED_SOFTCAP_MAX + 0.5), False),
+    ("bfloat16", dict(softcap=30.0), True), ("bfloat16", dict(softcap=forms.BOUNDED_SOFTCAP_MAX), True),
+    ("bfloat16", dict(softcap=forms.BOUNDED_SOFTCAP_MAX + 0.5), False),
     ("bfloat16", dict(softcap=30.0, alibi=True), False),
     ("bfloat16", dict(softcap=30.0, window=(64, 0), varlen=True, total_q=300, total_k=300), True),
     ("bfloat16", dict(window=(64, 0)), False), ("bfloat16", {}, False), ("float16", dict(softcap=30.0), False),
@@ -50,7 +50,7 @@ def test_bounded_scores_pick_the_fixed_reference_instantiation(dtype, features, 
     """Soft-capped bfloat16 scores without ALiBi, softcap <= 50, run the FA3 forward's REF_BOUNDED instantiation (a
     softmax without a running max: its range argument holds only there); everything else the running max."""
     p = _problem(features.pop("d", 128), dtype, **features)
-    assert p.bounded_scores == bounded
+    assert forms.bounded_scores(p) == bounded
     lau = forms.fa2_forward(p)
     if lau.kernel == "fa3_fwd_sm90":
         assert (lau.template_args[launch.REF_ARG] == launch.REF_BOUNDED) is bounded, lau.name_expression
@@ -74,7 +74,7 @@ def test_softmax_reference_and_its_way_back(dtype, d, features, ref):
     everything else runs one launch with its reference (soft-capping alone: the fixed one)."""
     causal = features.pop("causal", False)
     p = _problem(d, dtype, causal=causal, **features)
-    assert p.softmax_ref == ref
+    assert forms.softmax_ref(p) == ref
     plan = forms.forward_plan(p)
     assert plan[0].kernel == "fa3_fwd_sm90" and plan[0].template_args[launch.REF_ARG] == ref
     if ref == launch.REF_FIRST:
@@ -262,7 +262,7 @@ def test_overlap_switch_reaches_the_template():
 def test_features_choose_the_policy(features, mask, general):
     causal = features.pop("causal", False)
     p = _problem(causal=causal, **features)
-    assert (p.mask, p.general) == (mask, general)
+    assert (launch.mask_mode(p), p.general) == (mask, general)
     for lau in (forms.fa2_forward(p), forms.fa2_forward(p, Switches(wgmma=False)), forms.backward_plan(p)[1],
                 forms.backward_plan(p, deterministic=True)[1], forms.deterministic_without_fa3(p)[2]):
         i = launch.MASK_ARG[lau.kernel]

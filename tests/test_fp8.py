@@ -8,7 +8,7 @@ import pytest
 import rawflash
 from rawflash import fp8
 from rawflash.kernels import configs, forms, launch
-from rawflash.kernels.launch import Problem
+from rawflash.problem import Problem
 
 
 def test_sigma_is_a_permutation_of_each_slice():

@@ -14,6 +14,7 @@ import pytest
 
 import rawflash
 from rawflash.kernels import forms, launch
+from rawflash.problem import Problem
 from conftest import skip_unless_sm90
 from test_gpu_kernels import check_backward, check_forward
 
@@ -55,7 +56,7 @@ def test_fa3_forward(sq, sk, h, hk, d, dtype, causal, sw):
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa3_more_tiles_than_sms(sw, causal):
     """5 x 12 heads x 9 query tiles = 540 tiles: each persistent CTA walks several, across heads and batches."""
-    p = launch.Problem(5, 1100, 1100, 12, 4, 128, "bfloat16", causal, "sm_90")
+    p = Problem(5, 1100, 1100, 12, 4, 128, "bfloat16", causal, "sm_90")
     persistent = launch.schedule_of(forms.fa2_forward(p, forms.Switches(**SWITCHES[sw]))) != "one tile per CTA"
     assert forms.fa2_forward(p, forms.Switches(**SWITCHES[sw])).ctas == (132 if persistent else 540)
     check_forward(5, 1100, 1100, 12, 4, 128, "bfloat16", causal, "fa2", warp_specialize=True, **SWITCHES[sw])
@@ -128,7 +129,7 @@ def _bwd_cases():
 def test_fa3_backward(sq, sk, h, hk, d, dtype, causal):
     from rawflash.kernels import cupy_backend
 
-    p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
+    p = Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
     assert forms.backward_plan(p)[1].kernel == "fa3_bwd_sm90"
     check_backward(2, sq, sk, h, hk, d, dtype, causal, False)
 
@@ -153,7 +154,7 @@ def test_fa3_backward_80_rows(sq, sk, h, hk, d, dtype, causal):
     short and long key ranges, seqlen_q != seqlen_k both ways under the mask, GQA / MQA."""
     from rawflash.kernels import cupy_backend
 
-    p = launch.Problem(1, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
+    p = Problem(1, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
     assert forms.backward_plan(p)[1].config.br == 80
     check_backward(1, sq, sk, h, hk, d, dtype, causal, False, seed=8)
 
@@ -165,7 +166,7 @@ SPLIT_D_DIMS = [160, 192, 224, 256]  # (160 and 224 run as 192 and 256, their ex
 def _split_d_plan(sq, sk, h, hk, d, dtype, causal, **features):
     from rawflash.kernels import cupy_backend
 
-    p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch(), **features)
+    p = Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch(), **features)
     main = forms.backward_plan(p)[1]
     assert main.kernel == "fa3_bwd_sm90" and launch.fa3_bwd_split_d(main.config), main.name_expression
     return main
@@ -269,7 +270,7 @@ DET_CASES = [  # (sq, sk, h, hk, d, dtype, causal): ragged, seqlen_q != seqlen_k
 def _det_plan(sq, sk, h, hk, d, dtype, causal, **features):
     from rawflash.kernels import cupy_backend
 
-    p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch(), **features)
+    p = Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch(), **features)
     main = forms.backward_plan(p, deterministic=True)[1]
     assert main.kernel == "fa3_bwd_sm90" and main.template_args[launch.MASK_ARG[main.kernel] + 2] is True
     return main
@@ -336,7 +337,7 @@ def test_fa3_deterministic_rotated_order_bitwise_equal_20_runs(sq, sk, d):
     from conftest import random_qkv
     from rawflash.kernels import cupy_backend
 
-    p = launch.Problem(1, sq, sk, 4, 2, d, "bfloat16", False, cupy_backend.device_arch())
+    p = Problem(1, sq, sk, 4, 2, d, "bfloat16", False, cupy_backend.device_arch())
     assert launch.fa3_bwd_dq_rotates(p, _det_plan(sq, sk, 4, 2, d, "bfloat16", False).config, cupy_backend._sms())
     check_backward(1, sq, sk, 4, 2, d, "bfloat16", False, True, seed=4)
     q, k, v = (cupy.asarray(x) for x in random_qkv(1, sq, sk, 4, 2, d, "bfloat16", seed=5))
@@ -379,9 +380,9 @@ def test_first_block_reference_and_its_way_back(d, causal, feature):
     from rawflash.kernels import cupy_backend
 
     feats = {"plain": {}, "seqused_k": dict(seqused_k=np.array([700, 640], np.int32)),
-             "softcap": dict(softcap=2.0 * launch.BOUNDED_SOFTCAP_MAX),
+             "softcap": dict(softcap=2.0 * forms.BOUNDED_SOFTCAP_MAX),
              "alibi": dict(alibi_slopes=np.array([0.84, 0.5, 0.0625, 2.0 ** -8], np.float32))}[feature]
-    p = launch.Problem(2, 300, 700, 4, 2, d, "bfloat16", causal, "sm_90", seqused_k="seqused_k" in feats,
+    p = Problem(2, 300, 700, 4, 2, d, "bfloat16", causal, "sm_90", seqused_k="seqused_k" in feats,
                        softcap=feats.get("softcap", 0.0), alibi="alibi_slopes" in feats)
     assert [x.template_args[launch.REF_ARG] for x in forms.forward_plan(p)] == [launch.REF_FIRST, launch.REF_RUNNING]
     dev = {n: cupy.asarray(x) if isinstance(x, np.ndarray) else x for n, x in feats.items()}

@@ -10,7 +10,8 @@ import itertools
 import pytest
 
 import rawflash
-from rawflash.kernels import forms, launch
+from rawflash.kernels import forms
+from rawflash.problem import Problem
 from conftest import skip_unless_sm90
 from test_gpu_kernels import check_backward, check_forward
 
@@ -50,7 +51,7 @@ def test_wgmma_forward(sq, sk, h, hk, d, dtype, causal, overlap):
 def test_default_path_on_h200_is_fa3():
     from rawflash.kernels import cupy_backend
 
-    p = launch.Problem(1, 1, 1, 1, 1, 128, "bfloat16", False, cupy_backend.device_arch())
+    p = Problem(1, 1, 1, 1, 1, 128, "bfloat16", False, cupy_backend.device_arch())
     assert forms.fa2_forward(p).kernel == "fa3_fwd_sm90"
     assert forms.fa2_forward(p, forms.Switches(warp_specialize=False)).kernel == "fa2_fwd_sm90"
 
@@ -90,7 +91,7 @@ def _bwd_cases():
 def test_wgmma_backward(sq, sk, h, hk, d, dtype, causal):
     from rawflash.kernels import cupy_backend
 
-    p = launch.Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
+    p = Problem(2, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
     assert forms.backward_plan(p)[1].kernel in ("fa2_bwd_sm90", "fa3_bwd_sm90")
     check_backward(2, sq, sk, h, hk, d, dtype, causal, False)
 

@@ -121,8 +121,9 @@ def test_fa1_splits(heads, sq, sk, d, dtype, causal):
     """fa1's query blocks dealt to its splits (launch.fa1_splits): one block per split and key block, several, one
     split per head, and causal rows that see no key."""
     from rawflash.kernels import forms, launch
+    from rawflash.problem import Problem
 
-    p = launch.Problem(1, sq, sk, heads, heads, d, dtype, causal)
+    p = Problem(1, sq, sk, heads, heads, d, dtype, causal)
     assert forms.forward_plan(p, "fa1")[0].grid[2] == launch.fa1_splits(p, forms.forward_plan(p, "fa1")[0].config)
     check_forward(1, sq, sk, heads, heads, d, dtype, causal, "fa1")
 

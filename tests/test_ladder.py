@@ -12,7 +12,7 @@ from conftest import gpu_available
 from rawflash import api
 from rawflash.cli import ablation, commands, iomodel
 from rawflash.kernels import forms, launch
-from rawflash.kernels.launch import Problem
+from rawflash.problem import Problem, cdiv
 
 FA3_SWITCHES = {"warp_specialize", "pingpong", "persistent"}  # FA3's switches (overlap is the wgmma form's too)
 no_gpu = pytest.mark.skipif(gpu_available(), reason="checks the path taken without a GPU")
@@ -169,7 +169,7 @@ def test_fa1_splits_fill_the_waves(batch, heads, seqlen, want):
     p = Problem(batch, seqlen, seqlen, heads, heads, 128, "bfloat16", False)
     cfg = forms.forward_plan(p, "fa1")[0].config
     splits = launch.fa1_splits(p, cfg)
-    assert splits == want and 1 <= splits <= min(launch.FA1_MAX_SPLITS, launch.cdiv(seqlen, cfg.br))
+    assert splits == want and 1 <= splits <= min(launch.FA1_MAX_SPLITS, cdiv(seqlen, cfg.br))
     assert forms.forward_plan(p, "fa1")[0].grid == (heads, batch, splits)
 
 

@@ -226,7 +226,7 @@ class Device:  # device functions compile for the current device; without a GPU:
 if not cuda.is_available():
     dispatcher.get_current_device = compiler.get_current_device = lambda: Device()
 from rawflash.kernels import forms, numba_backend as nb
-from rawflash.kernels.launch import Problem
+from rawflash.problem import Problem
 from rawflash.numba_kernels.params import BwdParams, FwdParams
 
 def arr(dtype, ndim):

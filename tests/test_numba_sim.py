@@ -478,7 +478,7 @@ def _planned():
     import dataclasses
 
     from rawflash.kernels import configs, forms, numba_backend
-    from rawflash.kernels.launch import Problem
+    from rawflash.problem import Problem
 
     out = {}
     for dtype, d, arch in itertools.product(configs.DTYPES, configs.SPECIALISED_HEAD_DIMS, ("sm_90", "sm_80")):

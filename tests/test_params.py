@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rawflash.kernels import params
-from rawflash.kernels.launch import Problem
+from rawflash.problem import Problem
 
 HEADER = Path(__file__).resolve().parents[1] / "cuda" / "params.cuh"
 CTYPES = {"const void*": "ptr", "void*": "ptr", "float*": "ptr", "const float*": "ptr", "const int*": "ptr",

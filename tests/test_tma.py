@@ -81,7 +81,7 @@ def test_empty_tensors_are_refused_before_the_driver():
 @pytest.mark.parametrize("d,expected", [(128, "fa2_fwd_sm90"), (96, "fa2_fwd"), (40, "fa2_fwd_sm90")])
 def test_a_call_tma_cannot_describe_runs_another_form(d, expected):
     from rawflash.kernels import forms
-    from rawflash.kernels.launch import Problem
+    from rawflash.problem import Problem
 
     p = Problem(1, 4, 0, 2, 2, d, "float16", False, "sm_90")
     assert forms.forward_plan(p)[0].kernel == "fa3_fwd_sm90"

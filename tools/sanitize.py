@@ -142,12 +142,13 @@ def _splitk(dtype: str) -> None:
 
 def _fa3_forms(q, k, v, causal: bool) -> None:
     """On an H200: the cp.async wgmma forward, and FA3's with each of its switches flipped."""
-    from rawflash.kernels import cupy_backend, forms, launch
+    from rawflash.kernels import cupy_backend, forms
+    from rawflash.problem import Problem
 
     arch = cupy_backend.device_arch()
     if arch != "sm_90":
         return
-    p = launch.Problem(1, 1, 1, 1, 1, q.shape[-1], str(q.dtype), causal, arch)
+    p = Problem(1, 1, 1, 1, 1, q.shape[-1], str(q.dtype), causal, arch)
     if forms.hopper_form_fits("fa2_fwd_sm90", p):  # the cp.async form has rows for head dims on the 64 grid only
         rawflash.forward(q, k, v, causal=causal, warp_specialize=False)
     for sw in ({"pingpong": False}, {"persistent": not causal}, {"overlap": False, "persistent": True}):

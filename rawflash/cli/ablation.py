@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..kernels import forms
-from ..kernels.launch import Problem
+from ..problem import Problem
 from . import accuracy, bench, iomodel
 
 VALIDATION_SEQLEN = 203  # ragged: not a multiple of any tile

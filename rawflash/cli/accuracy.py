@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import reference
-from ..kernels.launch import Problem
+from ..problem import Problem
 from . import sysinfo
 
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}

@@ -27,7 +27,8 @@ from pathlib import Path
 import click
 
 from .. import settings, validation
-from ..kernels import compile, configs, forms, launch, registry
+from ..kernels import compile, configs, forms, registry
+from ..problem import Problem
 from . import accuracy, introspect, sysinfo
 from . import bench as bench_mod
 from . import report as report_mod
@@ -228,7 +229,7 @@ def _step(message: str) -> None:
     click.echo(message, err=True)
 
 
-def _problem(spec: introspect.ShapeSpec, arch: str | None = None, **call) -> launch.Problem:
+def _problem(spec: introspect.ShapeSpec, arch: str | None = None, **call) -> Problem:
     """The validated problem (for ``arch``'s tile rows and kernels when given), or the API's own error message as a
     usage error (exit 2)."""
     try:
@@ -251,7 +252,7 @@ def _rows_with_progress(items: list, fn, label: str, show=None) -> list:
         return [fn(x) for x in bar]
 
 
-def _shape_text(p: launch.Problem) -> str:
+def _shape_text(p: Problem) -> str:
     return (f"batch {p.batch}, seqlen_q {p.seqlen_q}, seqlen_k {p.seqlen_k}, heads {p.heads}, kv_heads {p.kv_heads}, "
             f"head_dim {p.head_dim}, {p.dtype}, {'causal' if p.causal else 'non-causal'}")
 
@@ -409,7 +410,7 @@ def io_cmd(ctx, spec, gpu, arch, sms, measure, breakdown, as_json):
         ctx.exit(EXIT_FAILED)
 
 
-def _measure(p: launch.Problem, rows: list[dict]) -> str | None:
+def _measure(p: Problem, rows: list[dict]) -> str | None:
     """Add ncu's DRAM bytes to the rows that rawflash runs; returns why it could not, if it could not."""
     from . import ncu
 
@@ -516,7 +517,7 @@ def check(ctx, spec, kernel, backend, scale, deterministic, seed, as_json):
         ctx.exit(EXIT_FAILED)
 
 
-def _simulator_preflight(p: launch.Problem, kernel: str, deterministic: bool) -> float | None:
+def _simulator_preflight(p: Problem, kernel: str, deterministic: bool) -> float | None:
     """Estimate the simulator's time (warn when long) and switch its per-launch progress lines on."""
     try:
         estimate = introspect.simulator_seconds(p, kernel, deterministic)

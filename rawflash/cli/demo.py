@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import Callable
 
-from ..kernels.launch import Problem
+from ..problem import Problem
 from . import accuracy, bench, introspect, iomodel, sysinfo
 
 SHAPE = Problem(batch=4, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16",

@@ -21,7 +21,7 @@ RUNS = (("fa2", True), ("fa1", False))
 def main() -> int:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # before numba is imported anywhere in this process
     from rawflash.cli import accuracy
-    from rawflash.kernels.launch import Problem
+    from rawflash.problem import Problem
 
     p = Problem(**SHAPE)
     print(f"simulator: fa2 forward and backward, fa1 forward, on {SHAPE}", flush=True)

@@ -15,7 +15,8 @@ import numpy as np
 from .. import validation
 from ..kernels import compile, configs, forms, launch, registry
 from ..kernels.cupy_backend import run_head_dim
-from ..kernels.launch import Launch, Problem
+from ..kernels.launch import Launch
+from ..problem import Problem, cdiv
 from . import accuracy, iomodel, occupancy, sysinfo
 
 DEFAULT_GPU = "H200"
@@ -558,7 +559,7 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                 ref = lau.template_args[launch.REF_ARG] if lau.kernel == "fa3_fwd_sm90" else None
                 if ref == launch.REF_BOUNDED:
                     add_note(row,
-                             f"bounded scores (softcap {p.softcap:g} <= {launch.BOUNDED_SOFTCAP_MAX:g}, bfloat16): "
+                             f"bounded scores (softcap {p.softcap:g} <= {forms.BOUNDED_SOFTCAP_MAX:g}, bfloat16): "
                              "the softmax subtracts the fixed reference softcap log2(e) - 56, no running max and "
                              "no rescale of O")
                 elif ref == launch.REF_FIRST:
@@ -611,7 +612,7 @@ def twin_rows(p: Problem, kernel: str, direction: str, deterministic: bool, tgt:
 
 def _problem_summary(p: Problem, scale: float) -> dict:
     out = {"batch": p.batch, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "heads": p.heads,
-           "kv_heads": p.kv_heads, "head_dim": p.head_dim, "kernel head_dim": p.padded_head_dim,
+           "kv_heads": p.kv_heads, "head_dim": p.head_dim, "kernel head_dim": configs.padded_head_dim(p.head_dim),
            "dtype": p.dtype, "causal": p.causal, "scale": scale}
     if p.window != (-1, -1):
         out["window (left, right)"] = p.window_bounds
@@ -620,7 +621,8 @@ def _problem_summary(p: Problem, scale: float) -> dict:
             out[name] = on
     if p.varlen:
         out.update(packed=f"{p.batch} sequences, {p.total_q} query rows (max {p.seqlen_q})")
-    out["policy"] = ("general" if p.general else "plain") + f", mask mode {('none', 'causal', 'window')[p.mask]}"
+    mask = ("none", "causal", "window")[launch.mask_mode(p)]
+    out["policy"] = ("general" if p.general else "plain") + f", mask mode {mask}"
     return out
 
 
@@ -646,8 +648,8 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
     if p.general:
         notes.append("the general policy's kernels (GENERAL = true): packed lengths, soft-capping and ALiBi at run "
                      "time; plain calls run the plain kernels")
-    if p.padded_head_dim != p.head_dim:
-        notes.append(f"head_dim {p.head_dim} runs on the {p.padded_head_dim} kernel, zero-padded")
+    if configs.padded_head_dim(p.head_dim) != p.head_dim:
+        notes.append(f"head_dim {p.head_dim} runs on the {configs.padded_head_dim(p.head_dim)} kernel, zero-padded")
     if kernel == "naive":
         notes.append("naive: S = QK^T and O = PV are cuBLAS products, not listed among the launches")
     if backend == "numba":
@@ -731,7 +733,7 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
         row["tiles"] = row["skipped"] = None
         report["launches"].append(add_note(row, roles[lau.kernel], *situation_notes(kp, lau),
                                            fit_problem(row["smem"], tgt.arch)))
-    tiles = launch.cdiv(max(1, kp.seqlen_k), cfg.bc)
+    tiles = cdiv(max(1, kp.seqlen_k), cfg.bc)
     cache_bytes = 2 * p.batch * (x["cache_seqlens"] + new_keys) * p.kv_heads * p.head_dim * p.itemsize
     combine = plan.launches[-1].kernel  # forms.decode_combine's choice (decode_split itself when fused)
     report["split plan"] = {
@@ -739,7 +741,7 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
         "chosen by": "you (num_splits)" if num_splits is not None else
                      f"forms.decode_splits (model of {tgt.sms} SMs, planned from the capacity)",
         "key tiles per split": f"cdiv(cdiv(keys_b, {cfg.bc}), {plan.num_splits}) per sequence; at full capacity "
-                               f"{launch.cdiv(tiles, plan.num_splits)}",
+                               f"{cdiv(tiles, plan.num_splits)}",
         "append": ("none (no k_new)" if not kp.new_keys else
                    "in decode_split: each split writes the new keys inside its range of keys (one row group)"
                    if plan.split_appends else
@@ -795,5 +797,6 @@ def simulator_seconds(p: Problem, kernel: str = "fa2", deterministic: bool = Fal
         if t.config is not None:
             computed, _ = tiles(pr, t)
             products = SIM_PRODUCTS[t.kernel] - (1 if t.kernel == "fa2_bwd" and deterministic else 0)
-            total += computed * t.config.br * t.config.bc * pr.padded_head_dim * products * SIM_SECONDS_PER_MAC
+            d = configs.padded_head_dim(pr.head_dim)
+            total += computed * t.config.br * t.config.bc * d * products * SIM_SECONDS_PER_MAC
     return total

@@ -87,7 +87,7 @@ def _profiled_call(spec: dict) -> None:
 
     import rawflash
     from rawflash.cli import accuracy
-    from rawflash.kernels.launch import Problem
+    from rawflash.problem import Problem
 
     p = Problem(**spec["problem"])
     x = {k: cupy.asarray(v) for k, v in accuracy.random_inputs(p).items()}

@@ -13,9 +13,10 @@ import functools
 import numpy as np
 
 from ..arrays import kernel_ready, pad_head_dim
+from ..problem import Problem
 from ..settings import Settings
 from . import compile, forms, launch, params, tma
-from .launch import Launch, Problem
+from .launch import Launch
 
 HEAD_DIM_MULTIPLE = 8  # the kernels move head_dim in 16-byte chunks and store pairs: other sizes are zero-padded
 

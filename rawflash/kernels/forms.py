@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from ..problem import Problem, cdiv
 from ..settings import Settings
 from . import configs, launch, registry
 from .configs import TileConfig
-from .launch import Launch, Problem
+from .launch import Launch
 
 Override = dict[tuple[str, int, str], TileConfig]
 
@@ -93,25 +94,27 @@ def fa3_dynamic(p: Problem, sw: Switches) -> bool:
         return False
     if sw.dynamic is not None:
         return sw.dynamic
-    return p.mask != launch.NO_MASK or (p.padded_head_dim >= 256 and p.dtype != configs.FP8)
+    return (launch.mask_mode(p) != launch.NO_MASK
+            or (configs.padded_head_dim(p.head_dim) >= 256 and p.dtype != configs.FP8))
 
 
 def short_causal(p: Problem) -> bool:
     """Whether ``p`` takes configs.SHORT_CAUSAL_ROWS: plain causal attention over at most SHORT_CAUSAL_SEQLEN keys."""
-    return p.mask == launch.CAUSAL and not p.general and p.seqlen_k <= configs.SHORT_CAUSAL_SEQLEN
+    return launch.mask_mode(p) == launch.CAUSAL and not p.general and p.seqlen_k <= configs.SHORT_CAUSAL_SEQLEN
 
 
 def short_full(p: Problem) -> bool:
     """Whether ``p`` takes configs.SHORT_FULL_ROWS: plain attention without a mask over at most SHORT_FULL_SEQLEN
     keys."""
-    return p.mask == launch.NO_MASK and not p.general and p.seqlen_k <= configs.SHORT_FULL_SEQLEN
+    return launch.mask_mode(p) == launch.NO_MASK and not p.general and p.seqlen_k <= configs.SHORT_FULL_SEQLEN
 
 
 def short_window(p: Problem) -> bool:
     """Whether ``p`` takes configs.WINDOW_ROWS: a window bounded on both sides (causal bounds the right at 0) whose
     keys beside the diagonal number at most SHORT_WINDOW_SPAN."""
     left, right = p.window_bounds
-    return p.mask == launch.WINDOW and left >= 0 and right >= 0 and left + right <= configs.SHORT_WINDOW_SPAN
+    return (launch.mask_mode(p) == launch.WINDOW and left >= 0 and right >= 0
+            and left + right <= configs.SHORT_WINDOW_SPAN)
 
 
 def many_decode_rows(p: Problem) -> bool:
@@ -122,9 +125,10 @@ def many_decode_rows(p: Problem) -> bool:
 def long_bwd(p: Problem) -> bool:
     """Whether ``p`` takes configs.LONG_BWD_ROWS (the backward's 80-row tile): plain attention over at least
     LONG_BWD_SEQLEN query rows without a mask, LONG_CAUSAL_BWD_SEQLEN causal."""
-    if p.general or p.mask not in (launch.NO_MASK, launch.CAUSAL):
+    mask = launch.mask_mode(p)
+    if p.general or mask not in (launch.NO_MASK, launch.CAUSAL):
         return False
-    return p.seqlen_q >= (configs.LONG_BWD_SEQLEN if p.mask == launch.NO_MASK else configs.LONG_CAUSAL_BWD_SEQLEN)
+    return p.seqlen_q >= (configs.LONG_BWD_SEQLEN if mask == launch.NO_MASK else configs.LONG_CAUSAL_BWD_SEQLEN)
 
 
 SITUATIONS = {"short_causal": short_causal, "short_full": short_full, "short_window": short_window,
@@ -137,8 +141,47 @@ def situations(p: Problem) -> tuple[str, ...]:
     return tuple(name for name, holds in SITUATIONS.items() if holds(p))
 
 
+# The largest softcap whose scores take the FA3 forward's fixed softmax reference (bounded_scores): with the
+# reference softcap log2(e) - 56 (policy.cuh's FIXED_TOP_LOG2) P stays in [2^-88.3, 2^56] up to softcap 50.
+BOUNDED_SOFTCAP_MAX = 50.0
+# ... and the head dims that take it (and softmax_ref's REF_FIRST): d <= 128. At d = 256 one GPU test's dQ comes out
+# 1.5x past its bound with it (softcap 30, causal, 203 x 113, MQA; not understood: an open problem in
+# bench/NOTES.md), and soft-capping costs d = 256 9 % without it.
+BOUNDED_MAX_HEAD_DIM = 128
+
+
+def p_above_one(p: Problem) -> bool:
+    """Whether the FA3 forward's P may exceed 1 (a softmax reference other than the running max): bfloat16 (P has
+    float32's exponent range) at head_dim <= BOUNDED_MAX_HEAD_DIM."""
+    return p.dtype == "bfloat16" and configs.padded_head_dim(p.head_dim) <= BOUNDED_MAX_HEAD_DIM
+
+
+def bounded_scores(p: Problem) -> bool:
+    """Whether every score is bounded in a range the softmax can take a fixed reference for (policy.cuh's
+    Policy::fixed_ref: no running max, no rescale of O): soft-capped (softcap <= BOUNDED_SOFTCAP_MAX) scores without
+    ALiBi where :func:`p_above_one`. The FA3 forward compiles it in (its REF_BOUNDED instantiations); the other forms
+    ignore it."""
+    return p_above_one(p) and 0 < p.softcap <= BOUNDED_SOFTCAP_MAX and not p.alibi
+
+
+def softmax_ref(p: Problem) -> int:
+    """What the FA3 16-bit forward's softmax subtracts (softmax.cuh's SoftmaxRef, ``launch.REF_*``): a fixed
+    reference for bounded scores; for bfloat16 attention without a window's left bound its rows' first block's max
+    (under ALiBi, of the scores without their bias, less the bias of the row's nearest key: policy.cuh's
+    Policy::first_ref), kept for the rest of the row (no max, no rescale of O: the running max costs 9 - 16 % of the
+    forward at d <= 128, bench/NOTES.md), checked at the end of every row, with a REF_RUNNING launch after it that
+    recomputes the call where the check failed (:func:`forward_plan`); else the running max. The first block
+    visited holds key 0 of each row's range: a left-bounded window may hide it from a row that sees keys later.
+    float16's P (<= 2^16) has too little range for either; head dims above BOUNDED_MAX_HEAD_DIM keep it too (d = 256
+    gains 3 - 4 % without it, and its REF_BOUNDED kernel failed a dQ test that is not understood)."""
+    if bounded_scores(p):
+        return launch.REF_BOUNDED
+    return launch.REF_FIRST if p_above_one(p) and p.window_bounds[0] < 0 else launch.REF_RUNNING
+
+
 def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
-    return configs.tile_config(kernel, p.padded_head_dim, p.dtype, p.arch, override, p.general, situations(p))
+    return configs.tile_config(kernel, configs.padded_head_dim(p.head_dim), p.dtype, p.arch, override, p.general,
+                               situations(p))
 
 
 def hopper_form_fits(kernel: str, p: Problem) -> bool:
@@ -192,8 +235,8 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
                   " and every FA2 switch on", got, settings):
         use_fa3 = (fa3 and settings.warp_specialize) if sw.warp_specialize is None else sw.warp_specialize
         if use_fa3:
-            return launch.fa3_fwd_sm90(p, _config("fa3_fwd_sm90", p, override), overlap=sw.overlap,
-                                       pingpong=sw.pingpong,
+            return launch.fa3_fwd_sm90(p, _config("fa3_fwd_sm90", p, override), ref=softmax_ref(p),
+                                       overlap=sw.overlap, pingpong=sw.pingpong,
                                        persistent=persistent_default(p) if sw.persistent is None else sw.persistent,
                                        dynamic=fa3_dynamic(p, sw))
         if hopper_form_fits("fa2_fwd_sm90", p):
@@ -224,7 +267,7 @@ def ordered_dq_config(p: Problem, cfg: TileConfig) -> TileConfig:
     ordered dQ's two writer warps cannot share."""
     if cfg.br != launch.FA3_BWD_SWAP_ROWS:
         return cfg
-    return configs.tile_config("fa3_bwd_sm90", p.padded_head_dim, p.dtype, p.arch, None, p.general)
+    return configs.tile_config("fa3_bwd_sm90", configs.padded_head_dim(p.head_dim), p.dtype, p.arch, None, p.general)
 
 
 def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, settings: Settings = Settings(),
@@ -336,7 +379,7 @@ DECODE_TILE_WAIT_US = 2.0
 def decode_ctas_per_sm(p: Problem, cfg: TileConfig) -> int:
     """CTAs of decode_split one SM holds: by shared memory (227 KB per SM, 1 KB reserved per CTA), threads (2048)
     and registers (assumed <= 128 per thread, which ptxas reports for the 16-bit rows), at most 32."""
-    smem = launch.smem_decode_split(cfg, p.padded_head_dim, p.itemsize)
+    smem = launch.smem_decode_split(cfg, configs.padded_head_dim(p.head_dim), p.itemsize)
     return max(1, min(32, 233472 // (smem + 1024), 2048 // cfg.threads, 65536 // (cfg.threads * 128)))
 
 
@@ -352,11 +395,11 @@ def decode_split_cost(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) 
     """
     rows, groups = launch.decode_rows(p, cfg)
     pairs = p.batch * p.kv_heads * groups
-    tiles = launch.cdiv(max(1, p.seqlen_k), cfg.bc)
-    per_split = launch.cdiv(tiles, splits)
-    per_pair = launch.cdiv(splits, cfg.warps)
+    tiles = cdiv(max(1, p.seqlen_k), cfg.bc)
+    per_split = cdiv(tiles, splits)
+    per_pair = cdiv(splits, cfg.warps)
     ctas, slots = pairs * per_pair, sms * decode_ctas_per_sm(p, cfg)
-    tile_bytes = 2 * cfg.bc * p.padded_head_dim * p.itemsize
+    tile_bytes = 2 * cfg.bc * configs.padded_head_dim(p.head_dim) * p.itemsize
     cta_bytes = splits / per_pair * per_split * tile_bytes
     chain = per_split * DECODE_TILE_WAIT_US / max(1, cfg.stages - 1)
     full, rest = divmod(ctas, slots)
@@ -367,7 +410,7 @@ def decode_split_cost(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) 
         out_rows = p.batch * p.seqlen_q * p.heads
         t += 2 * out_rows * splits * (p.head_dim + 1) * 4 / DECODE_BYTES_PER_US
         split_groups = max(1, launch.DECODE_COMBINE_THREADS // max(1, p.head_dim // 4))
-        t += DECODE_TILE_WAIT_US * launch.cdiv(launch.cdiv(splits, split_groups), 4)
+        t += DECODE_TILE_WAIT_US * cdiv(cdiv(splits, split_groups), 4)
     return t
 
 
@@ -375,14 +418,14 @@ def decode_occupancy(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) -
     """The share of the warp slots of decode_split's waves (whole waves of ``sms`` x CTAs per SM) that hold a split:
     1 for full waves of full CTAs (the heuristic's tie-break)."""
     pairs = p.batch * p.kv_heads * launch.decode_rows(p, cfg)[1]
-    per_pair = launch.cdiv(splits, cfg.warps)
+    per_pair = cdiv(splits, cfg.warps)
     ctas, slots = pairs * per_pair, sms * decode_ctas_per_sm(p, cfg)
-    return ctas / (launch.cdiv(ctas, slots) * slots) * splits / (per_pair * cfg.warps)
+    return ctas / (cdiv(ctas, slots) * slots) * splits / (per_pair * cfg.warps)
 
 
 @functools.lru_cache(maxsize=4096)
 def _best_splits(p: Problem, cfg: TileConfig, sms: int) -> int:
-    tiles = launch.cdiv(max(1, p.seqlen_k), cfg.bc)
+    tiles = cdiv(max(1, p.seqlen_k), cfg.bc)
     costs = [(decode_split_cost(p, cfg, s, sms), s) for s in range(1, min(MAX_SPLITS, tiles) + 1)]
     best = min(c for c, _ in costs)
     near = [s for c, s in costs if c <= 1.02 * best]
@@ -446,8 +489,8 @@ def decode_fuses_combine(p: Problem, cfg: TileConfig, partials: int) -> bool:
     trips (``DECODE_FUSE_ROUND_TRIPS``): the GQA groups and speculative rows of one row group at any split count
     the model picks, not MQA's 32 packed rows over many partials."""
     rows = min(cfg.br, launch.decode_rows(p, cfg)[0])
-    chunks = launch.cdiv(rows * launch.cdiv(p.head_dim, 4), cfg.threads)
-    return chunks * launch.cdiv(partials, DECODE_COMBINE_BATCH) <= DECODE_FUSE_ROUND_TRIPS
+    chunks = cdiv(rows * cdiv(p.head_dim, 4), cfg.threads)
+    return chunks * cdiv(partials, DECODE_COMBINE_BATCH) <= DECODE_FUSE_ROUND_TRIPS
 
 
 def _make_decode_plan(p: Problem, cfg: TileConfig, num_splits: int | None, sms: int) -> DecodePlan:

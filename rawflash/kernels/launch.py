@@ -1,20 +1,22 @@
 """Launch formulas: the only place grids, blocks, shared-memory sizes and template arguments are computed.
 
 Which form runs (mma.sync or wgmma, which tile row) is chosen in ``forms.py``; this module turns a chosen form,
-its tile row and a :class:`Problem` into a :class:`Launch`. Both backends use these: the CUDA C kernels take
-``Launch.template_args`` as template arguments and the Numba factories take the same tile sizes. Every
-shared-memory formula here is checked against the kernel's own layout at compile time (a ``static_assert`` on the
-``SMEM_BYTES`` template argument), so the two cannot drift apart silently.
+its tile row and a call's ``Problem`` (``rawflash/problem.py``) into a :class:`Launch`. Both backends use these:
+the CUDA C kernels take ``Launch.template_args`` as template arguments and the Numba factories take the same tile
+sizes. Every shared-memory formula here is checked against the kernel's own layout at compile time (a
+``static_assert`` on the ``SMEM_BYTES`` template argument), so the two cannot drift apart silently. The call's
+compile-time mask mode (:func:`mask_mode`) is a launch fact too; which softmax reference it takes is a choice
+(``forms.softmax_ref``).
 """
 from __future__ import annotations
 
 import dataclasses
 
+from ..problem import Problem, cdiv
 from . import configs
 from .configs import TileConfig
 
 CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 132 * 16  # grid-stride loops: enough CTAs to fill an H200 several times over
 MAX_GRID_YZ = 65535
@@ -25,129 +27,12 @@ MASK_ARG = {"fa2_fwd": 7, "fa2_fwd_sm90": 5, "fa3_fwd_sm90": 5, "fa3_fwd_sm90_fp
             "fa2_bwd": 8, "fa2_bwd_sm90": 5, "fa2_bwd_dq": 7, "fa1_fwd": 6}
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division, the one used everywhere in rawflash."""
-    return -(-a // b)
-
-
-# The largest softcap whose scores take the FA3 forward's fixed softmax reference (Problem.bounded_scores): with
-# the reference softcap log2(e) - 56 (policy.cuh's FIXED_TOP_LOG2) P stays in [2^-88.3, 2^56] up to softcap 50.
-BOUNDED_SOFTCAP_MAX = 50.0
-# ... and the head dims that take it (and Problem.softmax_ref's REF_FIRST): d <= 128. At d = 256 one GPU test's dQ
-# comes out 1.5x past its bound with it (softcap 30, causal, 203 x 113, MQA; not understood: an open problem in
-# bench/NOTES.md), and soft-capping costs d = 256 9 % without it.
-BOUNDED_MAX_HEAD_DIM = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """The shape and variant of one attention call after validation (head_dim is the caller's, not the padded one).
-
-    Fixed lengths: every sequence has seqlen_q queries and seqlen_k keys. Packed variable lengths (``varlen``):
-    batch sequences of at most seqlen_q / seqlen_k rows (the max lengths), total_q / total_k rows in all.
-    ``window`` is flash-attn's ``window_size`` as given; :attr:`window_bounds` folds the causal mask into it.
-    """
-
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-    causal: bool
-    arch: str = "sm_90"
-    window: tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
-    alibi: bool = False
-    sinks: bool = False
-    varlen: bool = False
-    total_q: int = 0
-    total_k: int = 0
-    seqused_k: bool = False
-    lengths: tuple = ()  # (seqlen_q, seqlen_k) of every packed sequence, when known on the host (introspection)
-    new_keys: int = 0    # decode: rows of k_new / v_new appended to the cache (seqlen_k is the cache's capacity)
-    page_size: int = 0   # decode: a paged cache's page size (0: contiguous)
-    sms: int = 132       # multiprocessors of the GPU (an H200's by default): persistent grids and split counts
-    out_dtype: str = ""  # FP8: the output's dtype (bfloat16 or float16); "" for the 16-bit and float32 forms
-
-    @property
-    def padded_head_dim(self) -> int:
-        return configs.padded_head_dim(self.head_dim)
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
-
-    @property
-    def window_bounds(self) -> tuple[int, int]:
-        """(left, right) keys a query sees around its diagonal, -1 = unbounded; causal makes right 0."""
-        left, right = self.window
-        return (left, 0) if self.causal else (left, right)
-
-    @property
-    def bounded_right(self) -> bool:
-        """Whether no query sees keys beyond a fixed offset right of its diagonal (causal, or a window with a right
-        bound): policy.cuh's Policy::bounded_right."""
-        return self.window_bounds[1] >= 0
-
-    @property
-    def general(self) -> bool:
-        """Whether the call needs the general variant policy (policy.cuh): packed lengths, seqused_k, soft-capping,
-        ALiBi, or a window other than plain causal. Sinks run in both policies."""
-        left, right = self.window_bounds
-        windowed = left >= 0 or (right >= 0 and not self.causal)
-        return self.varlen or self.seqused_k or self.softcap > 0 or self.alibi or windowed
-
-    @property
-    def p_above_one(self) -> bool:
-        """Whether the FA3 forward's P may exceed 1 (a softmax reference other than the running max): bfloat16 (P
-        has float32's exponent range) at head_dim <= BOUNDED_MAX_HEAD_DIM."""
-        return self.dtype == "bfloat16" and self.padded_head_dim <= BOUNDED_MAX_HEAD_DIM
-
-    @property
-    def bounded_scores(self) -> bool:
-        """Whether every score is bounded in a range the softmax can take a fixed reference for (policy.cuh's
-        Policy::fixed_ref: no running max, no rescale of O): soft-capped (softcap <= BOUNDED_SOFTCAP_MAX) scores
-        without ALiBi where :attr:`p_above_one`. The FA3 forward compiles it in (its REF_BOUNDED instantiations); the
-        other forms ignore it."""
-        return self.p_above_one and 0 < self.softcap <= BOUNDED_SOFTCAP_MAX and not self.alibi
-
-    @property
-    def softmax_ref(self) -> int:
-        """What the FA3 16-bit forward's softmax subtracts (softmax.cuh's SoftmaxRef): a fixed reference for
-        bounded scores; for bfloat16 attention without a window's left bound its rows' first block's max (under
-        ALiBi, of the scores without their bias, less the bias of the row's nearest key: policy.cuh's
-        Policy::first_ref), kept for the rest of the row (no max, no rescale of O: the running max costs 9 - 16 % of
-        the forward at d <= 128, bench/NOTES.md), checked at the end of every row, with a REF_RUNNING launch
-        after it that recomputes the call where the check failed (forms.forward_plan); else the running max. The
-        first block visited holds key 0 of each row's range: a left-bounded window may hide it from a row that sees
-        keys later. float16's P (<= 2^16) has too little range for either; head dims above BOUNDED_MAX_HEAD_DIM
-        keep it too (d = 256 gains 3 - 4 % without it, and its REF_BOUNDED kernel failed a dQ test that is not
-        understood)."""
-        if self.bounded_scores:
-            return REF_BOUNDED
-        return REF_FIRST if self.p_above_one and self.window_bounds[0] < 0 else REF_RUNNING
-
-    @property
-    def mask(self) -> int:
-        """The kernels' compile-time mask mode: plain calls NO_MASK or CAUSAL, general ones NO_MASK or WINDOW."""
-        if self.general:
-            return WINDOW if self.window_bounds != (-1, -1) else NO_MASK
-        return CAUSAL if self.causal else NO_MASK
-
-    @property
-    def rows(self) -> tuple[int, int]:
-        """(batch, seqlen) of the per-row float32 buffers (lse, L, D, dQ rows): (1, total_q) when packed."""
-        return (1, self.total_q) if self.varlen else (self.batch, self.seqlen_q)
-
-    def q_tiles(self, br: int) -> int:
-        """Query tiles of height br the grid's x covers (packed sequences: an upper bound, spare CTAs exit)."""
-        return cdiv(self.total_q, br) + self.batch if self.varlen else cdiv(self.seqlen_q, br)
-
-    def k_tiles(self, bc: int) -> int:
-        """Key tiles of width bc the backward grid's x covers (packed sequences: an upper bound)."""
-        return cdiv(self.total_k, bc) + self.batch if self.varlen else cdiv(self.seqlen_k, bc)
+def mask_mode(p: Problem) -> int:
+    """The kernels' compile-time mask mode of a call: plain calls NO_MASK or CAUSAL, general ones NO_MASK or
+    WINDOW."""
+    if p.general:
+        return WINDOW if p.window_bounds != (-1, -1) else NO_MASK
+    return CAUSAL if p.causal else NO_MASK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +209,7 @@ def fa1_splits(p: Problem, cfg: TileConfig, sms: int | None = None) -> int:
     (num_splits_heuristic_fwd). With w(s) = batch * heads * s / (sms * CTAs per SM) waves, the efficiency of s splits
     is w / ceil(w); the smallest s within 95 % of the best one up to min(30, query blocks). CTAs per SM: what shared
     memory and the row's ``min_blocks`` both allow. ``sms``: the GPU's multiprocessors (default ``p.sms``)."""
-    smem = smem_fa1_fwd(cfg, p.padded_head_dim, p.itemsize)
+    smem = smem_fa1_fwd(cfg, configs.padded_head_dim(p.head_dim), p.itemsize)
     per_sm = max(1, min(cfg.min_blocks, 233472 // (smem + 1024), 2048 // cfg.threads))
     most = max(1, min(FA1_MAX_SPLITS, cdiv(p.seqlen_q, cfg.br)))
     slots = (p.sms if sms is None else sms) * per_sm
@@ -361,19 +246,19 @@ def smem_fa2_bwd_sm90(cfg: TileConfig, d: int) -> int:
 def fa2_fwd(p: Problem, cfg: TileConfig, *, defer_norm: bool = True, seq_parallel: bool = True,
             split_q: bool = True) -> Launch:
     """FA2 forward on mma.sync; the three switches are the FA2 ideas the ablation turns off one by one."""
-    d = p.padded_head_dim
+    d = configs.padded_head_dim(p.head_dim)
     smem = smem_fa2_fwd(cfg, d, p.itemsize, split_q)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.mask, p.general,
-            defer_norm, seq_parallel, split_q, cfg.opaque_tile, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, mask_mode(p),
+            p.general, defer_norm, seq_parallel, split_q, cfg.opaque_tile, smem)
     grid = query_tile_grid(p, cfg.br, "fa2_fwd") if seq_parallel else _check_grid((1, p.heads, p.batch), "fa2_fwd")
     return Launch("fa2_fwd", "fa2_fwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
 
 
 def fa2_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True) -> Launch:
     """FA2 forward on wgmma (sm_90a); ``overlap`` is FA3's softmax / P V overlap inside a warpgroup."""
-    d = p.padded_head_dim
+    d = configs.padded_head_dim(p.head_dim)
     smem = smem_fa2_fwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.mask, p.general, overlap, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, mask_mode(p), p.general, overlap, smem)
     return Launch("fa2_fwd_sm90", "fa2_fwd_sm90.cu", args, query_tile_grid(p, cfg.br, "fa2_fwd_sm90"),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
@@ -381,7 +266,7 @@ def fa2_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True) -> Launch
 def tma_head_dim(p: Problem) -> int:
     """The head_dim a TMA form is compiled for: the specialised one rounded up to whole 64-column panels (the
     columns past the caller's are zero-filled by the copies, in shared memory only)."""
-    return cdiv(p.padded_head_dim, 64) * 64
+    return cdiv(configs.padded_head_dim(p.head_dim), 64) * 64
 
 
 def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, int]:
@@ -396,7 +281,7 @@ def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, i
 SCHEDULES = {"one tile per CTA": 0, "persistent, static": 1, "persistent, dynamic": 2}
 SCHEDULE_ARG = {"fa3_fwd_sm90": 10, "fa3_fwd_sm90_fp8": 9}  # SCHEDULE's position among the template arguments
 STAGE_O_ARG = 12  # fa3_fwd_sm90's STAGE_O among its template arguments (fa3_fwd_sm90.cu)
-REF_ARG = 7   # fa3_fwd_sm90's REF (Problem.softmax_ref)
+REF_ARG = 7   # fa3_fwd_sm90's REF (forms.softmax_ref)
 # softmax.cuh's SoftmaxRef: what the FA3 16-bit forward's softmax subtracts in the exponent
 REF_RUNNING, REF_BOUNDED, REF_FIRST = 0, 1, 2
 
@@ -427,16 +312,15 @@ def fa3_fwd_stage_o(p: Problem, cfg: TileConfig, d: int) -> bool:
     return cfg.q_stages == 2 or (d == 256 and not p.general)
 
 
-def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong: bool = True,
-                 persistent: bool = True, dynamic: bool = True, ref: int | None = None) -> Launch:
+def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, ref: int, overlap: bool = True, pingpong: bool = True,
+                 persistent: bool = True, dynamic: bool = True) -> Launch:
     """FA3 forward (sm_90a): TMA copies by a producer warpgroup, br / 64 consumer warpgroups; ``overlap`` inside a
     warpgroup, ``pingpong`` between them, ``persistent`` a grid of one CTA per SM walking the tiles (``dynamic``:
     each CTA takes the next tile from a counter; else the static schedule). ``ref``: what the softmax subtracts
-    (SoftmaxRef; default :attr:`Problem.softmax_ref`)."""
+    (SoftmaxRef: REF_RUNNING, REF_BOUNDED or REF_FIRST; ``forms.softmax_ref`` chooses it)."""
     d = tma_head_dim(p)
     smem = smem_fa3_fwd_sm90(cfg, d)
-    ref = p.softmax_ref if ref is None else ref
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, ref, overlap,
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, mask_mode(p), p.general, ref, overlap,
             pingpong, fa3_schedule(persistent, dynamic), cfg.q_stages, fa3_fwd_stage_o(p, cfg, d), smem)
     return Launch("fa3_fwd_sm90", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
@@ -444,7 +328,7 @@ def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, overlap: bool = True, pingpong:
 
 def fp8_head_dim(p: Problem) -> int:
     """The head_dim the FP8 form is compiled for: whole 128-byte panels (128 or 256)."""
-    return cdiv(p.padded_head_dim, 128) * 128
+    return cdiv(configs.padded_head_dim(p.head_dim), 128) * 128
 
 
 def vt_key0(row0: int, b: int) -> int:
@@ -468,7 +352,7 @@ def fa3_fwd_sm90_fp8(p: Problem, cfg: TileConfig, out_dtype: str = "bfloat16", *
     """FA3 forward on e4m3 inputs (sm_90a), output in ``out_dtype``; the switches as for :func:`fa3_fwd_sm90`."""
     d = fp8_head_dim(p)
     smem = smem_fa3_fwd_sm90_fp8(cfg, d)
-    args = (CUDA_TYPES[out_dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, overlap, pingpong,
+    args = (CUDA_TYPES[out_dtype], d, cfg.br, cfg.bc, cfg.stages, mask_mode(p), p.general, overlap, pingpong,
             fa3_schedule(persistent, dynamic), cfg.q_stages, smem)
     return Launch("fa3_fwd_sm90_fp8", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
@@ -494,9 +378,9 @@ def fp8_quantize(p: Problem, rows: int, in_dtype: str, rotate: bool, pass_: int)
 
 def fa1_fwd(p: Problem, cfg: TileConfig, sms: int | None = None) -> Launch:
     """FA1 forward: one CTA per (head, batch, split) (``fa1_splits``)."""
-    d = p.padded_head_dim
+    d = configs.padded_head_dim(p.head_dim)
     smem = smem_fa1_fwd(cfg, d, p.itemsize)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, p.mask, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, mask_mode(p), smem)
     if p.batch > MAX_GRID_YZ:
         raise ValueError(f"fa1_fwd: batch must be at most {MAX_GRID_YZ}, got {p.batch}")
     return Launch("fa1_fwd", "fa1_fwd.cu", args, (p.heads, p.batch, fa1_splits(p, cfg, sms)), (cfg.threads, 1, 1),
@@ -528,18 +412,19 @@ def fa2_bwd_preprocess(p: Problem) -> Launch:
 
 def fa2_bwd(p: Problem, cfg: TileConfig, *, atomic_dq: bool = True) -> Launch:
     """FA2 backward main pass on mma.sync: one CTA per (key block, kv head, batch)."""
-    d = p.padded_head_dim
+    d = configs.padded_head_dim(p.head_dim)
     smem = smem_fa2_bwd(cfg, d, p.itemsize, atomic_dq)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.wc, cfg.min_blocks, cfg.kunroll, p.mask, p.general,
-            atomic_dq, cfg.early_dv, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.wc, cfg.min_blocks, cfg.kunroll, mask_mode(p),
+            p.general, atomic_dq, cfg.early_dv, smem)
     return Launch("fa2_bwd", "fa2_bwd.cu", args, key_tile_grid(p, cfg.bc, "fa2_bwd"), (cfg.threads, 1, 1), smem, cfg)
 
 
 def fa2_bwd_sm90(p: Problem, cfg: TileConfig) -> Launch:
     """FA2 backward main pass on wgmma (sm_90a, atomic dQ): one CTA per (key block, kv head, batch)."""
-    d = p.padded_head_dim
+    d = configs.padded_head_dim(p.head_dim)
     smem = smem_fa2_bwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, p.mask, p.general, bwd_sm90_split_d(cfg), smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.min_blocks, mask_mode(p), p.general, bwd_sm90_split_d(cfg),
+            smem)
     return Launch("fa2_bwd_sm90", "fa2_bwd_sm90.cu", args, key_tile_grid(p, cfg.bc, "fa2_bwd_sm90"),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
@@ -566,7 +451,7 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
         raise ValueError(f"fa3_bwd_sm90's {cfg.br}-row tile runs head_dim 128 (padded) without deterministic=True; "
                          f"got head_dim {d}, deterministic={deterministic}")
     smem = smem_fa3_bwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, p.mask, p.general, deterministic, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, mask_mode(p), p.general, deterministic, smem)
     grid = (pair_key_tile_grid(p, cfg.bc, "fa3_bwd_sm90") if fa3_bwd_pair(cfg, d)
             else key_tile_grid(p, cfg.bc, "fa3_bwd_sm90"))
     return Launch("fa3_bwd_sm90", "fa3_bwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a",
@@ -580,7 +465,7 @@ def fa3_bwd_dq_rotates(p: Problem, cfg: TileConfig, sms: int) -> bool:
     additions wait on key block j - 1's of the same step, a chain as long as the key blocks; rotated, each waits on
     additions of earlier steps. A CTA may then wait on one of higher block index, so all key blocks of a group must
     be resident at once (one CTA per SM; half the SMs leaves room for a neighbouring group's CTAs)."""
-    return p.mask == NO_MASK and cdiv(p.seqlen_k, cfg.bc) <= sms // 2  # (packed: seqlen_k is the longest)
+    return mask_mode(p) == NO_MASK and cdiv(p.seqlen_k, cfg.bc) <= sms // 2  # (packed: seqlen_k is the longest)
 
 
 def fa3_bwd_longest_first(p: Problem, cfg: TileConfig, sms: int) -> bool:
@@ -592,7 +477,7 @@ def fa3_bwd_longest_first(p: Problem, cfg: TileConfig, sms: int) -> bool:
     (then each runs in at least two CTAs at a time). Fixed lengths only; not the column split's pairs (d = 192 /
     256). Measured (H200, bf16, causal, kernels; bench/NOTES.md): GQA 4:1 +7 - 20 % (16 - 64 pairs), MHA 1.0x at 16
     - 64 pairs and 0.78 - 0.89x at 128 - 512 (d = 64 / 128, N 1024 - 4096), hence the bound."""
-    return (p.bounded_right and not p.varlen and not fa3_bwd_pair(cfg, p.padded_head_dim)
+    return (p.bounded_right and not p.varlen and not fa3_bwd_pair(cfg, configs.padded_head_dim(p.head_dim))
             and p.batch * p.kv_heads <= sms // 2)
 
 
@@ -606,9 +491,10 @@ def dq_semaphores(p: Problem, br: int) -> int:
 
 def fa2_bwd_dq(p: Problem, cfg: TileConfig) -> Launch:
     """Deterministic dQ pass: one CTA per (query block, head, batch)."""
-    d = p.padded_head_dim
+    d = configs.padded_head_dim(p.head_dim)
     smem = smem_fa2_bwd_dq(cfg, d, p.itemsize)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, p.mask, p.general, smem)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, mask_mode(p), p.general,
+            smem)
     return Launch("fa2_bwd_dq", "fa2_bwd.cu", args, query_tile_grid(p, cfg.br, "fa2_bwd_dq"), (cfg.threads, 1, 1),
                   smem, cfg)
 
@@ -627,7 +513,7 @@ def smem_decode_split(cfg: TileConfig, d: int, itemsize: int) -> int:
 def decode_split(p: Problem, cfg: TileConfig, num_splits: int) -> Launch:
     """Split-KV decode: grid (cdiv(num_splits, warps), kv_heads x row groups, batch), one split per warp, one
     partial result per CTA (``decode_partials``)."""
-    d = p.padded_head_dim
+    d = configs.padded_head_dim(p.head_dim)
     smem = smem_decode_split(cfg, d, p.itemsize)
     args = (CUDA_TYPES[p.dtype], d, cfg.br // 16, cfg.bc, cfg.stages, cfg.warps, smem)
     grid = _check_grid((cdiv(num_splits, cfg.warps), p.kv_heads * decode_rows(p, cfg)[1], p.batch), "decode_split")

@@ -30,9 +30,10 @@ from numba import config as numba_config
 
 from . import forms, launch, registry
 from .cupy_backend import run_head_dim
-from .launch import Launch, Problem
+from .launch import Launch
 from ..numba_kernels import Twin, decode as _decode, fa1_fwd, fa2_bwd, fa2_fwd  # noqa: F401  (the numpy shim first)
 from ..numba_kernels.params import BwdParams, DecodeParams, FwdParams
+from ..problem import Problem
 from ..settings import Settings
 
 SIMULATOR = bool(numba_config.ENABLE_CUDASIM)

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from .launch import Problem
+from ..problem import Problem
 
 LOG2E = 1.0 / math.log(2.0)
 _CTYPES = {"ptr": np.uint64, "i64": np.int64, "i32": np.int32, "f32": np.float32}
