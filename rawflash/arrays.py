@@ -64,7 +64,8 @@ def _is_cupy_array(x) -> bool:
 
 
 def kernel_ready(x, chunk_elems: int):
-    """``x`` itself when the kernels can read it in place, else a contiguous copy.
+    """``x`` itself when the kernels can read it in place, else a contiguous copy (also of a contiguous array whose
+    base is not 16-byte aligned).
 
     The kernels read 16-byte chunks along head_dim: the last stride must be 1, the base 16-byte aligned and
     every other stride a multiple of the chunk (8 half-precision or 4 single-precision elements).
@@ -75,7 +76,7 @@ def kernel_ready(x, chunk_elems: int):
     strides = [s // item for s in x.strides]
     ok = (x.strides[-1] == item or x.shape[-1] == 1) and x.data.ptr % 16 == 0
     ok = ok and all(s % chunk_elems == 0 for s, n in zip(strides[:-1], x.shape[:-1]) if n > 1)
-    return x if ok else cupy.ascontiguousarray(x)
+    return x if ok else x.copy(order="C")  # (a new allocation: aligned, whatever x's base was)
 
 
 def pad_head_dim(x, head_dim: int):

@@ -86,8 +86,8 @@ def settings_key() -> tuple:
 
 
 def forward(q, k, v, opts: tuple, features: tuple, out, lse):
-    """The signature of a forward call (``opts``: the options' values; ``features``: alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k,
-    as given); None where it takes the full path."""
+    """The signature of a forward call (``opts``: the options' values; ``features``: alibi_slopes, sinks,
+    cu_seqlens_q, cu_seqlens_k, seqused_k, as given); None where it takes the full path."""
     alibi, sinks, cu_q, cu_k, used = features
     try:
         return _hashable(("forward", array(q), array(k), array(v), options(opts), optional(alibi),

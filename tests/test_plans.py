@@ -9,7 +9,7 @@ import pytest
 
 from rawflash import api, signature
 from rawflash.kernels import params, plans
-from rawflash.kernels.launch import Problem
+from rawflash.problem import Problem
 
 
 class FakeDeviceArray:

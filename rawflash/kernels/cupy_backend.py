@@ -172,7 +172,8 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
 
         return _bind_naive(pr, q, k, v, scale, cupy.empty(_rows(pr), dtype=cupy.float32), plan, prep, env)
     direct = _writes_in_place(q, out, prep.head_dim, 16 // q.dtype.itemsize)
-    bufs = forward_buffers(pr, plan[0], q, out if direct else None, lse)
+    first = plan[0]
+    bufs = forward_buffers(pr, first, q, out if direct else None, lse)
     rec = params.fwd_params(pr, q, k, v, bufs["o"], bufs["lse"], scale, **prep.extras,
                             **{n: x for n, x in bufs.items() if n not in ("o", "lse")})
     args = (rec,)
@@ -185,6 +186,7 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
             plan = forms.forward_plan_without_tma(pr, kernel, switches, env, override)
     bound = Bound(plan, [(lau, args) for lau in plan], (_Trimmed(bufs["o"], prep.head_dim), bufs["lse"]), env,
                   problem=pr)
+    bound.first = first  # the launch that decided the buffers (before any fallback without TMA)
     bound.roles = _roles(dict(q=q, k=k, v=v), prep.extras, bufs)
     bound.keep = (q, k, v, prep.extras, bufs)  # the parameter struct holds their addresses
     return bound
@@ -222,7 +224,7 @@ class ForwardCall:
         from . import plans
 
         self.problem = bound.problem
-        self.first = bound.plan[0]
+        self.first = bound.first
         self.head_dim = int(q.shape[-1])
         self.hd = run_head_dim(self.head_dim)
         self.chunk = 16 // np.dtype(q.dtype).itemsize
