@@ -70,8 +70,6 @@ def kernel_ready(x, chunk_elems: int):
     The kernels read 16-byte chunks along head_dim: the last stride must be 1, the base 16-byte aligned and
     every other stride a multiple of the chunk (8 half-precision or 4 single-precision elements).
     """
-    import cupy
-
     item = x.dtype.itemsize
     strides = [s // item for s in x.strides]
     ok = (x.strides[-1] == item or x.shape[-1] == 1) and x.data.ptr % 16 == 0
