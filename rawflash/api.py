@@ -143,7 +143,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
             and q_descale is None and k_descale is None and v_descale is None:
         q, k, v = _import((("q", q), ("k", k), ("v", v)))
         key = signature.forward(q, k, v, (causal, scale, window, softcap, max_seqlen_q, max_seqlen_k,
-                                          tuple([(n, v.__class__, v) for n, v in sorted(switches.items())])),
+                                          tuple([(n, x.__class__, x) for n, x in sorted(switches.items())])),
                                 (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k), out, lse)
         call = PLANS.get(key) if key is not None else None
         if call is not None:
@@ -172,7 +172,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         res = (xp.zeros(q.shape, dtype=_np_dtype(out_dtype)), _empty_lse(xp, c))
     else:
         _require_gpu(backend)
-        with _device(c):
+        with _device(c.device):
             if backend == "numba":
                 from .kernels import numba_backend
 
@@ -187,7 +187,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
                 from .kernels import cupy_backend
 
                 bound = cupy_backend.bind_forward(p, q, k, v, c.scale, kernel, sw, c.extras, env, out=out, lse=lse)
-                call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out))
+                call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, env, out))
                 if call is not None:
                     return call.run(q, k, v, c.extras, out, lse)
                 bound.launch()
@@ -278,25 +278,6 @@ def _into(x, given):
     return given
 
 
-class _on:
-    """The device of a CuPy array, made current for a planned call when another one is (a no-op otherwise)."""
-
-    def __init__(self, x):
-        import cupy
-
-        self.device = x.data.device_id
-        self.ctx = cupy.cuda.Device(self.device) if cupy.cuda.runtime.getDevice() != self.device else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
-        return False
-
-
 def _empty_lse(xp, c: Checked):
     """lse of an empty call: -inf, or the sink's logit for every row when sinks are given (no key is seen)."""
     shape = _lse_shape(c)
@@ -350,6 +331,7 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
             with _on(ins[1]):
                 return call.run(*ins, _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
                                              cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k), grads_given)
+        named = tuple((n, x) for (n, _), x in zip(named, ins))  # imported once
     env = settings.load()
     dout, q, k, v, out, lse = _import(named)
     feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -370,7 +352,7 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
             grads.append(xp.zeros((p.heads,), np.float32))
     else:
         _require_gpu(backend)
-        with _device(c):
+        with _device(c.device):
             if backend == "numba":
                 from .kernels import numba_backend
 
@@ -469,17 +451,19 @@ def _host_result(x, to_numpy: bool):
 
 
 class _device:
-    """Run under the inputs' CUDA device (and its current stream); a no-op for host inputs."""
+    """Run under a CUDA device (and its current stream) when it is not the current one; a no-op for a host call
+    (``device`` not an int)."""
 
-    def __init__(self, c: Checked):
-        self.device = c.device if isinstance(c.device, int) else None
+    def __init__(self, device):
         self._ctx = None
-
-    def __enter__(self):
-        if self.device is not None:
+        if isinstance(device, int):
             import cupy
 
-            self._ctx = cupy.cuda.Device(self.device)
+            if cupy.cuda.runtime.getDevice() != device:
+                self._ctx = cupy.cuda.Device(device)
+
+    def __enter__(self):
+        if self._ctx is not None:
             self._ctx.__enter__()
         return self
 
@@ -487,6 +471,11 @@ class _device:
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
         return False
+
+
+def _on(x) -> _device:
+    """The device of a CuPy array, for a planned call."""
+    return _device(x.data.device_id)
 
 
 def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Array, k_new: Array | None = None,
@@ -555,16 +544,11 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
                                (alibi_slopes, sinks), (out, lse))
         call = PLANS.get(key) if key is not None else None
         if call is not None and call.takes_cache_len(cache_seqlens):
-            features = _given(alibi_slopes=alibi_slopes, sinks=sinks)
-            if ins[5] is not None:
-                features["block_table"] = ins[5]
-            if isinstance(cache_seqlens, int):
-                features["cache_len"] = cache_seqlens
-            else:
-                features["seqused_k"] = cache_seqlens
+            features = _decode_features(_given(alibi_slopes=alibi_slopes, sinks=sinks), ins[5], cache_seqlens)
             with _on(ins[0]):
                 res = call.run(*ins[:5], features, out, lse)
             return res if return_lse else res[0]
+        named = tuple((n, x) for (n, _), x in zip(named, ins))  # imported once
     env = settings.load()
     (q, k_cache, v_cache, k_new, v_new, block_table), c, feats, given = _checked_decode(
         named, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks, num_splits, return_lse, backend,
@@ -580,7 +564,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
         _append_in_place(k_cache, v_cache, host_lens, k_new, v_new, block_table)
     else:
         _require_gpu(backend)
-        with _device(c):
+        with _device(c.device):
             if backend == "numba":
                 from .kernels import numba_backend
 
@@ -605,6 +589,15 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
                                      block_table)
     res = tuple(arrays.export(_into(x, g), to_numpy) for x, g in zip(res, given))
     return res if return_lse else res[0]
+
+
+def _decode_features(features: dict, block_table, cache_seqlens) -> dict:
+    """A planned decode step's feature arrays (as ``Checked.extras`` names them): ``features`` (slopes, sinks) with
+    the step's block_table and its cache_seqlens, an int (``cache_len``) or an array (``seqused_k``)."""
+    if block_table is not None:
+        features["block_table"] = block_table
+    features["cache_len" if isinstance(cache_seqlens, int) else "seqused_k"] = cache_seqlens
+    return features
 
 
 def _checked_decode(named: tuple, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks, num_splits,
@@ -680,10 +673,7 @@ class DecodePlan(Plan):
             p = self._call.problem
             raise ValueError(f"cache_seqlens + seqlen_new ({p.new_keys}) must be between 0 and the cache's capacity "
                              f"per sequence ({p.seqlen_k}), got cache_seqlens {cache_seqlens}")
-        features = dict(self._features)
-        if block_table is not None:
-            features["block_table"] = block_table
-        features["cache_len" if isinstance(cache_seqlens, int) else "seqused_k"] = cache_seqlens
+        features = _decode_features(dict(self._features), block_table, cache_seqlens)
         with _on(q):
             res = self._call.run(q, k_cache, v_cache, k_new, v_new, features, out, lse)
         return res if self._options[-1] else res[0]
@@ -710,10 +700,10 @@ def plan_forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: f
     if call is None:
         from .kernels import cupy_backend
 
-        with _device(c):
+        with _device(c.device):
             bound = cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", sw, c.extras, env, out=out,
                                               lse=lse)
-            call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out))
+            call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, env, out))
     # a run compares the layouts of its own arrays: the feature arrays are the plan's, never read on the host again
     return ForwardPlan(signature.forward(q, k, v, opts, (None,) * 5, out, lse), call, opts, dict(c.extras),
                        (None,) * 5)
@@ -742,7 +732,7 @@ def plan_decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int 
     if call is None:
         from .kernels import cupy_backend
 
-        with _device(c):
+        with _device(c.device):
             bound = cupy_backend.bind_decode(c.problem, *ins[:5], c.scale, num_splits, c.extras, env, out=out,
                                              lse=lse)
             call = _plan(key, lambda: cupy_backend.DecodeCall(bound, env, out))

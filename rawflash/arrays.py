@@ -44,7 +44,7 @@ def import_array(x, name: str):
 
     DLPack is tried first because it describes bfloat16 (``__cuda_array_interface__`` cannot).
     """
-    if type(x) is np.ndarray or _is_cupy_array(x):
+    if type(x) is np.ndarray or is_cupy_array(x):
         return x
     kind = array_kind(x, name)
     if kind != "foreign":
@@ -56,11 +56,12 @@ def import_array(x, name: str):
     return cupy.asarray(x)
 
 
-def _is_cupy_array(x) -> bool:
+def is_cupy_array(x) -> bool:
+    """Whether ``x`` is a ``cupy.ndarray``, without importing CuPy (an array of it exists only once it is)."""
     import sys
 
     cupy = sys.modules.get("cupy")
-    return cupy is not None and type(x) is cupy.ndarray
+    return cupy is not None and isinstance(x, cupy.ndarray)
 
 
 def kernel_ready(x, chunk_elems: int):

@@ -13,33 +13,23 @@ from __future__ import annotations
 
 import os
 
+from .arrays import is_cupy_array
+
 _SETTINGS = ("RAWFLASH_WGMMA", "RAWFLASH_FA3", "RAWFLASH_TILE_ARCH", "RAWFLASH_CUDA_DIR")
 # os.environ's own dict of encoded names and values (POSIX CPython): a lookup there skips os.environ's per-call
 # encoding of the name, a few microseconds a call over the four names
 _ENVIRON = getattr(os.environ, "_data", None)
 _ENCODED = tuple(name.encode() for name in _SETTINGS)
-_ndarray = None  # cupy.ndarray, once a call has shown CuPy is imported
 
 
 class NoSignature(Exception):
     """Raised inside the key builders for a call that takes the full path."""
 
 
-def is_cupy(x) -> bool:
-    """Whether ``x`` is a CuPy array (the only arrays a signature describes)."""
-    global _ndarray
-    if _ndarray is None:
-        if not type(x).__module__.startswith("cupy"):
-            return False
-        import cupy
-
-        _ndarray = cupy.ndarray
-    return isinstance(x, _ndarray)
-
-
 def array(x):
-    """A CuPy array's layout: shape, strides, dtype, device and whether its address is 16-byte aligned."""
-    if not is_cupy(x) or x.size == 0:
+    """A CuPy array's layout (the only arrays a signature describes): shape, strides, dtype, device and whether its
+    address is 16-byte aligned."""
+    if not is_cupy_array(x) or x.size == 0:
         raise NoSignature
     data = x.data
     return x.shape, x.strides, x.dtype, data.device_id, data.ptr % 16 == 0

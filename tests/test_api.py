@@ -22,8 +22,8 @@ def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a kernel launch was reached")
 
-    monkeypatch.setattr(cupy_backend, "forward", refuse)
-    monkeypatch.setattr(cupy_backend, "backward", refuse)
+    for name in ("bind_forward", "bind_forward_fp8", "bind_backward", "bind_decode", "run"):  # every way to a launch
+        monkeypatch.setattr(cupy_backend, name, refuse)
 
 
 def qkv(b=2, sq=5, sk=7, h=4, hk=2, d=16, dtype=np.float16):

@@ -41,10 +41,10 @@ def _compile_one(item):
         return (expr, arch), err
 
 
-def _selected(session) -> list[tuple[str, Launch]]:
+def _selected(pytest_run) -> list[tuple[str, Launch]]:
     """The instantiations the run's selected tests read (``-k`` filters compile only theirs): those of the
     selected per-instantiation tests, and every one of KNOWN_SPILLS when its test is selected."""
-    names = {item.name for item in session.items if item.module.__name__ == __name__}
+    names = {item.name for item in pytest_run.items if item.module.__name__ == __name__}
     known = ({(expr, arch) for expr, arch in configs.KNOWN_SPILLS} if "test_known_spills_are_still_real" in names
              else set())
     return [(arch, lau) for (arch, lau), case in zip(INSTANTIATIONS, IDS)

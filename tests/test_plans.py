@@ -73,7 +73,7 @@ def test_a_struct_keeps_its_fixed_words_and_refuses_a_missing_role():
 
 
 def test_signatures_tell_apart_what_validation_does(monkeypatch):
-    monkeypatch.setattr(signature, "_ndarray", FakeDeviceArray)  # stands in for cupy.ndarray
+    monkeypatch.setattr(signature, "is_cupy_array", lambda x: isinstance(x, FakeDeviceArray))  # cupy.ndarray's stand-in
     q = FakeDeviceArray((1, 8, 2, 64), np.float16, 1 << 20)
     k = FakeDeviceArray((1, 8, 2, 64), np.float16, 2 << 20)
     none = (None,) * 5

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-WORD = "session"
+WORD = "ses" + "sion"  # (spelt in two so this file does not name it)
 WORD_RE = re.compile(rf"\b{WORD}s?\b", re.IGNORECASE)
 # pytest's API where it shows in text: scope="session", session.items / session.config, request.session. In
 # Python code only comments and strings are read, so a hook's parameter and names such as pytest_sessionstart

@@ -220,7 +220,7 @@ class ForwardCall:
     """A planned forward: the template's launches prepacked (:class:`plans.CallPlan`) and what a call needs besides
     its arrays (whether each input is read as it is, the problem the buffers are shaped by)."""
 
-    def __init__(self, bound: Bound, q, k, v, extras: dict, env: Settings, out=None):
+    def __init__(self, bound: Bound, q, k, v, env: Settings, out=None):
         from . import plans
 
         self.problem = bound.problem
@@ -288,14 +288,6 @@ def bind_forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switche
     return bound
 
 
-def forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switches: forms.Switches = forms.Switches(),
-                extras: dict | None = None, env: Settings = Settings()):
-    """out (q's shape, ``p.out_dtype``) and lse (batch, heads, seqlen_q) float32 of the FP8 forward."""
-    bound = bind_forward_fp8(p, q, k, v, scale, descales, switches, extras, env)
-    bound.launch()
-    return bound.result()
-
-
 class _Trimmed:
     """An output to be cut back to the caller's head_dim when the call returns."""
 
@@ -305,14 +297,6 @@ class _Trimmed:
 
 def _results(outputs: tuple) -> tuple:
     return tuple(_trim(o.x, o.head_dim) if isinstance(o, _Trimmed) else o for o in outputs)
-
-
-def forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switches: forms.Switches = forms.Switches(),
-            extras: dict | None = None, env: Settings = Settings()):
-    """out like q in q's dtype and lse (batch, heads, seqlen_q) float32, or (heads, total_q) when packed."""
-    bound = bind_forward(p, q, k, v, scale, kernel, switches, extras, env)
-    bound.launch()
-    return bound.result()
 
 
 def _bind_naive(p: Problem, q, k, v, scale: float, lse, plan: list, prep: Prepared, env: Settings) -> Bound:
@@ -436,15 +420,6 @@ def dsinks(pr: Problem, dsink_ws):
 
     axes = (1,) if pr.varlen else (0, 2)
     return (-dsink_ws.sum(axis=axes, dtype=cupy.float64)).astype(cupy.float32)
-
-
-def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False,
-             extras: dict | None = None, env: Settings = Settings()):
-    """dq, dk, dv with the shapes and dtype of q, k, v (and dsinks (heads,) float32 when sinks are given)."""
-    bound = bind_backward(p, dout, q, k, v, out, lse, scale, deterministic, extras, env)
-    bound.launch()
-    grads = bound.result()
-    return (*grads, bound.sinks()) if hasattr(bound, "sinks") else grads
 
 
 class BackwardCall:
@@ -669,10 +644,3 @@ def _sm_count(device_id: int) -> int:
 
     return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
 
-
-def decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,
-           extras: dict | None = None, env: Settings = Settings()):
-    """out like q and lse (batch, heads, seqlen_q) float32; k_new / v_new are appended to the caches in place."""
-    bound = bind_decode(p, q, k_cache, v_cache, k_new, v_new, scale, num_splits, extras, env)
-    bound.launch()
-    return bound.result()

@@ -269,7 +269,7 @@ def forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", sw: forms.Sw
             extras: dict | None = None):
     """out like q in q's dtype and lse (batch, heads, seqlen_q) float32, or (heads, total_q) when packed.
 
-    Same signature and semantics as ``cupy_backend.forward``: ``sw`` the forward's switches (the ablation; wgmma
+    The semantics of ``rawflash.forward`` on the CUDA C kernels: ``sw`` the forward's switches (the ablation; wgmma
     must not be True), ``extras`` the feature arrays (cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks).
     kernel='naive' has no twin (NotImplementedError).
     """
@@ -295,8 +295,8 @@ def forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", sw: forms.Sw
 # ---------------------------------------------------------------- backward
 def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: bool = False,
              extras: dict | None = None):
-    """dq, dk, dv with the shapes and dtype of q, k, v, and dsinks (heads,) float32 when sinks are given (same
-    signature and semantics as ``cupy_backend.backward``)."""
+    """dq, dk, dv with the shapes and dtype of q, k, v, and dsinks (heads,) float32 when sinks are given (the
+    semantics of ``rawflash.backward`` on the CUDA C kernels)."""
     pr = run_problem(p)
     resolved = _resolve(backward_plan(pr, deterministic), "fa2")
     xp = _xp()
@@ -339,8 +339,8 @@ def _sm_count() -> int:
 
 def decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,
            extras: dict | None = None):
-    """out like q and lse (batch, heads, seqlen_q) float32 through the decode twins (same signature and semantics as
-    ``cupy_backend.decode``; the caches receive the append unless ``copies_caches``)."""
+    """out like q and lse (batch, heads, seqlen_q) float32 through the decode twins (the semantics of
+    ``rawflash.decode`` on the CUDA C kernels; the caches receive the append unless ``copies_caches``)."""
     extras = dict(extras or {})
     cache_len = int(extras.pop("cache_len", 0))
     table = extras.pop("block_table", None)
