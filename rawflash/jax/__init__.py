@@ -1,0 +1,1 @@
+"""rawflash under JAX: Python functions as XLA FFI targets (:mod:`rawflash.jax.ffi`)."""
