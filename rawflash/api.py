@@ -147,9 +147,11 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
                                 (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k), out, lse)
         call = PLANS.get(key) if key is not None else None
         if call is not None:
-            with _on(q):
-                return call.run(q, k, v, _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
-                                                cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k), out, lse)
+            given = _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
+                           cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k) \
+                if (alibi_slopes is not None or sinks is not None or cu_seqlens_q is not None
+                    or cu_seqlens_k is not None or seqused_k is not None) else {}
+            return _on(q, call.run, q, k, v, given, out, lse)
     else:
         key = None
     env = settings.load()
@@ -187,7 +189,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
                 from .kernels import cupy_backend
 
                 bound = cupy_backend.bind_forward(p, q, k, v, c.scale, kernel, sw, c.extras, env, out=out, lse=lse)
-                call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, env, out))
+                call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out))
                 if call is not None:
                     return call.run(q, k, v, c.extras, out, lse)
                 bound.launch()
@@ -328,9 +330,11 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
         key = signature.backward(ins, options, features, grads_given)
         call = PLANS.get(key) if key is not None else None
         if call is not None:
-            with _on(ins[1]):
-                return call.run(*ins, _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
-                                             cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k), grads_given)
+            given = _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
+                           cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k) \
+                if (alibi_slopes is not None or sinks is not None or cu_seqlens_q is not None
+                    or cu_seqlens_k is not None or seqused_k is not None) else {}
+            return _on(ins[1], call.run, *ins, given, grads_given)
         named = tuple((n, x) for (n, _), x in zip(named, ins))  # imported once
     env = settings.load()
     dout, q, k, v, out, lse = _import(named)
@@ -363,7 +367,7 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
                 bound = cupy_backend.bind_backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras, env,
                                                    grads=given)
                 arrays_in = (dout, q, k, v, out, lse)
-                call = _plan(key, lambda: cupy_backend.BackwardCall(bound, arrays_in[:5], deterministic, env, given))
+                call = _plan(key, lambda: cupy_backend.BackwardCall(bound, arrays_in, c.extras, env, given))
                 if call is not None:
                     return call.run(*arrays_in, c.extras, given)
                 bound.launch()
@@ -473,9 +477,16 @@ class _device:
         return False
 
 
-def _on(x) -> _device:
-    """The device of a CuPy array, for a planned call."""
-    return _device(x.data.device_id)
+def _on(x, fn, *args):
+    """``fn(*args)`` on the device of the CuPy array ``x`` (a planned call): a device switch only when it is not the
+    current one."""
+    import cupy
+
+    device = x.data.device_id
+    if cupy.cuda.runtime.getDevice() == device:
+        return fn(*args)
+    with cupy.cuda.Device(device):
+        return fn(*args)
 
 
 def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Array, k_new: Array | None = None,
@@ -544,9 +555,10 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
                                (alibi_slopes, sinks), (out, lse))
         call = PLANS.get(key) if key is not None else None
         if call is not None and call.takes_cache_len(cache_seqlens):
-            features = _decode_features(_given(alibi_slopes=alibi_slopes, sinks=sinks), ins[5], cache_seqlens)
-            with _on(ins[0]):
-                res = call.run(*ins[:5], features, out, lse)
+            features = _decode_features(_given(alibi_slopes=alibi_slopes, sinks=sinks)
+                                        if alibi_slopes is not None or sinks is not None else {}, ins[5],
+                                        cache_seqlens)
+            res = _on(ins[0], call.run, *ins[:5], features, out, lse)
             return res if return_lse else res[0]
         named = tuple((n, x) for (n, _), x in zip(named, ins))  # imported once
     env = settings.load()
@@ -578,7 +590,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
 
                 bound = cupy_backend.bind_decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras,
                                                  env, out=out, lse=lse)
-                call = _plan(key, lambda: cupy_backend.DecodeCall(bound, env, out))
+                call = _plan(key, lambda: cupy_backend.DecodeCall(bound, (q, k_cache, v_cache, k_new, v_new),
+                                                                  c.extras, env, out))
                 if call is not None:
                     res = call.run(q, k_cache, v_cache, k_new, v_new, c.extras, out, lse)
                     return res if return_lse else res[0]
@@ -657,8 +670,7 @@ class ForwardPlan(Plan):
     def run(self, q, k, v, *, out=None, lse=None):
         """``rawflash.forward``'s (out, lse) for new q, k, v of the planned layouts (CuPy arrays)."""
         self._check(signature.forward(q, k, v, self._options, self._raw, out, lse), "q, k, v")
-        with _on(q):
-            return self._call.run(q, k, v, self._features, out, lse)
+        return _on(q, self._call.run, q, k, v, self._features, out, lse)
 
 
 class DecodePlan(Plan):
@@ -674,8 +686,7 @@ class DecodePlan(Plan):
             raise ValueError(f"cache_seqlens + seqlen_new ({p.new_keys}) must be between 0 and the cache's capacity "
                              f"per sequence ({p.seqlen_k}), got cache_seqlens {cache_seqlens}")
         features = _decode_features(dict(self._features), block_table, cache_seqlens)
-        with _on(q):
-            res = self._call.run(q, k_cache, v_cache, k_new, v_new, features, out, lse)
+        res = _on(q, self._call.run, q, k_cache, v_cache, k_new, v_new, features, out, lse)
         return res if self._options[-1] else res[0]
 
 
@@ -703,7 +714,7 @@ def plan_forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: f
         with _device(c.device):
             bound = cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", sw, c.extras, env, out=out,
                                               lse=lse)
-            call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, env, out))
+            call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out))
     # a run compares the layouts of its own arrays: the feature arrays are the plan's, never read on the host again
     return ForwardPlan(signature.forward(q, k, v, opts, (None,) * 5, out, lse), call, opts, dict(c.extras),
                        (None,) * 5)
@@ -735,6 +746,6 @@ def plan_decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int 
         with _device(c.device):
             bound = cupy_backend.bind_decode(c.problem, *ins[:5], c.scale, num_splits, c.extras, env, out=out,
                                              lse=lse)
-            call = _plan(key, lambda: cupy_backend.DecodeCall(bound, env, out))
+            call = _plan(key, lambda: cupy_backend.DecodeCall(bound, ins[:5], c.extras, env, out))
     features = {n: x for n, x in c.extras.items() if n in ("alibi_slopes", "sinks")}
     return DecodePlan(key, call, opts, features, raw)

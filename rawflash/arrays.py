@@ -3,6 +3,8 @@ NumPy through the device, kernel-ready views. Imports nothing of rawflash (valid
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 
@@ -44,7 +46,7 @@ def import_array(x, name: str):
 
     DLPack is tried first because it describes bfloat16 (``__cuda_array_interface__`` cannot).
     """
-    if type(x) is np.ndarray or is_cupy_array(x):
+    if x.__class__ is _NDARRAY or x.__class__ is np.ndarray or is_cupy_array(x):
         return x
     kind = array_kind(x, name)
     if kind != "foreign":
@@ -56,12 +58,20 @@ def import_array(x, name: str):
     return cupy.asarray(x)
 
 
-def is_cupy_array(x) -> bool:
-    """Whether ``x`` is a ``cupy.ndarray``, without importing CuPy (an array of it exists only once it is)."""
-    import sys
+_NDARRAY = None  # cupy.ndarray, once an array of it was seen
 
+
+def is_cupy_array(x) -> bool:
+    """Whether ``x`` is a ``cupy.ndarray``, without importing CuPy (an array of it exists only once it is). The
+    exact class is one comparison: the public calls ask this of every array."""
+    global _NDARRAY
+    if x.__class__ is _NDARRAY:
+        return True
     cupy = sys.modules.get("cupy")
-    return cupy is not None and isinstance(x, cupy.ndarray)
+    if cupy is None:
+        return False
+    _NDARRAY = cupy.ndarray
+    return isinstance(x, _NDARRAY)
 
 
 def kernel_ready(x, chunk_elems: int):

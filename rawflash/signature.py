@@ -47,16 +47,11 @@ def values(x):
     return array(x), x.get().tobytes()
 
 
-def option(v):
-    """An option's value with its type (a tuple or list option: each item's too)."""
-    cls = v.__class__
-    if cls is tuple or cls is list:
-        return cls, tuple([(x.__class__, x) for x in v])
-    return cls, v
-
-
 def options(values: tuple) -> tuple:
-    return tuple([option(v) for v in values])
+    """The options' values with their types, and the items' types of a tuple option (``window``): equal keys are
+    equal values of equal types, so ``causal=1`` and ``causal=True`` never share a plan."""
+    return (values, tuple(map(type, values)),
+            tuple([tuple(map(type, v)) for v in values if v.__class__ is tuple or v.__class__ is list]))
 
 
 def _hashable(key: tuple):

@@ -7,7 +7,9 @@ cache, and PyTorch's SDPA beside it in the same process when PyTorch is importab
   synchronisation at the end, timed on the host clock up to the return of the last call (the GPU works behind);
 - call: the public call's time on the GPU clock (CUDA events around the same loop, no L2 flush between calls,
   so a host slower than the kernels shows);
-- kernels: the same call captured once in a CUDA graph and replayed (the kernels alone, no host in between).
+- kernels: the same call captured once in a CUDA graph and replayed (the kernels alone, no host in between);
+- first: milliseconds of the case's first call (a new signature: validated, planned, its kernels compiled or
+  loaded from the disk cache when the process has not loaded them yet, launched), up to its return.
 
 Every rawflash case is first checked against the float64 reference by flash-attn's rule on its own inputs.
 """
@@ -76,7 +78,6 @@ def rawflash_call(case: HostCase):
             want, _ = reference.forward(q.get()[:, :, :, :], k.get()[:, :host], v.get()[:, :host], causal=True)
             return float(np.max(np.abs(out.get().astype(np.float64) - want)))
         return call, check
-    out, lse = rawflash.forward(q, k, v, causal=case.causal)
     if case.direction == "fwd":
         def call():
             return rawflash.forward(q, k, v, causal=case.causal)
@@ -86,6 +87,7 @@ def rawflash_call(case: HostCase):
             return float(np.max(np.abs(res[0].get().astype(np.float64) - want)))
         return call, check
     dout = cupy.asarray(_inputs(case, seed=1)[0])
+    out, lse = rawflash.forward(q, k, v, causal=case.causal)
 
     def call():
         return rawflash.backward(dout, q, k, v, out, lse, causal=case.causal)
@@ -188,13 +190,17 @@ def measure(cases=CASES, calls: int = 100, repeats: int = 5, progress=None) -> l
     rows = []
     for case in cases:
         call, check = rawflash_call(case)
-        error = check(call())
+        t0 = time.perf_counter()
+        res = call()  # a new signature: validated, planned (its kernels compiled or loaded from disk), launched
+        first = (time.perf_counter() - t0) * 1e3
+        error = check(res)
         for _ in range(3):
             call()
         host = statistics.median(_host_us(call, calls, False) for _ in range(repeats))
         timed = statistics.median(_call_us(call, calls, False) for _ in range(repeats))
         kernels = statistics.median(_graph_us(call, calls) for _ in range(repeats))
-        row = {"case": case.name, "direction": case.direction, "max_abs_error": error, "host_us": host,
+        row = {"case": case.name, "direction": case.direction, "max_abs_error": error, "first_ms": first,
+               "host_us": host,
                "call_us": timed, "kernels_us": kernels}
         peer = torch_call(case)
         if peer is not None:
@@ -213,4 +219,5 @@ def format_row(row: dict) -> str:
                   if "torch_host_us" in row else "")
     return (f"{row['case']:28s} host {row['host_us']:7.1f} us  call {row['call_us']:8.1f}  kernels "
             f"{row['kernels_us']:8.1f}  call/kernels {row['call_us'] / row['kernels_us']:5.2f}{torch_part}  "
+            f"first {row.get('first_ms', float('nan')):6.2f} ms"
             f"(max |err| {row['max_abs_error']:.2g})")

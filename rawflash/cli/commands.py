@@ -706,7 +706,8 @@ def demo(ctx, gpu, arch, sms, as_json):
 def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
           features, decode, quick, feature_head_dim, deterministic, host, as_json):
     """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
-    only. The rawflash rows also give the kernels' own time (kernel_tflops: the launches alone, CUDA events)."""
+    only. The headline is the public call's time (calls back to back); the rawflash rows also give the kernels' own
+    time (kernel_tflops: the launches alone, a CUDA graph of them replayed)."""
     if quick and not decode:
         raise click.UsageError("--quick goes with --decode")
     if feature_head_dim is not None and not features:

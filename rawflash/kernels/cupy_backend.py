@@ -137,8 +137,8 @@ def _ready(x, hd: int, chunk: int):
 def forward_buffers(pr: Problem, first: Launch, q, out=None, lse=None) -> dict:
     """A forward call's per-call buffers, by the parameter struct's field names: its outputs ``o`` (the caller's
     ``out`` when given) and ``lse`` (likewise), fa1's work rows, FA3's tile counter and the REF_FIRST flag word
-    with this call's number (``ref_gen``). The one place both the template (``bind_forward``) and every planned
-    call (:class:`ForwardCall`) make them."""
+    with this call's number (``ref_gen``). The template (``bind_forward``) makes them here; its planned calls
+    replay their layout (:class:`CallBuffers`)."""
     import cupy
 
     bufs = {"o": cupy.empty(q.shape, dtype=q.dtype) if out is None else out,
@@ -186,9 +186,9 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
             plan = forms.forward_plan_without_tma(pr, kernel, switches, env, override)
     bound = Bound(plan, [(lau, args) for lau in plan], (_Trimmed(bufs["o"], prep.head_dim), bufs["lse"]), env,
                   problem=pr)
-    bound.first = first  # the launch that decided the buffers (before any fallback without TMA)
     bound.roles = _roles(dict(q=q, k=k, v=v), prep.extras, bufs)
     bound.keep = (q, k, v, prep.extras, bufs)  # the parameter struct holds their addresses
+    bound.bufs = bufs
     return bound
 
 
@@ -197,52 +197,155 @@ def _roles(*named: dict) -> dict:
     return {n: x for d in named for n, x in d.items() if x is not None and x.__class__ is not int}
 
 
-def _ptrs(roles: dict) -> dict:
-    return {n: x.data.ptr for n, x in roles.items()}
+CAPTURED: list = []  # the buffers of every planned call made while its stream captured a CUDA graph
+_CHUNK = 256  # bytes: each buffer cut from a call's allocation starts on a multiple (CuPy's own granularity)
 
 
-CAPTURED: list = []  # the arrays of every planned call made while its stream captured a CUDA graph
+def _span(nbytes: int) -> int:
+    return -(-nbytes // _CHUNK) * _CHUNK
 
 
-def _launch_planned(plan, roles: dict, ints: dict) -> None:
-    """Run a planned call's launches on CuPy's current stream. While that stream captures a CUDA graph, the call's
-    arrays (inputs as the kernels read them, outputs, work buffers) are kept for the life of the process: the graph
-    replays into them after the call has returned, so the memory pool must never hand them to anything else."""
-    import cupy
+class CallBuffers:
+    """How every call of a plan makes its buffers, laid out once from its template's (``forward_buffers``,
+    ``backward_buffers`` and ``decode_buffers`` decide which buffers a call has and their sizes). Per call: the
+    outputs the caller did not give are cut from one allocation (they are freed together, when the last of them
+    is), the work buffers from one more, zeroed where a kernel expects zeros (one ``memsetAsync`` each); the
+    buffers kept per stream (tile counters, the REF_FIRST flag, decode's partials) are looked up once per stream.
+    Memory comes from CuPy's pool on the current stream, so a buffer freed after the call is reused only by work
+    queued after the call's kernels."""
 
-    stream = cupy.cuda.get_current_stream()
-    plan.run(_ptrs(roles), ints, stream.ptr)
+    def __init__(self, bufs: dict, outputs: tuple, per_stream, zeroed: tuple = (), views: tuple = ()):
+        self.outputs = [(n, tuple(bufs[n].shape), bufs[n].dtype, _span(bufs[n].nbytes)) for n in outputs]
+        self.per_stream = per_stream  # () -> {name: array} of the current stream
+        self.stream_names = tuple(per_stream()) if per_stream is not None else ()
+        work = [n for n in bufs if n not in outputs and n not in self.stream_names]
+        self.work, offset = [], 0
+        for n in work:
+            self.work.append((n, offset))
+            offset += _span(bufs[n].nbytes)
+        self.work_bytes = offset
+        self.zero = [(dict(self.work)[n], bufs[n].nbytes) for n in zeroed if n in dict(self.work)]
+        self.views = [(n, dict(self.work)[n], tuple(bufs[n].shape), bufs[n].dtype) for n in views if n in bufs]
+        self._streams: dict = {}
+
+    def _stream(self, stream: int) -> tuple:
+        fixed = self._streams.get(stream)
+        if fixed is None:
+            arrays = self.per_stream() if self.per_stream is not None else {}
+            fixed = self._streams[stream] = ({n: x.data.ptr for n, x in arrays.items()}, arrays)
+        return fixed
+
+    def make(self, ptrs: dict, stream: int, given: dict) -> tuple[dict, tuple]:
+        """Adds the call's buffer addresses to ``ptrs``; returns its outputs by name (the given ones as given, the
+        others new) and what must stay alive while its kernels run."""
+        import cupy
+
+        ptrs.update(self._stream(stream)[0])
+        made = {}
+        need = 0
+        for n, _, _, span in self.outputs:
+            x = given.get(n)
+            if x is None:
+                need += span
+            else:
+                made[n] = x
+        out_mem = work_mem = None
+        if need:
+            out_mem = cupy.cuda.alloc(need)
+            offset = 0
+            for n, shape, dtype, span in self.outputs:
+                if n not in made:
+                    made[n] = cupy.ndarray(shape, dtype, memptr=out_mem + offset)
+                    offset += span
+        for n, x in made.items():
+            ptrs[n] = x.data.ptr
+        if self.work_bytes:
+            work_mem = cupy.cuda.alloc(self.work_bytes)
+            base = work_mem.ptr
+            for n, offset in self.work:
+                ptrs[n] = base + offset
+            for offset, nbytes in self.zero:
+                cupy.cuda.runtime.memsetAsync(base + offset, 0, nbytes, stream)
+            for n, offset, shape, dtype in self.views:
+                made[n] = cupy.ndarray(shape, dtype, memptr=work_mem + offset)
+        return made, (out_mem, work_mem)
+
+
+def _launch_planned(plan, ptrs: dict, ints: dict, stream, keep) -> None:
+    """Run a planned call's launches on ``stream`` (CuPy's current one). While that stream captures a CUDA graph,
+    the call's arrays (inputs as the kernels read them, outputs, work buffers: ``keep``) are kept for the life of
+    the process: the graph replays into them after the call has returned, so the memory pool must never hand them
+    to anything else."""
+    plan.run(ptrs, ints, stream.ptr)
     if stream.is_capturing():
-        CAPTURED.append(roles)
+        CAPTURED.append(keep)
+
+
+def _feature_ptrs(extras: dict, as_is: dict, ptrs: dict) -> list:
+    """The feature arrays' addresses into ``ptrs`` (an array not read as it is converted first, as the template's
+    was); returns the converted ones, to be kept alive."""
+    made = []
+    for name, x in extras.items():
+        if not as_is.get(name, False):
+            x = _feature_arrays({name: x})[name]
+            made.append(x)
+        ptrs[name] = x.data.ptr
+    return made
+
+
+def _features_as_is(extras: dict) -> dict:
+    """Which feature arrays of a template the kernels read as they are (the signature fixes their layouts)."""
+    ready = _feature_arrays(extras)
+    return {n: ready[n] is x for n, x in extras.items()}
 
 
 class ForwardCall:
-    """A planned forward: the template's launches prepacked (:class:`plans.CallPlan`) and what a call needs besides
-    its arrays (whether each input is read as it is, the problem the buffers are shaped by)."""
+    """A planned forward: the template's launches prepacked (:class:`plans.CallPlan`), its buffers laid out
+    (:class:`CallBuffers`), and what a call needs besides its arrays (whether each input is read as it is)."""
 
-    def __init__(self, bound: Bound, q, k, v, env: Settings, out=None):
+    def __init__(self, bound: Bound, q, k, v, extras: dict, env: Settings, out=None):
         from . import plans
 
         self.problem = bound.problem
-        self.first = bound.first
         self.head_dim = int(q.shape[-1])
         self.hd = run_head_dim(self.head_dim)
         self.chunk = 16 // np.dtype(q.dtype).itemsize
-        self.as_is = tuple(_ready(x, self.hd, self.chunk) is x for x in (q, k, v))
+        self.as_is = all(_ready(x, self.hd, self.chunk) is x for x in (q, k, v))
+        self.features = _features_as_is(extras)
         self.out_direct = out is not None and bound.outputs[0].x is out
+        self.checks_ref = "ref_gen" in bound.bufs
+        others = set(bound.bufs) - {"o", "lse", "tile_counter", "ref_flag", "ref_gen"}
+        if others:  # (fa1's work rows start at -inf and 0: no plan sets them)
+            raise plans.NotPackable(f"forward buffers {sorted(others)}")
+        bufs = {n: x for n, x in bound.bufs.items() if n != "ref_gen"}
+        names = [n for n in ("tile_counter", "ref_flag") if n in bufs]
+        self.buffers = CallBuffers(bufs, ("o", "lse"), _per_stream(names) if names else None)
         self.plan = plans.CallPlan(bound.launches, bound.roles, lambda lau: kernel_handle(lau, env))
 
     def run(self, q, k, v, extras: dict, out=None, lse=None):
-        qkv = [x if ok else _ready(x, self.hd, self.chunk) for x, ok in zip((q, k, v), self.as_is)]
-        feats = _feature_arrays(extras) if extras else {}
-        bufs = forward_buffers(self.problem, self.first, qkv[0], out if self.out_direct else None, lse)
-        roles = _roles(dict(q=qkv[0], k=qkv[1], v=qkv[2]), feats, bufs)
-        _launch_planned(self.plan, roles, bufs)
-        o = _trim(bufs["o"], self.head_dim)
+        import cupy
+
+        if not self.as_is:
+            q, k, v = (_ready(x, self.hd, self.chunk) for x in (q, k, v))
+        stream = cupy.cuda.get_current_stream()
+        ptrs = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr}
+        made, keep = self.buffers.make(ptrs, stream.ptr, {"o": out if self.out_direct else None, "lse": lse})
+        feats = _feature_ptrs(extras, self.features, ptrs) if extras else ()
+        ints = {"ref_gen": next_ref_gen()} if self.checks_ref else {}
+        _launch_planned(self.plan, ptrs, ints, stream, (q, k, v, made, keep, feats, extras))
+        o = made["o"]
+        if o.shape[-1] != self.head_dim:
+            o = _trim(o, self.head_dim)
         if out is not None and o is not out:
             out[...] = o
             o = out
-        return o, bufs["lse"]
+        return o, made["lse"]
+
+
+def _per_stream(names: list):
+    """The current stream's buffers of ``names`` (tile_counter, ref_flag), for CallBuffers."""
+    makers = {"tile_counter": tile_counter, "ref_flag": ref_flag}
+    return lambda: {n: makers[n]() for n in names}
 
 
 def _bytes(x):
@@ -339,8 +442,8 @@ def _matmul(a, b, out):
 def backward_buffers(pr: Problem, main: Launch, deterministic: bool, q, k, v, dq=None, dk=None, dv=None) -> dict:
     """A backward call's per-call buffers, by the parameter struct's field names: the gradients (the caller's
     ``dq`` / ``dk`` / ``dv`` when given), L and D rows, the float32 dQ rows, the sinks' per-row terms and the ordered
-    dQ's semaphores. ``main`` is the plan's main launch (what decides the work buffers). Shared by the template
-    (``bind_backward``) and every planned call (:class:`BackwardCall`)."""
+    dQ's semaphores. ``main`` is the plan's main launch (what decides the work buffers). The template
+    (``bind_backward``) makes them here; its planned calls replay their layout (:class:`CallBuffers`)."""
     import cupy
 
     f32 = cupy.float32
@@ -407,8 +510,8 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
                 launches[1] = (plan[1], (rec,))
     bound = Bound(plan, launches, outputs, env, reset=reset, problem=pr)
     bound.roles = _roles(dict(q=q, k=k, v=v, out=out, dout=do, lse=lse), prep.extras, bufs)
-    bound.main = main  # the launch that decided the work buffers (before any fallback)
     bound.keep = (q, k, v, do, out, lse, bufs, prep.extras)  # alive while the kernels run
+    bound.bufs = bufs
     if pr.sinks:
         bound.sinks = lambda: dsinks(pr, bufs["dsink_ws"])
     return bound
@@ -425,42 +528,51 @@ def dsinks(pr: Problem, dsink_ws):
 class BackwardCall:
     """A planned backward (see :class:`ForwardCall`)."""
 
-    def __init__(self, bound: Bound, arrays: tuple, deterministic: bool, env: Settings, grads: tuple):
+    def __init__(self, bound: Bound, arrays: tuple, extras: dict, env: Settings, grads: tuple):
         from . import plans
 
-        self.problem, self.main, self.deterministic = bound.problem, bound.main, deterministic
+        self.problem = bound.problem
         q = arrays[1]
         self.head_dim = int(q.shape[-1])
         self.hd = run_head_dim(self.head_dim)
         self.chunk = 16 // np.dtype(q.dtype).itemsize
-        self.as_is = tuple(_ready(x, self.hd, self.chunk) is x for x in arrays)  # dout, q, k, v, out
+        self.as_is = all(_ready(x, self.hd, self.chunk) is x for x in arrays[:5]) and _lse_f32(arrays[5]) is arrays[5]
+        self.features = _features_as_is(extras)
         self.direct = tuple(g is not None and g is o.x for g, o in zip(grads, bound.outputs))
-        self.resets = bool(bound.reset)
+        # keys past seqused_k are never written by a kernel: their gradients start (and stay) zero
+        self.zero_kv = self.problem.seqused_k
+        zeroed = ("dq_semaphore",) if bound.reset else ()
+        self.buffers = CallBuffers(bound.bufs, ("dq", "dk", "dv"), None, zeroed, views=("dsink_ws",))
         self.plan = plans.CallPlan(bound.launches, bound.roles, lambda lau: kernel_handle(lau, env))
 
     def run(self, dout, q, k, v, out, lse, extras: dict, grads: tuple = (None, None, None)):
         import cupy
 
-        do, q, k, v, out = [x if ok else _ready(x, self.hd, self.chunk)
-                            for x, ok in zip((dout, q, k, v, out), self.as_is)]
-        lse = _lse_f32(lse)
-        feats = _feature_arrays(extras) if extras else {}
-        given = [g if d else None for g, d in zip(grads, self.direct)]
-        bufs = backward_buffers(self.problem, self.main, self.deterministic, q, k, v, *given)
-        roles = _roles(dict(q=q, k=k, v=v, out=out, dout=do, lse=lse), feats, bufs)
-        if self.resets:
-            sem = bufs["dq_semaphore"]
-            cupy.cuda.runtime.memsetAsync(sem.data.ptr, 0, sem.nbytes, cupy.cuda.get_current_stream().ptr)
-        _launch_planned(self.plan, roles, {})
+        if not self.as_is:
+            dout, q, k, v, out = (_ready(x, self.hd, self.chunk) for x in (dout, q, k, v, out))
+            lse = _lse_f32(lse)
+        stream = cupy.cuda.get_current_stream()
+        ptrs = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "out": out.data.ptr, "dout": dout.data.ptr,
+                "lse": lse.data.ptr}
+        given = {n: g if d else None for n, g, d in zip(("dq", "dk", "dv"), grads, self.direct)}
+        made, keep = self.buffers.make(ptrs, stream.ptr, given)
+        if self.zero_kv:
+            for n in ("dk", "dv"):
+                x = made[n]
+                cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream.ptr)
+        feats = _feature_ptrs(extras, self.features, ptrs) if extras else ()
+        _launch_planned(self.plan, ptrs, {}, stream, (dout, q, k, v, out, lse, made, keep, feats, extras))
         result = []
         for name, g in zip(("dq", "dk", "dv"), grads):
-            x = _trim(bufs[name], self.head_dim)
+            x = made[name]
+            if x.shape[-1] != self.head_dim:
+                x = _trim(x, self.head_dim)
             if g is not None and x is not g:
                 g[...] = x
                 x = g
             result.append(x)
         if self.problem.sinks:
-            result.append(dsinks(self.problem, bufs["dsink_ws"]))
+            result.append(dsinks(self.problem, made["dsink_ws"]))
         return tuple(result)
 
 
@@ -544,8 +656,8 @@ def decode_workspace(partials: int, q_shape: tuple, lse_shape: tuple, row_groups
 
 def decode_buffers(pr: Problem, plan: forms.DecodePlan, q, out=None, lse=None) -> dict:
     """A decode call's buffers, by the parameter struct's field names: its outputs (the caller's ``out`` / ``lse``
-    when given) and the split pass's work buffers of this stream (``decode_workspace``). Shared by the template
-    (``bind_decode``) and every planned call (:class:`DecodeCall`)."""
+    when given) and the split pass's work buffers of this stream (``decode_workspace``). The template
+    (``bind_decode``) makes them here; its planned calls replay their layout (:class:`CallBuffers`)."""
     import cupy
 
     lse_shape = (pr.batch, pr.heads, pr.seqlen_q)
@@ -595,6 +707,7 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
     bound = Bound(list(launches), [(lau, (rec,)) for lau in launches], (bufs["o"], bufs["lse"]), env, problem=pr)
     bound.roles = _roles(dict(q=q, k=k_cache, v=v_cache, k_new=k_new, v_new=v_new), prep.extras, bufs)
     bound.keep = (q, k_cache, v_cache, k_new, v_new, bufs, prep.extras)
+    bound.bufs = bufs
     bound.plan_info = plan
     return bound
 
@@ -602,11 +715,24 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
 class DecodeCall:
     """A planned decode step (see :class:`ForwardCall`); ``cache_len`` (an int cache_seqlens) is a per-call word."""
 
-    def __init__(self, bound: Bound, env: Settings, out=None):
+    def __init__(self, bound: Bound, arrays: tuple, extras: dict, env: Settings, out=None):
         from . import plans
 
         self.problem, self.decode_plan = bound.problem, bound.plan_info
+        hd = self.problem.head_dim
+        ready = _decode_inputs(*arrays, hd)
+        self.as_is = all(r is x for r, x in zip(ready, arrays))
+        self.features = _features_as_is({n: x for n, x in extras.items() if n != "cache_len"})
         self.out_direct = out is not None and bound.outputs[0] is out
+        plan, q = self.decode_plan, arrays[0]
+        lse_shape = (self.problem.batch, self.problem.heads, self.problem.seqlen_q)
+        rows = plan.row_groups if plan.fused else 0
+
+        def per_stream():
+            o_ws, m_ws, counters = decode_workspace(plan.partials, q.shape, lse_shape, rows)
+            return {"o_ws": o_ws, "m_ws": m_ws, **({"decode_counters": counters} if plan.fused else {})}
+
+        self.buffers = CallBuffers(bound.bufs, ("o", "lse"), per_stream)
         self.plan = plans.CallPlan(bound.launches, bound.roles, lambda lau: kernel_handle(lau, env))
 
     def takes_cache_len(self, cache_seqlens) -> bool:
@@ -616,18 +742,26 @@ class DecodeCall:
         return not isinstance(cache_seqlens, int) or 0 <= cache_seqlens <= p.seqlen_k - p.new_keys
 
     def run(self, q, k_cache, v_cache, k_new, v_new, extras: dict, out=None, lse=None):
-        extras = dict(extras)
-        ints = {"cache_len": extras.pop("cache_len", 0)}
-        q, k_cache, v_cache, k_new, v_new = _decode_inputs(q, k_cache, v_cache, k_new, v_new, self.problem.head_dim)
-        feats = _feature_arrays(extras) if extras else {}
-        bufs = decode_buffers(self.problem, self.decode_plan, q, out if self.out_direct else None, lse)
-        roles = _roles(dict(q=q, k=k_cache, v=v_cache, k_new=k_new, v_new=v_new), feats, bufs)
-        _launch_planned(self.plan, roles, ints)
-        o = bufs["o"]
+        import cupy
+
+        if not self.as_is:
+            q, k_cache, v_cache, k_new, v_new = _decode_inputs(q, k_cache, v_cache, k_new, v_new,
+                                                               self.problem.head_dim)
+        cache_len = extras.get("cache_len")
+        ints = {"cache_len": cache_len} if cache_len is not None else {}
+        stream = cupy.cuda.get_current_stream()
+        ptrs = {"q": q.data.ptr, "k": k_cache.data.ptr, "v": v_cache.data.ptr}
+        if k_new is not None:
+            ptrs["k_new"], ptrs["v_new"] = k_new.data.ptr, v_new.data.ptr
+        made, keep = self.buffers.make(ptrs, stream.ptr, {"o": out if self.out_direct else None, "lse": lse})
+        feats = _feature_ptrs({n: x for n, x in extras.items() if n != "cache_len"}, self.features, ptrs)
+        _launch_planned(self.plan, ptrs, ints, stream, (q, k_cache, v_cache, k_new, v_new, made, keep, feats,
+                                                        extras))
+        o = made["o"]
         if out is not None and o is not out:
             out[...] = o
             o = out
-        return o, bufs["lse"]
+        return o, made["lse"]
 
 
 def _sms() -> int:

@@ -20,9 +20,9 @@ no argument packing by CuPy. :class:`PlanCache` keeps the plans, least recently 
 """
 from __future__ import annotations
 
-import collections
 import ctypes
 import functools
+import itertools
 import threading
 
 import numpy as np
@@ -117,13 +117,12 @@ class PackedLaunch:
         self.args = [packed[id(a)] for a in args]
         self.argv = (ctypes.c_void_p * len(self.args))(*[a.buf.ctypes.data for a in self.args])
         self.argv_ptr = ctypes.addressof(self.argv)
-
-    def __call__(self, stream: int) -> None:
         from cupy.cuda import driver
 
-        gx, gy, gz = self.grid
-        bx, by, bz = self.block
-        driver.launchKernel(self.func, gx, gy, gz, bx, by, bz, self.smem, stream, self.argv_ptr, 0)
+        self._launch = driver.launchKernel
+
+    def __call__(self, stream: int) -> None:
+        self._launch(self.func, *self.grid, *self.block, self.smem, stream, self.argv_ptr, 0)
 
 
 class CallPlan:
@@ -163,30 +162,32 @@ class CallPlan:
 
 
 class PlanCache:
-    """Plans by signature, bounded (the least recently used goes first), safe to share between threads."""
+    """Plans by signature, bounded: when full, the least recently used goes first. A hit is one dict lookup and a
+    new stamp on the entry (no lock, no reordering: the GIL makes each step atomic); adding a plan, and so evicting
+    one, holds a lock. Safe to share between threads."""
 
     def __init__(self, size: int = PLAN_CACHE_SIZE):
         self.size = size
-        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._plans: dict = {}
         self._lock = threading.Lock()
+        self._clock = itertools.count()
         self.hits = self.misses = 0
 
     def get(self, key):
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is None:
-                self.misses += 1
-                return None
-            self._plans.move_to_end(key)
-            self.hits += 1
-            return plan
+        entry = self._plans.get(key)  # [plan, stamp]
+        if entry is None:
+            self.misses += 1
+            return None
+        entry[1] = next(self._clock)
+        self.hits += 1
+        return entry[0]
 
     def put(self, key, plan) -> None:
         with self._lock:
-            self._plans[key] = plan
-            self._plans.move_to_end(key)
+            self._plans[key] = [plan, next(self._clock)]
             while len(self._plans) > self.size:
-                self._plans.popitem(last=False)
+                oldest = min(self._plans, key=lambda k: self._plans[k][1])
+                del self._plans[oldest]
 
     def clear(self) -> None:
         with self._lock:
