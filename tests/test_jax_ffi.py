@@ -130,6 +130,16 @@ def test_an_exception_in_fn_surfaces_from_the_jitted_call():
     assert len(calls) == 2
 
 
+def test_an_error_from_xlas_api_table_becomes_the_calls_error(monkeypatch):
+    ffi.register("rawflash_test_api_error", lambda frame: None, platform="cpu")
+    decode = ffi._decode
+    monkeypatch.setattr(ffi, "_decode", lambda frame, stream: decode(frame, True))  # the CPU has no stream to get
+    x = jnp.ones(2, jnp.float32)
+    with pytest.raises(Exception, match="FFIError: XLA_FFI_Stream_Get failed: .+") as info:
+        jitted("rawflash_test_api_error", jax.ShapeDtypeStruct(x.shape, x.dtype))(x).block_until_ready()
+    assert "rawflash_test_api_error" in str(info.value)
+
+
 def test_registering_twice_is_a_no_op():
     ffi.register("rawflash_test_twice", scale, platform="cpu")
     first = ffi.handler_pointer("rawflash_test_twice", "cpu")

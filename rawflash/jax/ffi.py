@@ -11,7 +11,9 @@ owns from then on; ``XLA_FFI_Stream_Get`` gives the platform stream (a ``CUstrea
 extension chain starts with the metadata extension (and whose API pointer is NULL): the handler then writes its
 FFI API version and traits (bit 0: command-buffer compatible, i.e. safe to capture into a CUDA graph) into the
 ``XLA_FFI_Metadata`` and returns without running. XLA rejects a version outside the range it supports (0.1 to
-0.3 for jaxlib 0.10.2).
+0.3 for jaxlib 0.10.2). FFI API 0.4 (jaxlib 0.11.2) keeps every layout used here, renames the error-message call
+``XLA_FFI_Error_GetDetails`` and gives its arguments one more out field, for which the call here leaves room; a
+0.3 handler registers and runs there (on CUDA too, inside CUDA graphs).
 
 rawflash is pure Python, pip-installable, whose CUDA kernels NVRTC compiles at first use; a C++ handler would
 need a compiler and XLA headers at install time. A ``ctypes.CFUNCTYPE`` pointer is a real C function pointer,
@@ -79,6 +81,11 @@ class XLA_FFI_Error_Create_Args(Structure):
 class XLA_FFI_Error_GetMessage_Args(Structure):
     _fields_ = [("struct_size", c_size_t), ("extension_start", c_void_p), ("error", c_void_p),
                 ("message", c_char_p)]
+
+
+class _GetMessageArgsWithRoom(Structure):
+    """XLA_FFI_Error_GetMessage_Args and room behind it for out fields a newer XLA may write there."""
+    _fields_ = [("args", XLA_FFI_Error_GetMessage_Args), ("room", c_int64 * 2)]
 
 
 class XLA_FFI_Error_Destroy_Args(Structure):
@@ -324,8 +331,10 @@ def _raise_error(functions: _ApiFunctions, error: int, what: str) -> None:
     """Turns an XLA_FFI_Error* an API function returned into FFIError, destroying the XLA error."""
     message = "(no message)"
     if functions.error_get_message is not None:
-        args = XLA_FFI_Error_GetMessage_Args(STRUCT_SIZES["XLA_FFI_Error_GetMessage_Args"], None, error, None)
-        functions.error_get_message(ctypes.addressof(args))
+        padded = _GetMessageArgsWithRoom()  # FFI API 0.4 names this GetDetails and adds an errc out field
+        args = padded.args
+        args.struct_size, args.error = STRUCT_SIZES["XLA_FFI_Error_GetMessage_Args"], error
+        functions.error_get_message(ctypes.addressof(padded))
         message = (args.message or b"").decode(errors="replace")
     if functions.error_destroy is not None:
         args = XLA_FFI_Error_Destroy_Args(STRUCT_SIZES["XLA_FFI_Error_Destroy_Args"], None, error)
