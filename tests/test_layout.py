@@ -99,7 +99,8 @@ LAYERS = (
     ("rawflash.kernels.*",),        # forms, tiles, launch formulas, compiling and both backends
     ("rawflash.validation",),       # a call's arguments checked into a Problem, with the kernels' limits
     ("rawflash.api", "rawflash.fp8", "rawflash.combine"),  # the public functions
-    ("rawflash.distributed.*",),    # ring attention over the public functions
+    # ring attention over the public functions; rawflash under JAX (XLA custom calls over the planned launches)
+    ("rawflash.distributed.*", "rawflash.jax.*"),
     ("rawflash.cli.*", "rawflash", "rawflash.__main__"),  # the command line and the package's own namespace
 )
 # Imports that point up, each with its reason.

@@ -24,7 +24,8 @@ def test_wheel_ships_py_typed_license_and_main(wheel):
     z = zipfile.ZipFile(wheel)
     names = set(z.namelist())
     assert {"rawflash/py.typed", "rawflash/__main__.py", "rawflash/cli/__main__.py"} <= names
-    for folder in ("rawflash", "rawflash/kernels", "rawflash/cli", "rawflash/numba_kernels", "rawflash/distributed"):
+    for folder in ("rawflash", "rawflash/kernels", "rawflash/cli", "rawflash/numba_kernels", "rawflash/distributed",
+                   "rawflash/jax"):
         modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / folder).glob("*.py")}
         assert f"{folder}/__init__.py" in modules and modules <= names, f"{folder}: {sorted(modules - names)} missing"
     licenses = [n for n in names if n.endswith("/licenses/LICENSE")]

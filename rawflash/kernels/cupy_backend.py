@@ -261,14 +261,20 @@ class CallBuffers:
             ptrs[n] = x.data.ptr
         if self.work_bytes:
             work_mem = cupy.cuda.alloc(self.work_bytes)
-            base = work_mem.ptr
-            for n, offset in self.work:
-                ptrs[n] = base + offset
-            for offset, nbytes in self.zero:
-                cupy.cuda.runtime.memsetAsync(base + offset, 0, nbytes, stream)
+            self.place(ptrs, work_mem.ptr, stream)
             for n, offset, shape, dtype in self.views:
                 made[n] = cupy.ndarray(shape, dtype, memptr=work_mem + offset)
         return made, (out_mem, work_mem)
+
+    def place(self, ptrs: dict, base: int, stream: int) -> None:
+        """The work buffers' addresses in ``work_bytes`` of device memory at ``base`` into ``ptrs``, zeroed on
+        ``stream`` where a kernel expects zeros (memory the caller owns: CuPy's pool, or XLA's)."""
+        import cupy
+
+        for n, offset in self.work:
+            ptrs[n] = base + offset
+        for offset, nbytes in self.zero:
+            cupy.cuda.runtime.memsetAsync(base + offset, 0, nbytes, stream)
 
 
 def _launch_planned(plan, ptrs: dict, ints: dict, stream, keep) -> None:
