@@ -9,7 +9,8 @@ jnp = jax.numpy
 pytest.importorskip("cupy")
 
 from rawflash import reference  # noqa: E402
-from rawflash.jax import attention as jattention  # noqa: E402
+from rawflash.jax import ops as jattention  # noqa: E402
+from rawflash.jax import targets  # noqa: E402
 
 
 def _lowered(fn, *avals) -> str:
@@ -68,10 +69,71 @@ def test_invalid_input_is_refused_at_trace_time(kwargs, message):
         jax.eval_shape(lambda q, k: jattention.attention(q, k, q, **kwargs), q, k)
 
 
+def test_vmap_and_leading_axes_fold_into_one_launch():
+    aval = jax.ShapeDtypeStruct((3, 2, 128, 4, 64), jnp.bfloat16)
+    for fn in (jax.vmap(lambda q, k, v: jattention.attention(q, k, v, causal=True)),
+               lambda q, k, v: jattention.attention(q, k, v, causal=True)):
+        calls = _custom_calls(_lowered(fn, aval, aval, aval))
+        assert len(calls) == 1 and "tensor<6x128x4x64xbf16>" in calls[0]
+
+
+def test_vmap_over_sinks_is_refused():
+    q = jax.ShapeDtypeStruct((3, 1, 64, 4, 64), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    with pytest.raises(ValueError, match="vmap over sinks"):
+        jax.eval_shape(jax.vmap(lambda q, s: jattention.attention(q, q, q, sinks=s)), q, sinks)
+
+
+def test_lse_cotangent_runs_the_backward_one_column_wider():
+    def loss(q, k, v):
+        out, lse = jattention.attention(q, k, v, causal=True, return_lse=True)
+        return out.astype(jnp.float32).sum() + lse.sum()
+
+    calls = _custom_calls(_lowered(jax.grad(loss, argnums=(0, 1, 2)), BF16, BF16, BF16))
+    backward = [c for c in calls if "@rawflash_backward" in c]
+    assert len(backward) == 1 and "tensor<2x128x4x72xbf16>" in backward[0]  # 64 + 1 rounded up to 72
+    plain = _custom_calls(_lowered(jax.grad(lambda q, k, v: jattention.attention(q, k, v).astype(jnp.float32).sum(),
+                                            argnums=(0, 1, 2)), BF16, BF16, BF16))
+    assert "tensor<2x128x4x72xbf16>" not in plain[1]
+
+
+def test_decode_lowers_with_the_caches_aliased():
+    q = jax.ShapeDtypeStruct((4, 1, 8, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((4, 1024, 2, 128), jnp.bfloat16)
+    new = jax.ShapeDtypeStruct((4, 1, 2, 128), jnp.bfloat16)
+    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    text = _lowered(lambda q, kc, vc, n, lens: jattention.decode(q, kc, vc, lens, k_new=n, v_new=n), q, cache, cache,
+                    new, lens)
+    calls = _custom_calls(text)
+    assert len(calls) == 1 and "@rawflash_decode" in calls[0] and "appends = true" in calls[0]
+    assert "output_operand_aliases" in calls[0]
+    with pytest.raises(ValueError, match="k_cache and v_cache"):
+        jax.eval_shape(lambda q, kc, lens: jattention.decode(q, kc, kc[:, :512], lens), q, cache, lens)
+
+
+def _readme_example() -> str:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "from rawflash.jax import" in b)
+
+
+def test_readme_example_lowers_for_cuda():
+    code = _readme_example()
+    names: dict = {}
+    exec(code.rsplit("\nw, l = step(", 1)[0], names)  # everything but the call: no GPU here
+    w, step = names["w"], names["step"]
+    x = jax.ShapeDtypeStruct((4, 2048, 1024), jnp.float32)
+    calls = _custom_calls(step.trace(w, x).lower(lowering_platforms=("cuda",)).as_text())
+    assert [c.split("@")[1].split("(")[0] for c in calls] == ["rawflash_forward", "rawflash_backward"]
+    assert "window_left = 1024" in calls[0]
+
+
 def test_workspace_bound_covers_the_semaphores_and_rows():
     b, s, h, d = 2, 1000, 4, 72
     rows = b * h * s
-    assert jattention.backward_workspace_bytes(b, s, h, d) >= rows * (3 * 4 + 72 * 4) + (rows // 16) * 4
+    assert targets.backward_workspace_bytes(b, s, h, d) >= rows * (3 * 4 + 72 * 4) + (rows // 16) * 4
 
 
 # ---------------------------------------------------------------- on the GPU
@@ -164,3 +226,140 @@ def test_training_step_matches_jax_xla_attention():
     (l1, g1), (l2, g2) = ours(w), xla(w)
     assert abs(float(l1) - float(l2)) <= 1e-2 * abs(float(l2))
     assert float(jnp.max(jnp.abs(g1 - g2))) <= 5e-2 * float(jnp.max(jnp.abs(g2)))
+
+
+@pytest.mark.gpu
+def test_vmap_and_leading_axes_equal_a_loop_and_the_gradient():
+    if not _gpu_jax():
+        pytest.skip("JAX sees no GPU")
+    q, k, v = _inputs(6, 96, 96, 4, 2, 64, jnp.bfloat16)
+    q, k, v = (x.reshape((3, 2) + x.shape[1:]) for x in (q, k, v))
+    f = jax.jit(lambda q, k, v: jattention.attention(q, k, v, causal=True))
+    batched = jax.vmap(lambda q, k, v: jattention.attention(q, k, v, causal=True))(q, k, v)
+    looped = jnp.stack([f(q[i], k[i], v[i]) for i in range(3)])
+    assert np.array_equal(np.asarray(batched), np.asarray(looped))
+    assert np.array_equal(np.asarray(f(q, k, v)), np.asarray(looped))
+    loss = lambda q, k, v: jattention.attention(q, k, v, causal=True).astype(jnp.float32).sum()  # noqa: E731
+    g_vmap = jax.jit(jax.vmap(jax.grad(loss)))(q, k, v)
+    g_loop = jnp.stack([jax.jit(jax.grad(loss))(q[i], k[i], v[i]) for i in range(3)])
+    np.testing.assert_allclose(_f64(g_vmap), _f64(g_loop), atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_lse_gradient_matches_jax():
+    if not _gpu_jax():
+        pytest.skip("JAX sees no GPU")
+    q, k, v = _inputs(2, 80, 120, 4, 2, 64, jnp.float16)
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((2, 4, 80)), jnp.float32)
+
+    def ours(q, k, v):
+        out, lse = jattention.attention(q, k, v, causal=True, return_lse=True)
+        return out.astype(jnp.float32).sum() + (lse * w).sum()
+
+    def exact(q, k, v):
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        kk, vv = (jnp.repeat(x, 2, axis=2) for x in (k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / 8.0
+        mask = jnp.arange(120)[None, :] <= jnp.arange(80)[:, None] + 40
+        s = jnp.where(mask, s, -jnp.inf)
+        lse = jax.nn.logsumexp(s, axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), vv)
+        return out.sum() + (lse * w).sum()
+
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(exact, argnums=(0, 1, 2)))(q, k, v)
+    for g, x in zip(got, want):
+        assert float(jnp.max(jnp.abs(g.astype(jnp.float32) - x))) <= 2e-2 * max(1.0, float(jnp.max(jnp.abs(x))))
+
+
+@pytest.mark.gpu
+def test_shard_map_over_a_one_device_mesh():
+    if not _gpu_jax():
+        pytest.skip("JAX sees no GPU")
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("heads",))
+    q, k, v = _inputs(2, 128, 128, 4, 4, 64, jnp.bfloat16)
+    spec = P(None, None, "heads", None)
+    sharded = jax.jit(jax.shard_map(lambda q, k, v: jattention.attention(q, k, v, causal=True), mesh=mesh,
+                                    in_specs=(spec, spec, spec), out_specs=spec))
+    assert np.array_equal(np.asarray(sharded(q, k, v)), np.asarray(jattention.attention(q, k, v, causal=True)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_appends_in_place_and_matches_the_reference(paged):
+    if not _gpu_jax():
+        pytest.skip("JAX sees no GPU")
+    b, h, hk, d, cap = 3, 8, 2, 128, 512
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.bfloat16)
+    kn, vn = (jnp.asarray(rng.standard_normal((b, 1, hk, d)), jnp.bfloat16) for _ in range(2))
+    lens_host = np.array([0, 100, 511], np.int32)
+    if paged:
+        page, pages = 64, b * cap // 64
+        kc, vc = (jnp.asarray(rng.standard_normal((pages, page, hk, d)), jnp.bfloat16) for _ in range(2))
+        table = jnp.asarray(rng.permutation(pages).reshape(b, cap // page).astype(np.int32))
+    else:
+        kc, vc = (jnp.asarray(rng.standard_normal((b, cap, hk, d)), jnp.bfloat16) for _ in range(2))
+        table = None
+    want_out, _ = reference.decode(*(_f64(x) for x in (q, kc, vc)), lens_host, k_new=_f64(kn), v_new=_f64(vn),
+                                   block_table=None if table is None else np.asarray(table))
+    step = jax.jit(lambda q, kc, vc, lens, kn, vn: jattention.decode(q, kc, vc, lens, k_new=kn, v_new=vn,
+                                                                       block_table=table), donate_argnums=(1, 2))
+    out, kc2, vc2 = step(q, kc, vc, jnp.asarray(lens_host), kn, vn)
+    assert np.max(np.abs(_f64(out) - want_out)) <= 2e-2
+    rows = np.asarray(table)[np.arange(b), lens_host // 64] * 64 + lens_host % 64 if paged else None
+    for cache, new in ((kc2, kn), (vc2, vn)):
+        got = np.asarray(cache).reshape(-1, hk, d)[rows] if paged else np.asarray(cache)[np.arange(b), lens_host]
+        assert np.array_equal(got, np.asarray(new)[:, 0])
+
+
+GRAPH_SCRIPT = """
+import os, numpy as np, jax, jax.numpy as jnp
+from rawflash.jax import ops as A, targets
+calls = []
+original = targets._forward_target
+def counting(frame):
+    calls.append(1)
+    original(frame)
+targets._forward_target = counting
+rng = np.random.default_rng(0)
+q, k, v = (jnp.asarray(rng.standard_normal((2, 256, 4, 64)), jnp.bfloat16) for _ in range(3))
+f = jax.jit(lambda q, k, v: A.attention(q, k, v, causal=True) * 2)
+first = np.asarray(f(q, k, v))
+before = len(calls)
+outs = [np.asarray(f(q * (i + 1), k, v)) for i in range(6)]
+during = len(calls) - before
+want = [np.asarray(A.attention(q * (i + 1), k, v, causal=True) * 2) for i in range(6)]
+print("CALLS", during, "EQUAL", all(np.array_equal(a, b) for a, b in zip(outs, want)))
+"""
+
+
+@pytest.mark.gpu
+def test_a_jitted_step_replays_from_a_cuda_graph(tmp_path):
+    """XLA captures the custom call into a command buffer (a CUDA graph): the handler runs when it is captured,
+    the replays compute with new inputs."""
+    if not _gpu_jax():
+        pytest.skip("JAX sees no GPU")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    res = subprocess.run([sys.executable, "-c", GRAPH_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    line = [x for x in res.stdout.splitlines() if x.startswith("CALLS")]
+    assert line, res.stdout + res.stderr
+    _, calls, _, equal = line[0].split()
+    assert equal == "True"
+    assert int(calls) < 6  # fewer handler runs than calls: the graph's replays skip Python
+
+
+@pytest.mark.gpu
+def test_readme_example_runs():
+    if not _gpu_jax():
+        pytest.skip("JAX sees no GPU")
+    names: dict = {}
+    exec(_readme_example(), names)
+    assert np.isfinite(float(names["l"]))
