@@ -481,3 +481,22 @@ def test_flashattentions_float16_forward_alone_misses_the_dsinks_rule_at_d256():
     ok, err, _, bound = reference.error_ratio_ok(flash[3], exact[3], bases[3], np.float32, 3)
     assert not ok and 0.0023 < bound < err < 0.0035, (err, bound)
     assert reference.error_ratio_ok(flash[0], exact[0], bases[0], np.float16, 3)[0], "dq meets the rule"
+
+
+def test_lse_floor_covers_a_base2_lse_of_one_key_rows():
+    """A float32 lse computed as a base-2 kernel does for rows that see one key (the score summed in another
+    order, scaled by a rounded scale * log2 e, times a rounded ln 2) stays within twice the naive error (one
+    product, scaled once) plus the floor of LSE_ULPS ulps."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((4096, 96)).astype(np.float32)
+    k = rng.standard_normal((4096, 96)).astype(np.float32)
+    scale = np.float32(1.0 / np.sqrt(96.0))
+    exact = np.einsum("rd,rd->r", q.astype(np.float64), k.astype(np.float64)) * float(scale)
+    naive = (np.einsum("rd,rd->r", q, k) * scale).astype(np.float64)
+    acc = np.zeros(4096, np.float32)
+    for j in range(96):                              # one FMA-free step at a time, a kernel's order
+        acc = acc + q[:, j] * k[:, j]
+    base2 = ((acc * np.float32(scale * np.log2(np.e))) * np.float32(np.log(2.0))).astype(np.float64)
+    naive_err = np.max(np.abs(naive - exact))
+    assert np.max(np.abs(base2 - exact)) <= 2 * naive_err + reference.lse_floor(exact)
+    assert reference.lse_floor(np.array([-np.inf, 1.0])) == 4 * float(np.spacing(np.float32(1.0)))
