@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 
 from .. import settings, validation
-from ..kernels import compile, configs, forms, registry
+from ..kernels import compile, configs, registry
 from ..problem import Problem
 from . import accuracy, introspect, sysinfo
 from . import bench as bench_mod
@@ -702,9 +702,14 @@ def demo(ctx, gpu, arch, sms, as_json):
 @click.option("--host", is_flag=True,
               help="What a call costs on the host beside its kernels (forward, backward, decode; PyTorch's SDPA "
                    "beside it where importable).")
+@click.option("--jax", "use_jax", is_flag=True,
+              help="Time rawflash inside jax.jit beside jax.nn.dot_product_attention's cudnn and xla (bf16; head "
+                   "dims 64,128 unless given; --direction bwd: forward + backward), on GPU events around the "
+                   "jitted work, in a process of its own.")
 @json_option
-def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
-          features, decode, quick, feature_head_dim, deterministic, host, as_json):
+@click.pass_context
+def bench(ctx, impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir,
+          tag, features, decode, quick, feature_head_dim, deterministic, host, use_jax, as_json):
     """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
     only. The headline is the public call's time (calls back to back); the rawflash rows also give the kernels' own
     time (kernel_tflops: the launches alone, a CUDA graph of them replayed)."""
@@ -717,7 +722,18 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, token
     if features and set(dtypes) - {"bfloat16", bench_mod.FP8}:
         raise click.UsageError("--features times bfloat16 and float8_e4m3fn (the FP8 forward) only, got --dtype "
                                + ", ".join(sorted(set(dtypes) - {"bfloat16", bench_mod.FP8})))
+    if use_jax:
+        given = [f"--{n}" for n, on in (("impl", impls), ("features", features), ("decode", decode),
+                                         ("deterministic", deterministic), ("host", host)) if on]
+        if given:
+            raise click.UsageError(f"--jax times its own sweep; it does not go with {', '.join(given)}")
+        if set(dtypes) != {"bfloat16"}:
+            raise click.UsageError("--jax times bfloat16 only")
     _require_gpu("bench", "'rawflash io' and 'rawflash explain' give the predicted numbers without one")
+    if use_jax:
+        _bench_jax(ctx, directions, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
+                   as_json)
+        return
     if host:
         from . import bench_host
 
@@ -779,6 +795,22 @@ def bench(impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, token
     if bench_mod.FP8 in dtypes:
         click.echo(f"FP8 peers (PyTorch's SDPA has no FP8 path to call), published: {bench_mod.FP8_PUBLISHED}")
     click.echo("wrote " + ", ".join(wrote))
+
+
+def _bench_jax(ctx, directions, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
+               as_json) -> None:
+    """bench --jax: ``python -m rawflash.cli.bench_jax`` in a child process (JAX's GPU memory apart from this
+    process's CuPy); its report printed here, its exit status this command's."""
+    from . import bench_jax
+
+    if not bench_jax.have_jax():
+        raise click.ClickException(f"bench --jax needs JAX and it is not importable here: {bench_jax.INSTALL_JAX}")
+    if ctx.get_parameter_source("head_dims") is click.core.ParameterSource.DEFAULT:
+        head_dims = list(bench_jax.HEAD_DIMS)
+    code, out = bench_jax.spawn(bench_jax.child_args(head_dims, seqlens, causal, directions, tokens, hidden,
+                                                     kv_ratio, repeats, out_dir, tag, as_json))
+    click.echo(out, nl=False)
+    ctx.exit(code)
 
 
 def _plot(records, path: Path):
