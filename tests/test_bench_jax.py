@@ -323,6 +323,11 @@ def _cpu_work(frame):
 
 
 def test_marks_run_before_and_after_the_work_through_xla_on_the_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        _marks_through_xla()
+
+
+def _marks_through_xla():
     ffi.register(timing.MARK, _cpu_mark, platform="cpu")
     ffi.register("rawflash_test_work", _cpu_work, platform="cpu")
 

@@ -8,8 +8,10 @@ read the library (``rawflash``, ``rawflash.kernels``); the library never imports
 - ``introspect``: what a call would do without running it (launches, registers, occupancy, tiles, bytes).
 - ``iomodel``: exact HBM byte and FLOP counts of every kernel; ``occupancy``: blocks per SM without a GPU.
 - ``sysinfo``: GPUs, CUDA and library versions, caches; ``accuracy``: grading against the float64 reference.
-- ``bench``, ``bench_decode``: validated, then timed, beside the peers; ``ablation``: FA2's ideas one at a time
-  and the ladder to FA3; ``ncu``: measured DRAM bytes through Nsight Compute.
+- ``bench``, ``bench_decode``: validated, then timed, beside the peers; ``bench_host``: a call's host time beside
+  its kernels'; ``bench_jax``: ``rawflash.jax`` inside ``jax.jit`` beside JAX's own attention (a child process);
+  ``ablation``: FA2's ideas one at a time and the ladder to FA3; ``ncu``: measured DRAM bytes through Nsight
+  Compute.
 - ``demo``, ``demo_sim``: ``rawflash demo`` (the twins on Numba's simulator without a GPU); ``report``: text
   rendering of the reports.
 """
