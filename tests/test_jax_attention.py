@@ -111,6 +111,39 @@ def test_decode_lowers_with_the_caches_aliased():
         jax.eval_shape(lambda q, kc, lens: jattention.decode(q, kc, kc[:, :512], lens), q, cache, lens)
 
 
+def test_packed_sequences_lower_with_their_offsets_and_maxima():
+    q = jax.ShapeDtypeStruct((300, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((500, 2, 64), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def loss(q, k, v, cu_q, cu_k):
+        out = jattention.attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=200,
+                                   max_seqlen_k=300)
+        return out.astype(jnp.float32).sum()
+
+    calls = _custom_calls(_lowered(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, cu, cu))
+    assert [c.split("@")[1].split("(")[0] for c in calls] == ["rawflash_forward", "rawflash_backward"]
+    for call in calls:
+        assert "varlen = true" in call and "max_seqlen_q = 200" in call and "max_seqlen_k = 300" in call
+    assert "%arg3, %arg4" in calls[0]  # the offsets are operands: device values the kernels read
+    assert "tensor<4x300xf32>" in calls[0]  # lse (heads, total_q)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_seqlen_q=None), "max_seqlen_q"),
+    (dict(max_seqlen_q=50), "cannot hold"),
+    (dict(max_seqlen_k=2.5), "max_seqlen_k must be a Python int"),
+])
+def test_packed_sequences_refused_at_trace_time(kwargs, message):
+    q = jnp.zeros((300, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((500, 2, 64), jnp.bfloat16)
+    cu = jnp.zeros(4, jnp.int32)
+    opts = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=300, **{})
+    opts.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=message):
+        jax.eval_shape(lambda q, k: jattention.attention(q, k, k, **opts), q, k)
+
+
 def _readme_example() -> str:
     import re
     from pathlib import Path
@@ -133,7 +166,7 @@ def test_readme_example_lowers_for_cuda():
 def test_workspace_bound_covers_the_semaphores_and_rows():
     b, s, h, d = 2, 1000, 4, 72
     rows = b * h * s
-    assert targets.backward_workspace_bytes(b, s, h, d) >= rows * (3 * 4 + 72 * 4) + (rows // 16) * 4
+    assert targets.backward_workspace_bytes(rows, b * h, d) >= rows * (3 * 4 + 72 * 4) + (rows // 16) * 4
 
 
 # ---------------------------------------------------------------- on the GPU
@@ -363,3 +396,36 @@ def test_readme_example_runs():
     names: dict = {}
     exec(_readme_example(), names)
     assert np.isfinite(float(names["l"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_sequences_and_seqused_k_against_the_reference(packed):
+    if not _gpu_jax():
+        pytest.skip("JAX sees no GPU")
+    rng = np.random.default_rng(7)
+    h, hk, d = 4, 2, 64
+    if packed:
+        lq, lk = np.array([37, 200, 63]), np.array([50, 300, 63])
+        cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+        q = rng.standard_normal((cu_q[-1], h, d))
+        k, v = (rng.standard_normal((cu_k[-1], hk, d)) for _ in range(2))
+        used = np.array([50, 120, 0], np.int32)
+        extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=200, max_seqlen_k=300, seqused_k=used)
+    else:
+        q = rng.standard_normal((3, 96, h, d))
+        k, v = (rng.standard_normal((3, 160, hk, d)) for _ in range(2))
+        extra = dict(seqused_k=np.array([160, 17, 90], np.int32))
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    jextra = {n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in extra.items()}
+    f = jax.jit(lambda q, k, v: jattention.attention(q, k, v, causal=True, **jextra))
+    out, pullback = jax.vjp(f, q, k, v)
+    grads = pullback(dout)
+    ref_extra = {n: x for n, x in extra.items() if not n.startswith("max_")}
+    want, _ = reference.forward(_f64(q), _f64(k), _f64(v), causal=True, **ref_extra)
+    assert np.max(np.abs(_f64(out) - want)) <= 2e-2
+    wants = reference.backward(_f64(dout), _f64(q), _f64(k), _f64(v), causal=True, **ref_extra)
+    for g, w, name in zip(grads, wants, ("dq", "dk", "dv")):
+        assert np.max(np.abs(_f64(g) - w)) <= 3e-2 * max(1.0, float(np.max(np.abs(w)))), name

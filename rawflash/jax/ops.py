@@ -20,9 +20,10 @@ MAX_HEAD_DIM = 256
 
 
 def _attrs(opts: tuple, **flags) -> dict:
-    causal, scale, window, softcap = opts
+    causal, scale, window, softcap, max_q, max_k = opts
     attrs = {"causal": bool(causal), "scale": np.float64(0.0 if scale is None else scale),
-             "window_left": np.int64(window[0]), "window_right": np.int64(window[1]), "softcap": np.float64(softcap)}
+             "window_left": np.int64(window[0]), "window_right": np.int64(window[1]), "softcap": np.float64(softcap),
+             "max_seqlen_q": np.int64(max_q or 0), "max_seqlen_k": np.int64(max_k or 0)}
     for name, value in flags.items():
         attrs[name] = np.int64(value) if isinstance(value, int) and not isinstance(value, bool) else bool(value)
     return attrs
@@ -56,6 +57,26 @@ def _refuse_batched(names: tuple, batched: tuple) -> None:
 
 # ---------------------------------------------------------------- the forward and backward custom calls
 
+def _present_names(features: tuple) -> tuple:
+    return tuple(n for n, present in zip(targets.FEATURES, features) if present)
+
+
+def _all(features: tuple, feats: tuple) -> tuple:
+    """Every one of targets.FEATURES from the present ones (None where absent), in order."""
+    it = iter(feats)
+    return tuple(next(it) if present else None for present in features)
+
+
+def _flag_attrs(features: tuple) -> dict:
+    alibi, sinks, cu_q, _, used = features
+    return {"alibi": alibi, "sinks": sinks, "varlen": cu_q, "seqused": used}
+
+
+def _rows_shape(q, varlen: bool) -> tuple:
+    """lse's shape: (batch, heads, seqlen_q), or (heads, total_q) when packed."""
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_op(opts: tuple, features: tuple):
     """``(q, k, v, *features) -> (out, lse)`` for these options, one custom call, batched by folding."""
@@ -63,57 +84,57 @@ def _forward_op(opts: tuple, features: tuple):
 
     @jax.custom_batching.custom_vmap
     def op(q, k, v, *feats):
-        shapes, dtypes = _layout(q, k, v, *_both(features, feats))
+        shapes, dtypes = _layout(q, k, v, *_all(features, feats))
         targets.prepare(*targets.forward_key(targets.gpu_device(), shapes, dtypes, opts))
-        b, sq, h, _ = q.shape
-        results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), np.float32),
+        results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(_rows_shape(q, features[2]),
+                                                                                 np.float32),
                    jax.ShapeDtypeStruct((targets.FORWARD_WORKSPACE,), np.uint8))
-        out, lse, _ = jax.ffi.ffi_call(targets.FORWARD, results)(
-            q, k, v, *feats, **_attrs(opts, alibi=features[0], sinks=features[1]))
+        out, lse, _ = jax.ffi.ffi_call(targets.FORWARD, results)(q, k, v, *feats,
+                                                                 **_attrs(opts, **_flag_attrs(features)))
         return out, lse
 
     @op.def_vmap
     def rule(size, batched, q, k, v, *feats):
         _refuse_batched(_present_names(features), batched[3:])
+        _refuse_packed(features)
         out, lse = op(*(_fold(x, size, b) for x, b in zip((q, k, v), batched[:3])), *feats)
         return (_unfold(out, size), _unfold(lse, size)), (True, True)
 
     return op
 
 
-def _present_names(features: tuple) -> tuple:
-    return tuple(n for n, present in zip(("alibi_slopes", "sinks"), features) if present)
-
-
-def _both(features: tuple, feats: tuple) -> tuple:
-    """(alibi_slopes, sinks) from the present ones, in order."""
-    it = iter(feats)
-    return tuple(next(it) if present else None for present in features)
+def _refuse_packed(features: tuple) -> None:
+    if features[2]:
+        raise ValueError("rawflash.jax: jax.vmap of packed sequences (cu_seqlens) is not supported: pack them into "
+                         "one call")
 
 
 @functools.lru_cache(maxsize=None)
 def _backward_op(opts: tuple, features: tuple, deterministic: bool):
-    """``(dout, q, k, v, out, lse, *features) -> (dq, dk, dv, dsink rows or None)``, batched by folding."""
+    """``(dout, q, k, v, out, lse, *features) -> (dq, dk, dv[, dsink rows])``, batched by folding."""
     import jax
 
     @jax.custom_batching.custom_vmap
     def op(dout, q, k, v, out, lse, *feats):
-        shapes, dtypes = _layout(q, k, v, *_both(features, feats))
+        shapes, dtypes = _layout(q, k, v, *_all(features, feats))
         targets.prepare(*targets.backward_key(targets.gpu_device(), shapes, dtypes, opts, deterministic))
-        b, sq, h, d = q.shape
+        rows = int(np.prod(lse.shape))
+        sequences = (feats[len(_present_names(features[:2]))].shape[0] - 1) if features[2] else q.shape[0]
+        heads = q.shape[-2]
         results = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype),
-                   jax.ShapeDtypeStruct((targets.backward_workspace_bytes(b, sq, h, d),), np.uint8)]
+                   jax.ShapeDtypeStruct((targets.backward_workspace_bytes(rows, sequences * heads, q.shape[-1]),),
+                                        np.uint8)]
         if features[1]:
-            results.append(jax.ShapeDtypeStruct((b, h, sq), np.float32))
+            results.append(jax.ShapeDtypeStruct(lse.shape, np.float32))
         res = jax.ffi.ffi_call(targets.BACKWARD, tuple(results))(
-            dout, q, k, v, out, lse, *feats,
-            **_attrs(opts, alibi=features[0], sinks=features[1], deterministic=deterministic))
+            dout, q, k, v, out, lse, *feats, **_attrs(opts, deterministic=deterministic, **_flag_attrs(features)))
         return (res[0], res[1], res[2]) + ((res[4],) if features[1] else ())
 
     @op.def_vmap
     def rule(size, batched, dout, q, k, v, out, lse, *feats):
         _refuse_batched(_present_names(features), batched[6:])
+        _refuse_packed(features)
         res = op(*(_fold(x, size, b) for x, b in zip((dout, q, k, v, out, lse), batched[:6])), *feats)
         return tuple(_unfold(x, size) for x in res), tuple(True for _ in res)
 
@@ -145,7 +166,7 @@ def _differentiable(opts: tuple, features: tuple, deterministic: bool):
         out, lse = forward(q, k, v, *feats)
         return (out, lse), (q, k, v, feats, out, lse)
 
-    def core_bwd(saved, cotangents):
+    def core_bwd(saved, cotangents):  # noqa: C901
         q, k, v, feats, out, lse = saved
         dout, dlse = cotangents
         if isinstance(dout, SymbolicZero):
@@ -163,18 +184,20 @@ def _differentiable(opts: tuple, features: tuple, deterministic: bool):
                 raise ValueError(f"rawflash.jax: lse's gradient needs head_dim + 1 <= {MAX_HEAD_DIM}, got {d}")
             column = jnp.zeros(q.shape[:-1] + (wide - d,), q.dtype)
             dout_w = jnp.concatenate([dout, column.at[..., 0].set(1)], axis=-1)
-            minus = -jnp.swapaxes(dlse, 1, 2).astype(q.dtype)  # (batch, seqlen_q, heads)
+            minus = -jnp.moveaxis(dlse, -2, -1).astype(q.dtype)  # (batch, seqlen_q, heads) / (total_q, heads)
             out_w = jnp.concatenate([out, column.at[..., 0].set(minus)], axis=-1)
             res = _backward_op(opts, features, deterministic)(dout_w, _pad(q, wide), _pad(k, wide), _pad(v, wide),
                                                               out_w, lse, *feats)
             dq, dk, dv = (x[..., :d] for x in res[:3])
         dfeats = []
-        it = iter(feats)
-        if features[0]:
-            dfeats.append(jnp.zeros_like(next(it)))  # ALiBi slopes are not differentiated
-        if features[1]:
-            next(it)
-            dfeats.append(-res[3].sum(axis=(0, 2)))
+        for name, x in zip(_present_names(features), feats):
+            if name == "sinks":
+                rows = res[3]
+                dfeats.append(-rows.sum(axis=1) if features[2] else -rows.sum(axis=(0, 2)))
+            elif name == "alibi_slopes":
+                dfeats.append(jnp.zeros_like(x))  # ALiBi slopes are not differentiated
+            else:
+                dfeats.append(np.zeros(x.shape, jax.dtypes.float0))  # integer offsets and lengths
         return dq, dk, dv, tuple(dfeats)
 
     core.defvjp(core_fwd, core_bwd, symbolic_zeros=True)
@@ -190,38 +213,52 @@ def _lead(x, rank: int):
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, window: tuple[int, int] = (-1, -1),
-              softcap: float = 0.0, alibi_slopes=None, sinks=None, deterministic: bool = False,
-              return_lse: bool = False):
+              softcap: float = 0.0, alibi_slopes=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, seqused_k=None,
+              deterministic: bool = False, return_lse: bool = False):
     """Exact attention on JAX arrays, eagerly or under ``jax.jit``; differentiable (``jax.grad``, ``jax.vjp``)
     with rawflash's backward, and batched by ``jax.vmap`` into one launch.
 
     q (..., batch, seqlen_q, heads, head_dim); k, v (..., batch, seqlen_k, kv_heads, head_dim), the same leading
-    axes (folded into batch), float16 / bfloat16 / float32 on a CUDA device. The options are ``rawflash.forward``'s
-    (``deterministic``: the backward's). Returns out like q, and with ``return_lse`` also lse (..., batch, heads,
-    seqlen_q) float32, whose cotangent enters the backward. ``sinks`` get their gradient, ``alibi_slopes`` none.
+    axes (folded into batch), float16 / bfloat16 / float32 on a CUDA device. Packed sequences: q (total_q, heads,
+    head_dim), k, v (total_k, kv_heads, head_dim) with int32 ``cu_seqlens_q`` / ``cu_seqlens_k`` and the Python ints
+    ``max_seqlen_q`` / ``max_seqlen_k`` (required: the offsets are device values, read by the kernels only; offsets
+    that break flash-attn's rules give undefined results, as in flash-attn). ``seqused_k`` likewise. The other
+    options are ``rawflash.forward``'s (``deterministic``: the backward's). Returns out like q, and with
+    ``return_lse`` also lse ((..., batch, heads, seqlen_q), or (heads, total_q)) float32, whose cotangent enters
+    the backward. ``sinks`` get their gradient, ``alibi_slopes`` none.
     """
     validation.check_flag(deterministic, "deterministic")
     validation.check_flag(return_lse, "return_lse")
     window = tuple(window) if isinstance(window, list) else window
-    q4, lead = _lead(q, 4)
-    k4, lead_k = _lead(k, 4)
-    v4, lead_v = _lead(v, 4)
-    if lead_k != lead or lead_v != lead:
-        raise ValueError(f"q, k and v must have the same leading axes, got {lead}, {lead_k}, {lead_v}")
-    shapes, dtypes = _layout(q4, k4, v4, alibi_slopes, sinks)
-    c, _ = targets.check_forward(shapes, dtypes, (causal, scale, window, softcap))
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    lead = ()
+    q4, k4, v4 = q, k, v
+    if not varlen:
+        q4, lead = _lead(q, 4)
+        k4, lead_k = _lead(k, 4)
+        v4, lead_v = _lead(v, 4)
+        if lead_k != lead or lead_v != lead:
+            raise ValueError(f"q, k and v must have the same leading axes, got {lead}, {lead_k}, {lead_v}")
+    arrays = (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, np.integer))):
+            raise TypeError(f"{name} must be a Python int (a static value under jax.jit), got {type(x).__name__}")
+    maxima = (None if max_seqlen_q is None else int(max_seqlen_q), None if max_seqlen_k is None else int(max_seqlen_k))
+    shapes, dtypes = _layout(q4, k4, v4, *arrays)
+    c = targets.check_forward(shapes, dtypes, (causal, scale, window, softcap) + maxima)
     targets.register()
     import jax.numpy as jnp
 
     d = q.shape[-1]
     hd = run_head_dim(d)
-    opts = (bool(causal), float(c.scale), tuple(int(w) for w in window), float(softcap))
-    features = (alibi_slopes is not None, sinks is not None)
-    feats = tuple(jnp.asarray(x, jnp.float32) for x in (alibi_slopes, sinks) if x is not None)
+    opts = (bool(causal), float(c.scale), tuple(int(w) for w in window), float(softcap)) + maxima
+    features = tuple(x is not None for x in arrays)
+    feats = tuple(jnp.asarray(x, jnp.float32 if i < 2 else jnp.int32) for i, x in enumerate(arrays) if x is not None)
     out, lse = _differentiable(opts, features, bool(deterministic))(_pad(q4, hd), _pad(k4, hd), _pad(v4, hd), feats)
     out = out[..., :d].reshape(q.shape)
     if return_lse:
-        return out, lse.reshape(tuple(lead) + (q.shape[-4],) + tuple(lse.shape[1:]))
+        return out, (lse.reshape(tuple(lead) + (q.shape[-4],) + tuple(lse.shape[1:])) if lead else lse)
     return out
 
 
@@ -274,7 +311,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_
     device = targets.gpu_device()
     c, plan = targets.decode_plan(shapes, dtypes, opts_in, num_splits, device)
     targets.register()
-    opts = (bool(causal), float(c.scale), tuple(int(w) for w in window), float(softcap))
+    opts = (bool(causal), float(c.scale), tuple(int(w) for w in window), float(softcap), None, None)
     targets.prepare(*targets.decode_key(device, shapes, dtypes, opts, num_splits))
     present = (k_new is not None, block_table is not None, alibi_slopes is not None, sinks is not None)
     more = [x for x in (k_new, v_new, block_table) if x is not None]

@@ -59,31 +59,82 @@ def _stand_ins(shapes: tuple, dtypes: tuple, device: int) -> list:
     return [None if sh is None else stand_in(sh, dt, device) for sh, dt in zip(shapes, dtypes)]
 
 
+FEATURES = ("alibi_slopes", "sinks", "cu_seqlens_q", "cu_seqlens_k", "seqused_k")  # a forward's optional arrays
+_VALUES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k")  # those whose values validation reads on the host
+
+
+def _host_stand_in(shape: tuple, dtype):
+    """A NumPy array of ``shape`` and ``dtype`` over one element (zero strides): what validation reads layouts of."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, _dtype(dtype)), tuple(shape), (0,) * len(shape))
+
+
+def _offsets(shape: tuple, dtype, total: int, longest, name: str):
+    """Offsets of ``shape[0] - 1`` packed sequences of at most ``longest`` rows and ``total`` in all, filled in
+    order: values validation can read where the call's own are on the device (their values decide no launch)."""
+    if longest is None:
+        raise ValueError(f"rawflash.jax: {name} needs max_seqlen_{name[-1]} (the offsets are not read on the host)")
+    if len(shape) != 1 or shape[0] < 2:
+        return np.zeros(shape, _dtype(dtype))  # (validation names the shape)
+    lengths, left = [], total
+    for _ in range(shape[0] - 1):
+        lengths.append(min(int(longest), left))
+        left -= lengths[-1]
+    if left:
+        raise ValueError(f"{name}: {shape[0] - 1} sequences of at most {longest} rows cannot hold the {total} packed "
+                         "rows")
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(_dtype(dtype))
+
+
 def check_forward(shapes: tuple, dtypes: tuple, opts: tuple, device: int = 0):
-    """rawflash's validation of a forward over stand-ins. ``shapes`` / ``dtypes``: q, k, v, alibi_slopes, sinks
-    (None when absent); ``opts``: causal, scale, window, softcap. Returns the checked call and q, k, v."""
-    causal, scale, window, softcap = opts
-    q, k, v, alibi, sinks = _stand_ins(shapes, dtypes, device)
-    feats = validation.Features(window, softcap, alibi, sinks, None, None, None, None, None)
-    return validation.check_forward(q, k, v, causal, scale, "fa2", "cupy", feats), (q, k, v)
+    """rawflash's validation of a forward over stand-ins. ``shapes`` / ``dtypes``: q, k, v and the arrays of
+    FEATURES (None when absent); ``opts``: causal, scale, window, softcap, max_seqlen_q, max_seqlen_k. Packed
+    offsets and ``seqused_k`` are validated with values made from the shapes and the maxima (their own stay on
+    the device, unread). Returns the checked call."""
+    causal, scale, window, softcap, max_q, max_k = opts
+    arrays = [None if sh is None else _host_stand_in(sh, dt) for sh, dt in zip(shapes[:5], dtypes[:5])]
+    q, k, v, alibi, sinks = arrays
+    cu_q = cu_k = used = None
+    if shapes[5] is not None:
+        cu_q = _offsets(shapes[5], dtypes[5], int(shapes[0][0]), max_q, "cu_seqlens_q")
+    if shapes[6] is not None:
+        cu_k = _offsets(shapes[6], dtypes[6], int(shapes[1][0]), max_k, "cu_seqlens_k")
+    if shapes[7] is not None:
+        keys = np.diff(cu_k) if cu_k is not None and len(shapes[7]) == 1 and shapes[7][0] == len(cu_k) - 1 \
+            else np.full(shapes[7], shapes[1][1] if len(shapes[1]) == 4 else 0)
+        used = np.asarray(keys).astype(_dtype(dtypes[7]))
+    feats = validation.Features(window, softcap, alibi, sinks, cu_q, cu_k, max_q, max_k, used)
+    return validation.check_forward(q, k, v, causal, scale, "fa2", "cupy", feats)
+
+
+def _device_arrays(c, shapes: tuple, dtypes: tuple, device: int):
+    """q, k, v as CuPy stand-ins and the checked call's feature arrays for binding: stand-ins, and the offsets
+    and lengths validation saw copied to the device (a few int32)."""
+    import cupy
+
+    q, k, v = _stand_ins(shapes[:3], dtypes[:3], device)
+    extras = {}
+    for name, x in c.extras.items():
+        extras[name] = cupy.asarray(x) if name in _VALUES else stand_in(x.shape, np.float32, device)
+    return q, k, v, extras
 
 
 def check_decode(shapes: tuple, dtypes: tuple, opts: tuple, device: int = 0):
     """rawflash's validation of a decode step over stand-ins. ``shapes`` / ``dtypes``: q, k_cache, v_cache,
-    cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks; ``opts``: causal, scale, window, softcap."""
-    causal, scale, window, softcap = opts
+    cache_seqlens, k_new, v_new, block_table, alibi_slopes, sinks; ``opts``: causal, scale, window, softcap (and
+    the forward's maxima, unused here)."""
+    causal, scale, window, softcap = opts[:4]
     q, kc, vc, lens, kn, vn, table, alibi, sinks = _stand_ins(shapes, dtypes, device)
     feats = validation.Features(window, softcap, alibi, sinks, None, None, None, None, None)
     c = validation.check_decode(q, kc, vc, lens, kn, vn, table, causal, scale, "cupy", feats)
     return c, (q, kc, vc, kn, vn)
 
 
-def backward_workspace_bytes(batch: int, seqlen_q: int, heads: int, head_dim: int) -> int:
-    """An upper bound of the backward's work buffers (L and D rows, float32 dQ rows, the sinks' per-row terms, the
-    ordered dQ's semaphores for query blocks of 16 rows or more: ``launch.dq_semaphores``), each rounded up as
-    ``CallBuffers`` lays them out."""
-    rows = batch * heads * seqlen_q
-    semaphores = -(-rows // 16) + batch * heads
+def backward_workspace_bytes(rows: int, sequences_heads: int, head_dim: int) -> int:
+    """An upper bound of the backward's work buffers for ``rows`` query rows of all heads (batch x heads x seqlen_q,
+    or heads x total_q when packed) and ``sequences_heads`` (batch x heads): L and D rows, float32 dQ rows, the
+    sinks' per-row terms, the ordered dQ's semaphores for query blocks of 16 rows or more
+    (``launch.dq_semaphores``), each rounded up as ``CallBuffers`` lays them out."""
+    semaphores = -(-rows // 16) + sequences_heads
     return _span(rows * 4) * 3 + _span(rows * run_head_dim(head_dim) * 4) + _span(semaphores * 4) + _SPAN
 
 
@@ -132,15 +183,17 @@ def plan(key: tuple, build) -> Planned:
 
 
 def _features_present(shapes: tuple) -> tuple:
-    return tuple(n for n, s in zip(("alibi_slopes", "sinks"), shapes) if s is not None)
+    return tuple(n for n, s in zip(FEATURES, shapes) if s is not None)
 
 
 def _forward_plan(device: int, shapes: tuple, dtypes: tuple, opts: tuple) -> Planned:
-    c, (q, k, v) = check_forward(shapes, dtypes, opts, device)
+    c = check_forward(shapes, dtypes, opts, device)
+    q, k, v, extras = _device_arrays(c, shapes, dtypes, device)
     env, p = settings.load(), c.problem
-    out, lse = stand_in(q.shape, q.dtype, device), stand_in((p.batch, p.heads, p.seqlen_q), np.float32, device)
-    bound = cupy_backend.bind_forward(p, q, k, v, c.scale, "fa2", forms.Switches(), c.extras, env, out=out, lse=lse)
-    call = cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out)
+    out = stand_in(q.shape, q.dtype, device)
+    lse = stand_in(cupy_backend._rows(p), np.float32, device)
+    bound = cupy_backend.bind_forward(p, q, k, v, c.scale, "fa2", forms.Switches(), extras, env, out=out, lse=lse)
+    call = cupy_backend.ForwardCall(bound, q, k, v, extras, env, out)
     if not call.out_direct or not call.as_is:
         raise ValueError("rawflash.jax: the kernels cannot read or write these buffers in place")
     return Planned(call, ("q", "k", "v") + _features_present(shapes[3:]),
@@ -148,22 +201,31 @@ def _forward_plan(device: int, shapes: tuple, dtypes: tuple, opts: tuple) -> Pla
 
 
 def _backward_plan(device: int, shapes: tuple, dtypes: tuple, opts: tuple, deterministic: bool) -> Planned:
-    c, (q, k, v) = check_forward(shapes, dtypes, opts, device)
+    c = check_forward(shapes, dtypes, opts, device)
+    q, k, v, extras = _device_arrays(c, shapes, dtypes, device)
     env, p = settings.load(), c.problem
     dout, out = stand_in(q.shape, q.dtype, device), stand_in(q.shape, q.dtype, device)
-    lse = stand_in((p.batch, p.heads, p.seqlen_q), np.float32, device)
+    lse = stand_in(cupy_backend._rows(p), np.float32, device)
     grads = tuple(stand_in(x.shape, x.dtype, device) for x in (q, k, v))
-    bound = cupy_backend.bind_backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras, env,
+    if p.seqused_k:  # the template zeroes dk and dv it is given: let it make its own (the handler zeroes XLA's)
+        grads = (grads[0], None, None)
+    bound = cupy_backend.bind_backward(p, dout, q, k, v, out, lse, c.scale, deterministic, extras, env,
                                        grads=grads)
-    call = cupy_backend.BackwardCall(bound, (dout, q, k, v, out, lse), c.extras, env, grads)
-    if not all(call.direct) or not call.as_is:
+    call = cupy_backend.BackwardCall(bound, (dout, q, k, v, out, lse), extras, env, grads)
+    if not call.direct[0] or not call.as_is:
         raise ValueError("rawflash.jax: the kernels cannot read or write these buffers in place")
-    need = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads, p.head_dim)
+    need = backward_workspace_bytes(*row_counts(p), p.head_dim)
     if call.buffers.work_bytes > need:
         raise ValueError(f"rawflash.jax: the backward needs {call.buffers.work_bytes} B of work buffers, more than "
                          f"the {need} B the custom call has")
     return Planned(call, ("dout", "q", "k", "v", "out", "lse") + _features_present(shapes[3:]),
                    ("dq", "dk", "dv") + tuple(n for n, _ in call.buffers.work))
+
+
+def row_counts(p) -> tuple[int, int]:
+    """(query rows of all heads, sequences x heads) of a checked problem."""
+    rows = p.heads * p.total_q if p.varlen else p.batch * p.heads * p.seqlen_q
+    return rows, p.batch * p.heads
 
 
 def _decode_plan(device: int, shapes: tuple, dtypes: tuple, opts: tuple, num_splits) -> Planned:
@@ -183,10 +245,18 @@ def _decode_plan(device: int, shapes: tuple, dtypes: tuple, opts: tuple, num_spl
 # ---------------------------------------------------------------- the handlers
 
 def options(attrs: dict) -> tuple:
-    """(causal, scale, window, softcap) from a custom call's attributes (scale 0: the default)."""
+    """(causal, scale, window, softcap, max_seqlen_q, max_seqlen_k) from a custom call's attributes (scale 0: the
+    default; a maximum 0: not given)."""
     scale = attrs["scale"]
     return (bool(attrs["causal"]), None if scale == 0.0 else float(scale),
-            (int(attrs["window_left"]), int(attrs["window_right"])), float(attrs["softcap"]))
+            (int(attrs["window_left"]), int(attrs["window_right"])), float(attrs["softcap"]),
+            int(attrs.get("max_seqlen_q", 0)) or None, int(attrs.get("max_seqlen_k", 0)) or None)
+
+
+def _flags(attrs: dict) -> tuple:
+    """Which of FEATURES a forward or backward call has, from its attributes."""
+    return (attrs["alibi"], attrs["sinks"], attrs.get("varlen", False), attrs.get("varlen", False),
+            attrs.get("seqused", False))
 
 
 def _optional(args: list, present: tuple) -> tuple[list, list]:
@@ -205,7 +275,7 @@ def _forward_target(frame) -> None:
     import cupy
 
     attrs, args = frame.attrs, frame.args
-    extra_shapes, extra_dtypes = _optional(args[3:], (attrs["alibi"], attrs["sinks"]))
+    extra_shapes, extra_dtypes = _optional(args[3:], _flags(attrs))
     shapes = tuple([a.shape for a in args[:3]] + extra_shapes)
     dtypes = tuple([a.dtype for a in args[:3]] + extra_dtypes)
     opts, device = options(attrs), max(frame.device, 0)
@@ -220,7 +290,7 @@ def _forward_target(frame) -> None:
 
 def _backward_target(frame) -> None:
     attrs, args = frame.attrs, frame.args
-    extra_shapes, extra_dtypes = _optional(args[6:], (attrs["alibi"], attrs["sinks"]))
+    extra_shapes, extra_dtypes = _optional(args[6:], _flags(attrs))
     shapes = tuple([a.shape for a in args[1:4]] + extra_shapes)
     dtypes = tuple([a.dtype for a in args[1:4]] + extra_dtypes)
     opts, deterministic, device = options(attrs), bool(attrs["deterministic"]), max(frame.device, 0)
@@ -232,6 +302,12 @@ def _backward_target(frame) -> None:
     planned.call.buffers.place(ptrs, rets[3].ptr, frame.stream)
     if attrs["sinks"]:
         ptrs["dsink_ws"] = rets[4].ptr
+    if planned.call.zero_kv:  # keys past seqused_k are never written: their gradients are zero
+        import cupy
+
+        for ret in rets[1:3]:
+            nbytes = int(np.prod(ret.shape)) * _dtype(ret.dtype).itemsize
+            cupy.cuda.runtime.memsetAsync(ret.ptr, 0, nbytes, frame.stream)
     planned.call.plan.run(ptrs, {}, frame.stream)
 
 
