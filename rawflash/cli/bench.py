@@ -116,6 +116,19 @@ def sweep_cases(impls, directions, dtypes, head_dims, seqlens, causals, tokens=1
 
 
 # ---------------------------------------------------------------- timing
+def _warm_ms(fn: Callable[[], object], warmup: int) -> float:
+    """``warmup`` calls of ``fn`` back to back; the CUDA-event time of one of them in ms (sizes the timing)."""
+    import cupy
+
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(warmup):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / warmup
+
+
 def time_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3, budget_ms: float = 3000.0) -> float:
     """Median CUDA-event time of ``fn`` in ms, with L2 flushed (a 256 MB memset) before every timed call.
 
@@ -124,13 +137,7 @@ def time_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3, budget
     import cupy
 
     flush = cupy.empty(FLUSH_BYTES, dtype=cupy.uint8)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(warmup):
-        fn()
-    stop.record()
-    stop.synchronize()
-    once = cupy.cuda.get_elapsed_time(start, stop) / warmup
+    once = _warm_ms(fn, warmup)
     repeats = max(3, min(repeats, int(budget_ms / max(once, 1e-3))))
     times = []
     for _ in range(repeats):
@@ -151,13 +158,8 @@ def time_calls_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3, 
     (a flush before each call would hide it behind the flush's own GPU time)."""
     import cupy
 
+    once = _warm_ms(fn, warmup)
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(warmup):
-        fn()
-    stop.record()
-    stop.synchronize()
-    once = cupy.cuda.get_elapsed_time(start, stop) / warmup
     calls = max(1, min(50, int(2.0 / max(once, 1e-3))))
     repeats = max(3, min(repeats, int(budget_ms / max(once * calls, 1e-3))))
     times = []

@@ -313,14 +313,7 @@ def spawn(args: list[str]) -> tuple[int, str]:
 
 
 # ---------------------------------------------------------------- its command line
-def _csv_ints(ctx, param, text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise click.BadParameter(f"expected comma-separated positive integers, got {text!r}")
-    return values
+from .commands import _csv_ints  # noqa: E402  (the command line's own parser of comma-separated integers)
 
 
 def _require_gpu() -> dict:
