@@ -166,7 +166,7 @@ def _differentiable(opts: tuple, features: tuple, deterministic: bool):
         out, lse = forward(q, k, v, *feats)
         return (out, lse), (q, k, v, feats, out, lse)
 
-    def core_bwd(saved, cotangents):  # noqa: C901
+    def core_bwd(saved, cotangents):
         q, k, v, feats, out, lse = saved
         dout, dlse = cotangents
         if isinstance(dout, SymbolicZero):
