@@ -147,10 +147,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
                                 (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k), out, lse)
         call = PLANS.get(key) if key is not None else None
         if call is not None:
-            given = _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
-                           cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k) \
-                if (alibi_slopes is not None or sinks is not None or cu_seqlens_q is not None
-                    or cu_seqlens_k is not None or seqused_k is not None) else {}
+            given = _hit_features(alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k)
             return _on(q, call.run, q, k, v, given, out, lse)
     else:
         key = None
@@ -259,6 +256,14 @@ def _given(**features) -> dict:
     return {n: arrays.import_array(x, n) for n, x in features.items() if x is not None}
 
 
+def _hit_features(alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k) -> dict:
+    """A planned forward's or backward's feature arrays by name: {} at once when none is given (most calls)."""
+    if alibi_slopes is None and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None:
+        return {}
+    return _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  seqused_k=seqused_k)
+
+
 def _plan(key, build):
     """The planned call of a new signature, made by ``build`` and kept in the cache; None when the call has no
     signature or its launches cannot be prepacked (it then runs through its bound launches)."""
@@ -330,11 +335,7 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
         key = signature.backward(ins, options, features, grads_given)
         call = PLANS.get(key) if key is not None else None
         if call is not None:
-            given = _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
-                           cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k) \
-                if (alibi_slopes is not None or sinks is not None or cu_seqlens_q is not None
-                    or cu_seqlens_k is not None or seqused_k is not None) else {}
-            return _on(ins[1], call.run, *ins, given, grads_given)
+            return _on(ins[1], call.run, *ins, _hit_features(*features), grads_given)
         named = tuple((n, x) for (n, _), x in zip(named, ins))  # imported once
     env = settings.load()
     dout, q, k, v, out, lse = _import(named)

@@ -1,4 +1,4 @@
-"""Shared test set-up: GPU detection for the `gpu` marker, and input factories."""
+"""Shared test set-up: GPU detection for the `gpu` marker, the run's selected tests, and input factories."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -10,7 +10,11 @@ from rawflash.cli.sysinfo import gpu_available  # noqa: F401  (tests import it f
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 
+SELECTED = pytest.StashKey[list]()  # the run's selected tests: the collected list, which -k / -m trim in place
+
+
 def pytest_collection_modifyitems(config, items):
+    config.stash[SELECTED] = items
     if gpu_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (cupy.cuda.is_available() is false)")

@@ -15,6 +15,7 @@ from rawflash.cli.occupancy import ARCHS as ARCHS_LIMITS
 from rawflash.kernels import compile, configs, forms, launch
 from rawflash.kernels.launch import Launch
 from rawflash.problem import Problem
+from conftest import SELECTED
 
 pytestmark = pytest.mark.compile
 ARCHS = ("sm_80", "sm_90")
@@ -41,10 +42,10 @@ def _compile_one(item):
         return (expr, arch), err
 
 
-def _selected(pytest_run) -> list[tuple[str, Launch]]:
+def _selected(items: list) -> list[tuple[str, Launch]]:
     """The instantiations the run's selected tests read (``-k`` filters compile only theirs): those of the
     selected per-instantiation tests, and every one of KNOWN_SPILLS when its test is selected."""
-    names = {item.name for item in pytest_run.items if item.module.__name__ == __name__}
+    names = {item.name for item in items if item.module.__name__ == __name__}
     known = ({(expr, arch) for expr, arch in configs.KNOWN_SPILLS} if "test_known_spills_are_still_real" in names
              else set())
     return [(arch, lau) for (arch, lau), case in zip(INSTANTIATIONS, IDS)
@@ -56,7 +57,8 @@ def _selected(pytest_run) -> list[tuple[str, Launch]]:
 def reports(request):
     if not _nvrtc_available():
         pytest.skip("NVRTC or the CUDA headers are missing (install rawflash[cuda13] or [cuda12])")
-    items = [(lau.source, lau.name_expression, lau.compile_arch(arch)) for arch, lau in _selected(request.session)]
+    items = [(lau.source, lau.name_expression, lau.compile_arch(arch)) for arch, lau in
+             _selected(request.config.stash[SELECTED])]
     with ProcessPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         return dict(pool.map(_compile_one, items, chunksize=4))
 

@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from .bench import time_kernels_ms
+
 
 @dataclasses.dataclass(frozen=True)
 class HostCase:
@@ -162,28 +164,6 @@ def _call_us(fn, calls: int, torch_side: bool) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / calls * 1e3
 
 
-def _graph_us(fn, calls: int) -> float:
-    """The call captured in a CUDA graph on a stream of its own, replayed ``calls`` times between events."""
-    import cupy
-
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        keep = fn()
-        stream.synchronize()
-        stream.begin_capture()
-        keep = fn()
-        graph = stream.end_capture()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        graph.launch()
-        start.record(stream)
-        for _ in range(calls):
-            graph.launch()
-        end.record(stream)
-        end.synchronize()
-    del keep
-    return cupy.cuda.get_elapsed_time(start, end) / calls * 1e3
-
-
 def measure(cases=CASES, calls: int = 100, repeats: int = 5, progress=None) -> list[dict]:
     """One row per case: rawflash's host / call / kernels microseconds (medians of ``repeats``), its check, and
     PyTorch's host / call microseconds where present."""
@@ -198,7 +178,7 @@ def measure(cases=CASES, calls: int = 100, repeats: int = 5, progress=None) -> l
             call()
         host = statistics.median(_host_us(call, calls, False) for _ in range(repeats))
         timed = statistics.median(_call_us(call, calls, False) for _ in range(repeats))
-        kernels = statistics.median(_graph_us(call, calls) for _ in range(repeats))
+        kernels = time_kernels_ms(call, repeats=repeats) * 1e3
         row = {"case": case.name, "direction": case.direction, "max_abs_error": error, "first_ms": first,
                "host_us": host,
                "call_us": timed, "kernels_us": kernels}

@@ -224,8 +224,9 @@ class CallBuffers:
             self.work.append((n, offset))
             offset += _span(bufs[n].nbytes)
         self.work_bytes = offset
-        self.zero = [(dict(self.work)[n], bufs[n].nbytes) for n in zeroed if n in dict(self.work)]
-        self.views = [(n, dict(self.work)[n], tuple(bufs[n].shape), bufs[n].dtype) for n in views if n in bufs]
+        offsets = dict(self.work)
+        self.zero = [(offsets[n], bufs[n].nbytes) for n in zeroed if n in offsets]
+        self.views = [(n, offsets[n], tuple(bufs[n].shape), bufs[n].dtype) for n in views if n in offsets]
         self._streams: dict = {}
 
     def _stream(self, stream: int) -> tuple:
