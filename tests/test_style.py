@@ -19,9 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WORD = "ses" + "sion"  # (spelt in two so this file does not name it)
 WORD_RE = re.compile(rf"\b{WORD}s?\b", re.IGNORECASE)
-# pytest's API where it shows in text: scope="session", session.items / session.config, request.session. In
-# Python code only comments and strings are read, so a hook's parameter and names such as pytest_sessionstart
-# (names, not prose) never count.
+# pytest's API where it shows in text: the widest fixture scope's name as a string, attributes of pytest's run
+# object and the fixture request's attribute that names it. In Python code only comments and strings are read, so
+# a hook's parameter and pytest's hook names (names, not prose) never count.
 PYTEST_USE_RE = re.compile(rf"""scope\s*=\s*["']{WORD}["']|\b{WORD}\.\w|\.{WORD}\b""", re.IGNORECASE)
 SOURCE_SUFFIXES = {".py", ".cu", ".cuh", ".sh", ".toml"}
 MAX_LINE = 120
