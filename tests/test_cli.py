@@ -245,6 +245,27 @@ def test_explain_says_when_the_backward_takes_its_key_tiles_longest_first(batch,
     assert "longest first" not in (next(r for r in det["launches"] if r["kernel"] == "fa3_bwd_sm90").get("note") or "")
 
 
+@pytest.mark.parametrize("gpu, br, first", [("h200", 64, True), ("h100", 80, False), ("H100-SXM", 80, False)])
+def test_explain_takes_the_named_gpus_gates(gpu, br, first):
+    """MHA d = 128 causal N = 4096 with 64 (batch, kv head) pairs: the H200 runs 64 rows, key tiles longest first;
+    the H100 80 rows in key order. The note names the GPU's gate."""
+    args = ["--gpu", gpu, "--batch", "4", "--seqlen-q", "4096", "--heads", "16", "--head-dim", "128", "--direction",
+            "bwd", "--causal"]
+    bwd = next(r for r in invoke_json("explain", *args)["launches"] if r["kernel"] == "fa3_bwd_sm90")
+    assert bwd["Br"] == br and ("longest first" in (bwd.get("note") or "")) is first
+    assert ("4096 causal on the h100" in (bwd.get("note") or "")) is (br == 80)
+
+
+@pytest.mark.parametrize("gpu, causal_rows, ctas", [("h100", 4096, 8), ("h200", 8192, 2), ("sm_90", 8192, 2)])
+def test_list_prints_the_gates_of_the_named_gpu(gpu, causal_rows, ctas):
+    report = invoke_json("list", "--gpu", gpu)
+    name = "h100" if causal_rows == 4096 else "h200"
+    gates = {r["gate"]: r["value"] for r in report[f"gates of the {name}"]}
+    assert gates == {"long_bwd_seqlen": 1024, "long_causal_bwd_seqlen": causal_rows, "longest_first_ctas": ctas}
+    assert f"({name.upper()} bf16)" in report[f"gates of the {name}, chosen by"]
+    assert not any(k.startswith("gates") for k in invoke_json("list", "--gpu", "sm_80"))
+
+
 @pytest.mark.parametrize("n, causal, rotated", [(4096, False, True), (4096, True, False), (16384, False, False)])
 def test_explain_says_when_the_deterministic_backward_rotates(n, causal, rotated):
     """The rotated order runs without a mask where a sequence has at most half as many key blocks as SMs; the

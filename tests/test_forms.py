@@ -207,6 +207,7 @@ def test_settings_and_switches_force_mma_sync():
 def test_settings_are_read_from_the_environment_only_in_settings():
     assert load({"RAWFLASH_WGMMA": "0"}).wgmma is False and load({}).wgmma is True
     assert load({"RAWFLASH_TILE_ARCH": "sm_80"}).tile_arch == "sm_80"
+    assert load({"RAWFLASH_TILE_GPU": "h100"}).tile_gpu == "h100" and load({}).tile_gpu is None
     paths = list((ROOT / "rawflash").rglob("*.py"))
     assert {p.parent.name for p in paths} >= {"rawflash", "kernels", "cli", "numba_kernels", "distributed"}
     for path in paths:
@@ -441,6 +442,41 @@ def test_backward_key_tiles_longest_first_under_a_right_bound_and_few_pairs():
     assert "longest_first" in params.BWD_DTYPE.names
 
 
+def test_backward_key_tiles_longest_first_on_the_h100_only_for_fewer_pairs():
+    """The H100's gate: each (batch, kv head) runs at least 8 CTAs at once (16 pairs of 132 SMs: inclusive), where
+    the H200 needs 2; at 64 pairs the H100 ran longest first at 0.74 - 0.80x of key order, at 32 pairs 0.88 -
+    1.08x."""
+    cfg = configs.TileConfig(64, 128, 12, stages=2)
+    h100 = Problem(4, 4096, 4096, 16, 4, 128, "bfloat16", True, "sm_90", gpu="h100")  # 16 pairs
+    assert launch.fa3_bwd_longest_first(h100, cfg, 132)
+    assert not launch.fa3_bwd_longest_first(dataclasses.replace(h100, batch=5), cfg, 132), "20 pairs"
+    assert not launch.fa3_bwd_longest_first(dataclasses.replace(h100, kv_heads=16), cfg, 132), "MHA, 64 pairs"
+    assert launch.fa3_bwd_longest_first(dataclasses.replace(h100, kv_heads=16, gpu="h200"), cfg, 132)
+    assert launch.fa3_bwd_longest_first(dataclasses.replace(h100, batch=1, kv_heads=16), cfg, 132), "MHA, 16 pairs"
+    assert not launch.fa3_bwd_longest_first(dataclasses.replace(h100, causal=False), cfg, 132)
+
+
+@pytest.mark.parametrize("arch, l2_mb, gpu", [("sm_90", 50, "h100"), ("sm_90", 60, "h200"), ("sm_90", 0, "h200"),
+                                              ("sm_80", 40, "h200"), ("sm_100", 50, "h100")])
+def test_a_gpu_takes_the_gates_of_the_tuned_gpu_its_l2_matches(arch, l2_mb, gpu):
+    """An H100 (50 MB of L2) takes the H100's gates; an H200 (60 MB), a Hopper GPU whose L2 is unknown and every
+    other architecture the H200's (the rows' own GPU)."""
+    assert configs.gpu_name(arch, l2_mb << 20) == gpu
+    assert configs.gates(gpu) is configs.GATES[gpu]
+    with pytest.raises(ValueError, match="gpu must be one of h200, h100, got 'a100'"):
+        configs.gates("a100")
+
+
+def test_rawflash_tile_gpu_names_the_gates_and_is_checked():
+    """RAWFLASH_TILE_GPU makes the GPU at hand take another tuned GPU's gates (no GPU needed to read it); a name
+    that is not one is refused by name."""
+    from rawflash.kernels import cupy_backend
+
+    assert cupy_backend.device_gpu(Settings(tile_gpu="h100")) == "h100"
+    with pytest.raises(ValueError, match="RAWFLASH_TILE_GPU must be one of h200, h100, got 'H100'"):
+        cupy_backend.device_gpu(Settings(tile_gpu="H100"))
+
+
 def test_deterministic_rotated_order_only_without_a_mask_and_few_key_blocks():
     """deterministic=True walks the rotated order (BwdParams::dq_rotate) without a mask bound only, and only where a
     (sequence, kv head)'s key blocks number at most half the SMs (a CTA may wait on one dispatched after it)."""
@@ -456,15 +492,18 @@ def test_deterministic_rotated_order_only_without_a_mask_and_few_key_blocks():
     assert "dq_rotate" in params.BWD_DTYPE.names
 
 
+@pytest.mark.parametrize("gpu", configs.TUNED_GPUS)
 @pytest.mark.parametrize("d", [96, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_fa3_backward_80_rows_on_long_sequences(d, dtype):
-    """Plain attention over >= LONG_BWD_SEQLEN query rows without a mask (LONG_CAUSAL_BWD_SEQLEN causal) takes the
-    80-row backward tile (dQ_i^T by the warpgroups, one dQ_i buffer, the dQ map's box all 80 rows, 231720 B);
-    shorter sequences, the general policy and the deterministic backward keep 64 rows; the 80-row tile is refused
-    where it cannot run."""
-    n, nc = configs.LONG_BWD_SEQLEN, configs.LONG_CAUSAL_BWD_SEQLEN
-    p = Problem(1, n, n, 4, 4, d, dtype, False, "sm_90")
+def test_fa3_backward_80_rows_on_long_sequences(d, dtype, gpu):
+    """Plain attention over >= the GPU's long_bwd_seqlen query rows without a mask (long_causal_bwd_seqlen causal:
+    8192 on the H200, 4096 on the H100) takes the 80-row backward tile (dQ_i^T by the warpgroups, one dQ_i buffer,
+    the dQ map's box all 80 rows, 231720 B); shorter sequences, the general policy and the deterministic backward
+    keep 64 rows; the 80-row tile is refused where it cannot run."""
+    g = configs.gates(gpu)
+    n, nc = g.long_bwd_seqlen, g.long_causal_bwd_seqlen
+    assert nc == {"h200": 8192, "h100": 4096}[gpu]
+    p = Problem(1, n, n, 4, 4, d, dtype, False, "sm_90", gpu=gpu)
     for x in (p, dataclasses.replace(p, seqlen_q=nc, seqlen_k=nc, causal=True)):
         main = forms.backward_plan(x)[1]
         assert main.kernel == "fa3_bwd_sm90" and main.config.br == launch.FA3_BWD_SWAP_ROWS == 80

@@ -149,14 +149,36 @@ ROWS_80_CASES = [(1024, 1024, 4, 4, 128, "bfloat16", False), (1085, 131, 4, 1, 9
                          ids=[f"{c[5]}-{'causal' if c[6] else 'full'}-{c[0]}x{c[1]}-d{c[4]}-h{c[2]}/{c[3]}"
                               for c in ROWS_80_CASES])
 def test_fa3_backward_80_rows(sq, sk, h, hk, d, dtype, causal):
-    """The 80-row tile (plain, >= LONG_BWD_SEQLEN query rows, LONG_CAUSAL_BWD_SEQLEN causal: dQ_i^T by the
-    warpgroups, dS_i stored untransposed by stmatrix .trans): last query blocks of 64, 45, 31, 50, 32 and 70 rows,
-    short and long key ranges, seqlen_q != seqlen_k both ways under the mask, GQA / MQA."""
+    """The 80-row tile (plain, >= the GPU's long_bwd_seqlen query rows, long_causal_bwd_seqlen causal: dQ_i^T by
+    the warpgroups, dS_i stored untransposed by stmatrix .trans): last query blocks of 64, 45, 31, 50, 32 and 70
+    rows, short and long key ranges, seqlen_q != seqlen_k both ways under the mask, GQA / MQA."""
     from rawflash.kernels import cupy_backend
 
-    p = Problem(1, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch())
+    p = Problem(1, sq, sk, h, hk, d, dtype, causal, cupy_backend.device_arch(), gpu=cupy_backend.device_gpu())
     assert forms.backward_plan(p)[1].config.br == 80
     check_backward(1, sq, sk, h, hk, d, dtype, causal, False, seed=8)
+
+
+H100_GATE_CASES = [(4100, 4096, 2, 1, 128, "bfloat16", 1), (4096, 4200, 2, 2, 96, "float16", 1),
+                   (300, 333, 2, 1, 128, "bfloat16", 17), (700, 640, 4, 4, 64, "bfloat16", 4)]
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,d,dtype,batch", H100_GATE_CASES,
+                         ids=[f"{c[5]}-{c[0]}x{c[1]}-d{c[4]}-h{c[2]}/{c[3]}-b{c[6]}" for c in H100_GATE_CASES])
+def test_fa3_backward_under_the_h100s_gates(sq, sk, h, hk, d, dtype, batch, monkeypatch):
+    """The H100's choices on any Hopper GPU (RAWFLASH_TILE_GPU=h100): the causal 80-row tile from 4096 query rows
+    (last query blocks of 20 and 16 rows, MQA), key order where the H200 takes tiles longest first (17 pairs), and
+    longest first at 16 pairs (both GPUs)."""
+    from rawflash.kernels import cupy_backend
+    from rawflash.settings import Settings
+
+    monkeypatch.setenv("RAWFLASH_TILE_GPU", "h100")
+    assert cupy_backend.device_gpu(Settings(tile_gpu="h100")) == "h100"
+    p = Problem(batch, sq, sk, h, hk, d, dtype, True, cupy_backend.device_arch(), gpu="h100")
+    cfg = forms.backward_plan(p)[1].config
+    assert cfg.br == (80 if sq >= 4096 else 128 if d == 64 else 64)
+    assert launch.fa3_bwd_longest_first(p, cfg, 132) is (batch * hk <= 16)
+    check_backward(batch, sq, sk, h, hk, d, dtype, True, False, seed=9)
 
 
 # ---------------------------------------------------------------- head_dim 192 / 256: the column split

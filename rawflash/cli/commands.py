@@ -229,14 +229,14 @@ def _step(message: str) -> None:
     click.echo(message, err=True)
 
 
-def _problem(spec: introspect.ShapeSpec, arch: str | None = None, **call) -> Problem:
-    """The validated problem (for ``arch``'s tile rows and kernels when given), or the API's own error message as a
-    usage error (exit 2)."""
+def _problem(spec: introspect.ShapeSpec, tgt: introspect.Target | None = None, **call) -> Problem:
+    """The validated problem (for the target's tile rows, gates and kernels when given), or the API's own error
+    message as a usage error (exit 2)."""
     try:
         p = introspect.validate(spec, **call).problem
     except (TypeError, ValueError) as err:
         raise click.UsageError(f"rawflash would refuse this call: {err}")
-    return dataclasses.replace(p, arch=arch) if arch else p
+    return dataclasses.replace(p, arch=tgt.arch, gpu=tgt.tuning) if tgt else p
 
 
 def _require_gpu(command: str, instead: str) -> None:
@@ -291,11 +291,13 @@ def info(as_json):
 @target_options()
 @json_option
 def list_(gpu, arch, sms, as_json):
-    """The variant registry, the tile rows the target uses, and which calls have no tile that fits it."""
+    """The variant registry, the tile rows and gates the target uses, and which calls have no tile that fits it."""
     tgt = _target(gpu, arch, sms)
     _emit({"target": tgt.description,
            "variants": {v.name: _variant_entry(v) for v in registry.REGISTRY.values()},
            "tiles": _tile_rows(tgt.arch),
+           **({f"gates of the {tgt.tuning}": _gates(tgt.tuning),
+               f"gates of the {tgt.tuning}, chosen by": configs.gates(tgt.tuning).why} if tgt.arch == "sm_90" else {}),
            f"no tile fits {tgt.arch}'s shared memory for": introspect.unfit_summary(tgt.arch)
            if tgt.arch in introspect.occupancy.ARCHS else "unknown (no occupancy rules for this arch)"}, as_json)
 
@@ -308,6 +310,15 @@ def _variant_entry(v: registry.Variant) -> dict:
             "helpers": [h.kernel for h in v.helpers],
             "supports": list(v.supports),
             "numba twin": f"{v.numba_factory} in {v.numba_module}" + ("" if v.has_numba_twin() else " (absent)")}
+
+
+def _gates(gpu: str) -> list[dict]:
+    """configs.GATES' entry for ``gpu`` as rows: each gate, its value and what it gates."""
+    g = configs.gates(gpu)
+    what = {"long_bwd_seqlen": "query rows from which the backward takes the 80-row tile (no mask)",
+            "long_causal_bwd_seqlen": "... causal",
+            "longest_first_ctas": "CTAs per (batch, kv head) at once for the backward's key tiles longest first"}
+    return [{"gate": name, "value": getattr(g, name), "gates": text} for name, text in what.items()]
 
 
 def _tile_rows(arch: str) -> list[dict]:
@@ -341,7 +352,7 @@ def launch_config(spec, kernel, direction, deterministic, gpu, arch, sms, as_jso
     """Every launch of a call on the target: instantiation, tiles, grid, block, shared memory, CTAs, skipped tiles
     and waves."""
     tgt = _target(gpu, arch, sms)
-    p = _problem(spec, tgt.arch, kernel=kernel, direction=direction, deterministic=deterministic)
+    p = _problem(spec, tgt, kernel=kernel, direction=direction, deterministic=deterministic)
     launches = introspect.launches(p, kernel, direction, deterministic)
     rows = _rows_with_progress(launches, lambda dl: introspect.launch_config_row(p, *dl, tgt), "compiling",
                                lambda dl: dl and dl[1].kernel)
@@ -371,7 +382,7 @@ def occupancy_cmd(ctx, spec, kernel, direction, deterministic, every, gpu, arch,
         launches = introspect.instantiations(spec.dtype, spec.causal, tgt.arch)
         what = f"every {spec.dtype} {'causal' if spec.causal else 'non-causal'} instantiation"
     else:
-        p = _problem(spec, tgt.arch, kernel=kernel, direction=direction, deterministic=deterministic)
+        p = _problem(spec, tgt, kernel=kernel, direction=direction, deterministic=deterministic)
         launches = [lau for _, lau in introspect.launches(p, kernel, direction, deterministic)]
         what = _shape_text(p)
     rows = _rows_with_progress(launches, lambda lau: introspect.occupancy_row(lau, tgt), "compiling",
@@ -394,7 +405,7 @@ def io_cmd(ctx, spec, gpu, arch, sms, measure, breakdown, as_json):
     """Predicted HBM bytes, FLOPs, intensity and roofline bound of naive, fa1 and fa2, forward and backward, with
     the tiles they run with on the target."""
     tgt = _target(gpu, arch, sms)
-    p = _problem(spec, tgt.arch)
+    p = _problem(spec, tgt)
     rows = introspect.io_rows(p, tgt)
     problem = _measure(p, rows) if measure else None
     report = {"shape": _shape_text(p), "target": tgt.description, "io": rows, "roofline": introspect.roofline_note(tgt)}

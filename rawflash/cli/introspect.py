@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from .. import validation
+from .. import settings, validation
 from ..kernels import compile, configs, forms, launch, registry
 from ..kernels.cupy_backend import run_head_dim
 from ..kernels.launch import Launch
@@ -28,13 +28,15 @@ SITUATION_NOTES = {  # forms.situations' names, as explain says them
     "short_full": f"short row without a mask (<= {configs.SHORT_FULL_SEQLEN} keys)",
     "short_window": f"short window row (<= {configs.SHORT_WINDOW_SPAN} keys beside the diagonal)",
     "many_decode_rows": f"many packed rows' row (> {configs.MANY_DECODE_ROWS} query rows per kv head)",
-    "long_bwd": f"long backward row (>= {configs.LONG_BWD_SEQLEN} query rows, {configs.LONG_CAUSAL_BWD_SEQLEN} causal)",
+    "long_bwd": "long backward row (>= {long} query rows, {causal} causal on the {gpu}: configs.GATES)",
 }
 
 
 def situation_notes(p: Problem, lau: Launch) -> list[str]:
     """Which situation's tile row (configs.SITUATION_ROWS, forms.situations) ``lau`` runs, if any."""
-    return [f"the {SITUATION_NOTES[name]}: configs.SITUATION_ROWS[{name!r}]" for name in forms.situations(p)
+    g = configs.gates(p.gpu)
+    return [f"the {SITUATION_NOTES[name].format(long=g.long_bwd_seqlen, causal=g.long_causal_bwd_seqlen, gpu=p.gpu)}: "
+            f"configs.SITUATION_ROWS[{name!r}]" for name in forms.situations(p)
             if lau.config is not None and lau.config in configs.SITUATION_ROWS[name].values()]
 
 
@@ -197,12 +199,13 @@ class GpuModel:
     peaks: iomodel.GPU
     source: str
     examples: str = ""
+    tuning: str = configs.DEFAULT_GPU  # the tuned GPU whose gates its calls take (configs.GATES)
 
 
 MODELS: dict[str, GpuModel] = {m.name: m for m in (
     GpuModel("H200", "sm_90", 132, iomodel.GPUS["H200"], "measured on the H200 test machine (iomodel.GPUS)"),
     GpuModel("H200-datasheet", "sm_90", 132, iomodel.GPUS["H200-datasheet"], "NVIDIA datasheet (iomodel.GPUS)"),
-    GpuModel("H100-SXM", "sm_90", 132, iomodel.GPUS["H100-SXM"], "NVIDIA datasheet (iomodel.GPUS)"),
+    GpuModel("H100-SXM", "sm_90", 132, iomodel.GPUS["H100-SXM"], "NVIDIA datasheet (iomodel.GPUS)", tuning="h100"),
     GpuModel("A100-80GB-SXM", "sm_80", 108, iomodel.GPUS["A100-80GB-SXM"], "NVIDIA datasheet (iomodel.GPUS)"),
     GpuModel("A100-40GB-SXM", "sm_80", 108, iomodel.GPU("A100-40GB-SXM", 312.0, 19.5, 1.555),
              "NVIDIA datasheet: 312 dense fp16 tensor, 19.5 fp32, HBM2 1.555 TB/s"),
@@ -227,9 +230,13 @@ DEVICE_NAMES = (("H200", "H200"), ("H100", "H100-SXM"), ("A100-SXM4-40GB", "A100
 """(fragment of a CUDA device name, model): how the GPU at hand finds its peaks; the first match wins."""
 
 
+ALIASES = {"H100": "H100-SXM"}
+"""Other names ``--gpu`` takes for a model (the tuned GPUs' short names: configs.TUNED_GPUS)."""
+
+
 def target_names() -> list[str]:
-    """What ``--gpu`` accepts: every model, then every arch."""
-    return list(MODELS) + sorted(occupancy.ARCHS)
+    """What ``--gpu`` accepts: every model and alias, then every arch."""
+    return list(MODELS) + list(ALIASES) + sorted(occupancy.ARCHS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +251,7 @@ class Target:
     name: str = ""
     peaks: iomodel.GPU | None = None
     peaks_from: str = ""
+    tuning: str = configs.DEFAULT_GPU  # the tuned GPU whose gates apply (configs.GATES)
 
     @property
     def limits(self) -> occupancy.ArchLimits | None:
@@ -260,7 +268,7 @@ def resolve_gpu(name: str) -> tuple[str, GpuModel, str]:
     if key in occupancy.ARCHS:
         model = MODELS[ARCH_MODELS[key]]
         return key, model, f"{key} (SMs and peaks of an {model.name}: name a model or pass --sms for another)"
-    model = MODELS[key]
+    model = MODELS[ALIASES.get(key, key)]
     return model.arch, model, f"{model.name} ({model.arch})"
 
 
@@ -279,14 +287,22 @@ def target(gpu: str | None = None, sms: int | None = None) -> Target:
         return Target(current.arch, count, True,
                       f"{current.name} ({current.arch}, {count} SMs): kernels compiled and loaded by CuPy; blocks/SM "
                       "also asked of the driver", current.name, model.peaks if model else None,
-                      f"peaks of the {model.name} ({model.source})" if model else "")
+                      f"peaks of the {model.name} ({model.source})" if model else "", current_tuning())
     arch, model, label = resolve_gpu(DEFAULT_GPU if gpu is None else gpu)
     count = sms or model.sms
     if sms and sms != model.sms:
         label = f"{label}, --sms {sms}"
     why = "no GPU here and no --gpu: " if gpu is None else ""
     return Target(arch, count, False, f"{why}{label}: compiled offline by NVRTC for {arch} (ptxas), not run; "
-                                      f"{count} SMs", model.name, model.peaks, f"{model.name}: {model.source}")
+                                      f"{count} SMs", model.name, model.peaks, f"{model.name}: {model.source}",
+                  model.tuning)
+
+
+def current_tuning() -> str:
+    """The tuned GPU whose gates the GPU here takes (cupy_backend.device_gpu: its L2, or RAWFLASH_TILE_GPU)."""
+    from ..kernels import cupy_backend  # (CuPy: a GPU is here)
+
+    return cupy_backend.device_gpu(settings.load())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -532,7 +548,7 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
     except (TypeError, ValueError) as err:
         return {**report, "valid": False, "error": f"{type(err).__name__}: {err}",
                 "launched": "nothing: the API refuses this call before any launch"}
-    p = dataclasses.replace(checked.problem, arch=tgt.arch)
+    p = dataclasses.replace(checked.problem, arch=tgt.arch, gpu=tgt.tuning)
     report.update(valid=True, problem=_problem_summary(p, checked.scale))
     if is_empty(p):
         return {**report, "launched": "nothing: an empty problem returns zeros (and lse = -inf) without a launch"}
@@ -578,7 +594,8 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
             if row["kernel"] == "fa3_bwd_sm90" and not deterministic and launch.fa3_bwd_longest_first(
                     p, lau.config, tgt.sms):
                 add_note(row, "key tiles longest first: tile 0 of every (batch, kv head), then tile 1, ... (a mask "
-                              "bounded on the right, at most half the SMs of pairs)")
+                              f"bounded on the right, pairs x {configs.gates(p.gpu).longest_first_ctas} <= SMs on "
+                              f"the {p.gpu})")
             if row["kernel"] == "fa3_bwd_sm90" and launch.fa3_bwd_split_d(lau.config):
                 add_note(row, "column split (head_dim > 128): two consumer warpgroups share 64 keys, each with half "
                               "of dK, dV and dQ's columns; dQ by TMA reduce-add of float32 tiles")
@@ -704,7 +721,7 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
     except (TypeError, ValueError) as err:
         return {**report, "valid": False, "error": f"{type(err).__name__}: {err}",
                 "launched": "nothing: the API refuses this call before any launch"}
-    p = dataclasses.replace(checked.problem, arch=tgt.arch)
+    p = dataclasses.replace(checked.problem, arch=tgt.arch, gpu=tgt.tuning)
     summary = _problem_summary(p, checked.scale)
     summary.update({"seqlen_k": f"{x['cache_seqlens']} cached + {new_keys} appended",
                     "cache capacity per sequence": p.seqlen_k, "layout": layout})

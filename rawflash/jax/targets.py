@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 from .. import settings, validation
-from ..kernels import cupy_backend, forms
+from ..kernels import configs, cupy_backend, forms
 from ..kernels.cupy_backend import run_head_dim
 from . import ffi
 
@@ -145,11 +145,11 @@ def decode_plan(shapes: tuple, dtypes: tuple, opts: tuple, num_splits, device: i
 
     c, _ = check_decode(shapes, dtypes, opts, device or 0)
     env = settings.load()
-    sms, arch = DEFAULT_SMS, env.tile_arch or "sm_90"
+    sms, arch, gpu = DEFAULT_SMS, env.tile_arch or "sm_90", env.tile_gpu or configs.DEFAULT_GPU
     if device is not None:
         with cupy.cuda.Device(device):
-            sms, arch = cupy_backend._sms(), cupy_backend.device_arch(env)
-    pr = dataclasses.replace(c.problem, head_dim=run_head_dim(c.problem.head_dim), arch=arch, sms=sms)
+            sms, arch, gpu = cupy_backend._sms(), cupy_backend.device_arch(env), cupy_backend.device_gpu(env)
+    pr = dataclasses.replace(c.problem, head_dim=run_head_dim(c.problem.head_dim), arch=arch, sms=sms, gpu=gpu)
     return c, forms.decode_plan(pr, num_splits, sms)
 
 

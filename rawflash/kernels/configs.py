@@ -301,16 +301,13 @@ MANY_ROWS_DECODE: dict[tuple[str, int, str], TileConfig] = {
     for dt in _16BIT
 }
 
-# Backwards of plain attention over at least LONG_BWD_SEQLEN query rows without a mask, LONG_CAUSAL_BWD_SEQLEN
-# causal (FlashAttention-3's non-causal tile at head_dim 128): 80 query rows a step instead of 64, each consumer
-# warpgroup computing dQ_i^T for 64 head columns (mainloop_bwd_sm90_ws.cuh's SWAP_DQ), so a step's fixed costs (the
-# barriers, L_i / D_i, the dQ_i reduce-add) are spread over 25 % more rows. 231720 B of shared memory. The
-# deterministic backward keeps the table's 64 rows (forms.ordered_dq_config: one dQ_i buffer cannot serve its two
-# writer warps). H200 bf16, d = 128, kernels alone, 80 rows against 64: without a mask 4-7 % faster from N = 1024
-# to 16384; causal 1-2 % slower up to N = 2048, even at 4096 and 6 % faster at 16384 (80 rows waste more of the
-# diagonal's blocks on short causal walks), hence the causal bound (bench/NOTES.md). N < 1024 is not measured.
-LONG_BWD_SEQLEN = 1024
-LONG_CAUSAL_BWD_SEQLEN = 8192
+# Backwards of plain attention over at least long_bwd_seqlen query rows without a mask, long_causal_bwd_seqlen
+# causal (the GPU's Gates; FlashAttention-3's non-causal tile at head_dim 128): 80 query rows a step instead of 64,
+# each consumer warpgroup computing dQ_i^T for 64 head columns (mainloop_bwd_sm90_ws.cuh's SWAP_DQ), so a step's
+# fixed costs (the barriers, L_i / D_i, the dQ_i reduce-add) are spread over 25 % more rows. 231720 B of shared
+# memory. The deterministic backward keeps the table's 64 rows (forms.ordered_dq_config: one dQ_i buffer cannot
+# serve its two writer warps). 80 query blocks waste more of the diagonal's blocks on short causal walks, hence the
+# causal bound, which differs per GPU (GATES).
 LONG_BWD_ROWS: dict[tuple[str, int, str], TileConfig] = {
     ("fa3_bwd_sm90", d, dt): TileConfig(80, 128, 12, stages=2,
                                         why="N 16k: 561/549 vs the table row's 525/517 TFLOP/s (H200 bf16)")
@@ -322,6 +319,65 @@ SITUATION_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
     "short_causal": SHORT_CAUSAL_ROWS, "short_full": SHORT_FULL_ROWS, "short_window": WINDOW_ROWS,
     "many_decode_rows": MANY_ROWS_DECODE, "long_bwd": LONG_BWD_ROWS,
 }
+
+# ---- the GPUs the sm_90 rows and gates are tuned for ----
+# The table's rows were chosen on an H200 and serve every Hopper GPU; where an H100 measures differently, the
+# difference is a gate of its own (Gates), so each GPU's choices sit side by side. A GPU is told apart by its L2
+# (H100: 50 MB, H200: 60 MB): where the two differ, the H100's lower HBM bandwidth (3.0 against 4.3 TB/s copied)
+# makes misses in L2 cost more. RAWFLASH_TILE_GPU names one instead (how a GPU runs the other's choices).
+TUNED_GPUS = ("h200", "h100")
+DEFAULT_GPU = "h200"  # a Hopper GPU unlike both, and the command line's offline target
+H100_L2_MAX_BYTES = 56 << 20  # between the H100's 50 MB and the H200's 60 MB
+
+
+@dataclasses.dataclass(frozen=True)
+class Gates:
+    """Where a GPU's schedule changes with the call (``rawflash list --gpu`` prints them).
+
+    Attributes
+    ----------
+    long_bwd_seqlen, long_causal_bwd_seqlen : int
+        Query rows from which plain attention's backward takes LONG_BWD_ROWS' 80-row tile, without a mask and
+        causal (``forms.long_bwd``).
+    longest_first_ctas : int
+        The default FA3 backward under a right bound dispatches its key tiles longest first
+        (``launch.fa3_bwd_longest_first``) only where each (batch, kv head) then runs at least this many CTAs at
+        once (pairs x this <= SMs): the CTAs running together share that pair's Q_i, dO_i and dQ rows in L2.
+    why : str
+        What chose the gates, in one line (the figures: bench/NOTES.md).
+    """
+
+    long_bwd_seqlen: int
+    long_causal_bwd_seqlen: int
+    longest_first_ctas: int
+    why: str = ""
+
+
+GATES: dict[str, Gates] = {
+    # H200, bf16, d = 128, kernels alone. 80 rows against 64: without a mask 4 - 7 % faster from N = 1024 to 16384;
+    # causal 1 - 2 % slower up to N = 2048, even at 4096, 6 % faster at 16384. Longest first: GQA 4:1 +7 - 20 %
+    # (16 - 64 pairs), MHA 1.0x at 16 - 64 pairs and 0.78 - 0.89x at 128 - 512 (d = 64 / 128, N 1024 - 4096).
+    "h200": Gates(1024, 8192, 2, why="80 causal rows pay from N 8k; longest first at <= 64 pairs (H200 bf16)"),
+    # H100, bf16, kernels alone against cuDNN in one process (tools/tune_bwd_order.py, two machines): causal 80 rows
+    # against 64 -1 .. +15 % at N = 4096 (GQA 8:1 the most), -2 .. +2 % at 2048; longest first against key order at
+    # 64 pairs 0.74 - 0.80x (MHA d = 128 N = 4096, d = 64 N = 8192, GQA 4:1 d = 64 N = 2048), at 32 pairs 0.88 -
+    # 1.08x, at 8 - 16 pairs 0.99 - 1.25x.
+    "h100": Gates(1024, 4096, 8, why="80 causal rows from N 4k; longest first at <= 16 pairs (H100 bf16)"),
+}
+
+
+def gpu_name(arch: str, l2_bytes: int) -> str:
+    """The tuned GPU whose gates a device takes: 'h100' for a Hopper GPU with an H100's L2, else 'h200' (the
+    rows' own GPU, for every other architecture too: their calls never reach the gated forms)."""
+    return "h100" if arch_family(arch) == "sm_90" and 0 < l2_bytes <= H100_L2_MAX_BYTES else DEFAULT_GPU
+
+
+def gates(gpu: str) -> Gates:
+    """The gates of a tuned GPU (``TUNED_GPUS``)."""
+    if gpu not in GATES:
+        raise ValueError(f"gpu must be one of {', '.join(TUNED_GPUS)}, got {gpu!r}")
+    return GATES[gpu]
+
 
 # Instantiations allowed to spill: (name expression, arch) -> the bytes of spill stores + loads ptxas reports, each
 # with its reason. tests/test_compile.py fails if anything else spills, or if one of these stops spilling.

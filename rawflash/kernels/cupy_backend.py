@@ -15,7 +15,7 @@ import numpy as np
 from ..arrays import kernel_ready, pad_head_dim
 from ..problem import Problem
 from ..settings import Settings
-from . import compile, forms, launch, params, tma
+from . import compile, configs, forms, launch, params, tma
 from .launch import Launch
 
 HEAD_DIM_MULTIPLE = 8  # the kernels move head_dim in 16-byte chunks and store pairs: other sizes are zero-padded
@@ -33,6 +33,27 @@ def device_arch(env: Settings = Settings()) -> str:
     import cupy
 
     return env.tile_arch or f"sm_{cupy.cuda.Device().compute_capability}"
+
+
+def device_gpu(env: Settings = Settings()) -> str:
+    """The tuned GPU whose gates the current device takes ('h100' or 'h200': configs.gpu_name, from its arch and L2
+    size). ``RAWFLASH_TILE_GPU`` (``env.tile_gpu``) names one instead: how one GPU runs the other's choices."""
+    if env.tile_gpu:
+        if env.tile_gpu not in configs.TUNED_GPUS:
+            raise ValueError(f"RAWFLASH_TILE_GPU must be one of {', '.join(configs.TUNED_GPUS)}, "
+                             f"got {env.tile_gpu!r}")
+        return env.tile_gpu
+    import cupy
+
+    return configs.gpu_name(device_arch(env), _l2_bytes(cupy.cuda.runtime.getDevice()))
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_id: int) -> int:
+    """The L2 size of a device in bytes (asked once per device)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrL2CacheSize, device_id))
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +99,8 @@ class Prepared:
 def prepare(p: Problem, extras: dict, env: Settings, *arrays) -> Prepared:
     hd = run_head_dim(p.head_dim)
     ready = tuple(_ready(x, hd, 16 // np.dtype(x.dtype).itemsize) for x in arrays)
-    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch(env), sms=_sms()), ready, p.head_dim,
+    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch(env), sms=_sms(), gpu=device_gpu(env)),
+                    ready, p.head_dim,
                     _feature_arrays(extras))
 
 
@@ -371,7 +393,7 @@ def bind_forward_fp8(p: Problem, q, k, v, scale: float, descales: tuple, switche
     import cupy
 
 
-    pr = dataclasses.replace(p, arch=device_arch(env), sms=_sms())
+    pr = dataclasses.replace(p, arch=device_arch(env), sms=_sms(), gpu=device_gpu(env))
     plan = forms.forward_plan(pr, "fa2", switches, env, override)
     q8, k8, v8 = (_bytes(x) for x in (q, k, v))
     feats = _feature_arrays(extras or {})

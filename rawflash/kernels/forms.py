@@ -123,12 +123,13 @@ def many_decode_rows(p: Problem) -> bool:
 
 
 def long_bwd(p: Problem) -> bool:
-    """Whether ``p`` takes configs.LONG_BWD_ROWS (the backward's 80-row tile): plain attention over at least
-    LONG_BWD_SEQLEN query rows without a mask, LONG_CAUSAL_BWD_SEQLEN causal."""
+    """Whether ``p`` takes configs.LONG_BWD_ROWS (the backward's 80-row tile): plain attention over at least the
+    GPU's ``long_bwd_seqlen`` query rows without a mask, ``long_causal_bwd_seqlen`` causal (configs.GATES)."""
     mask = launch.mask_mode(p)
     if p.general or mask not in (launch.NO_MASK, launch.CAUSAL):
         return False
-    return p.seqlen_q >= (configs.LONG_BWD_SEQLEN if mask == launch.NO_MASK else configs.LONG_CAUSAL_BWD_SEQLEN)
+    g = configs.gates(p.gpu)
+    return p.seqlen_q >= (g.long_bwd_seqlen if mask == launch.NO_MASK else g.long_causal_bwd_seqlen)
 
 
 SITUATIONS = {"short_causal": short_causal, "short_full": short_full, "short_window": short_window,
@@ -565,7 +566,7 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     launches.append(fa3)
                     if not launch.fa3_bwd_split_d(fa3.config):  # (the column split has no ordered dQ)
                         launches.append(launch.fa3_bwd_sm90(p, fa3.config, deterministic=True))
-                    n = max(configs.LONG_BWD_SEQLEN, configs.LONG_CAUSAL_BWD_SEQLEN)
+                    n = max(max(g.long_bwd_seqlen, g.long_causal_bwd_seqlen) for g in configs.GATES.values())
                     long_p = dataclasses.replace(p, seqlen_q=n, seqlen_k=n)
                     if long_bwd(long_p):  # a long twin takes configs.LONG_BWD_ROWS where it has a row
                         launches.append(fa2_backward_main(long_p, True, wgmma=True, warp_specialize=True))

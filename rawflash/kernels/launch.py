@@ -473,12 +473,12 @@ def fa3_bwd_longest_first(p: Problem, cfg: TileConfig, sms: int) -> bool:
     (BwdParams::longest_first, scheduler.cuh's KTileScheduler): tile 0 of every (batch, kv head), then tile 1 of
     every one, ... Under a mask bounded on the right (causal; a window with a right bound) tile j's walk shortens
     with j, so the longest walks no longer start in the last waves; but the CTAs that run at once then belong to
-    different (batch, kv head)s and share no Q_i / dO_i in L2, so only where those are few: at most half the SMs
-    (then each runs in at least two CTAs at a time). Fixed lengths only; not the column split's pairs (d = 192 /
-    256). Measured (H200, bf16, causal, kernels; bench/NOTES.md): GQA 4:1 +7 - 20 % (16 - 64 pairs), MHA 1.0x at 16
-    - 64 pairs and 0.78 - 0.89x at 128 - 512 (d = 64 / 128, N 1024 - 4096), hence the bound."""
+    different (batch, kv head)s and share Q_i, dO_i and the dQ rows in L2 only with the few CTAs of their own
+    pair, so only where pairs are few: each must run at least the GPU's ``longest_first_ctas`` CTAs at a time
+    (configs.GATES: 2 on the H200, 8 on the H100, whose misses in L2 cost more). Fixed lengths only; not the
+    column split's pairs (d = 192 / 256)."""
     return (p.bounded_right and not p.varlen and not fa3_bwd_pair(cfg, configs.padded_head_dim(p.head_dim))
-            and p.batch * p.kv_heads <= sms // 2)
+            and p.batch * p.kv_heads * configs.gates(p.gpu).longest_first_ctas <= sms)
 
 
 def dq_semaphores(p: Problem, br: int) -> int:
