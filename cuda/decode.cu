@@ -20,6 +20,10 @@
 // Lengths and page-table entries are checked here: a sequence whose cache_seqlens + new keys lies outside
 // [0, cache_capacity], or whose used pages lie outside the cache, gets NaN out and lse, its append is skipped,
 // and nothing outside the cache is read or written.
+// C is the cache's element: T, or e4m3 (an FP8 cache with 16-bit queries, new keys and outputs). An FP8 cache
+// holds K / k_descale and V / v_descale (per tensor, or per (sequence, kv head): FwdParams' descale strides); the
+// appends are quantised so (round to nearest, saturating at +-448) and the attention reads K = k_descale K8 and
+// V = v_descale V8.
 #include "mainloop_decode.cuh"
 #include "softmax.cuh"
 
@@ -56,20 +60,37 @@ template <int THREADS, class Op> __device__ __forceinline__ float block_reduce(f
   return x;
 }
 
+// An FP8 cache's descale for sequence b, kv head hk (x: k_descale or v_descale; nullptr: 1).
+__device__ __forceinline__ float cache_descale(const FwdParams& p, const float* x, int b, int hk) {
+  return x ? x[b * p.descale_sb + hk * p.descale_sh] : 1.f;
+}
+
+// 8 values of a new key or value into the cache at dst: as they are, or (FP8) divided by the descale and rounded
+// to e4m3 (8 bytes).
+template <typename T, typename C> __device__ __forceinline__ void store_cache8(C* dst, float (&x)[8], float descale) {
+  if constexpr (Same<C, e4m3>::value) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = __fdiv_rn(x[e], descale);
+    *reinterpret_cast<uint2*>(dst) = e4m3x8_from(x);
+  } else {
+    store8(dst, x);
+  }
+}
+
 // Columns [c, c + 8) of new key t (K and V) of sequence bi.b, kv head bi.hk, into the cache as key len + t
 // (len = cache_seqlens[b], checked by the caller with decode_len_ok); nothing is written where that key's page
 // lies outside the cache. decode_append's threads and decode_split's warps both append through here.
-template <typename T> __device__ __forceinline__ void append_chunk(const FwdParams& p, const BlockInfo<true>& bi,
-                                                                    int len, int t, int c) {
+template <typename T, typename C>
+__device__ __forceinline__ void append_chunk(const FwdParams& p, const BlockInfo<true>& bi, int len, int t, int c) {
   const BlockInfo<true>::PagePos pos = bi.page_pos(p, len + t);
   if (!BlockInfo<true>::slot_inside(p, bi.page_slot(p, pos.page))) return;  // the page lies outside the cache
   long long ko, vo;
   bi.key_offsets(p, pos, 0, ko, vo);
   float kv[8];
   load8(kv, (const T*)p.k_new + bi.b * p.kn_sb + t * p.kn_ss + bi.hk * p.kn_sh + c);
-  store8((T*)p.k + ko + c, kv);
+  store_cache8<T>((C*)p.k + ko + c, kv, cache_descale(p, p.k_descale, bi.b, bi.hk));
   load8(kv, (const T*)p.v_new + bi.b * p.vn_sb + t * p.vn_ss + bi.hk * p.vn_sh + c);
-  store8((T*)p.v + vo + c, kv);
+  store_cache8<T>((C*)p.v + vo + c, kv, cache_descale(p, p.v_descale, bi.b, bi.hk));
 }
 
 constexpr int DECODE_MAX_SPLITS = 256;  // rawflash/kernels/launch.py's DECODE_MAX_SPLITS (tests/test_decode.py)
@@ -164,7 +185,7 @@ __device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* w
 
 }  // namespace rf
 
-template <typename T> __global__ void decode_append(const __grid_constant__ rf::FwdParams p) {
+template <typename T, typename C> __global__ void decode_append(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
   // ---- [decode:append] one thread per 8 columns of one new key (K and V): into its row (or page) of the cache ----
   const int c8 = p.head_dim / 8;
@@ -174,14 +195,14 @@ template <typename T> __global__ void decode_append(const __grid_constant__ rf::
     const int b = x / ((long long)c8 * p.kv_heads * p.new_keys);
     const int len = decode_cache_len(p, b);
     if (!decode_len_ok(p, len)) continue;  // out of the cache: nothing written (decode_split makes b's rows NaN)
-    append_chunk<T>(p, BlockInfo<true>(p, b, hk * (p.heads / p.kv_heads)), len, t, c);
+    append_chunk<T, C>(p, BlockInfo<true>(p, b, hk * (p.heads / p.kv_heads)), len, t, c);
   }
 }
 
-template <typename T, int D, int MT, int BCW, int STAGES, int WARPS, int SMEM_BYTES>
+template <typename T, typename C, int D, int MT, int BCW, int STAGES, int WARPS, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
-  using Mainloop = MainloopDecode<T, D, MT, BCW, STAGES, WARPS>;
+  using Mainloop = MainloopDecode<T, C, D, MT, BCW, STAGES, WARPS>;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   constexpr int ROWS = Mainloop::ROWS;
@@ -233,7 +254,8 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
     const int j0 = max(k_begin, len), j1 = min(k_end, len + p.new_keys);
     if (j1 > j0) {  // uniform over the warp
       const int c8 = p.head_dim / 8;
-      for (int x = lane_id(); x < (j1 - j0) * c8; x += 32) append_chunk<T>(p, bi, len, j0 - len + x / c8, x % c8 * 8);
+      for (int x = lane_id(); x < (j1 - j0) * c8; x += 32)
+        append_chunk<T, C>(p, bi, len, j0 - len + x / c8, x % c8 * 8);
       __threadfence();
     }
   }
@@ -242,8 +264,10 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   Acc<MT, D / 8> o;
   OnlineSoftmax<2 * MT> sm;
   const bool bad = !len_ok || !bi.pages_inside(p, k_begin, k_end);  // the split's pages, once (the warp's lanes)
+  const int warp_bytes = STAGES * 2 * Mainloop::KV_BYTES + Mainloop::WIDE_BYTES;
   const int tiles = Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, bad ? k_begin : k_end, sQ,
-                                  smem + Mainloop::Q_BYTES + warp_id() * STAGES * 2 * Mainloop::KV_BYTES, o, sm);
+                                  smem + Mainloop::Q_BYTES + warp_id() * warp_bytes,
+                                  cache_descale(p, p.k_descale, b, hk), o, sm);
   // ---- [decode:merge] the CTA's splits into one partial O (divided by its l) and lse, float32 ----
   // Each warp's O (divided by its own l) and lse go to shared memory (the tiles' bytes: every warp is past its
   // key loop), then each thread merges 4 columns of a row over the WARPS splits by their lse, as the combine
@@ -253,6 +277,11 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   // rows into NaN); a partial's O is written only where its lse is finite (the combine reads no other).
   float f[2 * MT], lse[2 * MT];
   sm.template finalize<T, false>(-INFINITY, f, lse);
+  if constexpr (Mainloop::FP8) {  // O = P (v_descale V8): the split's O by the descale, with its 1 / l
+    const float vd = cache_descale(p, p.v_descale, b, hk);
+#pragma unroll
+    for (int rr = 0; rr < 2 * MT; ++rr) f[rr] *= vd;
+  }
   __syncthreads();  // every warp is done with the Q tile and its ring
   const Merge mg(smem);
   const int g = lane_id() >> 2, t = lane_id() & 3;

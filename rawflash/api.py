@@ -493,9 +493,9 @@ def _on(x, fn, *args):
 def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Array, k_new: Array | None = None,
            v_new: Array | None = None, block_table: Array | None = None, causal: bool = True,
            scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-           alibi_slopes: Array | None = None, sinks: Array | None = None, num_splits: int | None = None,
-           return_lse: bool = False, backend: str = "cupy", out: Array | None = None,
-           lse: Array | None = None) -> Array | tuple[Array, Array]:
+           alibi_slopes: Array | None = None, sinks: Array | None = None, k_descale: Array | None = None,
+           v_descale: Array | None = None, num_splits: int | None = None, return_lse: bool = False,
+           backend: str = "cupy", out: Array | None = None, lse: Array | None = None) -> Array | tuple[Array, Array]:
     """Attention of a few new query rows against a KV cache, for inference (flash-attn's ``flash_attn_with_kvcache``).
 
     Sequence b attends to the first ``cache_seqlens[b]`` keys of its cache followed by its ``seqlen_new`` new keys,
@@ -507,9 +507,13 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
     ----------
     q : array (batch, seqlen_q, heads, head_dim), float16, bfloat16 or float32; head_dim a multiple of 8
         seqlen_q is usually 1 (one generated token); more rows serve speculative decoding or chunked prefill.
-    k_cache, v_cache : arrays, q's dtype, read and appended in place
+    k_cache, v_cache : arrays, q's dtype or float8_e4m3fn, read and appended in place
         Contiguous: (batch, capacity, kv_heads, head_dim). Paged (with ``block_table``): (num_pages, page_size,
-        kv_heads, head_dim), any page_size >= 1.
+        kv_heads, head_dim), any page_size >= 1. An FP8 cache (float8_e4m3fn, with float16 or bfloat16 q, head_dim
+        a multiple of 16 in 48 - 64 or 112 - 256) holds ``K / k_descale`` and ``V / v_descale``: attention reads
+        ``K8 * k_descale`` and ``V8 * v_descale``, and k_new / v_new (q's dtype) are divided by the descales and
+        rounded to e4m3 as they are appended (saturating at +-448: ``reference.cache_quantize``).
+        ``rawflash.fp8.quantize_cache`` makes one from a 16-bit cache.
     cache_seqlens : int or int32 array (batch,)
         Keys already in each sequence's cache, on q's device or the host. It is left as given: after an append the
         caller adds seqlen_new. An int or a host array is checked here (ValueError); a device array is never
@@ -530,6 +534,9 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
         defaults to False); irrelevant when seqlen_q is 1.
     scale, window, softcap, alibi_slopes, sinks
         As in :func:`forward` (the window and ALiBi distances are measured from each sequence's own last key).
+    k_descale, v_descale : float32 arrays (1,) or (batch, kv_heads), optional
+        An FP8 cache's factors (None: 1), per tensor or per (sequence, kv head), both of one shape, on q's device;
+        refused with a 16-bit or float32 cache.
     num_splits : int, optional
         Chunks each sequence's keys are cut into (whole key tiles each; chunks past a sequence's keys are empty).
         Default: ``forms.decode_splits``, a model of the split pass planned from the cache's capacity and the GPU's
@@ -538,7 +545,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
     return_lse : bool
         Also return lse (batch, heads, seqlen_q) float32.
     backend : {'cupy', 'numba', 'reference'}
-        'numba': the Numba twins of the kernels (on a GPU, or Numba's CPU simulator).
+        'numba': the Numba twins of the kernels (on a GPU, or Numba's CPU simulator; not FP8 caches).
     out, lse : arrays, optional
         Where to write the results: ``out`` of q's shape and dtype, ``lse`` C-contiguous float32 (batch, heads,
         seqlen_q), on q's device (``lse`` is returned only with ``return_lse``).
@@ -553,28 +560,29 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
     if backend == "cupy":
         ins = _import(named)
         key = signature.decode(ins, cache_seqlens, (causal, scale, window, softcap, num_splits, return_lse),
-                               (alibi_slopes, sinks), (out, lse))
+                               (alibi_slopes, sinks, k_descale, v_descale), (out, lse))
         call = PLANS.get(key) if key is not None else None
         if call is not None and call.takes_cache_len(cache_seqlens):
-            features = _decode_features(_given(alibi_slopes=alibi_slopes, sinks=sinks)
-                                        if alibi_slopes is not None or sinks is not None else {}, ins[5],
-                                        cache_seqlens)
+            given_any = alibi_slopes is not None or sinks is not None or k_descale is not None or v_descale is not None
+            features = _decode_features(_given(alibi_slopes=alibi_slopes, sinks=sinks, k_descale=k_descale,
+                                               v_descale=v_descale) if given_any else {}, ins[5], cache_seqlens)
             res = _on(ins[0], call.run, *ins[:5], features, out, lse)
             return res if return_lse else res[0]
         named = tuple((n, x) for (n, _), x in zip(named, ins))  # imported once
     env = settings.load()
     (q, k_cache, v_cache, k_new, v_new, block_table), c, feats, given = _checked_decode(
         named, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks, num_splits, return_lse, backend,
-        out, lse)
+        out, lse, k_descale, v_descale)
     p, to_numpy = c.problem, c.kind == "numpy"
     lens = c.extras.get("seqused_k", c.extras.get("cache_len"))  # an array, or the int of every sequence
     if backend == "reference":
         host_lens = np.broadcast_to(np.asarray(reference._host(lens)).astype(np.int64), (p.batch,))
         res = reference.decode(q, k_cache, v_cache, host_lens, k_new=k_new, v_new=v_new, block_table=block_table,
                                causal=p.causal, scale=c.scale, window=p.window, softcap=p.softcap,
-                               alibi_slopes=feats.alibi_slopes, sinks=feats.sinks)
+                               alibi_slopes=feats.alibi_slopes, sinks=feats.sinks, k_descale=k_descale,
+                               v_descale=v_descale)
         res = _host_result(res[0].astype(q.dtype), to_numpy), _host_result(res[1].astype(np.float32), to_numpy)
-        _append_in_place(k_cache, v_cache, host_lens, k_new, v_new, block_table)
+        _append_in_place(k_cache, v_cache, host_lens, k_new, v_new, block_table, k_descale, v_descale)
     else:
         _require_gpu(backend)
         with _device(c.device):
@@ -582,7 +590,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
                 from .kernels import numba_backend
 
                 res = numba_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras)
-                if p.new_keys and numba_backend.copies_caches(k_cache):  # the twins appended to copies
+                if p.new_keys and numba_backend.copies_caches(k_cache):  # the twins appended to copies (16-bit)
                     _append_in_place(k_cache, v_cache,
                                      np.broadcast_to(np.asarray(reference._host(lens)), (p.batch,)), k_new, v_new,
                                      block_table)
@@ -600,7 +608,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
                 res = bound.result()
                 if to_numpy and p.new_keys:  # the device appended to copies of NumPy caches: the caller's too
                     _append_in_place(k_cache, v_cache, np.broadcast_to(np.asarray(lens), (p.batch,)), k_new, v_new,
-                                     block_table)
+                                     block_table, k_descale, v_descale)
     res = tuple(arrays.export(_into(x, g), to_numpy) for x, g in zip(res, given))
     return res if return_lse else res[0]
 
@@ -615,14 +623,15 @@ def _decode_features(features: dict, block_table, cache_seqlens) -> dict:
 
 
 def _checked_decode(named: tuple, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks, num_splits,
-                    return_lse, backend: str, out, lse):
+                    return_lse, backend: str, out, lse, k_descale=None, v_descale=None):
     """decode's arrays imported and every argument checked (raises before anything is launched or appended)."""
     q, k_cache, v_cache, k_new, v_new, block_table = _import(named)
     if not isinstance(cache_seqlens, (int, np.integer)):
         (cache_seqlens,) = _import((("cache_seqlens", cache_seqlens),))
+    descales = _given(k_descale=k_descale, v_descale=v_descale)
     feats = _features(window, softcap, alibi_slopes, sinks, None, None, None, None, None)
     c = validation.check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend,
-                                feats)
+                                feats, descales.get("k_descale"), descales.get("v_descale"))
     validation.check_flag(return_lse, "return_lse")
     if num_splits is not None and (isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= forms.MAX_SPLITS):
@@ -633,16 +642,22 @@ def _checked_decode(named: tuple, cache_seqlens, causal, scale, window, softcap,
     return (q, k_cache, v_cache, k_new, v_new, block_table), c, feats, given
 
 
-def _append_in_place(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table) -> None:
+def _append_in_place(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, k_descale=None,
+                     v_descale=None) -> None:
     """k_new / v_new written into the caller's caches (NumPy or CuPy, like k_new) as decode's kernel does on the
-    device; the destinations are reference.append_slots'."""
+    device (an FP8 cache's through ``reference.cache_quantize``); the destinations are reference.append_slots'."""
     if k_new is None:
         return
     slots, rows = reference.append_slots(cache_seqlens, int(k_new.shape[1]), int(k_cache.shape[1]), block_table)
-    if not isinstance(k_cache, np.ndarray):  # device caches: device indices
+    if quantisation.is_fp8(k_cache.dtype):  # written as bytes: e4m3(x / descale)
+        k_new, v_new = (reference.cache_quantize(x, d).view(np.uint8) for x, d in ((k_new, k_descale),
+                                                                                    (v_new, v_descale)))
+        k_cache, v_cache = k_cache.view(np.uint8), v_cache.view(np.uint8)
+    if not isinstance(k_cache, np.ndarray):  # device caches: device indices and values
         import cupy
 
         slots, rows = cupy.asarray(slots), cupy.asarray(rows)
+        k_new, v_new = cupy.asarray(k_new), cupy.asarray(v_new)
     k_cache[slots, rows], v_cache[slots, rows] = k_new, v_new
 
 
@@ -724,18 +739,19 @@ def plan_forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: f
 def plan_decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Array, k_new: Array | None = None,
                 v_new: Array | None = None, block_table: Array | None = None, causal: bool = True,
                 scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                alibi_slopes: Array | None = None, sinks: Array | None = None, num_splits: int | None = None,
-                return_lse: bool = False, out: Array | None = None, lse: Array | None = None) -> DecodePlan:
+                alibi_slopes: Array | None = None, sinks: Array | None = None, k_descale: Array | None = None,
+                v_descale: Array | None = None, num_splits: int | None = None, return_lse: bool = False,
+                out: Array | None = None, lse: Array | None = None) -> DecodePlan:
     """A :class:`Plan` of :func:`decode` (CuPy arrays, the cupy backend) for one step laid out as the arrays given
     (``cache_seqlens`` an int, or an int32 device array whose values runs may change on the device). Every
     argument is checked here, as ``decode`` checks it; nothing is launched or appended."""
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new),
              ("block_table", block_table))
     opts = (causal, scale, window, softcap, num_splits, return_lse)
-    raw = (alibi_slopes, sinks)
+    raw = (alibi_slopes, sinks, k_descale, v_descale)
     env = settings.load()
     ins, c, _, _ = _checked_decode(named, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks,
-                                   num_splits, return_lse, "cupy", out, lse)
+                                   num_splits, return_lse, "cupy", out, lse, k_descale, v_descale)
     key = signature.decode(ins, cache_seqlens, opts, raw, (out, lse))
     if key is None:
         raise ValueError("a plan takes CuPy arrays (q, the caches, the new keys and values, block_table, "
@@ -748,5 +764,5 @@ def plan_decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int 
             bound = cupy_backend.bind_decode(c.problem, *ins[:5], c.scale, num_splits, c.extras, env, out=out,
                                              lse=lse)
             call = _plan(key, lambda: cupy_backend.DecodeCall(bound, ins[:5], c.extras, env, out))
-    features = {n: x for n, x in c.extras.items() if n in ("alibi_slopes", "sinks")}
+    features = {n: x for n, x in c.extras.items() if n in ("alibi_slopes", "sinks", "k_descale", "v_descale")}
     return DecodePlan(key, call, opts, features, raw)

@@ -202,6 +202,33 @@ def _quantize_device(x, granularity, kv, group, incoherent, seed):
     return as_e4m3(out), descale.reshape((b, kv) if granularity == "head" else (1,))
 
 
+def quantize_cache(cache, granularity: str = "head", *, batch: int | None = None):
+    """A 16-bit or float32 KV cache as ``rawflash.decode`` reads an FP8 one: (cache8 float8_e4m3fn, descale float32),
+    ``cache ~= cache8 * descale``.
+
+    A contiguous cache (batch, capacity, kv_heads, head_dim) takes a descale per (sequence, kv head) ("head",
+    shape (batch, kv_heads)) or one for the tensor ("tensor", (1,)). A paged cache (num_pages, page_size,
+    kv_heads, head_dim) needs ``batch`` (the page table's rows): pages may be shared between sequences, so "head"
+    takes one descale per kv head over all pages, repeated for every sequence ((batch, kv_heads), equal rows).
+    Each granule's largest magnitude becomes 448; keys appended later are divided by the same descale and
+    saturate at +-448, so a cache that will grow past its largest values needs a larger descale (quantise with
+    your own, as ``rawflash.reference.cache_quantize`` defines). NumPy caches are quantised on the host, CuPy
+    caches on the device.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if len(cache.shape) != 4:
+        raise ValueError(f"cache must have 4 axes (batch or pages, rows, kv_heads, head_dim), got {tuple(cache.shape)}")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"batch must be None (a contiguous cache) or the page table's rows (an int >= 1), got {batch!r}")
+    kv = int(cache.shape[2])
+    x = cache if batch is None else cache.reshape((1, -1) + tuple(cache.shape[2:]))  # paged: every page at once
+    x8, descale = quantize(x, granularity, kv_heads=kv)
+    if batch is not None and granularity == "head":
+        descale = descale.repeat(batch, axis=0)
+    return x8.reshape(cache.shape), descale
+
+
 def as_e4m3(x_u8):
     """A uint8 array's bytes as float8_e4m3fn (a view)."""
     return x_u8.view(e4m3())

@@ -49,10 +49,16 @@ class Problem:
     sms: int = 132       # multiprocessors of the GPU (an H200's by default): persistent grids and split counts
     gpu: str = "h200"    # the tuned GPU whose gates apply (kernels.configs.GATES: 'h200' or 'h100')
     out_dtype: str = ""  # FP8: the output's dtype (bfloat16 or float16); "" for the 16-bit and float32 forms
+    kv_dtype: str = ""   # decode: the KV cache's dtype where it is not dtype ("float8_e4m3fn": an FP8 cache)
 
     @property
     def itemsize(self) -> int:
         return ITEMSIZE[self.dtype]
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one element of the keys and values (decode's FP8 cache: 1)."""
+        return ITEMSIZE[self.kv_dtype or self.dtype]
 
     @property
     def window_bounds(self) -> tuple[int, int]:

@@ -630,17 +630,48 @@ def gather_kv(k_cache, v_cache, lengths, block_table=None):
     return k, v
 
 
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _descale_bshd(descale) -> np.ndarray:
+    """An FP8 cache's descale (None: 1; (1,) per tensor; (batch, kv_heads)) shaped to multiply (batch, s, kv, d)."""
+    if descale is None:
+        return np.ones((1, 1, 1, 1), np.float32)
+    d = np.asarray(_host(descale), dtype=np.float32)
+    return d.reshape(1, 1, 1, 1) if d.size == 1 else d[:, None, :, None]
+
+
+def cache_quantize(x, descale) -> np.ndarray:
+    """New keys or values (batch, seqlen_new, kv_heads, head_dim) as an FP8 cache stores them (``decode``'s
+    appends): ``x / descale`` in float32 (descale None, (1,) or (batch, kv_heads)) rounded to the nearest e4m3,
+    saturating at +-448; float8_e4m3fn on the host."""
+    scaled = np.asarray(_host(x), dtype=np.float32) / _descale_bshd(descale)
+    return np.clip(scaled, -448.0, 448.0).astype(E4M3)
+
+
 def decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, causal=True,
-           scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, upcast=True):
+           scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, k_descale=None, v_descale=None,
+           upcast=True):
     """Attention of q (batch, seqlen_q, heads, head_dim) against a KV cache after appending k_new / v_new: what
     ``rawflash.decode`` computes (sequence b has ``cache_seqlens[b] + seqlen_new`` keys, causal aligned to its
-    last key). The caches are not modified; returns (out, lse) as :func:`forward` does."""
+    last key). A float8_e4m3fn cache holds K / k_descale and V / v_descale: the appends are quantised so
+    (:func:`cache_quantize`) and the attention reads ``K8 * k_descale``, ``V8 * v_descale`` (in float64, or rounded
+    to q's dtype with ``upcast=False``: what a plain implementation dequantises to). The caches are not modified;
+    returns (out, lse) as :func:`forward` does."""
     lens = np.asarray(_host(cache_seqlens)).astype(np.int64).reshape(-1)
     lens = np.broadcast_to(lens, (_host(q).shape[0],))
+    fp8 = _host(k_cache).dtype == E4M3
+    if fp8 and k_new is not None:
+        k_new, v_new = cache_quantize(k_new, k_descale), cache_quantize(v_new, v_descale)
     kc, vc = append_kv(k_cache, v_cache, lens, k_new, v_new, block_table)
     used = lens + (0 if k_new is None else _host(k_new).shape[1])
     k, v = gather_kv(kc, vc, used, block_table)
     if k.shape[1] == 0:  # no sequence has a key: keep one zero key, used by none
         k, v = np.zeros((k.shape[0], 1) + k.shape[2:], k.dtype), np.zeros((v.shape[0], 1) + v.shape[2:], v.dtype)
+    if fp8:
+        k = k.astype(np.float64) * _descale_bshd(k_descale)
+        v = v.astype(np.float64) * _descale_bshd(v_descale)
+        if not upcast:
+            k, v = k.astype(_host(q).dtype), v.astype(_host(q).dtype)
     return forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                    sinks=sinks, seqused_k=used.astype(np.int32), upcast=upcast)

@@ -345,14 +345,15 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device) -> tuple[object, np.
 
 
 def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend: str,
-                 features: Features) -> Checked:
+                 features: Features, k_descale=None, v_descale=None) -> Checked:
     """Validate a decode call (``rawflash.decode``); raises before anything is launched or appended.
 
     The problem's seqlen_k is the cache's capacity per sequence (what the launch is planned from), new_keys the
-    appended rows, page_size the paged cache's page (0: contiguous); extras hold cache_seqlens (as seqused_k, or
-    ``cache_len`` for an int), block_table, alibi_slopes and sinks. Values on the host (an int, NumPy arrays) are
-    checked here; those of device arrays are never copied to the host (no synchronisation): the kernels check
-    them and give an out-of-range sequence NaN results without reading or writing outside the cache.
+    appended rows, page_size the paged cache's page (0: contiguous), kv_dtype the cache's dtype where it is FP8;
+    extras hold cache_seqlens (as seqused_k, or ``cache_len`` for an int), block_table, alibi_slopes, sinks and an
+    FP8 cache's k_descale / v_descale. Values on the host (an int, NumPy arrays) are checked here; those of device
+    arrays are never copied to the host (no synchronisation): the kernels check them and give an out-of-range
+    sequence NaN results without reading or writing outside the cache.
     """
     check_choice(backend, "backend", DECODE_BACKENDS)
     causal = check_flag(causal, "causal")
@@ -363,8 +364,26 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
     shapes = {n: _shape(x, n) for n, x in named}
     dtype = _dtype(q, "q")
     device = device_of(q, kinds["q"])
-    for n, x in named[1:]:
-        _same(x, n, dtype, device)
+    kv_dtype = _dtype(k_cache, "k_cache", "ok")
+    if kv_dtype == configs.FP8:
+        if dtype not in OUT_DTYPES:
+            raise TypeError(f"a float8_e4m3fn cache goes with float16 or bfloat16 q (the queries, new keys and "
+                            f"output), got q {dtype}")
+        if backend == "numba":
+            raise ValueError("float8_e4m3fn caches have no Numba twin: use backend='cupy' or 'reference', got "
+                             "backend='numba'")
+        for n, x in named[1:]:
+            if _dtype(x, n, "ok") != kv_dtype:
+                raise TypeError(f"{n} must have k_cache's dtype float8_e4m3fn, got {dtype_name(x.dtype)}")
+            if device_of(x, array_kind(x, n)) != device:
+                raise ValueError(f"{n} must be on q's device ({device}), got {device_of(x, array_kind(x, n))}")
+    else:
+        for n, x in named[1:]:
+            _same(x, n, dtype, device)
+        given = [n for n, x in (("k_descale", k_descale), ("v_descale", v_descale)) if x is not None]
+        if given:
+            raise ValueError(f"{given[0]} goes with a float8_e4m3fn cache (k_cache, v_cache); got it with a "
+                             f"{dtype} cache")
     batch, sq, h, d = shapes["q"]
     if shapes["v_cache"] != shapes["k_cache"]:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {shapes['k_cache']} and "
@@ -378,6 +397,10 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
     if not 1 <= d <= configs.MAX_HEAD_DIM or d % 8:
         raise ValueError(f"decode needs head_dim a multiple of 8 between 8 and {configs.MAX_HEAD_DIM} (the cache is "
                          f"read and appended in place, never padded), got {d}")
+    if kv_dtype == configs.FP8 and (d % 16 or not configs.has_row("decode_split", d, kv_dtype)):
+        raise ValueError(f"a float8_e4m3fn cache needs head_dim a multiple of 16 in 48 - 64 or 112 - "
+                         f"{configs.MAX_HEAD_DIM} (its tiles' rows are whole 16-byte chunks, 4, 8k or 8k + 4 of "
+                         f"them), got {d}")
     if sq < 1 or batch < 1:
         raise ValueError(f"q must have at least one sequence and one query row, got shape {shapes['q']}")
     if (k_new is None) != (v_new is None):
@@ -439,9 +462,15 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
                                                 device)
     if features.sinks is not None:
         extras["sinks"] = _feature_array(features.sinks, "sinks", [(h,)], "float32", device)
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is not None:
+            extras[name] = _feature_array(x, name, [(1,), (batch, hk)], "float32", device)
+    if k_descale is not None and v_descale is not None and tuple(k_descale.shape) != tuple(v_descale.shape):
+        raise ValueError(f"k_descale and v_descale must share one shape ((1,) or (batch, kv_heads)), got "
+                         f"{tuple(k_descale.shape)} and {tuple(v_descale.shape)}")
     problem = Problem(batch, sq, capacity, h, hk, d, dtype, causal, window=window, softcap=softcap,
                       alibi="alibi_slopes" in extras, sinks="sinks" in extras, seqused_k=True, new_keys=new,
-                      page_size=page)
+                      page_size=page, kv_dtype=kv_dtype if kv_dtype == configs.FP8 else "")
     return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)
 
 

@@ -27,6 +27,7 @@ cupy.cuda.set_pinned_memory_allocator(None)
 import numpy as np  # noqa: E402
 
 import rawflash  # noqa: E402
+from rawflash import fp8  # noqa: E402
 from conftest import random_qkv  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -93,7 +94,8 @@ def _decode(dtype: str) -> None:
     query rows, the features, one and many splits (the partials merged by decode_split's last CTAs; for MQA 32/1's 32
     packed rows by the warp combine at 40 splits, 10 partials, and by the CTA combine at 160, 40 partials), the
     append in decode_split and (MQA 32/1 with 2 query rows: two row groups of 32) decode_append before it, an
-    appended key a window hides from every row, and out-of-range device lengths and pages."""
+    appended key a window hides from every row, and out-of-range device lengths and pages; for 16-bit q the same
+    caches quantised to float8_e4m3fn (per (sequence, kv head) descales) at the head dims with an FP8 row."""
     rng = np.random.default_rng(1)
     dt = random_qkv(1, 1, 1, 1, 1, 8, dtype)[0].dtype
     for d, (h, hk), page, sq in ((64, (4, 2), 0, 1), (128, (4, 1), 16, 3), (256, (2, 2), 3, 1), (96, (8, 2), 0, 2),
@@ -124,6 +126,14 @@ def _decode(dtype: str) -> None:
             bad_table[2, 1], bad_table[2, 0] = kc.shape[0] + 7, -1
         rawflash.decode(q, kc, vc, cache_seqlens=bad_lens, k_new=kn, v_new=kn.copy(), block_table=bad_table,
                         num_splits=3)
+        if dtype == "float32" or d == 96:  # (FP8 caches: 16-bit q, head dims with a row)
+            continue
+        (k8, kd), (v8, vd) = (fp8.quantize_cache(x, batch=3 if page else None) for x in (kc, vc))
+        for splits in (None, 5, 40):
+            rawflash.decode(q, k8, v8, cache_seqlens=cupy.asarray(lens), k_new=kn, v_new=kn.copy(), block_table=table,
+                            causal=True, num_splits=splits, k_descale=kd, v_descale=vd)
+        rawflash.decode(q, k8, v8, cache_seqlens=bad_lens, k_new=kn, v_new=kn.copy(), block_table=bad_table,
+                        num_splits=3, k_descale=kd, v_descale=vd)
 
 
 def _splitk(dtype: str) -> None:

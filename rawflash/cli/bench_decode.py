@@ -13,7 +13,9 @@ The sweep (``sweep_cases``): batch 1, 8, 64 x context 1k, 8k, 32k, 128k x GQA 32
 paged (page 16, 64, 256), d = 128, bf16, plus speculative decoding (4 query rows) at every contiguous GQA 32/8
 shape. Its largest cache, b64 x 128k x 8 kv heads, is 34 GB (K and V), which fits an H200 (141 GB) with its
 float32 fill buffer; a case whose cache does not fit the free memory is reported as skipped. ``quick_cases`` is a
-subset of 12 cases (about 2 minutes of an H200 with 10 repeats).
+subset of 12 cases (about 2 minutes of an H200 with 10 repeats). ``fp8_cases`` times float8_e4m3fn caches (per
+(sequence, kv head) descales, ``fp8.quantize_cache``) each beside the same step on its bf16 cache; the peers read
+no FP8 cache and are timed on the bf16 twin, and an FP8 row's bandwidth counts its e4m3 bytes.
 """
 from __future__ import annotations
 
@@ -39,32 +41,38 @@ class DecodeCase:
     page: int = 0         # 0: contiguous cache
     sq: int = 1           # query rows per sequence (more: speculative decoding, causal)
     new: int = 1          # keys appended per step (rawflash only)
+    kv_dtype: str = ""    # "float8_e4m3fn": an FP8 cache (rawflash only); "": dtype
 
     @property
     def name(self) -> str:
         layout = f"paged {self.page}" if self.page else "contiguous"
         return (f"b{self.batch} N{self.cache} h{self.heads}/{self.kv_heads} d{self.head_dim} sq{self.sq} "
-                f"{layout}")
+                f"{layout}" + (" fp8 cache" if self.kv_dtype else ""))
 
     @property
     def itemsize(self) -> int:
         return 4 if self.dtype == "float32" else 2
 
+    @property
+    def kv_itemsize(self) -> int:
+        return 1 if self.kv_dtype else self.itemsize
+
     def bytes_moved(self) -> int:
-        """K and V of every used key read once, q read and out written once."""
+        """K and V of every used key read once (in the cache's dtype), q read and out written once."""
         keys = self.cache + self.new
-        return self.itemsize * (2 * self.batch * keys * self.kv_heads * self.head_dim
-                                + 2 * self.batch * self.sq * self.heads * self.head_dim)
+        return (self.kv_itemsize * 2 * self.batch * keys * self.kv_heads * self.head_dim
+                + self.itemsize * 2 * self.batch * self.sq * self.heads * self.head_dim)
 
     def cache_bytes(self) -> int:
         """Device memory of the two caches (whole pages when paged)."""
         cap = self.cache + self.new
         rows = -(-cap // self.page) * self.page if self.page else cap
-        return 2 * self.batch * rows * self.kv_heads * self.head_dim * self.itemsize
+        return 2 * self.batch * rows * self.kv_heads * self.head_dim * self.kv_itemsize
 
     @property
     def contiguous(self) -> "DecodeCase":
-        return dataclasses.replace(self, page=0)
+        """The twin the peers are timed on: contiguous, in the queries' dtype."""
+        return dataclasses.replace(self, page=0, kv_dtype="")
 
 
 GROUPS = ((32, 8), (64, 8), (32, 1))  # GQA 32/8 (Llama 3 8B), 64/8 (Llama 3 70B), MQA
@@ -85,6 +93,14 @@ def quick_cases() -> list[DecodeCase]:
             DecodeCase(8, 32768, page=16), DecodeCase(8, 32768, page=64), DecodeCase(8, 32768, page=256),
             DecodeCase(64, 4096), DecodeCase(64, 8192, page=64), DecodeCase(8, 32768, 32, 1),
             DecodeCase(8, 32768, 64, 8), DecodeCase(8, 32768, sq=4)]
+
+
+def fp8_cases() -> list[DecodeCase]:
+    """FP8 caches, each after its bf16 twin: batch 8 and 64 with 8k - 32k keys (GQA 32/8, MQA 32/1, pages of 64)
+    and batch 1 with 128k keys (a small grid)."""
+    shapes = [DecodeCase(8, 8192), DecodeCase(8, 32768), DecodeCase(64, 8192), DecodeCase(1, 131072),
+              DecodeCase(8, 32768, 32, 1), DecodeCase(8, 32768, page=64)]
+    return [c for s in shapes for c in (s, dataclasses.replace(s, kv_dtype="float8_e4m3fn"))]
 
 
 def decode_cases() -> list[DecodeCase]:
@@ -134,18 +150,33 @@ def _inputs(case: DecodeCase, seed: int = 0):
     return q, kc, vc, kn, vn, lens, table
 
 
-def _rawflash(case: DecodeCase, q, kc, vc, kn, vn, lens, table, override=None):
-    """(the kernels of one step bound once, the public call); ``override`` replaces tile rows in the bound one."""
+def _quantized(case: DecodeCase, kc, vc) -> tuple:
+    """(k_cache, v_cache, descales): an FP8 case's caches quantised per (sequence, kv head) (one descale per kv head
+    over all pages when paged), with {k_descale, v_descale}; other cases' as they are, with {}."""
+    if not case.kv_dtype:
+        return kc, vc, {}
+    from .. import fp8
+
+    batch = case.batch if case.page else None
+    (k8, kd), (v8, vd) = (fp8.quantize_cache(x, "head", batch=batch) for x in (kc, vc))
+    return k8, v8, {"k_descale": kd, "v_descale": vd}
+
+
+def _rawflash(case: DecodeCase, q, kc, vc, kn, vn, lens, table, override=None, descales=None):
+    """(the kernels of one step bound once, the public call); ``override`` replaces tile rows in the bound one;
+    ``descales``: an FP8 cache's {k_descale, v_descale}."""
     import rawflash
 
     from .. import settings, validation
     from ..kernels import cupy_backend
 
     causal = case.sq > 1
-    c = validation.check_decode(q, kc, vc, lens, kn, vn, table, causal, None, "cupy", validation.Features())
+    descales = descales or {}
+    c = validation.check_decode(q, kc, vc, lens, kn, vn, table, causal, None, "cupy", validation.Features(),
+                                **descales)
     bound = cupy_backend.bind_decode(c.problem, q, kc, vc, kn, vn, c.scale, None, c.extras, settings.load(), override)
     public = lambda: rawflash.decode(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn, block_table=table,  # noqa
-                                     causal=causal)
+                                     causal=causal, **descales)
     return bound, public
 
 
@@ -180,13 +211,15 @@ def validate(impl: str, case: DecodeCase, override=None) -> tuple[bool, str]:
     import cupy
 
     small = dataclasses.replace(case, batch=2, cache=min(case.cache, 3000) - 7)
-    if impl != "rawflash" and small.page:
-        return False, "no paged cache"
+    if impl != "rawflash" and (small.page or small.kv_dtype):
+        return False, "no paged cache" if small.page else "no FP8 cache"
     q, kc, vc, kn, vn, lens, table = _inputs(small, seed=3)
-    host = [None if x is None else cupy.asnumpy(x) for x in (q, kc, vc, kn, vn, lens, table)]
+    kc, vc, descales = _quantized(small, kc, vc)
+    host = [None if x is None else _host(x) for x in (q, kc, vc, kn, vn, lens, table)]
+    host_descales = {n: cupy.asnumpy(x) for n, x in descales.items()}
     causal = small.sq > 1
     if impl == "rawflash":
-        bound, public = _rawflash(small, q, kc, vc, kn, vn, lens, table, override)
+        bound, public = _rawflash(small, q, kc, vc, kn, vn, lens, table, override, descales)
         if override is None:
             got = cupy.asnumpy(public())
         else:
@@ -198,11 +231,20 @@ def validate(impl: str, case: DecodeCase, override=None) -> tuple[bool, str]:
         host[3] = host[4] = None
         host[5] = host[5] + small.new
         got = _torch_call(impl, small, q, kc, vc)().transpose(1, 2).float().cpu().numpy()
-    args = dict(k_new=host[3], v_new=host[4], block_table=host[6], causal=causal)
+    args = dict(k_new=host[3], v_new=host[4], block_table=host[6], causal=causal, **host_descales)
     ref, _ = reference.decode(host[0], host[1], host[2], host[5], **args)
     base, _ = reference.decode(host[0], host[1], host[2], host[5], upcast=False, **args)
     ok, err, _, bound = reference.error_ratio_ok(np.asarray(got, np.float64), ref, base, host[0].dtype, 2.0)
     return (True, "ok") if ok else (False, f"out error {err:.3g} > {bound:.3g}")
+
+
+def _host(x):
+    """A device array on the host (an FP8 one through its bytes: CuPy does not copy e4m3 arrays out)."""
+    import cupy
+
+    if x.dtype.itemsize == 1 and x.dtype != np.uint8 and x.dtype != np.int8:
+        return cupy.asnumpy(x.view(cupy.uint8)).view(x.dtype)
+    return cupy.asnumpy(x)
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10) -> float:
@@ -246,8 +288,8 @@ def run_decode(repeats: int = 20, impls: tuple[str, ...] = IMPLS, cases: list[De
         skip = _fits(case)
         for impl in impls:
             row = {"case": case.name, "impl": impl}
-            if impl != "rawflash" and case.page:
-                continue  # SDPA reads no pages: compared on the contiguous twin below
+            if impl != "rawflash" and (case.page or case.kv_dtype):
+                continue  # SDPA reads no pages and no FP8 cache: compared on the contiguous bf16 twin below
             if skip:
                 rows.append({**row, "status": skip})
                 continue
@@ -265,7 +307,8 @@ def run_decode(repeats: int = 20, impls: tuple[str, ...] = IMPLS, cases: list[De
             try:
                 q, kc, vc, kn, vn, lens, table = _inputs(case)
                 if impl == "rawflash":
-                    bound, public = _rawflash(case, q, kc, vc, kn, vn, lens, table)
+                    kc, vc, descales = _quantized(case, kc, vc)
+                    bound, public = _rawflash(case, q, kc, vc, kn, vn, lens, table, descales=descales)
                     row["kernel_ms"] = time_ms(bound.launch, repeats=repeats)
                     row["ms"] = time_ms(public, repeats=repeats)
                     row["splits"] = bound.plan_info.num_splits
@@ -279,6 +322,7 @@ def run_decode(repeats: int = 20, impls: tuple[str, ...] = IMPLS, cases: list[De
                 row["status"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}"
             rows.append(row)
             del q, kc, vc, kn, vn, lens, table
+            bound = public = descales = None
             cupy.get_default_memory_pool().free_all_blocks()
     _ratios(rows, cases, impls[1:])
     return {"copy_GBps": roof, "rows": rows}
@@ -292,6 +336,9 @@ def _ratios(rows: list[dict], cases: list[DecodeCase], peers: tuple[str, ...]) -
         r = by.get((case.name, "rawflash"))
         if not r or r.get("status") != "ok":
             continue
+        twin = by.get((dataclasses.replace(case, kv_dtype="").name, "rawflash"))
+        if case.kv_dtype and twin and twin.get("status") == "ok":  # the same step on the bf16 cache
+            r["vs bf16 cache"] = twin["kernel_ms"] / r["kernel_ms"]
         timed = {}
         for peer in peers:
             other = by.get((case.contiguous.name, peer))

@@ -457,11 +457,13 @@ def _measure(p: Problem, rows: list[dict]) -> str | None:
               help="With --decode: keys appended before attending (k_new / v_new rows).")
 @click.option("--num-splits", type=click.IntRange(min=1), default=None,
               help="With --decode: the split count asked for  [default: the heuristic's]")
+@click.option("--fp8-cache", is_flag=True,
+              help="With --decode: a float8_e4m3fn cache (read as K8 * k_descale, V8 * v_descale) for the 16-bit q.")
 @target_options(sms=True)
 @json_option
 @click.pass_context
-def explain(ctx, spec, kernel, backend, scale, direction, deterministic, decode, page_size, new_keys, num_splits, gpu,
-            arch, sms, as_json):
+def explain(ctx, spec, kernel, backend, scale, direction, deterministic, decode, page_size, new_keys, num_splits,
+            fp8_cache, gpu, arch, sms, as_json):
     """Dry run of a call on the target: the API's verdict (or its exact error), variant, launches (the CUDA C
     kernels', the Numba twins' with --backend numba, none with --backend reference), bytes, time bound. With
     --decode: rawflash.decode's launches and split plan (num_splits).
@@ -471,10 +473,10 @@ def explain(ctx, spec, kernel, backend, scale, direction, deterministic, decode,
     tgt = _target(gpu, arch, sms)
     if decode:
         report = introspect.explain_decode(spec, page_size=page_size, new_keys=new_keys, num_splits=num_splits,
-                                           backend=backend, scale=scale, tgt=tgt)
+                                           backend=backend, scale=scale, tgt=tgt, fp8_cache=fp8_cache)
     else:
-        if page_size or num_splits is not None:
-            raise click.UsageError("--page-size and --num-splits go with --decode")
+        if page_size or num_splits is not None or fp8_cache:
+            raise click.UsageError("--page-size, --num-splits and --fp8-cache go with --decode")
         report = introspect.explain(spec, kernel=kernel, backend=backend, scale=scale, direction=direction,
                                     deterministic=deterministic, tgt=tgt)
     _emit(report, as_json)
@@ -704,7 +706,8 @@ def demo(ctx, gpu, arch, sms, as_json):
                    "--dtype float8_e4m3fn adds the FP8 forward's cases, beside bf16's when both are given).")
 @click.option("--decode", is_flag=True,
               help="Time decode instead (a KV-cache step: bandwidth beside a device copy and PyTorch's SDPA): "
-                   "batch 1/8/64 x context 1k-128k x GQA 32/8, 64/8, MQA x contiguous and paged 16/64/256.")
+                   "batch 1/8/64 x context 1k-128k x GQA 32/8, 64/8, MQA x contiguous and paged 16/64/256; "
+                   "--dtype float8_e4m3fn: FP8 caches, each beside its bf16 cache.")
 @click.option("--quick", is_flag=True, help="With --decode: a subset of 12 cases (about 2 minutes on an H200).")
 @click.option("--feature-head-dim", type=click.IntRange(min=8, max=256), default=None,
               help="With --features: the head dim of every feature case (heads = 2048 / it)  [default: 128]")
@@ -758,7 +761,13 @@ def bench(ctx, impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, 
     if decode or features:  # the decode sweep or the feature cases instead of the FA2 sweep
         from . import bench_decode
 
-        cases = bench_decode.quick_cases() if quick else None
+        if decode and bench_mod.FP8 in dtypes:
+            if quick or set(dtypes) != {bench_mod.FP8}:
+                raise click.UsageError("--decode --dtype float8_e4m3fn times its own cases (FP8 caches beside bf16 "
+                                       "ones): give it alone, without --quick")
+            cases = bench_decode.fp8_cases()
+        else:
+            cases = bench_decode.quick_cases() if quick else None
         name, result = ("decode", bench_decode.run_decode(repeats, cases=cases)) if decode else \
             ("features", bench_mod.run_features(repeats, feature_head_dim or 128, tuple(directions), tuple(dtypes)))
         out = Path(out_dir)

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from .. import settings, validation
+from .. import reference, settings, validation
 from ..kernels import compile, configs, forms, launch, registry
 from ..kernels.cupy_backend import run_head_dim
 from ..kernels.launch import Launch
@@ -679,11 +679,13 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
 
 
 # ---------------------------------------------------------------- explain --decode: a dry run of rawflash.decode
-def decode_placeholders(spec: ShapeSpec, page_size: int, new_keys: int) -> dict:
+def decode_placeholders(spec: ShapeSpec, page_size: int, new_keys: int, fp8_cache: bool = False) -> dict:
     """rawflash.decode's arguments for a spec as zero-stride NumPy arrays: q (batch, seqlen_q, heads, d), caches
-    holding seqlen_k (the cache_seqlens, an int) + new_keys keys, contiguous or in pages of ``page_size``."""
+    (float8_e4m3fn with ``fp8_cache``) holding seqlen_k (the cache_seqlens, an int) + new_keys keys, contiguous or
+    in pages of ``page_size``."""
     dt = accuracy.DTYPES[spec.dtype]
     one = np.zeros((), dt)
+    one_kv = np.zeros((), reference.E4M3) if fp8_cache else one
     hk = spec.heads if spec.kv_heads is None else spec.kv_heads
     cache = spec.seqlen_q if spec.seqlen_k is None else spec.seqlen_k
     cap = cache + new_keys
@@ -695,18 +697,19 @@ def decode_placeholders(spec: ShapeSpec, page_size: int, new_keys: int) -> dict:
         out["block_table"] = np.arange(spec.batch * per, dtype=np.int32).reshape(spec.batch, per)
     else:
         kv = (spec.batch, max(1, cap), hk, spec.head_dim)
-    out["k_cache"] = out["v_cache"] = np.broadcast_to(one, kv)
+    out["k_cache"] = out["v_cache"] = np.broadcast_to(one_kv, kv)
     if new_keys:
         out["k_new"] = out["v_new"] = np.broadcast_to(one, (spec.batch, new_keys, hk, spec.head_dim))
     return out
 
 
 def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits: int | None, backend: str, scale,
-                   tgt: Target) -> dict:
+                   tgt: Target, fp8_cache: bool = False) -> dict:
     """What ``rawflash.decode`` would do on ``tgt`` for the spec (seqlen_q query rows against caches of seqlen_k
-    keys each, new_keys appended), or the API's exact error; nothing is launched."""
-    x = decode_placeholders(spec, page_size, new_keys)
-    layout = f"pages of {page_size}" if page_size else "contiguous"
+    keys each, new_keys appended; an FP8 cache with ``fp8_cache``), or the API's exact error; nothing is
+    launched."""
+    x = decode_placeholders(spec, page_size, new_keys, fp8_cache)
+    layout = (f"pages of {page_size}" if page_size else "contiguous") + (", float8_e4m3fn cache" if fp8_cache else "")
     report = {"call": [f"rawflash.decode(q{list(x['q'].shape)}, k_cache{list(x['k_cache'].shape)}, v_cache, "
                        f"cache_seqlens={x['cache_seqlens']}, k_new={'[...]' if new_keys else None}, "
                        f"block_table={'[...]' if page_size else None}, causal={spec.causal}, num_splits={num_splits}, "
@@ -751,7 +754,7 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
         report["launches"].append(add_note(row, roles[lau.kernel], *situation_notes(kp, lau),
                                            fit_problem(row["smem"], tgt.arch)))
     tiles = cdiv(max(1, kp.seqlen_k), cfg.bc)
-    cache_bytes = 2 * p.batch * (x["cache_seqlens"] + new_keys) * p.kv_heads * p.head_dim * p.itemsize
+    cache_bytes = 2 * p.batch * (x["cache_seqlens"] + new_keys) * p.kv_heads * p.head_dim * p.kv_itemsize
     combine = plan.launches[-1].kernel  # forms.decode_combine's choice (decode_split itself when fused)
     report["split plan"] = {
         "num_splits": plan.num_splits,

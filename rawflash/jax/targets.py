@@ -126,6 +126,9 @@ def check_decode(shapes: tuple, dtypes: tuple, opts: tuple, device: int = 0):
     q, kc, vc, lens, kn, vn, table, alibi, sinks = _stand_ins(shapes, dtypes, device)
     feats = validation.Features(window, softcap, alibi, sinks, None, None, None, None, None)
     c = validation.check_decode(q, kc, vc, lens, kn, vn, table, causal, scale, "cupy", feats)
+    if c.problem.kv_dtype:
+        raise TypeError("rawflash.jax.decode reads 16-bit and float32 caches; a float8_e4m3fn cache runs through "
+                        "rawflash.decode (CuPy) only")
     return c, (q, kc, vc, kn, vn)
 
 

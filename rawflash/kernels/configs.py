@@ -204,6 +204,14 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("decode_split", (128,), _16BIT, TileConfig(16, 16, 4, stages=2, why="1 m-tile, 16 keys, 2 deep: 68 KB"))
     put("decode_split", (192, 256), _16BIT, TileConfig(16, 16, 4, stages=2, why="16-key tiles, 2 deep: 102 / 136 KB"))
     put("decode_split", (32, 64, 96, 128), ("float32",), TileConfig(16, 16, 4, stages=2, why="fp32: half the keys"))
+    # FP8 caches (16-bit queries; keyed by the cache's dtype): a tile of e4m3 keys is half the bytes of a 16-bit
+    # one, and each warp also holds its tile widened to 16 bits (mainloop_decode.cuh), so the rows keep as many
+    # bytes in flight per warp as the 16-bit rows with more stages or keys. Head dims whose tile rows are 2 or 6
+    # 16-byte chunks (32, 96) have no row (the swizzle needs 4, 8k or 8k + 4).
+    put("decode_split", (64,), (FP8,), TileConfig(16, 32, 4, stages=4, why="FP8 cache: 32 e4m3 keys, 4 deep: 98 KB"))
+    put("decode_split", (128,), (FP8,), TileConfig(16, 16, 4, stages=4, why="FP8 cache: 16 keys, 4 deep: 100 KB"))
+    put("decode_split", (192, 256), (FP8,), TileConfig(16, 16, 4, stages=2,
+                                                       why="FP8 cache: 16 keys, 2 deep: 102 / 136 KB"))
     put("decode_split", (192, 256), ("float32",), TileConfig(16, 16, 2, stages=2, why="fp32: 2 warps fit 163 KB"))
     return rows
 

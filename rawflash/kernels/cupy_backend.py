@@ -109,7 +109,7 @@ def _feature_arrays(extras: dict) -> dict:
     sinks, int32 for the rest (cu_seqlens_q / _k, seqused_k, ...)."""
     import cupy
 
-    dtypes = {"alibi_slopes": np.float32, "sinks": np.float32}
+    dtypes = {"alibi_slopes": np.float32, "sinks": np.float32, "k_descale": np.float32, "v_descale": np.float32}
     return {name: cupy.ascontiguousarray(cupy.asarray(x), dtype=dtypes.get(name, np.int32))
             for name, x in extras.items()}
 
@@ -706,8 +706,12 @@ def _decode_inputs(q, k_cache, v_cache, k_new, v_new, hd: int):
     chunk = 16 // q.dtype.itemsize
     appends = k_new is not None
     q = _ready(q, hd, chunk)
-    k_cache = _cache_ready(cupy.asarray(k_cache), "k_cache", chunk, appends)
-    v_cache = _cache_ready(cupy.asarray(v_cache), "v_cache", chunk, appends)
+    if isinstance(k_cache, np.ndarray) and k_cache.dtype.itemsize == 1:  # an FP8 cache of NumPy's: as bytes
+        k_cache, v_cache = (cupy.asarray(x.view(np.uint8)) for x in (k_cache, v_cache))
+    k_cache, v_cache = cupy.asarray(k_cache), cupy.asarray(v_cache)
+    kv_chunk = 16 // k_cache.dtype.itemsize  # (an FP8 cache: 16 elements)
+    k_cache = _cache_ready(k_cache, "k_cache", kv_chunk, appends)
+    v_cache = _cache_ready(v_cache, "v_cache", kv_chunk, appends)
     new = tuple(kernel_ready(cupy.asarray(x), chunk) for x in (k_new, v_new)) if appends else (None, None)
     return q, k_cache, v_cache, *new
 

@@ -181,8 +181,9 @@ def softmax_ref(p: Problem) -> int:
 
 
 def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
-    return configs.tile_config(kernel, configs.padded_head_dim(p.head_dim), p.dtype, p.arch, override, p.general,
-                               situations(p))
+    """The row of ``kernel`` for ``p`` (decode with an FP8 cache: the cache's dtype keys it)."""
+    return configs.tile_config(kernel, configs.padded_head_dim(p.head_dim), p.kv_dtype or p.dtype, p.arch, override,
+                               p.general, situations(p))
 
 
 def hopper_form_fits(kernel: str, p: Problem) -> bool:
@@ -380,7 +381,7 @@ DECODE_TILE_WAIT_US = 2.0
 def decode_ctas_per_sm(p: Problem, cfg: TileConfig) -> int:
     """CTAs of decode_split one SM holds: by shared memory (227 KB per SM, 1 KB reserved per CTA), threads (2048)
     and registers (assumed <= 128 per thread, which ptxas reports for the 16-bit rows), at most 32."""
-    smem = launch.smem_decode_split(cfg, configs.padded_head_dim(p.head_dim), p.itemsize)
+    smem = launch.smem_decode_split(cfg, configs.padded_head_dim(p.head_dim), p.itemsize, p.kv_itemsize)
     return max(1, min(32, 233472 // (smem + 1024), 2048 // cfg.threads, 65536 // (cfg.threads * 128)))
 
 
@@ -400,7 +401,7 @@ def decode_split_cost(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) 
     per_split = cdiv(tiles, splits)
     per_pair = cdiv(splits, cfg.warps)
     ctas, slots = pairs * per_pair, sms * decode_ctas_per_sm(p, cfg)
-    tile_bytes = 2 * cfg.bc * configs.padded_head_dim(p.head_dim) * p.itemsize
+    tile_bytes = 2 * cfg.bc * configs.padded_head_dim(p.head_dim) * p.kv_itemsize
     cta_bytes = splits / per_pair * per_split * tile_bytes
     chain = per_split * DECODE_TILE_WAIT_US / max(1, cfg.stages - 1)
     full, rest = divmod(ctas, slots)
@@ -581,6 +582,9 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     # MQA with twice MANY_DECODE_ROWS query heads: configs.MANY_ROWS_DECODE's rows
                     launches += decode_plan(dataclasses.replace(dp, heads=2 * configs.MANY_DECODE_ROWS), 8).launches
                     launches += [launch.decode_append(dp), launch.decode_combine(dp)]  # and the other forms
+                    if configs.has_row("decode_split", d, configs.FP8) and dtype != "float32":  # an FP8 cache
+                        fp = dataclasses.replace(dp, kv_dtype=configs.FP8)
+                        launches += [*decode_plan(fp, 8).launches, launch.decode_append(fp)]
                 for lau in launches:
                     for x in with_way_back(lau):  # (a REF_FIRST forward's REF_RUNNING twin)
                         out.setdefault(x.name_expression, x)

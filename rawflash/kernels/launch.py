@@ -16,7 +16,7 @@ from ..problem import Problem, cdiv
 from . import configs
 from .configs import TileConfig
 
-CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float8_e4m3fn": "rf::e4m3"}
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 132 * 16  # grid-stride loops: enough CTAs to fill an H200 several times over
 MAX_GRID_YZ = 65535
@@ -505,17 +505,21 @@ def decode_rows(p: Problem, cfg: TileConfig) -> tuple[int, int]:
     return rows, cdiv(rows, cfg.br)
 
 
-def smem_decode_split(cfg: TileConfig, d: int, itemsize: int) -> int:
-    """The packed Q tile, and per warp `stages` tiles of K_j and V_j."""
-    return cfg.br * d * itemsize + cfg.warps * cfg.stages * 2 * cfg.bc * d * itemsize
+def smem_decode_split(cfg: TileConfig, d: int, itemsize: int, kv_itemsize: int | None = None) -> int:
+    """The packed Q tile, and per warp `stages` tiles of K_j and V_j (of the cache's elements) and, for an FP8
+    cache (``kv_itemsize`` below ``itemsize``), K_j and V_j widened to the queries' type."""
+    kv = itemsize if kv_itemsize is None else kv_itemsize
+    wide = 2 * cfg.bc * d * itemsize if kv < itemsize else 0
+    return cfg.br * d * itemsize + cfg.warps * (cfg.stages * 2 * cfg.bc * d * kv + wide)
 
 
 def decode_split(p: Problem, cfg: TileConfig, num_splits: int) -> Launch:
     """Split-KV decode: grid (cdiv(num_splits, warps), kv_heads x row groups, batch), one split per warp, one
     partial result per CTA (``decode_partials``)."""
     d = configs.padded_head_dim(p.head_dim)
-    smem = smem_decode_split(cfg, d, p.itemsize)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br // 16, cfg.bc, cfg.stages, cfg.warps, smem)
+    smem = smem_decode_split(cfg, d, p.itemsize, p.kv_itemsize)
+    args = (CUDA_TYPES[p.dtype], CUDA_TYPES[p.kv_dtype or p.dtype], d, cfg.br // 16, cfg.bc, cfg.stages, cfg.warps,
+            smem)
     grid = _check_grid((cdiv(num_splits, cfg.warps), p.kv_heads * decode_rows(p, cfg)[1], p.batch), "decode_split")
     return Launch("decode_split", "decode.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
 
@@ -527,7 +531,8 @@ def decode_partials(cfg: TileConfig, num_splits: int) -> int:
 
 def decode_append(p: Problem) -> Launch:
     """8 columns of one appended key (K and V) per thread."""
-    return _elementwise("decode_append", "decode.cu", p.dtype, p.batch * p.new_keys * p.kv_heads * cdiv(p.head_dim, 8))
+    lau = _elementwise("decode_append", "decode.cu", p.dtype, p.batch * p.new_keys * p.kv_heads * cdiv(p.head_dim, 8))
+    return dataclasses.replace(lau, template_args=(*lau.template_args, CUDA_TYPES[p.kv_dtype or p.dtype]))
 
 
 DECODE_COMBINE_THREADS = 256  # one CTA per (batch, query, head) row; lanes over splits, then 4-column chunks

@@ -96,7 +96,7 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
     (CuPy arrays or None), block_table (its page size is ``p.page_size``), o_ws / m_ws / l_ws (float32 work
     buffers), num_splits, tile_counter (two int32 zeros: FA3's dynamic persistent grid), ref_flag and ref_gen (the
     FA3 forward's REF_FIRST check: an int32 word and this call's nonzero number); ``descales`` (FP8) the
-    (q, k, v) descale arrays. ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the cache's capacity
+    (q, k, v) descale arrays; k_descale / v_descale (decode's FP8 cache). ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the cache's capacity
     per sequence (``p.seqlen_k``) and pages (k's first axis when paged), cache_len (every sequence's cache_seqlens
     when seqused_k is None), split_appends (decode_split writes k_new / v_new itself: the plan's
     ``DecodePlan.split_appends``), num_partials (one per CTA of decode_split: ``DecodePlan.partials``) and
@@ -123,6 +123,10 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
             rec[name] = ptr(x)
         per_head = descales[0].size > 1
         rec["descale_sb"], rec["descale_sh"] = (p.kv_heads, 1) if per_head else (0, 0)
+    cache_descales = [x for x in (extras.get("k_descale"), extras.get("v_descale")) if x is not None]
+    if cache_descales:  # decode's FP8 cache: k_descale / v_descale, (1,) or (batch, kv_heads), the same shape
+        rec["k_descale"], rec["v_descale"] = ptr(extras.get("k_descale")), ptr(extras.get("v_descale"))
+        rec["descale_sb"], rec["descale_sh"] = (p.kv_heads, 1) if cache_descales[0].size > 1 else (0, 0)
     for name, prefix, x in (("k_new", "kn", k_new), ("v_new", "vn", v_new)):
         rec[name] = ptr(x)
         if x is not None:

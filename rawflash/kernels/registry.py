@@ -185,7 +185,9 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
                     "per output row (up to 32 splits)", "decode"),
              Helper("decode_combine", "decode.cu", "the splits merged by their lse, the sink added: one CTA per "
                     "output row (more than 32 splits)", "decode")),
-            supports=COMMON + ("window", "softcap", "alibi_slopes", "sinks", "paged KV cache", "in-place append")),
+            supports=COMMON + ("window", "softcap", "alibi_slopes", "sinks", "paged KV cache", "in-place append",
+                               "float8_e4m3fn cache with k_descale / v_descale (no Numba twin: the twins read "
+                               "16-bit and float32 caches)")),
 )}
 
 

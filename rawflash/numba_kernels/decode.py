@@ -111,8 +111,17 @@ def combine_rows(p, g, smem, b, hk, group, r0, nrows, parts):
 
 
 @functools.lru_cache(maxsize=None)
-def make_decode_append(T: str) -> Twin:
-    """The twin of ``decode_append<T>``: one thread per 8 columns of one new key, with the Launch's grid and block."""
+def _cache_is_t(T: str, C: str) -> None:
+    """The twins read caches of the queries' type only (an FP8 cache, C = rf::e4m3, has no twin)."""
+    if C != T:
+        raise NotImplementedError(f"the decode twins read caches of q's type; got a {C} cache for {T} queries (FP8 "
+                                  "caches run on the CUDA C kernels only)")
+
+
+def make_decode_append(T: str, C: str) -> Twin:
+    """The twin of ``decode_append<T, C>`` (C = T): one thread per 8 columns of one new key, with the Launch's grid
+    and block."""
+    _cache_is_t(T, C)
 
     @cuda.jit
     def decode_append(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws, counters):
@@ -135,10 +144,11 @@ def make_decode_append(T: str) -> Twin:
 
 
 @functools.lru_cache(maxsize=None)
-def make_decode_split(T: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int, SMEM_BYTES: int) -> Twin:
-    """The twin of ``decode_split<...>``, taking the CUDA template's arguments in order (``Launch.template_args``);
-    launched with the Launch's grid, ``Twin.threads`` threads (WARPS splits of 16 MT packed rows) and ``Twin.smem``
-    bytes (float32 tiles, one stage)."""
+def make_decode_split(T: str, C: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int, SMEM_BYTES: int) -> Twin:
+    """The twin of ``decode_split<...>``, taking the CUDA template's arguments in order (``Launch.template_args``;
+    the cache's type C is T: FP8 caches have no twin); launched with the Launch's grid, ``Twin.threads`` threads
+    (WARPS splits of 16 MT packed rows) and ``Twin.smem`` bytes (float32 tiles, one stage)."""
+    _cache_is_t(T, C)
     ROWS = 16 * MT
     STATE = D + 2  # the row's O, m, l (the CUDA C's accumulator fragments and OnlineSoftmax)
     EXACT = is_float32(T)
