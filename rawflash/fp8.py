@@ -220,7 +220,8 @@ def quantize_cache(cache, granularity: str = "head", *, batch: int | None = None
     if len(cache.shape) != 4:
         raise ValueError(f"cache must have 4 axes (batch or pages, rows, kv_heads, head_dim), got {tuple(cache.shape)}")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise ValueError(f"batch must be None (a contiguous cache) or the page table's rows (an int >= 1), got {batch!r}")
+        raise ValueError("batch must be None (a contiguous cache) or the page table's rows (an int >= 1), "
+                         f"got {batch!r}")
     kv = int(cache.shape[2])
     x = cache if batch is None else cache.reshape((1, -1) + tuple(cache.shape[2:]))  # paged: every page at once
     x8, descale = quantize(x, granularity, kv_heads=kv)

@@ -115,7 +115,8 @@ BAD = [
     (lambda a, o: o.update(k_descale=o["k_descale"][:1]), ValueError, r"k_descale must have shape \(1,\) or \(3, 2\)"),
     (lambda a, o: o.update(v_descale=o["v_descale"].astype(np.float16)), TypeError,
      "v_descale must have dtype float32"),
-    (lambda a, o: o.update(v_descale=np.ones(1, np.float32)), ValueError, "k_descale and v_descale must share one shape"),
+    (lambda a, o: o.update(v_descale=np.ones(1, np.float32)), ValueError,
+     "k_descale and v_descale must share one shape"),
     (lambda a, o: a.update(q=a["q"][..., :96], k_cache=a["k_cache"][..., :96], v_cache=a["v_cache"][..., :96],
                            k_new=a["k_new"][..., :96], v_new=a["v_new"][..., :96]), ValueError,
      "a float8_e4m3fn cache needs head_dim a multiple of 16 in 48 - 64 or 112 - 256"),
@@ -257,3 +258,12 @@ def test_fp8_decode_gpu_planned_calls_read_new_descales():
         base, _ = reference.decode(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"], causal=False,
                                    upcast=False, **{n: x * np.float32(scale) for n, x in opts.items()})
         assert reference.error_ratio_ok(out, ref, base, "bfloat16", 2.0)[0], scale
+
+
+def test_fp8_cache_needs_hopper():
+    """An FP8 cache's rows and conversions are Hopper's: a plan for another GPU is refused by name, and no other
+    arch instantiates the FP8 decode kernels (sm_80 has no e4m3 conversion)."""
+    p = Problem(4, 1, 8192, 32, 8, 128, "bfloat16", False, "sm_80", new_keys=1, kv_dtype=configs.FP8)
+    with pytest.raises(ValueError, match=r"float8_e4m3fn caches \(k_cache, v_cache\) need an sm_90 GPU"):
+        forms.decode_plan(p)
+    assert not any("e4m3" in x.name_expression for x in forms.all_instantiations("sm_80"))

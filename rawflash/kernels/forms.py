@@ -511,7 +511,10 @@ def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
     """The append (when new keys come and decode_split cannot write them itself: ``decode_split_appends``), the
     split-KV pass and the combine (in decode_split's last CTAs, ``decode_fuses_combine``, or ``decode_combine``) of
     one decode call; ``num_splits`` as asked (splits past a
-    sequence's keys are empty), or ``decode_splits``'s choice. Cached per problem."""
+    sequence's keys are empty), or ``decode_splits``'s choice. Cached per problem. An FP8 cache (``p.kv_dtype``)
+    needs sm_90: its rows are Hopper's (e4m3 conversions exist from sm_89; no smaller GPU's rows are measured)."""
+    if p.kv_dtype == configs.FP8 and p.arch != "sm_90":
+        raise ValueError(f"float8_e4m3fn caches (k_cache, v_cache) need an sm_90 GPU (Hopper), got {p.arch}")
     if override:
         return _make_decode_plan(p, _config("decode_split", p, override), num_splits, sms)
     return _decode_plan(dataclasses.replace(p, lengths=()), num_splits, sms)
@@ -582,7 +585,7 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     # MQA with twice MANY_DECODE_ROWS query heads: configs.MANY_ROWS_DECODE's rows
                     launches += decode_plan(dataclasses.replace(dp, heads=2 * configs.MANY_DECODE_ROWS), 8).launches
                     launches += [launch.decode_append(dp), launch.decode_combine(dp)]  # and the other forms
-                    if configs.has_row("decode_split", d, configs.FP8) and dtype != "float32":  # an FP8 cache
+                    if configs.has_row("decode_split", d, configs.FP8) and dtype != "float32" and arch == "sm_90":
                         fp = dataclasses.replace(dp, kv_dtype=configs.FP8)
                         launches += [*decode_plan(fp, 8).launches, launch.decode_append(fp)]
                 for lau in launches:

@@ -92,16 +92,16 @@ def _common(rec, p: Problem, scale: float, extras: dict) -> None:
 def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=None, decode: bool = False,
                cache_len: int = 0, split_appends: bool = False, num_partials: int = 1, decode_counters=None,
                descales: tuple = (), **extras) -> np.ndarray:
-    """FwdParams for one forward (or decode) call. ``extras``: cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks
-    (CuPy arrays or None), block_table (its page size is ``p.page_size``), o_ws / m_ws / l_ws (float32 work
-    buffers), num_splits, tile_counter (two int32 zeros: FA3's dynamic persistent grid), ref_flag and ref_gen (the
-    FA3 forward's REF_FIRST check: an int32 word and this call's nonzero number); ``descales`` (FP8) the
-    (q, k, v) descale arrays; k_descale / v_descale (decode's FP8 cache). ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the cache's capacity
-    per sequence (``p.seqlen_k``) and pages (k's first axis when paged), cache_len (every sequence's cache_seqlens
-    when seqused_k is None), split_appends (decode_split writes k_new / v_new itself: the plan's
+    """FwdParams for one forward (or decode) call. ``extras``: cu_seqlens_q / _k, seqused_k, alibi_slopes, sinks (CuPy
+    arrays or None), block_table (its page size is ``p.page_size``), o_ws / m_ws / l_ws (float32 work buffers),
+    num_splits, tile_counter (two int32 zeros: FA3's dynamic persistent grid), ref_flag and ref_gen (the FA3 forward's
+    REF_FIRST check: an int32 word and this call's nonzero number); ``descales`` (FP8) the (q, k, v) descale arrays;
+    k_descale / v_descale (decode's FP8 cache). ``decode``: k_new / v_new (appended, ``p.new_keys`` rows each), the
+    cache's capacity per sequence (``p.seqlen_k``) and pages (k's first axis when paged), cache_len (every sequence's
+    cache_seqlens when seqused_k is None), split_appends (decode_split writes k_new / v_new itself: the plan's
     ``DecodePlan.split_appends``), num_partials (one per CTA of decode_split: ``DecodePlan.partials``) and
-    decode_counters (int32 zeros, one per (batch, kv head, row group), when decode_split merges the partials
-    itself: ``DecodePlan.fused``); a partial O is o's size apart in o_ws."""
+    decode_counters (int32 zeros, one per (batch, kv head, row group), when decode_split merges the partials itself:
+    ``DecodePlan.fused``); a partial O is o's size apart in o_ws."""
     rec = np.zeros(1, FWD_DTYPE)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
         rec[name] = ptr(x)
