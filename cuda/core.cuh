@@ -101,25 +101,11 @@ template <typename T> __device__ __forceinline__ void load8(float (&v)[8], const
 struct e4m3 {
   unsigned char bits;
 };
-// 16 e4m3 values (one 16-byte chunk, element 0 in the lowest byte) -> 16 values of T, as two 16-byte chunks: each
-// pair through cvt's e4m3x2 -> f16x2 (the low byte to the low half), then to bfloat16 through float (exact).
-template <typename T> __device__ __forceinline__ void e4m3x16_to(const uint4& in, uint4& lo, uint4& hi) {
-  const u32 w[4] = {in.x, in.y, in.z, in.w};
-  u32 out[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const unsigned short two = (unsigned short)(w[i / 2] >> (16 * (i % 2)));
-    u32 h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(two));
-    if constexpr (Same<T, __half>::value) {
-      out[i] = h;
-    } else {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-      out[i] = pack2<T>(f.x, f.y);
-    }
-  }
-  lo = make_uint4(out[0], out[1], out[2], out[3]);
-  hi = make_uint4(out[4], out[5], out[6], out[7]);
+// Two e4m3 values (the low byte first) as a float16 pair (the low byte to the low half), exact.
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two));
+  return h;
 }
 // 8 floats -> 8 e4m3 bytes (round to nearest, saturating at +-448: cvt.rn.satfinite), v[0] in the lowest byte.
 __device__ __forceinline__ uint2 e4m3x8_from(const float (&v)[8]) {

@@ -234,6 +234,43 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();  // the Q tile is visible to every warp
+  // ---- [decode:q_half] (FP8) the Q tile as float16 in place: row by 2^a (q_half_exp of its largest |q|), each
+  // 16 columns permuted for the e4m3 products (permute_k16); a thread per (row, 16 columns) ----
+  unsigned* qmax = (unsigned*)(smem + Mainloop::Q_BYTES);
+  if constexpr (Mainloop::FP8) {
+    constexpr int PER_ROW = D / 16;
+    for (int r = threadIdx.x; r < ROWS; r += WARPS * 32) qmax[r] = 0u;
+    __syncthreads();
+    for (int x = threadIdx.x; x < ROWS * PER_ROW; x += WARPS * 32) {
+      const int row = x / PER_ROW, c = 16 * (x % PER_ROW);
+      float v[8];
+      float m = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        load8(v, sQ.at(row, c + 8 * h));
+#pragma unroll
+        for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(v[e]));  // (NaN aside: the products carry it)
+      }
+      atomicMax(qmax + row, __float_as_uint(m));  // m >= 0: its bits order as its values
+    }
+    __syncthreads();  // every row's largest |q| is in qmax
+    for (int x = threadIdx.x; x < ROWS * PER_ROW; x += WARPS * 32) {
+      const int row = x / PER_ROW, c = 16 * (x % PER_ROW);
+      const float sc = pow2f(q_half_exp(qmax[row]));
+      u32 w[8];
+      float v[8];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        load8(v, sQ.at(row, c + 8 * h));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w[4 * h + e] = pack2<__half>(v[2 * e] * sc, v[2 * e + 1] * sc);
+      }
+      permute_k16(w);
+      *reinterpret_cast<uint4*>(sQ.at(row, c)) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(sQ.at(row, c + 8)) = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+    __syncthreads();  // the float16 rows are visible to every warp
+  }
   // ---- [decode:split_append] the split's keys [k_begin, k_end); the new keys among them into the cache ----
   // The s-th run of cdiv(tiles, num_splits) key tiles of the sequence. The runs of the num_splits splits cover
   // [0, seqlen_k) whatever the mask, so every new key len .. len + new_keys - 1 of a sequence that fits its cache
@@ -264,10 +301,15 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   Acc<MT, D / 8> o;
   OnlineSoftmax<2 * MT> sm;
   const bool bad = !len_ok || !bi.pages_inside(p, k_begin, k_end);  // the split's pages, once (the warp's lanes)
-  const int warp_bytes = STAGES * 2 * Mainloop::KV_BYTES + Mainloop::WIDE_BYTES;
+  float k_mul[2 * MT];  // (FP8) what multiplies a row's scores: 2^-a of its float16 copy, then k_descale
+  const float kd = cache_descale(p, p.k_descale, b, hk);
+#pragma unroll
+  for (int rr = 0; rr < 2 * MT; ++rr)
+    k_mul[rr] = Mainloop::FP8 ? pow2f(-q_half_exp(qmax[16 * (rr / 2) + (lane_id() >> 2) + 8 * (rr % 2)])) * kd : 1.f;
   const int tiles = Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, bad ? k_begin : k_end, sQ,
-                                  smem + Mainloop::Q_BYTES + warp_id() * warp_bytes,
-                                  cache_descale(p, p.k_descale, b, hk), o, sm);
+                                  smem + Mainloop::Q_BYTES + Mainloop::QMAX_BYTES +
+                                      warp_id() * STAGES * 2 * Mainloop::KV_BYTES,
+                                  k_mul, o, sm);
   // ---- [decode:merge] the CTA's splits into one partial O (divided by its l) and lse, float32 ----
   // Each warp's O (divided by its own l) and lse go to shared memory (the tiles' bytes: every warp is past its
   // key loop), then each thread merges 4 columns of a row over the WARPS splits by their lse, as the combine
@@ -287,7 +329,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   const int g = lane_id() >> 2, t = lane_id() & 3;
   if (active && tiles > 0 && !bad)
     for_each(o, [&](float& x, int row, int col) {
-      mg.o(warp_id(), row)[col] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
+      mg.o(warp_id(), row)[Mainloop::FP8 ? o_col_e4m3(col) : col] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
     });
 #pragma unroll
   for (int rr = 0; rr < 2 * MT; ++rr)

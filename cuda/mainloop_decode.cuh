@@ -10,9 +10,13 @@
 // masks and windows per packed row, soft-capping, ALiBi per head; BlockInfo locates the keys and reads the page
 // table (one division per tile).
 // FP8 caches (C = e4m3, T the queries' 16-bit type): the ring holds e4m3 tiles, half the bytes of a 16-bit tile of
-// as many keys; once a tile has landed the warp widens it into a T tile of its own (exact), which the products
-// read as they read a 16-bit cache. The descales are the caller's: S is multiplied by k_descale before the score
-// transform, and decode_split multiplies the split's O by v_descale.
+// as many keys, and the products read them straight from the ring into float16 fragments (every e4m3 value is a
+// float16 exactly; sm80.cuh's e4m3 loaders): no widened copy in shared memory, one cvt per pair of values. The
+// products run in float16 with float32 accumulators, so the Q tile is float16 too: decode_split's load_q scales
+// each packed row by a power of two that puts its largest |q| in [2^14, 2^15) (exact for every 16-bit value down
+// to 2^-28 of the row's largest), converts it and permutes each 16 columns as load_b4_nk_e4m3 asks; P is packed
+// as float16. S is multiplied back by the row's 2^-a and by k_descale before the score transform; O's columns
+// come out permuted (o_col_e4m3), and decode_split multiplies the split's O by v_descale.
 #pragma once
 #include "block_info.cuh"
 #include "policy.cuh"
@@ -61,20 +65,15 @@ __device__ __forceinline__ void load_kv_warp(const Tile<T, ROWS, D>& sk, const T
   }
 }
 
-// One e4m3 tile (landed in the ring) widened into a T tile of the same rows and columns: 16 values a lane and
-// step, read as one 16-byte chunk, written as two.
-template <typename T, int ROWS, int D>
-__device__ __forceinline__ void widen_e4m3_warp(const Tile<T, ROWS, D>& dst, const Tile<e4m3, ROWS, D>& src) {
-  using T8 = Tile<e4m3, ROWS, D>;
-#pragma unroll
-  for (int idx = lane_id(); idx < ROWS * T8::C; idx += 32) {
-    const int row = idx / T8::C, col = (idx % T8::C) * T8::CHUNK;
-    uint4 lo, hi;
-    e4m3x16_to<T>(*reinterpret_cast<const uint4*>(src.at(row, col)), lo, hi);
-    *reinterpret_cast<uint4*>(dst.at(row, col)) = lo;
-    *reinterpret_cast<uint4*>(dst.at(row, col + 8)) = hi;
-  }
+// (FP8) The power of two a that decode_split's load_q scales a packed row of Q by: its largest |q| (float bits m)
+// into [2^14, 2^15), so the row's float16 copy neither overflows nor turns a value above 2^-28 of the largest
+// subnormal; 0 for a row of zeros or one holding Inf or NaN; within [-126, 126], so 2^a and 2^-a are normal.
+__device__ __forceinline__ int q_half_exp(unsigned m) {
+  const int e = (int)(m >> 23);  // m's biased exponent: m in [2^(e - 127), 2^(e - 126))
+  if (m == 0u || e == 255) return 0;
+  return max(-126, min(126, 141 - e));
 }
+__device__ __forceinline__ float pow2f(int a) { return __int_as_float((a + 127) << 23); }  // a in [-126, 127]
 
 template <typename T_, typename C_, int D, int MT, int BCW, int STAGES, int WARPS_> struct MainloopDecode {
   using T = T_;
@@ -84,24 +83,69 @@ template <typename T_, typename C_, int D, int MT, int BCW, int STAGES, int WARP
   static constexpr bool FP8 = Same<C_, e4m3>::value;
   static constexpr int WARPS = WARPS_, ROWS = 16 * MT, NT = BCW / 8, NO = D / 8;
   static constexpr int Q_BYTES = ROWS * D * (int)sizeof(T_), KV_BYTES = BCW * D * (int)sizeof(C_);
-  static constexpr int WIDE_BYTES = FP8 ? 2 * BCW * D * (int)sizeof(T_) : 0;  // per warp: K_j, V_j widened
-  // the Q tile; per warp, STAGES x (K_j, V_j) and (FP8) the widened K_j, V_j
-  static constexpr int SMEM_BYTES = Q_BYTES + WARPS * (STAGES * 2 * KV_BYTES + WIDE_BYTES);
+  // (FP8) each packed row's largest |q| as float bits, whole 128-byte lines so the rings stay 128-byte aligned
+  static constexpr int QMAX_BYTES = FP8 ? 128 * cdiv(ROWS * 4, 128) : 0;
+  // the Q tile, the row maxima; per warp, STAGES x (K_j, V_j)
+  static constexpr int SMEM_BYTES = Q_BYTES + QMAX_BYTES + WARPS * STAGES * 2 * KV_BYTES;
   static_assert(BCW % 16 == 0 && STAGES >= 2, "whole 16-key steps; at least double buffering");
-  static_assert(!FP8 || sizeof(T_) == 2, "an FP8 cache goes with 16-bit queries");
+  static_assert(!FP8 || (sizeof(T_) == 2 && D % 32 == 0), "an FP8 cache: 16-bit queries, head dims of 32-column steps");
   static constexpr float STALE_LOG2 = 8.f;  // OnlineSoftmax::update's lazy rescale: P <= 2^8 (any dtype holds it)
 
+  // (FP8) S = Q K8^T: sQ's float16 rows (their columns permuted as load_b4_nk_e4m3 asks) against the e4m3 tile.
+  __device__ __forceinline__ static void scores_e4m3(Acc<MT, NT>& s, const Tile<T, ROWS, D>& sQ,
+                                                     const Tile<C, BCW, D>& sK) {
+    const Tile<__half, ROWS, D> sQh{(__half*)sQ.p};
+#pragma unroll
+    for (int kk = 0; kk < D; kk += 32) {
+      Frag<__half>::A a[MT][2];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        load_a(a[i][0], sQh, 16 * i, kk);
+        load_a(a[i][1], sQh, 16 * i, kk + 16);
+      }
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        Frag<__half>::B b[4];
+        load_b4_nk_e4m3(b, sK, 8 * j, kk);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          mma(s.v[i][j], a[i][0], b[0]);
+          mma(s.v[i][j + 1], a[i][0], b[1]);
+          mma(s.v[i][j], a[i][1], b[2]);
+          mma(s.v[i][j + 1], a[i][1], b[3]);
+        }
+      }
+    }
+  }
+  // (FP8) O += P V8: P packed as float16; O's columns permuted (o_col_e4m3).
+  __device__ __forceinline__ static void pv_e4m3(Acc<MT, NO>& o, const Acc<MT, NT>& s, const Tile<C, BCW, D>& sV) {
+#pragma unroll
+    for (int ks = 0; ks < BCW / 16; ++ks) {
+      Frag<__half>::A a[MT];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) acc_to_a<__half>(a[i], s, i, ks);
+#pragma unroll
+      for (int n0 = 0; n0 < D; n0 += 32) {
+        Frag<__half>::B b[4];
+        load_b4_kn_e4m3(b, sV, 16 * ks, n0);
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int h = 0; h < 4; ++h) mma(o.v[i][n0 / 8 + h], a[i], b[h]);
+      }
+    }
+  }
+
   // The split of one warp: keys [k_begin, k_end) of its sequence, rows [r0, r0 + nrows) of the packed tile, into
-  // the running O and softmax state; k_descale multiplies S (FP8; 1 otherwise). warp_smem: the warp's
-  // STAGES * 2 * KV_BYTES + WIDE_BYTES. Returns the key tiles it read (0: an empty split).
+  // the running O and softmax state. FP8: sQ holds the float16 rows (load_q), and k_mul[rr] (the row's 2^-a times
+  // k_descale) multiplies its scores. warp_smem: the warp's STAGES * 2 * KV_BYTES. Returns the key tiles it read
+  // (0: an empty split).
   __device__ __forceinline__ static int run(const FwdParams& p, const Info& bi, const Pol& pol, int group, int r0,
                                             int nrows, int k_begin, int k_end, const Tile<T, ROWS, D>& sQ,
-                                            char* warp_smem, float k_descale, Acc<MT, NO>& o,
+                                            char* warp_smem, const float (&k_mul)[2 * MT], Acc<MT, NO>& o,
                                             OnlineSoftmax<2 * MT>& sm) {
     auto sK = [&](int t) { return Tile<C, BCW, D>{(C*)(warp_smem + (t % STAGES) * 2 * KV_BYTES)}; };
     auto sV = [&](int t) { return Tile<C, BCW, D>{(C*)(warp_smem + (t % STAGES) * 2 * KV_BYTES + KV_BYTES)}; };
-    const Tile<T, BCW, D> wK{(T*)(warp_smem + STAGES * 2 * KV_BYTES)};  // (FP8) the widened tiles
-    const Tile<T, BCW, D> wV{(T*)(warp_smem + STAGES * 2 * KV_BYTES + WIDE_BYTES / 2)};
     // Packed rows r0 + r: query (r0 + r) / group of head hk * group + (r0 + r) % group.
     const int i_first = r0 / group, i_last = (r0 + nrows - 1) / group;
     // Tiles start on multiples of BCW (split boundaries are), so a tile never reaches into the next split: keys
@@ -141,18 +185,13 @@ template <typename T_, typename C_, int D, int MT, int BCW, int STAGES, int WARP
       __syncwarp();  // every lane's chunks of tile t are visible to the warp; tile t - 1's stage is free
       if (t + STAGES - 1 < n) load(t + STAGES - 1);
       cp_async_commit();
-      // FP8: tile t widened (the products of tile t - 1, the last readers of the wide tiles, are behind the
-      // __syncwarp above), then visible to the warp
-      const Tile<T, BCW, D> kT = FP8 ? wK : Tile<T, BCW, D>{(T*)sK(t).p}, vT = FP8 ? wV : Tile<T, BCW, D>{(T*)sV(t).p};
-      if constexpr (FP8) {
-        widen_e4m3_warp(wK, Tile<e4m3, BCW, D>{(e4m3*)sK(t).p});
-        widen_e4m3_warp(wV, Tile<e4m3, BCW, D>{(e4m3*)sV(t).p});
-        __syncwarp();
-      }
       // ---- [mainloop_decode:scores] S = Q K_j^T for every packed row, through the transform and the mask ----
       Acc<MT, NT> s;
       zero(s);
-      gemm_abt<MT, NT, D, 1>(s, sQ, 0, kT, 0);
+      if constexpr (FP8)
+        scores_e4m3(s, sQ, sK(t));
+      else
+        gemm_abt<MT, NT, D, 1>(s, sQ, 0, sK(t), 0);
       const bool edge = k0 < interior_start || k0 + BCW > interior_end;
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi)
@@ -162,7 +201,7 @@ template <typename T_, typename C_, int D, int MT, int BCW, int STAGES, int WARP
           for (int e = 0; e < 4; ++e) {
             const int rr = 2 * mi + (e >> 1), j = k0 + 8 * nj + 2 * tq + (e & 1);
             float& x = s.v[mi][nj][e];
-            x = pol.template score<T>(FP8 ? x * k_descale : x, qi[rr], j, nullptr, slope[rr]);
+            x = pol.template score<T>(FP8 ? x * k_mul[rr] : x, qi[rr], j, nullptr, slope[rr]);
             if (edge && (j < row_lo[rr] || j >= row_hi[rr])) x = -INFINITY;
           }
       // ---- [mainloop_decode:softmax] online softmax of the block; O rescaled unless no row's max moved ----
@@ -172,7 +211,10 @@ template <typename T_, typename C_, int D, int MT, int BCW, int STAGES, int WARP
       sm.template update<T>(s, 1.f, fo, 0.f, STALE_LOG2);
       sm.template rescale<true, true>(o, fo);  // (padding rows see no key at all)
       // ---- [mainloop_decode:pv] O += P V_j ----
-      gemm_rb<MT, NO, NT / 2>(o, s, vT, 0, 0);
+      if constexpr (FP8)
+        pv_e4m3(o, s, sV(t));
+      else
+        gemm_rb<MT, NO, NT / 2>(o, s, sV(t), 0, 0);
     }
     cp_async_wait<0>();
     return n;

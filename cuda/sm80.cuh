@@ -111,6 +111,60 @@ __device__ __forceinline__ void load_b2_kn(typename Frag<T>::B& b0, typename Fra
   b0.r[0] = r[0]; b0.r[1] = r[1]; b1.r[0] = r[2]; b1.r[1] = r[3];
 }
 
+// ---------------------------------------------------------------- e4m3 tiles (FP8 caches) as float16 fragments
+// Products over an e4m3 tile run in float16 (every e4m3 value is a float16 exactly, one cvt per pair). ldmatrix
+// moves b16 units, i.e. byte pairs, so each loader below hands out its fragments in a permuted order that the
+// other operand follows.
+// K8 stored [n][k] (S = Q K^T): lane (g, t) receives bytes 4t .. 4t + 3 of row g of each 8 x 16-byte matrix,
+// which are B's k slots 2t, 2t + 1, 2t + 8, 2t + 9: the A operand must hold its columns 4t .. 4t + 3 of each
+// 16-column step in those slots (permute_k16). b[0], b[1]: n-tiles n0.., n0 + 8.. of k-step k0; b[2], b[3]: the
+// same of k-step k0 + 16.
+template <int R, int C>
+__device__ __forceinline__ void load_b4_nk_e4m3(Frag<__half>::B (&b)[4], const Tile<e4m3, R, C>& s, int n0, int k0) {
+  const int l = lane_id(), q = l >> 3;
+  u32 r[4];
+  ldmatrix_x4(r, s.saddr(n0 + (l & 7) + 8 * (q & 1), k0 + 16 * (q >> 1)));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    b[i].r[0] = e4m3x2_to_f16x2(r[i] & 0xffff);
+    b[i].r[1] = e4m3x2_to_f16x2(r[i] >> 16);
+  }
+}
+// The A-operand order load_b4_nk_e4m3 asks for, as a permutation of the eight 4-byte words (column pairs) of a
+// 16-column float16 step: slot word t holds column pair 2t, slot word t + 4 column pair 2t + 1 (t < 4).
+__device__ __forceinline__ void permute_k16(u32 (&w)[8]) {
+  const u32 x[8] = {w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]};
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    w[t] = x[2 * t];
+    w[t + 4] = x[2 * t + 1];
+  }
+}
+// V8 stored [k][n] (O = P V): ldmatrix.trans of an 8-key x 16-byte matrix hands lane (g, t) the bytes of keys
+// 2t, 2t + 1 at columns 2g, 2g + 1; byte permutes make B fragments of two n-tiles, the even columns n0 + 2g
+// (b[0]) and the odd ones n0 + 2g + 1 (b[1]) of keys k0 .. k0 + 15, and b[2], b[3] the same of columns n0 + 16...
+// So accumulator tile 2m + h holds columns 16m + 2c + h at its column c: o_col_e4m3 gives a column's place.
+template <int R, int C>
+__device__ __forceinline__ void load_b4_kn_e4m3(Frag<__half>::B (&b)[4], const Tile<e4m3, R, C>& s, int k0, int n0) {
+  const int l = lane_id(), q = l >> 3;
+  u32 r[4];
+  ldmatrix_x4_trans(r, s.saddr(k0 + (l & 7) + 8 * (q & 1), n0 + 16 * (q >> 1)));
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const u32 even = __byte_perm(r[2 * h], r[2 * h + 1], 0x6420), odd = __byte_perm(r[2 * h], r[2 * h + 1], 0x7531);
+    b[2 * h].r[0] = e4m3x2_to_f16x2(even & 0xffff);
+    b[2 * h].r[1] = e4m3x2_to_f16x2(even >> 16);
+    b[2 * h + 1].r[0] = e4m3x2_to_f16x2(odd & 0xffff);
+    b[2 * h + 1].r[1] = e4m3x2_to_f16x2(odd >> 16);
+  }
+}
+// The column of the output that accumulator column col (8 j + 2 t + e, for_each's numbering) holds after
+// products with load_b4_kn_e4m3's fragments.
+__device__ __forceinline__ int o_col_e4m3(int col) {
+  const int j = col / 8, c = col % 8;
+  return 16 * (j / 2) + 2 * c + (j & 1);
+}
+
 // ---------------------------------------------------------------- mma: C(16x8) += A(16x16) B(16x8)
 __device__ __forceinline__ void mma(float (&c)[4], const Frag<__half>::A& a, const Frag<__half>::B& b) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

@@ -150,16 +150,18 @@ def test_rawflash_jax_refuses_an_fp8_cache():
         targets.check_decode(shapes, dtypes, (True, None, (-1, -1), 0.0))
 
 
-@pytest.mark.parametrize("d, bc, stages", [(64, 32, 4), (128, 16, 4), (256, 16, 2)])
-def test_fp8_rows_and_shared_memory(d, bc, stages):
-    """The FP8 rows keep as many bytes in flight per warp as the 16-bit ones (more keys or stages); shared memory
-    is the Q tile, the e4m3 ring and each warp's widened K_j, V_j (mainloop_decode.cuh's SMEM_BYTES)."""
-    p = Problem(4, 1, 8192, 32, 8, d, "bfloat16", False, "sm_90", new_keys=1, kv_dtype=configs.FP8)
+@pytest.mark.parametrize("d, heads, br, bc, stages", [(64, 32, 16, 32, 4), (128, 32, 16, 16, 3), (192, 32, 16, 16, 4),
+                                                     (256, 32, 16, 16, 3), (128, 256, 32, 16, 4)])
+def test_fp8_rows_and_shared_memory(d, heads, br, bc, stages):
+    """The FP8 rows keep as many bytes in flight per warp as the 16-bit ones or more (more stages); shared memory is
+    the Q tile, one 128-byte line of row maxima and the e4m3 ring (mainloop_decode.cuh's SMEM_BYTES). 32 query
+    heads per kv head take the many-rows row."""
+    p = Problem(4, 1, 8192, heads, 8, d, "bfloat16", False, "sm_90", new_keys=1, kv_dtype=configs.FP8)
     lau = forms.decode_plan(p).split
     cfg = lau.config
-    assert (cfg.bc, cfg.stages, cfg.warps) == (bc, stages, 4)
+    assert (cfg.br, cfg.bc, cfg.stages, cfg.warps) == (br, bc, stages, 4)
     assert lau.template_args[:2] == ("__nv_bfloat16", "rf::e4m3")
-    assert lau.smem == 16 * d * 2 + 4 * (stages * 2 * bc * d + 2 * bc * d * 2) <= 232448
+    assert lau.smem == br * d * 2 + 128 + 4 * stages * 2 * bc * d <= 232448
     assert launch.decode_append(p).template_args == ("__nv_bfloat16", "rf::e4m3")
     names = {x.name_expression for x in forms.all_instantiations("sm_90")}
     assert lau.name_expression in names and launch.decode_append(p).name_expression in names

@@ -22,7 +22,7 @@
 #     bench-decode-quick              rawflash bench --decode --quick (12 cases, about 2 minutes)
 #     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES
 #                (default "softcap fp8 plain decode"), d = PROFILE_D (128; decode is always 128),
-#                N = PROFILE_N (4096); one file ncu_<case>.txt per case
+#                N = PROFILE_N (4096); one file ncu_<case>.txt per case (decode_fp8: decode on an FP8 cache)
 #     SCRIPT.py  python3 SCRIPT.py, its output appended to extra.log
 #     bench ARGS rawflash bench ARGS (the FA2 paper's sweep against the peers present)
 # Logs go to $OUT (or ./gpu_logs). PRECOMPILE_FILTER limits the precompile step; TESTS (default: tests) the test
@@ -112,7 +112,7 @@ while [ $i -lt ${#steps[@]} ]; do
       for case in ${PROFILE_CASES:-softcap fp8 plain decode}; do
         case $case in
           fp8) regex='fa3_fwd_sm90_fp8'; skip=2; count=1 ;;
-          decode) regex='decode_'; skip=2; count=2 ;;  # b = 64: decode_split (the append folded) + the warp combine
+          decode|decode_fp8) regex='decode_'; skip=2; count=2 ;;  # b = 64: decode_split (append folded), combine
           *) regex='fa3_(fwd|bwd)_sm90'; skip=2; count=2 ;;
         esac
         ncu --clock-control none --kernel-name "regex:$regex" --launch-skip $skip --launch-count $count \

@@ -3,7 +3,8 @@ B = 16384 / N, H = 2048 / d, bf16 unless --dtype says otherwise). A contributor 
 kernel's time goes (its roofline, stalls, occupancy); ``tools/gpu_run.sh profile`` runs ncu on it for each of
 PROFILE_CASES. Cases: ``plain`` (forward and backward), ``softcap`` / ``alibi`` (forward and backward with that
 feature, softcap 30, slopes 2^-1..2^-H), ``fp8`` (the FP8 forward, per-head descales), ``decode`` (one decode
-step: batch --batch, 32 query heads on --kv-heads (8) kv heads, d 128, N cached keys). Example:
+step: batch --batch, 32 query heads on --kv-heads (8) kv heads, d 128, N cached keys), ``decode_fp8`` (the same
+step on a float8_e4m3fn cache, per (sequence, kv head) descales). Example:
 
     ncu --clock-control none --kernel-name regex:'fa[23]_(fwd|bwd)' --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rawflash  # noqa: E402
 from rawflash.cli import bench  # noqa: E402
 
-CASES = ("plain", "softcap", "alibi", "fp8", "decode")
+CASES = ("plain", "softcap", "alibi", "fp8", "decode", "decode_fp8")
 
 
 def feature_args(name: str, heads: int) -> dict:
@@ -47,13 +48,14 @@ def main() -> None:
     import cupy
 
     batch, heads = 16384 // args.seqlen, 2048 // args.head_dim
-    if args.case == "decode":
+    if args.case in ("decode", "decode_fp8"):
         from rawflash.cli import bench_decode
 
         case = bench_decode.DecodeCase(batch=args.batch, cache=args.seqlen, heads=32, kv_heads=args.kv_heads,
-                                       head_dim=128)
+                                       head_dim=128, kv_dtype=bench.FP8 if args.case == "decode_fp8" else "")
         q, kc, vc, kn, vn, lens, table = bench_decode._inputs(case)
-        _, public = bench_decode._rawflash(case, q, kc, vc, kn, vn, lens, table)
+        kc, vc, descales = bench_decode._quantized(case, kc, vc)
+        _, public = bench_decode._rawflash(case, q, kc, vc, kn, vn, lens, table, descales=descales)
         for _ in range(4):
             public()
         cupy.cuda.Device().synchronize()

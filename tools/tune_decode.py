@@ -6,7 +6,7 @@ flash and cuDNN backends are timed on the same contiguous shapes when PyTorch is
 and writes nothing. ``--splits`` times each row at those split counts too, beside forms.decode_splits's choice
 (marked "(model)"). Example:
 
-    python3 tools/tune_decode.py --case h32/1 --br 32 --splits 16,32,64 [--repeats 10]
+    python3 tools/tune_decode.py --case h32/1 --br 32 --splits 16,32,64 [--repeats 10] [--dtype float8_e4m3fn]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from rawflash import settings, validation  # noqa: E402
 from rawflash.cli import bench_decode as bd  # noqa: E402
 from rawflash.cli.bench import _torch, time_ms  # noqa: E402
 from rawflash.kernels import cupy_backend  # noqa: E402
-from rawflash.kernels.configs import TileConfig, tile_config  # noqa: E402
+from rawflash.kernels.configs import FP8, TileConfig, tile_config  # noqa: E402
 
 CANDIDATES = {
     # the 3-stage rows keep two tiles in flight per warp (16 x 16 x 4 x 3: 100 KB, 2 CTAs per SM; x 2 warps: 52 KB,
@@ -37,23 +37,42 @@ CANDIDATES = {
     (64, "bfloat16"): [TileConfig(32, 32, 4, stages=3), TileConfig(16, 32, 4, stages=2),
                        TileConfig(16, 16, 4, stages=2), TileConfig(32, 16, 4, stages=2),
                        TileConfig(16, 32, 2, stages=3)],
+    # FP8 caches (bf16 queries): e4m3 tiles are half the bytes; fewer stages leave room for more CTAs per SM (32 rows
+    # need 4 stages: the CTA's merge reuses the ring's bytes)
+    (128, FP8): [TileConfig(16, 16, 4, stages=3), TileConfig(16, 16, 4, stages=4), TileConfig(16, 16, 4, stages=6),
+                 TileConfig(16, 16, 4, stages=2), TileConfig(16, 32, 4, stages=3), TileConfig(16, 32, 2, stages=4),
+                 TileConfig(16, 16, 8, stages=3), TileConfig(32, 16, 4, stages=4)],
 }
 SHAPES = {128: [bd.DecodeCase(8, 32768), bd.DecodeCase(1, 32768), bd.DecodeCase(64, 4096),
                 bd.DecodeCase(8, 32768, page=16), bd.DecodeCase(8, 32768, page=64), bd.DecodeCase(8, 32768, sq=4),
                 bd.DecodeCase(8, 32768, 32, 1)],
           64: [bd.DecodeCase(8, 8192, heads=16, kv_heads=16, head_dim=64), bd.DecodeCase(8, 32768, head_dim=64)]}
+FP8_SHAPES = [bd.DecodeCase(8, 8192, kv_dtype=FP8), bd.DecodeCase(8, 32768, kv_dtype=FP8),
+              bd.DecodeCase(64, 8192, kv_dtype=FP8),
+              bd.DecodeCase(1, 131072, kv_dtype=FP8), bd.DecodeCase(8, 32768, page=64, kv_dtype=FP8),
+              bd.DecodeCase(8, 32768, 32, 1, kv_dtype=FP8)]
+
+
+def _shapes(d: int, dtype: str) -> list:
+    return FP8_SHAPES if dtype == FP8 else SHAPES[d]
+
+
+def _key(case) -> tuple[str, int, str]:
+    """The override key of a case's row (an FP8 cache's rows are keyed by the cache's dtype)."""
+    return ("decode_split", case.head_dim, case.kv_dtype or case.dtype)
 
 
 def _bound(case, cfg, arrays, splits=None):
-    q, kc, vc, kn, vn, lens, table = arrays
-    c = validation.check_decode(q, kc, vc, lens, kn, vn, table, case.sq > 1, None, "cupy", validation.Features())
-    override = {("decode_split", case.head_dim, case.dtype): cfg}
+    q, kc, vc, kn, vn, lens, table, descales = arrays
+    c = validation.check_decode(q, kc, vc, lens, kn, vn, table, case.sq > 1, None, "cupy", validation.Features(),
+                                **descales)
+    override = {_key(case): cfg}
     return cupy_backend.bind_decode(c.problem, q, kc, vc, kn, vn, c.scale, splits, c.extras, settings.load(), override)
 
 
 def _valid(case, cfg) -> str:
     """The candidate row by bench_decode's validation: contiguous with one query row, paged (16) with two."""
-    override = {("decode_split", case.head_dim, case.dtype): cfg}
+    override = {_key(case): cfg}
     for kind in (dataclasses.replace(case, page=0, sq=1), dataclasses.replace(case, page=16, sq=2)):
         ok, why = bd.validate("rawflash", kind, override)
         if not ok:
@@ -72,15 +91,20 @@ def main() -> None:
     ap.add_argument("--case", default="", help="only the shapes whose name contains this (e.g. 'h32/1': MQA)")
     ap.add_argument("--br", type=int, default=0, help="only the candidates of this many packed rows (and the table's)")
     ap.add_argument("--splits", default="", help="comma-separated split counts to time beside the model's choice")
+    ap.add_argument("--dtype", default="", help="only the candidates of this dtype (float8_e4m3fn: FP8 caches)")
     args = ap.parse_args()
     import cupy
 
     lines = []
     for (d, dtype), cands in CANDIDATES.items():
+        if args.dtype and dtype != args.dtype:
+            continue
         current = tile_config("decode_split", d, dtype, "sm_90")
-        for case in (c for c in SHAPES[d] if args.case in c.name):
-            arrays = bd._inputs(case)
-            if _torch() is not None and not case.page:
+        for case in (c for c in _shapes(d, dtype) if args.case in c.name):
+            q, kc, vc, kn, vn, lens, table = bd._inputs(case)
+            kc, vc, descales = bd._quantized(case, kc, vc)
+            arrays = (q, kc, vc, kn, vn, lens, table, descales)
+            if _torch() is not None and not case.page and not case.kv_dtype:
                 for peer in ("torch-flash", "torch-cudnn"):
                     try:
                         ms = time_ms(bd._torch_call(peer, case, *arrays[:3]), repeats=args.repeats)

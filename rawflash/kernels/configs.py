@@ -19,7 +19,7 @@ import dataclasses
 SPECIALISED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = SPECIALISED_HEAD_DIMS[-1]
 DTYPES = ("float16", "bfloat16", "float32")
-FP8 = "float8_e4m3fn"  # the FP8 forward's input dtype (fa3_fwd_sm90_fp8 rows only; not in DTYPES)
+FP8 = "float8_e4m3fn"  # the FP8 forward's inputs and FP8 decode caches (their rows only; not in DTYPES)
 KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_fwd_sm90", "fa3_fwd_sm90", "fa3_fwd_sm90_fp8", "fa2_bwd",
            "fa3_bwd_sm90", "fa2_bwd_sm90", "fa2_bwd_dq", "decode_split")
 
@@ -205,13 +205,12 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("decode_split", (192, 256), _16BIT, TileConfig(16, 16, 4, stages=2, why="16-key tiles, 2 deep: 102 / 136 KB"))
     put("decode_split", (32, 64, 96, 128), ("float32",), TileConfig(16, 16, 4, stages=2, why="fp32: half the keys"))
     # FP8 caches (16-bit queries; keyed by the cache's dtype): a tile of e4m3 keys is half the bytes of a 16-bit
-    # one, and each warp also holds its tile widened to 16 bits (mainloop_decode.cuh), so the rows keep as many
-    # bytes in flight per warp as the 16-bit rows with more stages or keys. Head dims whose tile rows are 2 or 6
-    # 16-byte chunks (32, 96) have no row (the swizzle needs 4, 8k or 8k + 4).
-    put("decode_split", (64,), (FP8,), TileConfig(16, 32, 4, stages=4, why="FP8 cache: 32 e4m3 keys, 4 deep: 98 KB"))
-    put("decode_split", (128,), (FP8,), TileConfig(16, 16, 4, stages=4, why="FP8 cache: 16 keys, 4 deep: 100 KB"))
-    put("decode_split", (192, 256), (FP8,), TileConfig(16, 16, 4, stages=2,
-                                                       why="FP8 cache: 16 keys, 2 deep: 102 / 136 KB"))
+    # one and the products read it from the ring (mainloop_decode.cuh), so twice the stages keep as many bytes in
+    # flight per warp as the 16-bit rows. Head dims whose rows are not whole 32-byte steps (32, 96) have no row.
+    put("decode_split", (64,), (FP8,), TileConfig(16, 32, 4, stages=4, why="FP8 cache: 32 keys, 4 deep: 66 KB"))
+    put("decode_split", (128,), (FP8,), TileConfig(16, 16, 4, stages=3, why="FP8 cache: 16 keys, 3 deep: 52 KB"))
+    put("decode_split", (192,), (FP8,), TileConfig(16, 16, 4, stages=4, why="FP8 cache: 16 keys, 4 deep: 102 KB"))
+    put("decode_split", (256,), (FP8,), TileConfig(16, 16, 4, stages=3, why="FP8 cache: 16 keys, 3 deep: 104 KB"))
     put("decode_split", (192, 256), ("float32",), TileConfig(16, 16, 2, stages=2, why="fp32: 2 warps fit 163 KB"))
     return rows
 
@@ -301,12 +300,13 @@ WINDOW_ROWS: dict[tuple[str, int, str], TileConfig] = {
 # the whole cache again; 32 rows read it once per 32. At d = 128 the 32-row tile takes 220 registers without a
 # spill (offline). tools/tune_decode.py (H200 bf16, batch 8, N = 32768, MQA 32 / 1, d = 128, the model's split
 # counts): 32 x 16 with 4 warps and 2 stages is the fastest candidate (3 stages or 2 warps are slower). Measured at
-# d = 128 only.
+# d = 128 only. An FP8 cache's 32-row row has the 16-row FP8 row's depth.
 MANY_DECODE_ROWS = 16
 MANY_ROWS_DECODE: dict[tuple[str, int, str], TileConfig] = {
-    ("decode_split", 128, dt): TileConfig(32, 16, 4, stages=2,
-                                          why="MQA 32/1, b 8, N 32k: 0.0629 vs the table row's 0.0727 ms (H200)")
-    for dt in _16BIT
+    **{("decode_split", 128, dt): TileConfig(32, 16, 4, stages=2,
+                                             why="MQA 32/1, b 8, N 32k: 0.0629 vs the table row's 0.0727 ms (H200)")
+       for dt in _16BIT},
+    ("decode_split", 128, FP8): TileConfig(32, 16, 4, stages=4, why="FP8 cache: 32 rows, 16 keys, 4 deep: 72 KB"),
 }
 
 # Backwards of plain attention over at least long_bwd_seqlen query rows without a mask, long_causal_bwd_seqlen

@@ -588,6 +588,7 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     if configs.has_row("decode_split", d, configs.FP8) and dtype != "float32" and arch == "sm_90":
                         fp = dataclasses.replace(dp, kv_dtype=configs.FP8)
                         launches += [*decode_plan(fp, 8).launches, launch.decode_append(fp)]
+                        launches += decode_plan(dataclasses.replace(fp, heads=2 * configs.MANY_DECODE_ROWS), 8).launches
                 for lau in launches:
                     for x in with_way_back(lau):  # (a REF_FIRST forward's REF_RUNNING twin)
                         out.setdefault(x.name_expression, x)

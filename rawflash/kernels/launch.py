@@ -506,11 +506,11 @@ def decode_rows(p: Problem, cfg: TileConfig) -> tuple[int, int]:
 
 
 def smem_decode_split(cfg: TileConfig, d: int, itemsize: int, kv_itemsize: int | None = None) -> int:
-    """The packed Q tile, and per warp `stages` tiles of K_j and V_j (of the cache's elements) and, for an FP8
-    cache (``kv_itemsize`` below ``itemsize``), K_j and V_j widened to the queries' type."""
+    """The packed Q tile, for an FP8 cache (``kv_itemsize`` below ``itemsize``) its rows' largest |q| (whole
+    128-byte lines), and per warp `stages` tiles of K_j and V_j of the cache's elements."""
     kv = itemsize if kv_itemsize is None else kv_itemsize
-    wide = 2 * cfg.bc * d * itemsize if kv < itemsize else 0
-    return cfg.br * d * itemsize + cfg.warps * (cfg.stages * 2 * cfg.bc * d * kv + wide)
+    qmax = 128 * cdiv(cfg.br * 4, 128) if kv < itemsize else 0
+    return cfg.br * d * itemsize + qmax + cfg.warps * cfg.stages * 2 * cfg.bc * d * kv
 
 
 def decode_split(p: Problem, cfg: TileConfig, num_splits: int) -> Launch:

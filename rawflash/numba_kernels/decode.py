@@ -189,6 +189,7 @@ def make_decode_split(T: str, C: str, D: int, MT: int, BCW: int, STAGES: int, WA
             sQ[rr, c] = float32(g.q[b, r // group, hk * group + r % group, c]) if rr < nrows and c < p.head_dim \
                 else ZERO
         cuda.syncthreads()  # the Q tile is visible to every thread
+        # ---- [decode:q_half] (FP8 caches only, which have no twin: the CUDA C's float16 Q tile) ----
         # ---- [decode:split_append] the split's keys [k_begin, k_end); the new keys among them into the cache ----
         # The s-th run of cdiv(tiles, num_splits) key tiles; the runs cover every key whatever the mask, so each new
         # key has one writer: the split whose range holds it, seen by its rows or not.
