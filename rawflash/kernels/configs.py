@@ -205,8 +205,10 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("decode_split", (192, 256), _16BIT, TileConfig(16, 16, 4, stages=2, why="16-key tiles, 2 deep: 102 / 136 KB"))
     put("decode_split", (32, 64, 96, 128), ("float32",), TileConfig(16, 16, 4, stages=2, why="fp32: half the keys"))
     # FP8 caches (16-bit queries; keyed by the cache's dtype): a tile of e4m3 keys is half the bytes of a 16-bit
-    # one and the products read it from the ring (mainloop_decode.cuh), so twice the stages keep as many bytes in
-    # flight per warp as the 16-bit rows. Head dims whose rows are not whole 32-byte steps (32, 96) have no row.
+    # one and the products read it from the ring (mainloop_decode.cuh). At d = 128, 3 stages (52 KB: 4 CTAs per
+    # SM, as many as 127 registers a thread allow) beat 4 and 6 on an H100 (tools/tune_decode.py --dtype
+    # float8_e4m3fn); the other head dims' rows are not measured. Head dims whose tile rows are 2 or 6 16-byte
+    # chunks (32, 96) have no row (the swizzle needs 4, 8k or 8k + 4).
     put("decode_split", (64,), (FP8,), TileConfig(16, 32, 4, stages=4, why="FP8 cache: 32 keys, 4 deep: 66 KB"))
     put("decode_split", (128,), (FP8,), TileConfig(16, 16, 4, stages=3, why="FP8 cache: 16 keys, 3 deep: 52 KB"))
     put("decode_split", (192,), (FP8,), TileConfig(16, 16, 4, stages=4, why="FP8 cache: 16 keys, 4 deep: 102 KB"))
