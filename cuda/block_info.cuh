@@ -4,7 +4,7 @@
 // 0) and seqused_k (fewer keys used than stored) are read here and nowhere else, in the VARLEN instantiations
 // (fixed-length kernels keep the lengths as plain parameters, which costs no registers); decode's KV cache,
 // contiguous or paged, is located here too: page_pos, page_slot and key_offsets read the page table, and
-// pages_inside checks it.
+// pages_inside checks it; a paged forward's keys through paged_key.
 #pragma once
 #include "core.cuh"
 #include "params.cuh"
@@ -85,6 +85,17 @@ template <bool VARLEN> struct BlockInfo {
       for (int page = j0 / p.page_size + lane_id(); page <= (j1 - 1) / p.page_size; page += 32)
         bad |= !slot_inside(p, page_slot(p, page));
     return !__any_sync(0xffffffffu, bad);
+  }
+  // A paged forward's keys (block_table set, no cu_seqlens_k): the element offset of key j of this sequence and kv
+  // head, row j % page_size of page block_table[b][j / page_size], in a tensor of page stride sb, row stride ss
+  // and head stride sh (the host checked the table's used entries).
+  // Pages of a power-of-two size (16, 64, 256: the usual ones) take a shift and a mask instead of the division.
+  __device__ __forceinline__ long long paged_key(const FwdParams& p, int j, long long sb, long long ss,
+                                                 long long sh) const {
+    const int ps = p.page_size;
+    const bool pow2 = (ps & (ps - 1)) == 0;  // (uniform)
+    const int page = pow2 ? j >> (__ffs(ps) - 1) : j / ps, row = pow2 ? j & (ps - 1) : j - page * ps;
+    return page_slot(p, page) * sb + (long long)row * ss + hk * sh;
   }
   // Element offsets into k and v (strides of FwdParams) of key pos + r of this sequence and kv head hk, r >= 0.
   __device__ __forceinline__ void key_offsets(const FwdParams& p, PagePos pos, int r, long long& ko,

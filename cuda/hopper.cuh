@@ -105,6 +105,34 @@ __device__ __forceinline__ void load_tile(const Sw128<T, ROWS, COLS>& s, const T
   }
 }
 
+// The same with each row's first element from row_ptr(row) (a paged forward's keys: BlockInfo::paged_key, a page
+// table read each). A thread locates all its rows first, so their table reads are in flight together, then
+// issues its copies; base: any address inside the tensor (the source of zero-filled chunks).
+template <int NTHREADS, typename T, int ROWS, int COLS, class RowPtr>
+__device__ __forceinline__ void load_tile_rows(const Sw128<T, ROWS, COLS>& s, RowPtr row_ptr, const T* base,
+                                               int rows_valid, int cols_valid) {
+  constexpr int C = COLS / 8, RSTEP = NTHREADS / C;
+  if constexpr (NTHREADS % C == 0 && ROWS % RSTEP == 0) {
+    const int col = (threadIdx.x % C) * 8, r0 = threadIdx.x / C;
+    const bool col_ok = col < cols_valid;
+    const T* src[ROWS / RSTEP];
+#pragma unroll
+    for (int n = 0; n < ROWS / RSTEP; ++n) src[n] = r0 + n * RSTEP < rows_valid ? row_ptr(r0 + n * RSTEP) : base;
+#pragma unroll
+    for (int n = 0; n < ROWS / RSTEP; ++n) {
+      const int row = r0 + n * RSTEP;
+      const bool valid = col_ok && row < rows_valid;
+      cp_async16(s.addr(row, col), valid ? src[n] + col : base, valid);
+    }
+  } else {  // (head_dim 192) the general walk, a row located per chunk
+    for (int idx = threadIdx.x; idx < ROWS * C; idx += NTHREADS) {
+      const int row = idx / C, col = (idx % C) * 8;
+      const bool valid = row < rows_valid && col < cols_valid;
+      cp_async16(s.addr(row, col), valid ? row_ptr(row) + col : base, valid);
+    }
+  }
+}
+
 // Write a C-layout accumulator (64 rows of a warpgroup, MT = 1) into an Sw128 tile at rows r0.., cols c0..
 // (r0: this warp's first row). Each quad writes 16 contiguous bytes of a row: no bank conflicts.
 template <typename T, int NT, int R, int C>

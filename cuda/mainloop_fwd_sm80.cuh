@@ -32,9 +32,22 @@ struct MainloopFwdSm80 {
     const T *q = bi.template q<T>(p), *k = bi.template k<T>(p), *v = bi.template v<T>(p);
     const int wq = warp_row(), nrows = min(BR, bi.seqlen_q - q0);
     const BlockRange kv = pol.kv_blocks(q0, nrows, BC);                     // blocks no row sees: never loaded
+    // K_j or V_j (g: the sequence's k or v) into s; a paged forward's keys (the general policy with block_table,
+    // 16-bit, Hopper: forms.forward_plan refuses it elsewhere, and sm_80's registers have no room for it) row by
+    // row through the page table
     auto load = [&](const Tile<T, BC, D>& s, const T* g, long long ss, int step) {
-      const int k0 = kv.block(step) * BC;
-      load_tile<NTHREADS>(s, g + k0 * ss, ss, min(BC, bi.seqlen_k - k0), p.head_dim);
+      const int k0 = kv.block(step) * BC, rows = min(BC, bi.seqlen_k - k0);
+#if __CUDA_ARCH__ >= 900
+      if (Pol::GENERAL && sizeof(T) == 2 && p.block_table) {
+        const bool is_k = g == k;
+        const T* base = (const T*)(is_k ? p.k : p.v);
+        const long long sb = is_k ? p.k_sb : p.v_sb, sh = is_k ? p.k_sh : p.v_sh;
+        load_tile_rows<NTHREADS>(s, [&](int r) { return base + bi.paged_key(p, k0 + r, sb, ss, sh); }, base, rows,
+                                 p.head_dim);
+        return;
+      }
+#endif
+      load_tile<NTHREADS>(s, g + k0 * ss, ss, rows, p.head_dim);
     };
     // ---- [mainloop_fwd_sm80:load_q] Alg.1 l.4: Q_i to shared memory, where it stays; the first K_j behind it ----
     load_tile<NTHREADS>(sQ, q + q0 * p.q_ss, p.q_ss, nrows, p.head_dim);

@@ -42,9 +42,19 @@ template <typename T_, int D, int BR_, int BC, bool OVERLAP, class Pol_> struct 
     const int nrows = min(BR, bi.seqlen_q - q0), wg_row = 64 * uniform_warpgroup_id(), wq = warp_row();
     const BlockRange kv = pol.kv_blocks(q0, nrows, BC);                      // blocks no row sees: never loaded
     const int n = kv.n();
+    // K_j or V_j (g: the sequence's k or v) into s; a paged forward's keys (the general policy with block_table)
+    // row by row through the page table
     auto load = [&](const Sw128<T, BC, D>& s, const T* g, long long ss, int step) {
-      const int k0 = kv.block(step) * BC;
-      load_tile<NTHREADS>(s, g + k0 * ss, ss, min(BC, bi.seqlen_k - k0), p.head_dim);
+      const int k0 = kv.block(step) * BC, rows = min(BC, bi.seqlen_k - k0);
+      if (Pol::GENERAL && p.block_table) {
+        const bool is_k = g == k;
+        const T* base = (const T*)(is_k ? p.k : p.v);
+        const long long sb = is_k ? p.k_sb : p.v_sb, sh = is_k ? p.k_sh : p.v_sh;
+        load_tile_rows<NTHREADS>(s, [&](int r) { return base + bi.paged_key(p, k0 + r, sb, ss, sh); }, base, rows,
+                                 p.head_dim);
+      } else {
+        load_tile<NTHREADS>(s, g + k0 * ss, ss, rows, p.head_dim);
+      }
     };
     // ---- [mainloop_fwd_sm90:load_q] Alg.1 l.4: Q_i to shared memory, where it stays; K_0, then V_0 behind it ----
     load_tile<NTHREADS>(sQ, q + q0 * p.q_ss, p.q_ss, nrows, p.head_dim);

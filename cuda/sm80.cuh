@@ -70,6 +70,20 @@ __device__ __forceinline__ void load_tile(Tile<T, ROWS, COLS> s, const T* g, lon
   }
 }
 
+// The same with each row's first element from row_ptr(row) (a paged forward's keys: BlockInfo::paged_key, a page
+// table read each), located chunk by chunk (the mma.sync forms' registers leave no room to hold a thread's rows);
+// base: any address inside the tensor (the source of zero-filled chunks).
+template <int NTHREADS, typename T, int ROWS, int COLS, class RowPtr>
+__device__ __forceinline__ void load_tile_rows(Tile<T, ROWS, COLS> s, RowPtr row_ptr, const T* base, int rows_valid,
+                                               int cols_valid) {
+  using TL = Tile<T, ROWS, COLS>;
+  for (int idx = threadIdx.x; idx < ROWS * TL::C; idx += NTHREADS) {
+    const int row = idx / TL::C, col = (idx % TL::C) * TL::CHUNK;
+    const bool valid = row < rows_valid && col < cols_valid;
+    cp_async16(s.saddr(row, col), valid ? row_ptr(row) + col : base, valid);
+  }
+}
+
 // ---------------------------------------------------------------- fragment loads from shared memory
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -7,6 +7,7 @@ head_dim). Every public function takes the same options; the environment's setti
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -36,12 +37,12 @@ def _import(named):
 
 
 def _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              seqused_k) -> Features:
-    alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k = _import(
+              seqused_k, block_table=None) -> Features:
+    alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = _import(
         (("alibi_slopes", alibi_slopes), ("sinks", sinks), ("cu_seqlens_q", cu_seqlens_q),
-         ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)))
+         ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k), ("block_table", block_table)))
     return Features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    seqused_k)
+                    seqused_k, block_table)
 
 
 def _is_empty(c: Checked) -> bool:
@@ -68,6 +69,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
             window: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Array | None = None,
             sinks: Array | None = None, cu_seqlens_q: Array | None = None, cu_seqlens_k: Array | None = None,
             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, seqused_k: Array | None = None,
+            block_table: Array | None = None,
             q_descale: Array | None = None, k_descale: Array | None = None, v_descale: Array | None = None,
             out_dtype: str | None = None, fp8: bool = False, incoherent: bool = False,
             kernel: str = "fa2", backend: str = "cupy", out: Array | None = None, lse: Array | None = None,
@@ -101,6 +103,13 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         The longest sequences (computed from the offsets when not given; must not be below any length).
     seqused_k : array (batch,), int32, optional
         Keys actually used per sequence (the first seqused_k[b] of its keys); causal alignment uses it.
+    block_table : int32 array (batch, max_pages), optional
+        Paged keys (chunked prefill against a paged KV cache, the pages ``decode`` reads): k and v are
+        (num_pages, page_size, kv_heads, head_dim), page_size >= 16, and key j of sequence b is row
+        ``j % page_size`` of page ``block_table[b, j // page_size]``. Needs packed queries (``cu_seqlens_q``) and
+        ``seqused_k`` (each sequence's keys), no ``cu_seqlens_k``; the used entries are checked on the host. Runs
+        the cp.async forms (not FA3's TMA form), float16 or bfloat16; no FP8, no Numba twin, and ``backward``
+        takes no paged keys.
     q_descale, k_descale, v_descale : arrays (1,) or (batch, kv_heads), float32, optional
         FP8 (q, k, v float8_e4m3fn, Hopper, FA3's form): the factors the e4m3 values are multiplied by
         (``rawflash.fp8.quantize`` returns them); default 1. Plain or causal attention, GQA and sinks.
@@ -140,7 +149,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     cu_seqlens / seqused_k values).
     """
     if backend == "cupy" and kernel == "fa2" and fp8 is False and incoherent is False and out_dtype is None \
-            and q_descale is None and k_descale is None and v_descale is None:
+            and q_descale is None and k_descale is None and v_descale is None and block_table is None:
         q, k, v = _import((("q", q), ("k", k), ("v", v)))
         key = signature.forward(q, k, v, (causal, scale, window, softcap, max_seqlen_q, max_seqlen_k,
                                           tuple([(n, x.__class__, x) for n, x in sorted(switches.items())])),
@@ -155,13 +164,15 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     (q, k, v), c, feats, ds, sw, outputs = _checked_forward(
         q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, seqused_k, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale},
-        out_dtype, fp8, incoherent, kernel, backend, switches, out, lse)
+        out_dtype, fp8, incoherent, kernel, backend, switches, out, lse, block_table)
     p, to_numpy = c.problem, c.kind == "numpy"
     out_dtype = p.out_dtype or p.dtype
     if backend == "reference":
         if ds is not None:  # e4m3 inputs: their values, dequantised, in float64
             q, k, v = (quantisation.dequantize(x, d, cu_seqlens=cu) for x, d, cu in
                        zip((q, k, v), ds, (feats.cu_seqlens_q, feats.cu_seqlens_k, feats.cu_seqlens_k)))
+        if feats.block_table is not None:  # paged keys gathered into packed sequences
+            k, v, feats = _unpaged(k, v, feats)
         res, res_lse = reference.forward(q, k, v, **validation.reference_features(c, feats))
         res = res.astype(np.float32) if ds is not None else res  # (as the FP8 kernels round: through float32)
         res = _host_result(res.astype(_np_dtype(out_dtype)), to_numpy)
@@ -196,13 +207,13 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
 
 def _checked_forward(q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, seqused_k, descales: dict, out_dtype, fp8, incoherent, kernel: str,
-                     backend: str, switches: dict, out, lse):
+                     backend: str, switches: dict, out, lse, block_table=None):
     """forward's arrays imported (and quantised for fp8=True / incoherent=True) and every argument checked: the
     arrays, the checked call, its features, the FP8 descales (None for 16-bit and float32), the switches and the
     caller's outputs."""
     q, k, v = _import((("q", q), ("k", k), ("v", v)))
     feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      seqused_k)
+                      seqused_k, block_table)
     c = validation.check_forward(q, k, v, causal, scale, kernel, backend, feats)
     ds = None
     if c.problem.dtype == configs.FP8 or fp8 is True or incoherent is True:
@@ -241,6 +252,16 @@ def _fp8_inputs(q, k, v, c: Checked, feats: Features, descales: dict, out_dtype,
         descales, incoherent = {"q_descale": qd, "k_descale": kd, "v_descale": vd}, False
     c, ds = validation.check_fp8(c, kernel, backend, feats, descales, out_dtype, incoherent)
     return q, k, v, c, ds
+
+
+def _unpaged(k, v, feats: Features):
+    """A paged forward's keys as packed sequences (the reference's input): k, v (sum of seqused_k, kv_heads,
+    head_dim) with cu_seqlens_k and no seqused_k or block_table."""
+    used = reference._host(feats.seqused_k).astype(np.int64)
+    dense = reference.gather_kv(k, v, used, feats.block_table)
+    k, v = (np.concatenate([x[b, :n] for b, n in enumerate(used)]) for x in dense)
+    cu = np.concatenate([[0], np.cumsum(used)]).astype(np.int32)
+    return k, v, dataclasses.replace(feats, cu_seqlens_k=cu, seqused_k=None, block_table=None)
 
 
 def _np_dtype(name: str) -> np.dtype:

@@ -45,7 +45,7 @@ class Problem:
     seqused_k: bool = False
     lengths: tuple = ()  # (seqlen_q, seqlen_k) of every packed sequence, when known on the host (introspection)
     new_keys: int = 0    # decode: rows of k_new / v_new appended to the cache (seqlen_k is the cache's capacity)
-    page_size: int = 0   # decode: a paged cache's page size (0: contiguous)
+    page_size: int = 0   # decode and a paged forward: the pages' rows (0: contiguous keys)
     sms: int = 132       # multiprocessors of the GPU (an H200's by default): persistent grids and split counts
     gpu: str = "h200"    # the tuned GPU whose gates apply (kernels.configs.GATES: 'h200' or 'h100')
     out_dtype: str = ""  # FP8: the output's dtype (bfloat16 or float16); "" for the 16-bit and float32 forms

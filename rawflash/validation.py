@@ -122,6 +122,7 @@ class Features:
     max_seqlen_q: object = None
     max_seqlen_k: object = None
     seqused_k: object = None
+    block_table: object = None  # a paged forward: k and v are pages (num_pages, page_size, kv_heads, head_dim)
 
     def given(self) -> list[str]:
         """Names of the features that are on."""
@@ -130,7 +131,8 @@ class Features:
             names.append("window")
         if self.softcap:
             names.append("softcap")
-        names += [n for n in ("alibi_slopes", "sinks", "cu_seqlens_q", "seqused_k") if getattr(self, n) is not None]
+        names += [n for n in ("alibi_slopes", "sinks", "cu_seqlens_q", "seqused_k", "block_table")
+                  if getattr(self, n) is not None]
         return names
 
 
@@ -174,19 +176,68 @@ def _check_varlen(f: Features, q_total: int, k_total: int, device) -> tuple[int,
     if len(counts["cu_seqlens_q"]) != len(counts["cu_seqlens_k"]):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{len(counts['cu_seqlens_q']) + 1} and {len(counts['cu_seqlens_k']) + 1}")
-    maxes = []
-    for name, lengths, given in (("max_seqlen_q", counts["cu_seqlens_q"], f.max_seqlen_q),
-                                 ("max_seqlen_k", counts["cu_seqlens_k"], f.max_seqlen_k)):
-        longest = int(lengths.max(initial=0))
-        if given is None:
-            maxes.append(longest)
-            continue
-        if isinstance(given, (bool, np.bool_)) or not isinstance(given, numbers.Integral):
-            raise TypeError(f"{name} must be an int or None, got {type(given).__name__} {given!r}")
-        if given < longest:
-            raise ValueError(f"{name} must be at least the longest sequence ({longest}), got {given}")
-        maxes.append(int(given))
-    return len(counts["cu_seqlens_q"]), maxes[0], maxes[1]
+    return (len(counts["cu_seqlens_q"]), _max_seqlen("max_seqlen_q", counts["cu_seqlens_q"], f.max_seqlen_q),
+            _max_seqlen("max_seqlen_k", counts["cu_seqlens_k"], f.max_seqlen_k))
+
+
+def _max_seqlen(name: str, lengths: np.ndarray, given) -> int:
+    """max_seqlen_q / _k: the longest of ``lengths`` when not given, else the given int, which must not be less."""
+    longest = int(lengths.max(initial=0))
+    if given is None:
+        return longest
+    if isinstance(given, (bool, np.bool_)) or not isinstance(given, numbers.Integral):
+        raise TypeError(f"{name} must be an int or None, got {type(given).__name__} {given!r}")
+    if given < longest:
+        raise ValueError(f"{name} must be at least the longest sequence ({longest}), got {given}")
+    return int(given)
+
+
+def _check_paged(f: Features, q_total: int, pages: int, page: int, device) -> tuple[int, int, int, np.ndarray]:
+    """(batch, max_seqlen_q, max_seqlen_k, each sequence's key capacity) of a paged forward: packed queries
+    (cu_seqlens_q), keys in pages located by block_table and counted by seqused_k; every used page inside k."""
+    if f.cu_seqlens_q is None:
+        raise ValueError("block_table (paged keys) goes with packed queries: give cu_seqlens_q (and seqused_k)")
+    if f.cu_seqlens_k is not None:
+        raise ValueError("cu_seqlens_k does not go with block_table: a paged forward's keys are located by "
+                         "block_table and counted by seqused_k")
+    if f.seqused_k is None:
+        raise ValueError("block_table needs seqused_k: the keys of each sequence in its pages")
+    if page < 16:
+        raise ValueError(f"a paged forward needs pages of at least 16 rows (k.shape[1]), got {page}")
+    kind = array_kind(f.cu_seqlens_q, "cu_seqlens_q")
+    if dtype_name(f.cu_seqlens_q.dtype) != "int32":
+        raise TypeError(f"cu_seqlens_q must have dtype int32, got {dtype_name(f.cu_seqlens_q.dtype)}")
+    if len(f.cu_seqlens_q.shape) != 1 or f.cu_seqlens_q.shape[0] < 2:
+        raise ValueError("cu_seqlens_q must be 1-D with batch + 1 >= 2 entries, got shape "
+                         f"{tuple(f.cu_seqlens_q.shape)}")
+    if device_of(f.cu_seqlens_q, kind) != device:
+        raise ValueError(f"cu_seqlens_q must be on q's device ({device}), got {device_of(f.cu_seqlens_q, kind)}")
+    cu = _host_ints(f.cu_seqlens_q).astype(np.int64)
+    if cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != q_total:
+        raise ValueError(f"cu_seqlens_q must start at 0, not decrease and end at the packed length of q ({q_total}), "
+                         f"got {cu.tolist()}")
+    batch = len(cu) - 1
+    table = f.block_table
+    kind = array_kind(table, "block_table")
+    if dtype_name(table.dtype) != "int32":
+        raise TypeError(f"block_table must have dtype int32, got {dtype_name(table.dtype)}")
+    if len(table.shape) != 2 or int(table.shape[0]) != batch or int(table.shape[1]) < 1:
+        raise ValueError(f"block_table must have shape (batch, max_pages) = ({batch}, max_pages >= 1), got "
+                         f"{tuple(table.shape)}")
+    if device_of(table, kind) != device:
+        raise ValueError(f"block_table must be on q's device ({device}), got {device_of(table, kind)}")
+    capacity = np.full(batch, int(table.shape[1]) * page, dtype=np.int64)
+    _check_seqused(f.seqused_k, batch, capacity, device)
+    used = _host_ints(f.seqused_k).astype(np.int64)
+    entries = _host_ints(table).astype(np.int64)
+    for b in range(batch):
+        n = -(-int(used[b]) // page)
+        bad = [int(x) for x in entries[b, :n] if not 0 <= x < pages]
+        if bad:
+            raise ValueError(f"block_table[{b}] must name pages of k (0 .. {pages - 1}) for its {n} used pages, got "
+                             f"{bad[0]}")
+    return (batch, _max_seqlen("max_seqlen_q", np.diff(cu), f.max_seqlen_q),
+            _max_seqlen("max_seqlen_k", used, f.max_seqlen_k), capacity)
 
 
 def _check_seqused(seqused, batch: int, key_lengths: np.ndarray, device) -> object:
@@ -214,11 +265,19 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     window = check_window(features.window)
     softcap = check_softcap(features.softcap)
     varlen = features.cu_seqlens_q is not None
+    paged = features.block_table is not None
     if not varlen and features.cu_seqlens_k is not None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together, got cu_seqlens_k without cu_seqlens_q")
+    if paged and not varlen:
+        raise ValueError("block_table (paged keys) goes with packed queries: give cu_seqlens_q (and seqused_k)")
+    if paged and _dtype(q, "q", fp8) == "float32":
+        raise TypeError("a paged forward (block_table) takes float16 or bfloat16 q, k, v, got float32")
+    if paged and backend == "numba":
+        raise ValueError("a paged forward (block_table) has no Numba twin: use backend='cupy' or 'reference'")
     ndim = 3 if varlen else 4
+    kdim = 4 if paged else ndim  # paged: (num_pages, page_size, kv_heads, head_dim)
     kinds = {name: array_kind(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
-    shapes = {"q": _shape(q, "q", ndim), "k": _shape(k, "k", ndim), "v": _shape(v, "v", ndim)}
+    shapes = {"q": _shape(q, "q", ndim), "k": _shape(k, "k", kdim), "v": _shape(v, "v", kdim)}
     dtypes = {"q": _dtype(q, "q", fp8), "k": _dtype(k, "k", fp8), "v": _dtype(v, "v", fp8)}
     if len(set(dtypes.values())) > 1:
         given = ", ".join(f"{n} {d}" for n, d in dtypes.items())
@@ -228,6 +287,12 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
         given = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"q, k and v must be on the same device, got {given}")
     qs, ks, vs = (shapes[n] if varlen else shapes[n][1:] for n in ("q", "k", "v"))
+    if paged:
+        if shapes["v"] != shapes["k"]:
+            raise ValueError(f"k and v must have the same shape (num_pages, page_size, kv_heads, head_dim) with "
+                             f"block_table, got k {shapes['k']}, v {shapes['v']}")
+        pages, page = shapes["k"][:2]
+        ks = vs = (pages * page, *shapes["k"][2:])
     if not varlen:
         b, bk, bv = shapes["q"][0], shapes["k"][0], shapes["v"][0]
         if bk != b or bv != b:
@@ -246,7 +311,10 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     if not 1 <= d <= configs.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be between 1 and {configs.MAX_HEAD_DIM}, got {d}")
     device = devices["q"]
-    if varlen:
+    if paged:
+        batch, max_q, max_k, key_lengths = _check_paged(features, nq, pages, page, device)
+        query_lengths = np.diff(_host_ints(features.cu_seqlens_q).astype(np.int64))
+    elif varlen:
         batch, max_q, max_k = _check_varlen(features, nq, nk, device)
         key_lengths = np.diff(_host_ints(features.cu_seqlens_k).astype(np.int64))
         query_lengths = np.diff(_host_ints(features.cu_seqlens_q).astype(np.int64))
@@ -269,9 +337,13 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
         extras["seqused_k"] = _check_seqused(features.seqused_k, batch, key_lengths, device)
     if varlen:
         extras["cu_seqlens_q"], extras["cu_seqlens_k"] = features.cu_seqlens_q, features.cu_seqlens_k
+    if paged:
+        del extras["cu_seqlens_k"]
+        extras["block_table"] = features.block_table
     variant = registry.for_call(kernel, "fwd")
     given = Features(window=window, softcap=softcap, **{n: getattr(features, n) for n in
-                                                       ("alibi_slopes", "sinks", "cu_seqlens_q", "seqused_k")}).given()
+                                                       ("alibi_slopes", "sinks", "cu_seqlens_q", "seqused_k",
+                                                        "block_table")}).given()
     if given and kernel != "fa2":
         supported = [g for g in given if g in variant.supports]
         unsupported = [g for g in given if g not in supported]
@@ -283,7 +355,7 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     problem = Problem(batch, max_q, max_k, h, hk, d, dtypes["q"], causal, window=window, softcap=softcap,
                       alibi="alibi_slopes" in extras, sinks="sinks" in extras, varlen=varlen,
                       total_q=nq if varlen else 0, total_k=nk if varlen else 0, seqused_k="seqused_k" in extras,
-                      lengths=lengths)
+                      lengths=lengths, page_size=page if paged else 0)
     return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)
 
 
@@ -498,6 +570,9 @@ def check_fp8(c: Checked, kernel: str, backend: str, features: Features, descale
     if backend == "numba":
         raise ValueError("float8_e4m3fn inputs have no Numba twin: use backend='cupy' or 'reference', got "
                          "backend='numba'")
+    if features.block_table is not None:
+        raise ValueError("float8_e4m3fn inputs run FA3's TMA form, which reads no paged keys: block_table takes "
+                         "16-bit or float32 q, k, v")
     given = [g for g in features.given() if g in FP8_REFUSED]
     if given:
         raise ValueError(f"the FP8 forward runs no score transform (causal, windows, sinks, packed sequences and "

@@ -4,8 +4,8 @@ an out-of-bounds access, a shared-memory race or a barrier misuse shows there an
 pool is switched off so that out-of-bounds accesses inside a pooled chunk are seen. Every form runs (the Hopper
 forms where the GPU has them, the mma.sync forms through wgmma=False and RAWFLASH_WGMMA=0's backward), with and
 without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k); decode with
-contiguous and paged caches. SANITIZE_ONLY=decode, splitk, fa3, fp8 or feature:NAME (e.g. feature:alibi: that
-feature in every form) runs that part alone (racecheck is slow). Example:
+contiguous and paged caches; the paged forward. SANITIZE_ONLY=decode, splitk, fa3, fp8, paged or feature:NAME (e.g.
+feature:alibi: that feature in every form) runs that part alone (racecheck is slow). Example:
 
     SANITIZE_ONLY=fa3 compute-sanitizer --tool racecheck python3 tools/sanitize.py bfloat16
 """
@@ -136,6 +136,28 @@ def _decode(dtype: str) -> None:
                         num_splits=3, k_descale=kd, v_descale=vd)
 
 
+def _paged(dtype: str) -> None:
+    """The paged forward (block_table; 16-bit): packed queries against shuffled pages of 16 and 48 rows (the last page
+    partly used), a sequence with no query and one with no key, GQA, causal both ways, a window and soft-capping,
+    head dims on the cp.async wgmma form's grid (64, 128) and off it (96: mma.sync)."""
+    rng = np.random.default_rng(2)
+    dt = random_qkv(1, 1, 1, 1, 1, 8, dtype)[0].dtype
+    qlens, klens = (3, 0, 70, 33), (20, 5, 90, 0)
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32))
+    used = cupy.asarray(np.asarray(klens, np.int32))
+    for d in (64, 96, 128):
+        for page in (16, 48):
+            per = max(-(-n // page) for n in klens)
+            pages = len(klens) * per + 1
+            q = cupy.asarray(rng.standard_normal((sum(qlens), 4, d)).astype(dt))
+            kp, vp = (cupy.asarray(rng.standard_normal((pages, page, 2, d)).astype(dt)) for _ in range(2))
+            table = cupy.asarray(rng.permutation(pages)[: len(klens) * per].reshape(len(klens), per).astype(np.int32))
+            for causal in (False, True):
+                for opts in ({}, {"window": (7, 2)}, {"softcap": 10.0}):
+                    rawflash.forward(q, kp, vp, cu_seqlens_q=cu, seqused_k=used, block_table=table, causal=causal,
+                                     **opts)
+
+
 def _splitk(dtype: str) -> None:
     """FA1's split-K partition in fa2_fwd (split_q=False) with a serial grid, causal with seqlen_q - seqlen_k >= 32:
     tiles that see no key block, then a tile that does, reuse the Q buffer; fa1 with one query block per split
@@ -238,14 +260,15 @@ def main() -> None:
     dtypes = ap.parse_args().dtypes or list(DTYPES)
     if set(dtypes) - set(DTYPES):
         ap.error(f"DTYPE is one of {', '.join(DTYPES)}, not {', '.join(sorted(set(dtypes) - set(DTYPES)))}")
-    # 'decode', 'splitk', 'fa3', 'fp8' or 'feature:NAME' (e.g. feature:alibi): that part alone (racecheck is slow)
+    # 'decode', 'splitk', 'fa3', 'fp8', 'paged' or 'feature:NAME' (e.g. feature:alibi): that part alone (racecheck is
+    # slow)
     only = os.environ.get("SANITIZE_ONLY")
     if only:
         for dtype in dtypes:
             if only.startswith("feature:"):
                 _feature(only.split(":", 1)[1], dtype)
             else:
-                {"decode": _decode, "splitk": _splitk, "fa3": _fa3, "fp8": _fp8}[only](dtype)
+                {"decode": _decode, "splitk": _splitk, "fa3": _fa3, "fp8": _fp8, "paged": _paged}[only](dtype)
             cupy.cuda.Device().synchronize()
             print(f"sanitize workload done: {only} {dtype}", flush=True)
         return
@@ -269,6 +292,8 @@ def main() -> None:
                     _feature_calls(q, k, v, causal, opts)
                 cupy.cuda.Device().synchronize()
         _decode(dtype)
+        if dtype != "float32":
+            _paged(dtype)
         _fp8(dtype)
         print(f"sanitize workload done: {dtype}", flush=True)
     os.environ["RAWFLASH_FA3"] = "0"  # this script's own process: the cp.async wgmma backward too

@@ -709,6 +709,10 @@ def demo(ctx, gpu, arch, sms, as_json):
                    "batch 1/8/64 x context 1k-128k x GQA 32/8, 64/8, MQA x contiguous and paged 16/64/256; "
                    "--dtype float8_e4m3fn: FP8 caches, each beside its bf16 cache.")
 @click.option("--quick", is_flag=True, help="With --decode: a subset of 12 cases (about 2 minutes on an H200).")
+@click.option("--paged", is_flag=True,
+              help="Time a paged prefill instead (forward with block_table: 16 sequences of 256 - 8192 tokens, pages "
+                   "of 64 and 16, bf16, causal, d = 128, GQA 32/8) beside the same call on contiguous keys and "
+                   "PyTorch's SDPA per sequence.")
 @click.option("--feature-head-dim", type=click.IntRange(min=8, max=256), default=None,
               help="With --features: the head dim of every feature case (heads = 2048 / it)  [default: 128]")
 @click.option("--deterministic", is_flag=True,
@@ -723,7 +727,7 @@ def demo(ctx, gpu, arch, sms, as_json):
 @json_option
 @click.pass_context
 def bench(ctx, impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir,
-          tag, features, decode, quick, feature_head_dim, deterministic, host, use_jax, as_json):
+          tag, features, decode, quick, paged, feature_head_dim, deterministic, host, use_jax, as_json):
     """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
     only. The headline is the public call's time (calls back to back); the rawflash rows also give the kernels' own
     time (kernel_tflops: the launches alone, a CUDA graph of them replayed)."""
@@ -747,6 +751,15 @@ def bench(ctx, impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, 
     if use_jax:
         _bench_jax(ctx, directions, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
                    as_json)
+        return
+    if paged:
+        from . import bench_paged
+
+        result = bench_paged.run_paged(repeats)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"bench-paged{('-' + tag) if tag else ''}.json").write_text(json.dumps(result, indent=1))
+        _emit({"paged": result}, as_json)
         return
     if host:
         from . import bench_host

@@ -190,6 +190,8 @@ def hopper_form_fits(kernel: str, p: Problem) -> bool:
     """Whether the sm_90 form ``kernel`` can run ``p``: an sm_90 GPU (wgmma is sm_90a code), one of the form's
     dtypes, and a tile row at the specialised head_dim."""
     form = registry.form(kernel)
+    if kernel == "fa3_fwd_sm90" and p.page_size:  # TMA reads no paged keys (a paged forward)
+        return False
     return p.arch == "sm_90" and p.dtype in form.dtypes and configs.has_row(kernel, p.head_dim, p.dtype)
 
 
@@ -230,6 +232,9 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
     got = (f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={sw.defer_norm}, "
            f"seq_parallel={sw.seq_parallel}, split_q={sw.split_q}")
     fa3 = sw.ideas_on and hopper_form_fits("fa3_fwd_sm90", p)
+    if sw.warp_specialize and p.page_size:
+        raise ValueError("warp_specialize=True (FA3's TMA form) reads no paged keys: a forward with block_table runs "
+                         "the cp.async forms")
     if sw.warp_specialize and not (fa3 and sw.wgmma is not False):
         raise ValueError(f"warp_specialize=True needs an sm_90 GPU, float16 or bfloat16, wgmma not False and every "
                          f"FA2 switch on; got {got}, wgmma={sw.wgmma}")
@@ -312,6 +317,8 @@ def with_way_back(lau: Launch) -> list[Launch]:
 def forward_plan(p: Problem, kernel: str = "fa2", switches: Switches = Switches(), settings: Settings = Settings(),
                  override: Override | None = None) -> list[Launch]:
     """Every launch a forward call makes, in order (the naive kernel's matrix products are cuBLAS calls, not listed)."""
+    if p.page_size and not p.new_keys and p.arch != "sm_90":  # (a paged forward's load path is Hopper's)
+        raise ValueError(f"a paged forward (block_table) needs an sm_90 GPU (Hopper), got {p.arch}")
     if kernel == "fa2" and p.dtype == configs.FP8:
         return fp8_forward(p, switches, override)
     if kernel == "fa2":

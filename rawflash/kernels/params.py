@@ -105,7 +105,7 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
     rec = np.zeros(1, FWD_DTYPE)
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
         rec[name] = ptr(x)
-        _set_strides(rec, name, x, p.varlen)
+        _set_strides(rec, name, x, p.varlen and len(x.shape) == 3)  # (a paged forward's k, v: pages, 4 axes)
     rec["lse"] = ptr(lse)
     _common(rec, p, scale, extras)
     rec["block_table"] = ptr(extras.get("block_table"))

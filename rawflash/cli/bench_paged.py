@@ -1,0 +1,191 @@
+"""``rawflash bench --paged``: a paged prefill (``rawflash.forward`` with ``block_table``: packed queries against
+keys in pages, in a shuffled page order) beside the same call on the same keys packed contiguously (the default
+form, FA3's on Hopper, and the cp.async form the paged call runs) and PyTorch's SDPA on each sequence's contiguous
+keys in turn (it has no packed form), bf16, causal, d = 128, GQA 32/8.
+
+Each case is first validated on a reduced case of its kind (4 sequences of at most 1000 tokens) by flash-attn's rule
+against the float64 reference, then timed as public calls back to back (``bench.time_calls_ms``) and, for rawflash,
+as its kernels alone (a CUDA graph of the bound launches, ``bench.time_kernels_ms``). "x contiguous" is the paged
+call's speed over the contiguous call's (1.0: paging costs nothing).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import reference
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCase:
+    lengths: tuple      # each sequence's queries = keys (a whole prompt prefilled)
+    page: int           # the paged call's page size (the contiguous calls read the same keys packed)
+
+    @property
+    def name(self) -> str:
+        lo, hi = min(self.lengths), max(self.lengths)
+        return f"{len(self.lengths)} seqs {lo}-{hi} tokens, pages of {self.page}"
+
+    def flops(self) -> float:
+        """Causal attention's matmul FLOPs (half of 4 n^2 d per head)."""
+        return sum(2.0 * n * n * HEAD_DIM * HEADS for n in self.lengths)
+
+
+def paged_cases() -> list[PagedCase]:
+    """16 sequences of 256 - 8192 tokens (geometric spacing), pages of 64 and 16."""
+    lengths = tuple(int(round(x / 64) * 64) for x in np.geomspace(256, 8192, 16))
+    return [PagedCase(lengths, 64), PagedCase(lengths, 16)]
+
+
+def _inputs(lengths, page: int, seed: int = 0):
+    """Device arrays: packed q; pages of k and v (shuffled) with block_table; the same keys packed; cu_seqlens and
+    seqused_k."""
+    import cupy
+
+    import ml_dtypes
+
+    from .bench_decode import _fill
+
+    rng = cupy.random.default_rng(seed)
+    total = int(sum(lengths))
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+    def rand(*shape):
+        x = cupy.empty(shape, dtype=np.dtype(ml_dtypes.bfloat16))
+        _fill(x, rng)
+        return x
+
+    q = rand(total, HEADS, HEAD_DIM)
+    k, v = rand(total, KV_HEADS, HEAD_DIM), rand(total, KV_HEADS, HEAD_DIM)
+    per = [-(-n // page) for n in lengths]
+    pages = sum(per)
+    order = np.random.default_rng(seed).permutation(pages)
+    table = np.zeros((len(lengths), max(per)), np.int32)
+    kp = cupy.zeros((pages, page, KV_HEADS, HEAD_DIM), dtype=k.dtype)
+    vp = cupy.zeros_like(kp)
+    at, start = 0, 0
+    for b, n in enumerate(lengths):
+        for j in range(per[b]):
+            slot, rows = int(order[at]), min(page, n - j * page)
+            table[b, j] = slot
+            kp[slot, :rows] = k[start + j * page:start + j * page + rows]
+            vp[slot, :rows] = v[start + j * page:start + j * page + rows]
+            at += 1
+        start += n
+    used = cupy.asarray(np.asarray(lengths, np.int32))
+    return dict(q=q, k=k, v=v, kp=kp, vp=vp, table=cupy.asarray(table), cu=cu, used=used)
+
+
+def _paged_call(x):
+    import rawflash
+
+    return lambda: rawflash.forward(x["q"], x["kp"], x["vp"], cu_seqlens_q=x["cu"], seqused_k=x["used"],
+                                    block_table=x["table"], causal=True)
+
+
+def _contiguous_call(x, **switches):
+    import rawflash
+
+    return lambda: rawflash.forward(x["q"], x["k"], x["v"], cu_seqlens_q=x["cu"], cu_seqlens_k=x["cu"], causal=True,
+                                    **switches)
+
+
+def _bound_paged(x):
+    """The paged call's kernels bound once (``Bound.launch``)."""
+    from .. import settings, validation
+    from ..kernels import cupy_backend
+
+    feats = validation.Features(cu_seqlens_q=x["cu"], seqused_k=x["used"], block_table=x["table"])
+    c = validation.check_forward(x["q"], x["kp"], x["vp"], True, None, "fa2", "cupy", feats)
+    return cupy_backend.bind_forward(c.problem, x["q"], x["kp"], x["vp"], c.scale, "fa2", extras=c.extras,
+                                     env=settings.load())
+
+
+def _bound_contiguous(x, **switches):
+    from .. import settings, validation
+    from ..kernels import cupy_backend, forms
+
+    feats = validation.Features(cu_seqlens_q=x["cu"], cu_seqlens_k=x["cu"])
+    c = validation.check_forward(x["q"], x["k"], x["v"], True, None, "fa2", "cupy", feats)
+    return cupy_backend.bind_forward(c.problem, x["q"], x["k"], x["v"], c.scale, "fa2",
+                                     forms.Switches(**switches), c.extras, settings.load())
+
+
+def validate(page: int) -> tuple[bool, str]:
+    """flash-attn's rule for the paged call on a reduced case of its page size (4 sequences, 100 - 1000 tokens)."""
+    import cupy
+
+    lengths = (100, 1, 1000, 437)
+    x = _inputs(lengths, page, seed=3)
+    out, lse = _paged_call(x)()
+    host = {n: cupy.asnumpy(a) for n, a in x.items()}
+    args = dict(cu_seqlens_q=host["cu"], cu_seqlens_k=host["cu"], causal=True)
+    ref, _ = reference.forward(host["q"], host["k"], host["v"], **args)
+    base, _ = reference.forward(host["q"], host["k"], host["v"], upcast=False, **args)
+    ok, err, _, bound = reference.error_ratio_ok(cupy.asnumpy(out).astype(np.float64), ref, base,
+                                                 host["q"].dtype, 2.0)
+    return (True, "ok") if ok else (False, f"out error {err:.3g} > {bound:.3g}")
+
+
+def _torch_loop(x, lengths):
+    """PyTorch SDPA (its default backend choice) on each sequence's contiguous keys, one call per sequence."""
+    from .bench import _torch
+
+    torch = _torch()
+    if torch is None:
+        return None
+    q, k, v = (torch.from_dlpack(x[n]) for n in ("q", "k", "v"))
+    spans, start = [], 0
+    for n in lengths:
+        spans.append((start, start + n))
+        start += n
+    views = [(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None])
+             for a, b in spans]
+
+    def call():
+        for tq, tk, tv in views:
+            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+
+    return call
+
+
+def run_paged(repeats: int = 10, cases: list[PagedCase] | None = None) -> dict:
+    """Validate and time every case; rows of (case, impl, ms, kernel_ms, TFLOP/s, x contiguous)."""
+    import cupy
+
+    from .bench import time_calls_ms, time_kernels_ms
+
+    rows = []
+    for case in cases or paged_cases():
+        ok, why = validate(case.page)
+        x = _inputs(case.lengths, case.page)
+        timed = []
+        if ok:
+            timed.append((f"rawflash paged {case.page}", _paged_call(x), _bound_paged(x)))
+        else:
+            rows.append({"case": case.name, "impl": f"rawflash paged {case.page}", "status": f"invalid: {why}"})
+        timed.append(("rawflash contiguous", _contiguous_call(x), _bound_contiguous(x)))
+        timed.append(("rawflash contiguous cp.async", _contiguous_call(x, warp_specialize=False),
+                      _bound_contiguous(x, warp_specialize=False)))
+        loop = _torch_loop(x, case.lengths)
+        if loop is not None:
+            timed.append(("torch SDPA per sequence", loop, None))
+        by = {}
+        for impl, call, bound in timed:
+            ms = time_calls_ms(call, repeats=repeats)
+            kernel_ms = time_kernels_ms(bound.launch, repeats=repeats) if bound is not None else None
+            by[impl] = ms
+            rows.append({"case": case.name, "impl": impl, "status": "ok", "ms": round(ms, 4),
+                         "kernel_ms": None if kernel_ms is None else round(kernel_ms, 4),
+                         "TFLOP/s": round(case.flops() / ms / 1e9, 1)})
+        paged = by.get(f"rawflash paged {case.page}")
+        for r in rows:
+            if r["case"] == case.name and r["impl"] == f"rawflash paged {case.page}" and paged:
+                r["x contiguous"] = round(by["rawflash contiguous"] / paged, 3)
+                r["x contiguous cp.async"] = round(by["rawflash contiguous cp.async"] / paged, 3)
+        del x
+        cupy.get_default_memory_pool().free_all_blocks()
+    return {"rows": rows}

@@ -1,0 +1,192 @@
+"""rawflash.forward with paged keys (``block_table``): packed queries against the pages a decode step reads.
+
+CPU tests check the semantics (the reference gathers the pages into packed sequences: the same answer as the
+packed call on those keys), the plan (the cp.async forms, never FA3's TMA form) and the validation, one test per
+refused input. GPU tests check the kernels against the float64 reference by flash-attn's rule (2x the error of a
+plain implementation in the inputs' dtype, out and lse) over ragged lengths (a sequence with no query, one with no
+key), page sizes 16 - 256 in a shuffled page order, GQA / MQA, causal both ways and the features, and that a
+paged prefill followed by decode steps on the same pages equals the same steps on contiguous keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import rawflash
+from conftest import DTYPES
+from rawflash import reference
+from rawflash.kernels import forms
+from rawflash.problem import Problem
+
+
+def _case(qlens=(5, 0, 33, 70), klens=(40, 7, 33, 200), heads=4, kv_heads=2, d=64, page=16, dtype="bfloat16",
+          seed=0, spare_pages=3):
+    """Packed q, the pages of k and v (shuffled order, spare pages never named), block_table, seqused_k and
+    cu_seqlens_q (host arrays), with the same keys packed (k, v, cu_seqlens_k) for the reference."""
+    rng = np.random.default_rng(seed)
+    dt = DTYPES[dtype]
+    cu_q = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    per = max(1, max(-(-n // page) for n in klens))
+    pages = len(klens) * per + spare_pages
+    q = rng.standard_normal((int(cu_q[-1]), heads, d)).astype(dt)
+    kp, vp = (rng.standard_normal((pages, page, kv_heads, d)).astype(dt) for _ in range(2))
+    table = rng.permutation(pages)[: len(klens) * per].reshape(len(klens), per).astype(np.int32)
+    used = np.asarray(klens, np.int32)
+    rows = [(table[b, j // page], j % page) for b, n in enumerate(klens) for j in range(n)]
+    k = np.stack([kp[s, r] for s, r in rows]) if rows else np.zeros((0, kv_heads, d), dt)
+    v = np.stack([vp[s, r] for s, r in rows]) if rows else np.zeros((0, kv_heads, d), dt)
+    cu_k = np.concatenate([[0], np.cumsum(klens)]).astype(np.int32)
+    return dict(q=q, k=kp, v=vp, cu_seqlens_q=cu_q, seqused_k=used, block_table=table), (k, v, cu_k)
+
+
+# ---------------------------------------------------------------- CPU: semantics, plan
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("features", [{}, {"window": (20, 3)}, {"softcap": 5.0}, {"sinks": "sinks"}])
+def test_reference_reads_the_pages_as_the_packed_keys(causal, features):
+    args, (k, v, cu_k) = _case()
+    feats = {n: (np.linspace(-1, 1, 4).astype(np.float32) if x == "sinks" else x) for n, x in features.items()}
+    out, lse = rawflash.forward(**args, causal=causal, backend="reference", **feats)
+    want, want_lse = rawflash.forward(args["q"], k, v, cu_seqlens_q=args["cu_seqlens_q"], cu_seqlens_k=cu_k,
+                                      causal=causal, backend="reference", **feats)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+
+
+def test_paged_forward_plans_the_cp_async_forms():
+    """FA3's form reads K and V through TMA, which cannot follow a page table: the cp.async wgmma form runs (the
+    mma.sync form at head dims it has no row for), warp_specialize=True is refused by name, and so is any GPU but
+    Hopper."""
+    p = Problem(4, 512, 4096, 32, 8, 128, "bfloat16", True, "sm_90", varlen=True, total_q=2048, total_k=8192,
+                seqused_k=True, page_size=64)
+    assert [lau.kernel for lau in forms.forward_plan(p)] == ["fa2_fwd_sm90"]
+    assert [lau.kernel for lau in forms.forward_plan(dataclasses.replace(p, head_dim=96))] == ["fa2_fwd"]
+    with pytest.raises(ValueError, match="a paged forward \\(block_table\\) needs an sm_90 GPU"):
+        forms.forward_plan(dataclasses.replace(p, arch="sm_80"))
+    with pytest.raises(ValueError, match="warp_specialize=True \\(FA3's TMA form\\) reads no paged keys"):
+        forms.forward_plan(p, switches=forms.Switches(warp_specialize=True))
+
+
+# ---------------------------------------------------------------- CPU: validation, one test per refused input
+def _refused():
+    def q4(a):  # fixed-length q: no packed queries
+        a["q"] = a["q"][None]
+        del a["cu_seqlens_q"]
+
+    return [
+        ("no cu_seqlens_q", q4, ValueError, "block_table \\(paged keys\\) goes with packed queries"),
+        ("cu_seqlens_k", lambda a: a.update(cu_seqlens_k=np.array([0, 1, 2, 3, 4], np.int32)), ValueError,
+         "cu_seqlens_k does not go with block_table"),
+        ("no seqused_k", lambda a: a.update(seqused_k=None), ValueError, "block_table needs seqused_k"),
+        ("table dtype", lambda a: a.update(block_table=a["block_table"].astype(np.int64)), TypeError,
+         "block_table must have dtype int32"),
+        ("table rows", lambda a: a.update(block_table=a["block_table"][:2]), ValueError,
+         "block_table must have shape \\(batch, max_pages\\)"),
+        ("page outside k", lambda a: a["block_table"].__setitem__((3, 0), 10_000), ValueError,
+         "block_table\\[3\\] must name pages of k"),
+        ("negative page", lambda a: a["block_table"].__setitem__((0, 1), -1), ValueError,
+         "block_table\\[0\\] must name pages of k"),
+        ("seqused_k past the pages", lambda a: a["seqused_k"].__setitem__(1, 10_000), ValueError,
+         "seqused_k must be between 0 and each sequence's key count"),
+        ("small pages", lambda a: a.update(k=a["k"][:, :8], v=a["v"][:, :8]), ValueError,
+         "pages of at least 16 rows"),
+        ("k and v shapes", lambda a: a.update(v=a["v"][:-1]), ValueError, "k and v must have the same shape"),
+        ("k packed", lambda a: a.update(k=a["k"][0], v=a["v"][0]), ValueError, "k must have 4 dimensions"),
+        ("numba", lambda a: a.update(backend="numba"), ValueError,
+         "a paged forward \\(block_table\\) has no Numba twin"),
+        ("fa1", lambda a: a.update(kernel="fa1"), ValueError, "kernel='fa1' does not support"),
+        ("float32", lambda a: a.update(q=a["q"].astype(np.float32), k=a["k"].astype(np.float32),
+                                       v=a["v"].astype(np.float32)), TypeError, "takes float16 or bfloat16"),
+    ]
+
+
+@pytest.mark.parametrize("name, edit, err, match", _refused(), ids=[r[0] for r in _refused()])
+def test_refused_inputs(name, edit, err, match):
+    args, _ = _case()
+    args["backend"] = "reference"
+    edit(args)
+    with pytest.raises(err, match=match):
+        rawflash.forward(**args, causal=True)
+
+
+# ---------------------------------------------------------------- GPU: the kernels against the reference
+def _gpu_check(args, packed, causal, dtype, feats=None):
+    """The cupy call on ``args`` (host arrays) against the float64 reference on the packed keys: out and lse by
+    flash-attn's rule."""
+    import cupy
+
+    feats = feats or {}
+    dev = {n: cupy.asarray(x) for n, x in {**args, **feats}.items() if isinstance(x, np.ndarray)}
+    out, lse = rawflash.forward(**{**args, **feats, **dev}, causal=causal)
+    k, v, cu_k = packed
+    ref_args = dict(cu_seqlens_q=args["cu_seqlens_q"], cu_seqlens_k=cu_k, causal=causal, **feats)
+    ref_out, ref_lse = reference.forward(args["q"], k, v, **ref_args)
+    base_out, base_lse = reference.forward(args["q"], k, v, upcast=False, **ref_args)
+    for what, got, ref, base_ in (("out", out, ref_out, base_out), ("lse", lse, ref_lse, base_lse)):
+        ok, err, base, bound = reference.error_ratio_ok(got.get(), ref, base_, DTYPES[dtype], 2)
+        assert ok, f"{what} error {err} > {bound} (plain {base})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d, heads, kv_heads", [(64, 4, 2), (128, 8, 1), (96, 4, 4)])
+def test_paged_forward_matches_the_reference(page, dtype, causal, d, heads, kv_heads):
+    args, packed = _case(d=d, heads=heads, kv_heads=kv_heads, page=page, dtype=dtype, klens=(40, 7, 300, 257),
+                         qlens=(5, 0, 133, 257))
+    _gpu_check(args, packed, causal, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("feature", ["window", "softcap", "sinks", "alibi"])
+def test_paged_forward_features(feature, causal):
+    args, packed = _case(d=128, heads=8, kv_heads=2, page=64, dtype="bfloat16", klens=(100, 1, 513, 64),
+                         qlens=(30, 1, 200, 64))
+    feats = {"window": {"window": (64, 8)}, "softcap": {"softcap": 20.0},
+             "sinks": {"sinks": np.linspace(-2, 2, 8).astype(np.float32)},
+             "alibi": {"alibi_slopes": (2.0 ** -np.arange(1, 9)).astype(np.float32)}}[feature]
+    _gpu_check(args, packed, causal, "bfloat16", feats)
+
+
+@pytest.mark.gpu
+def test_paged_prefill_then_decode_equals_contiguous():
+    """Chunked prefill into a paged cache, then decode steps appending to the same pages: the outputs equal the
+    same steps on a contiguous cache (both through rawflash; the prefill's keys are already in the pages)."""
+    import cupy
+
+    rng = np.random.default_rng(5)
+    b, hq, hk, d, page, cap = 3, 8, 2, 128, 16, 96
+    lens = np.array([40, 17, 64], np.int32)
+    bf16 = DTYPES["bfloat16"]
+    kc = rng.standard_normal((b, cap, hk, d)).astype(bf16)
+    vc = rng.standard_normal((b, cap, hk, d)).astype(bf16)
+    per = cap // page
+    table = rng.permutation(b * per).reshape(b, per).astype(np.int32)
+    kp, vp = np.zeros((b * per, page, hk, d), bf16), np.zeros((b * per, page, hk, d), bf16)
+    for s in range(b):
+        for j in range(per):
+            kp[table[s, j]], vp[table[s, j]] = kc[s, j * page:(j + 1) * page], vc[s, j * page:(j + 1) * page]
+    cu_q = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cu_q[-1]), hq, d)).astype(bf16)
+    host = dict(q=q, kp=kp, vp=vp, kc=kc, vc=vc, table=table, cu_q=cu_q, lens=lens)
+    g = {n: cupy.asarray(x) for n, x in host.items()}
+    paged, _ = rawflash.forward(g["q"], g["kp"], g["vp"], cu_seqlens_q=g["cu_q"], seqused_k=g["lens"],
+                                block_table=g["table"], causal=True)
+    dense_k = cupy.concatenate([g["kc"][s, :int(lens[s])] for s in range(b)])
+    dense_v = cupy.concatenate([g["vc"][s, :int(lens[s])] for s in range(b)])
+    contiguous, _ = rawflash.forward(g["q"], dense_k, dense_v, cu_seqlens_q=g["cu_q"], cu_seqlens_k=g["cu_q"],
+                                     causal=True, warp_specialize=False)
+    np.testing.assert_allclose(paged.get().astype(np.float32), contiguous.get().astype(np.float32), rtol=0,
+                               atol=1e-2)
+    seq = cupy.asarray(lens)
+    for step in range(3):
+        q1 = cupy.asarray(rng.standard_normal((b, 1, hq, d)).astype(bf16))
+        k1, v1 = (cupy.asarray(rng.standard_normal((b, 1, hk, d)).astype(bf16)) for _ in range(2))
+        o_paged = rawflash.decode(q1, g["kp"], g["vp"], cache_seqlens=seq, k_new=k1, v_new=v1, block_table=g["table"])
+        o_cont = rawflash.decode(q1, g["kc"], g["vc"], cache_seqlens=seq, k_new=k1, v_new=v1)
+        np.testing.assert_allclose(o_paged.get().astype(np.float32), o_cont.get().astype(np.float32), rtol=0,
+                                   atol=1e-2)
+        seq += 1
