@@ -68,6 +68,27 @@ def test_paged_forward_plans_the_cp_async_forms():
         forms.forward_plan(p, switches=forms.Switches(warp_specialize=True))
 
 
+def test_explain_paged_forward():
+    """rawflash explain --varlen ... --page-size: the paged forward's plan (the cp.async form) without a GPU; with
+    the backward it is refused (backward takes no paged keys)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from rawflash.cli.commands import main
+
+    base = ["explain", "--varlen", "100,700,30", "--page-size", "64", "--heads", "32", "--kv-heads", "8",
+            "--head-dim", "128", "--dtype", "bfloat16", "--causal", "--gpu", "H100"]
+    res = CliRunner().invoke(main, base + ["--direction", "fwd", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert report["valid"] and "block_table=table" in report["call"][0]
+    assert [row["kernel"] for row in report["launches"]] == ["fa2_fwd_sm90"]
+    assert report["problem"]["paged"].startswith("keys in pages of 64 rows")
+    res = CliRunner().invoke(main, base + ["--direction", "both"])
+    assert res.exit_code == 2 and "backward takes no paged keys" in res.output
+
+
 # ---------------------------------------------------------------- CPU: validation, one test per refused input
 def _refused():
     def q4(a):  # fixed-length q: no packed queries

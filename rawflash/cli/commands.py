@@ -452,7 +452,8 @@ def _measure(p: Problem, rows: list[dict]) -> str | None:
               help="Explain rawflash.decode instead: --seqlen-q query rows per sequence against caches of --seqlen-k "
                    "keys each (its num_splits and split plan included).")
 @click.option("--page-size", type=click.IntRange(min=0), default=0, show_default=True,
-              help="With --decode: a paged cache of this page size (0: contiguous).")
+              help="With --decode: a paged cache of this page size (0: contiguous). With --varlen and --direction "
+                   "fwd: a paged forward (block_table), each sequence's keys in pages of this size.")
 @click.option("--new-keys", type=click.IntRange(min=0), default=1, show_default=True,
               help="With --decode: keys appended before attending (k_new / v_new rows).")
 @click.option("--num-splits", type=click.IntRange(min=1), default=None,
@@ -475,8 +476,13 @@ def explain(ctx, spec, kernel, backend, scale, direction, deterministic, decode,
         report = introspect.explain_decode(spec, page_size=page_size, new_keys=new_keys, num_splits=num_splits,
                                            backend=backend, scale=scale, tgt=tgt, fp8_cache=fp8_cache)
     else:
-        if page_size or num_splits is not None or fp8_cache:
-            raise click.UsageError("--page-size, --num-splits and --fp8-cache go with --decode")
+        if num_splits is not None or fp8_cache:
+            raise click.UsageError("--num-splits and --fp8-cache go with --decode")
+        if page_size:
+            if not spec.varlen or direction != "fwd":
+                raise click.UsageError("--page-size without --decode is a paged forward: it goes with --varlen and "
+                                       "--direction fwd (backward takes no paged keys)")
+            spec = dataclasses.replace(spec, page_size=page_size)
         report = introspect.explain(spec, kernel=kernel, backend=backend, scale=scale, direction=direction,
                                     deterministic=deterministic, tgt=tgt)
     _emit(report, as_json)

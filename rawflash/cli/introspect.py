@@ -58,6 +58,7 @@ class ShapeSpec:
     alibi: bool = False
     sinks: bool = False
     varlen: tuple | None = None  # lengths of packed sequences (q and k alike): batch and seqlen then do not apply
+    page_size: int = 0           # with varlen: a paged forward, each sequence's keys in pages of this many rows
 
     @property
     def q_shape(self) -> tuple:
@@ -68,19 +69,34 @@ class ShapeSpec:
     @property
     def kv_shape(self) -> tuple:
         hk = self.heads if self.kv_heads is None else self.kv_heads
+        if self.varlen and self.page_size:
+            return (sum(self.pages), self.page_size, hk, self.head_dim)
         if self.varlen:
             return (sum(self.varlen), hk, self.head_dim)
         nk = self.seqlen_q if self.seqlen_k is None else self.seqlen_k
         return (self.batch, nk, hk, self.head_dim)
 
+    @property
+    def pages(self) -> list[int]:
+        """A paged forward's pages per sequence (at least one)."""
+        return [max(1, -(-n // self.page_size)) for n in self.varlen]
+
     def features(self) -> validation.Features:
-        """The feature arguments of the call this spec stands for (placeholder arrays of the right shapes)."""
+        """The feature arguments of the call this spec stands for (placeholder arrays of the right shapes; a paged
+        forward's block_table gives each sequence its own pages in order)."""
         f32 = np.zeros((), np.float32)
         cu = None if not self.varlen else np.cumsum((0,) + tuple(self.varlen)).astype(np.int32)
+        paged = {}
+        if self.varlen and self.page_size:
+            table = np.zeros((len(self.varlen), max(self.pages)), np.int32)
+            first = np.cumsum([0] + self.pages)
+            for b, n in enumerate(self.pages):
+                table[b, :n] = np.arange(first[b], first[b] + n)
+            paged = dict(cu_seqlens_k=None, seqused_k=np.asarray(self.varlen, np.int32), block_table=table)
         return validation.Features(window=self.window, softcap=self.softcap,
                                    alibi_slopes=np.broadcast_to(f32, (self.heads,)) if self.alibi else None,
                                    sinks=np.broadcast_to(f32, (self.heads,)) if self.sinks else None,
-                                   cu_seqlens_q=cu, cu_seqlens_k=cu)
+                                   **{"cu_seqlens_q": cu, "cu_seqlens_k": cu, **paged})
 
 
 def placeholders(spec: ShapeSpec) -> dict:
@@ -111,6 +127,8 @@ def call_text(spec: ShapeSpec, kernel: str, backend: str, scale, direction: str,
     q = f"q{list(spec.q_shape)}"
     kv = f"k{list(spec.kv_shape)}, v{list(spec.kv_shape)}"
     opts = f"causal={spec.causal}, scale={scale!r}"
+    if spec.varlen and spec.page_size:
+        opts = f"cu_seqlens_q=cu, seqused_k=lens, block_table=table, {opts}"
     calls = []
     if direction in ("fwd", "both"):
         calls.append(f"rawflash.forward({q}, {kv}, {opts}, kernel={kernel!r}, backend={backend!r})  # {spec.dtype}")
@@ -638,6 +656,8 @@ def _problem_summary(p: Problem, scale: float) -> dict:
             out[name] = on
     if p.varlen:
         out.update(packed=f"{p.batch} sequences, {p.total_q} query rows (max {p.seqlen_q})")
+        if p.page_size:
+            out.update(paged=f"keys in pages of {p.page_size} rows (block_table, seqused_k)")
     mask = ("none", "causal", "window")[launch.mask_mode(p)]
     out["policy"] = ("general" if p.general else "plain") + f", mask mode {mask}"
     return out
