@@ -11,8 +11,8 @@
 // table (one division per tile).
 // FP8 caches (C = e4m3, T the queries' 16-bit type): the ring holds e4m3 tiles, half the bytes of a 16-bit tile of
 // as many keys, and the products read them straight from the ring into float16 fragments (every e4m3 value is a
-// float16 exactly; sm80.cuh's e4m3 loaders): no widened copy in shared memory, one cvt per pair of values. The
-// products run in float16 with float32 accumulators, so the Q tile is float16 too: decode_split's load_q scales
+// float16 exactly; sm80.cuh's e4m3 loaders), one cvt per pair of values on the way to the tensor cores. The
+// products run in float16 with float32 accumulators, so the Q tile is float16 too: decode_split's q_half scales
 // each packed row by a power of two that puts its largest |q| in [2^14, 2^15) (exact for every 16-bit value down
 // to 2^-28 of the row's largest), converts it and permutes each 16 columns as load_b4_nk_e4m3 asks; P is packed
 // as float16. S is multiplied back by the row's 2^-a and by k_descale before the score transform; O's columns
