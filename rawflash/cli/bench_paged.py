@@ -44,7 +44,6 @@ def _inputs(lengths, page: int, seed: int = 0):
     """Device arrays: packed q; pages of k and v (shuffled) with block_table; the same keys packed; cu_seqlens and
     seqused_k."""
     import cupy
-
     import ml_dtypes
 
     from .bench_decode import _fill
