@@ -211,3 +211,23 @@ def test_paged_prefill_then_decode_equals_contiguous():
         np.testing.assert_allclose(o_paged.get().astype(np.float32), o_cont.get().astype(np.float32), rtol=0,
                                    atol=1e-2)
         seq += 1
+
+
+def test_bench_paged_cases():
+    """rawflash bench --paged: the issue's shape (16 sequences of 256 - 8192 tokens, GQA 32/8, d = 128) in pages of
+    64 and of 16; without a GPU the command says so and exits 1."""
+    from click.testing import CliRunner
+
+    from conftest import gpu_available
+    from rawflash.cli import bench_paged
+    from rawflash.cli.commands import main
+
+    cases = bench_paged.paged_cases()
+    assert [c.page for c in cases] == [64, 16]
+    for c in cases:
+        assert len(c.lengths) == 16 and min(c.lengths) == 256 and max(c.lengths) == 8192
+        assert all(n % 64 == 0 for n in c.lengths) and list(c.lengths) == sorted(c.lengths)
+    assert (bench_paged.HEADS, bench_paged.KV_HEADS, bench_paged.HEAD_DIM) == (32, 8, 128)
+    if not gpu_available():
+        res = CliRunner().invoke(main, ["bench", "--paged"])
+        assert res.exit_code == 1 and "needs a CUDA GPU" in res.output
