@@ -133,16 +133,19 @@ __device__ __forceinline__ void load_b2_kn(typename Frag<T>::B& b0, typename Fra
 // which are B's k slots 2t, 2t + 1, 2t + 8, 2t + 9: the A operand must hold its columns 4t .. 4t + 3 of each
 // 16-column step in those slots (permute_k16). b[0], b[1]: n-tiles n0.., n0 + 8.. of k-step k0; b[2], b[3]: the
 // same of k-step k0 + 16.
+// Four e4m3 values (the low byte first) as the two registers of a float16 B fragment: bytes 0, 1 to r[0], 2, 3
+// to r[1].
+__device__ __forceinline__ void e4m3x4_to_b(Frag<__half>::B& b, u32 four) {
+  b.r[0] = e4m3x2_to_f16x2(four & 0xffff);
+  b.r[1] = e4m3x2_to_f16x2(four >> 16);
+}
 template <int R, int C>
 __device__ __forceinline__ void load_b4_nk_e4m3(Frag<__half>::B (&b)[4], const Tile<e4m3, R, C>& s, int n0, int k0) {
   const int l = lane_id(), q = l >> 3;
   u32 r[4];
   ldmatrix_x4(r, s.saddr(n0 + (l & 7) + 8 * (q & 1), k0 + 16 * (q >> 1)));
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    b[i].r[0] = e4m3x2_to_f16x2(r[i] & 0xffff);
-    b[i].r[1] = e4m3x2_to_f16x2(r[i] >> 16);
-  }
+  for (int i = 0; i < 4; ++i) e4m3x4_to_b(b[i], r[i]);
 }
 // The A-operand order load_b4_nk_e4m3 asks for, as a permutation of the eight 4-byte words (column pairs) of a
 // 16-column float16 step: slot word t holds column pair 2t, slot word t + 4 column pair 2t + 1 (t < 4).
@@ -166,10 +169,8 @@ __device__ __forceinline__ void load_b4_kn_e4m3(Frag<__half>::B (&b)[4], const T
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const u32 even = __byte_perm(r[2 * h], r[2 * h + 1], 0x6420), odd = __byte_perm(r[2 * h], r[2 * h + 1], 0x7531);
-    b[2 * h].r[0] = e4m3x2_to_f16x2(even & 0xffff);
-    b[2 * h].r[1] = e4m3x2_to_f16x2(even >> 16);
-    b[2 * h + 1].r[0] = e4m3x2_to_f16x2(odd & 0xffff);
-    b[2 * h + 1].r[1] = e4m3x2_to_f16x2(odd >> 16);
+    e4m3x4_to_b(b[2 * h], even);
+    e4m3x4_to_b(b[2 * h + 1], odd);
   }
 }
 // The column of the output that accumulator column col (8 j + 2 t + e, for_each's numbering) holds after

@@ -151,33 +151,39 @@ def _feature_array(x, name: str, shapes: list[tuple], dtype: str, device) -> obj
     return x
 
 
-def _check_varlen(f: Features, q_total: int, k_total: int, device) -> tuple[int, int, int]:
-    """(batch, max_seqlen_q, max_seqlen_k) of packed sequences; every rule of flash-attn's varlen arguments."""
+def _check_offsets(name: str, cu, total: int, device) -> np.ndarray:
+    """The sequence lengths a cu_seqlens array gives, by flash-attn's rules: int32, 1-D with batch + 1 >= 2 entries,
+    on q's device, starting at 0, non-decreasing, ending at the packed length ``total``."""
+    kind = array_kind(cu, name)
+    if dtype_name(cu.dtype) != "int32":
+        raise TypeError(f"{name} must have dtype int32, got {dtype_name(cu.dtype)}")
+    if len(cu.shape) != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if device_of(cu, kind) != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {device_of(cu, kind)}")
+    values = _host_ints(cu).astype(np.int64)
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {int(values[0])}")
+    if np.any(np.diff(values) < 0):
+        raise ValueError(f"{name} must be non-decreasing, got {values.tolist()}")
+    if values[-1] != total:
+        what = "q" if name.endswith("_q") else "k"
+        raise ValueError(f"{name}[-1] must equal the packed length of {what} ({total}), got {int(values[-1])}")
+    return np.diff(values)
+
+
+def _check_varlen(f: Features, q_total: int, k_total: int, device) -> tuple:
+    """(batch, max_seqlen_q, max_seqlen_k, query lengths, key lengths) of packed sequences; every rule of
+    flash-attn's varlen arguments."""
     if f.cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together, got cu_seqlens_q without cu_seqlens_k")
-    counts = {}
-    for name, cu, total in (("cu_seqlens_q", f.cu_seqlens_q, q_total), ("cu_seqlens_k", f.cu_seqlens_k, k_total)):
-        kind = array_kind(cu, name)
-        if dtype_name(cu.dtype) != "int32":
-            raise TypeError(f"{name} must have dtype int32, got {dtype_name(cu.dtype)}")
-        if len(cu.shape) != 1 or cu.shape[0] < 2:
-            raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
-        if device_of(cu, kind) != device:
-            raise ValueError(f"{name} must be on q's device ({device}), got {device_of(cu, kind)}")
-        values = _host_ints(cu).astype(np.int64)
-        if values[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {int(values[0])}")
-        if np.any(np.diff(values) < 0):
-            raise ValueError(f"{name} must be non-decreasing, got {values.tolist()}")
-        if values[-1] != total:
-            what = "q" if name.endswith("_q") else "k"
-            raise ValueError(f"{name}[-1] must equal the packed length of {what} ({total}), got {int(values[-1])}")
-        counts[name] = np.diff(values)
-    if len(counts["cu_seqlens_q"]) != len(counts["cu_seqlens_k"]):
+    q_lengths = _check_offsets("cu_seqlens_q", f.cu_seqlens_q, q_total, device)
+    k_lengths = _check_offsets("cu_seqlens_k", f.cu_seqlens_k, k_total, device)
+    if len(q_lengths) != len(k_lengths):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-                         f"{len(counts['cu_seqlens_q']) + 1} and {len(counts['cu_seqlens_k']) + 1}")
-    return (len(counts["cu_seqlens_q"]), _max_seqlen("max_seqlen_q", counts["cu_seqlens_q"], f.max_seqlen_q),
-            _max_seqlen("max_seqlen_k", counts["cu_seqlens_k"], f.max_seqlen_k))
+                         f"{len(q_lengths) + 1} and {len(k_lengths) + 1}")
+    return (len(q_lengths), _max_seqlen("max_seqlen_q", q_lengths, f.max_seqlen_q),
+            _max_seqlen("max_seqlen_k", k_lengths, f.max_seqlen_k), q_lengths, k_lengths)
 
 
 def _max_seqlen(name: str, lengths: np.ndarray, given) -> int:
@@ -192,11 +198,9 @@ def _max_seqlen(name: str, lengths: np.ndarray, given) -> int:
     return int(given)
 
 
-def _check_paged(f: Features, q_total: int, pages: int, page: int, device) -> tuple[int, int, int, np.ndarray]:
-    """(batch, max_seqlen_q, max_seqlen_k, each sequence's key capacity) of a paged forward: packed queries
+def _check_paged(f: Features, q_total: int, pages: int, page: int, device) -> tuple:
+    """(batch, max_seqlen_q, max_seqlen_k, query lengths, seqused_k's values) of a paged forward: packed queries
     (cu_seqlens_q), keys in pages located by block_table and counted by seqused_k; every used page inside k."""
-    if f.cu_seqlens_q is None:
-        raise ValueError("block_table (paged keys) goes with packed queries: give cu_seqlens_q (and seqused_k)")
     if f.cu_seqlens_k is not None:
         raise ValueError("cu_seqlens_k does not go with block_table: a paged forward's keys are located by "
                          "block_table and counted by seqused_k")
@@ -204,19 +208,8 @@ def _check_paged(f: Features, q_total: int, pages: int, page: int, device) -> tu
         raise ValueError("block_table needs seqused_k: the keys of each sequence in its pages")
     if page < 16:
         raise ValueError(f"a paged forward needs pages of at least 16 rows (k.shape[1]), got {page}")
-    kind = array_kind(f.cu_seqlens_q, "cu_seqlens_q")
-    if dtype_name(f.cu_seqlens_q.dtype) != "int32":
-        raise TypeError(f"cu_seqlens_q must have dtype int32, got {dtype_name(f.cu_seqlens_q.dtype)}")
-    if len(f.cu_seqlens_q.shape) != 1 or f.cu_seqlens_q.shape[0] < 2:
-        raise ValueError("cu_seqlens_q must be 1-D with batch + 1 >= 2 entries, got shape "
-                         f"{tuple(f.cu_seqlens_q.shape)}")
-    if device_of(f.cu_seqlens_q, kind) != device:
-        raise ValueError(f"cu_seqlens_q must be on q's device ({device}), got {device_of(f.cu_seqlens_q, kind)}")
-    cu = _host_ints(f.cu_seqlens_q).astype(np.int64)
-    if cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != q_total:
-        raise ValueError(f"cu_seqlens_q must start at 0, not decrease and end at the packed length of q ({q_total}), "
-                         f"got {cu.tolist()}")
-    batch = len(cu) - 1
+    q_lengths = _check_offsets("cu_seqlens_q", f.cu_seqlens_q, q_total, device)
+    batch = len(q_lengths)
     table = f.block_table
     kind = array_kind(table, "block_table")
     if dtype_name(table.dtype) != "int32":
@@ -226,9 +219,7 @@ def _check_paged(f: Features, q_total: int, pages: int, page: int, device) -> tu
                          f"{tuple(table.shape)}")
     if device_of(table, kind) != device:
         raise ValueError(f"block_table must be on q's device ({device}), got {device_of(table, kind)}")
-    capacity = np.full(batch, int(table.shape[1]) * page, dtype=np.int64)
-    _check_seqused(f.seqused_k, batch, capacity, device)
-    used = _host_ints(f.seqused_k).astype(np.int64)
+    used = _check_seqused(f.seqused_k, batch, np.full(batch, int(table.shape[1]) * page, dtype=np.int64), device)
     entries = _host_ints(table).astype(np.int64)
     for b in range(batch):
         n = -(-int(used[b]) // page)
@@ -236,11 +227,12 @@ def _check_paged(f: Features, q_total: int, pages: int, page: int, device) -> tu
         if bad:
             raise ValueError(f"block_table[{b}] must name pages of k (0 .. {pages - 1}) for its {n} used pages, got "
                              f"{bad[0]}")
-    return (batch, _max_seqlen("max_seqlen_q", np.diff(cu), f.max_seqlen_q),
-            _max_seqlen("max_seqlen_k", used, f.max_seqlen_k), capacity)
+    return (batch, _max_seqlen("max_seqlen_q", q_lengths, f.max_seqlen_q),
+            _max_seqlen("max_seqlen_k", used, f.max_seqlen_k), q_lengths, used)
 
 
-def _check_seqused(seqused, batch: int, key_lengths: np.ndarray, device) -> object:
+def _check_seqused(seqused, batch: int, key_lengths: np.ndarray, device) -> np.ndarray:
+    """seqused_k's rules (int32 (batch,) on q's device, each value within its sequence's keys); its values."""
     kind = array_kind(seqused, "seqused_k")
     if dtype_name(seqused.dtype) != "int32":
         raise TypeError(f"seqused_k must have dtype int32, got {dtype_name(seqused.dtype)}")
@@ -252,7 +244,7 @@ def _check_seqused(seqused, batch: int, key_lengths: np.ndarray, device) -> obje
     if np.any(used < 0) or np.any(used > key_lengths):
         raise ValueError(f"seqused_k must be between 0 and each sequence's key count {key_lengths.tolist()}, got "
                          f"{used.tolist()}")
-    return seqused
+    return used
 
 
 def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "cupy",
@@ -311,13 +303,11 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     if not 1 <= d <= configs.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be between 1 and {configs.MAX_HEAD_DIM}, got {d}")
     device = devices["q"]
+    used = None  # seqused_k's values once checked
     if paged:
-        batch, max_q, max_k, key_lengths = _check_paged(features, nq, pages, page, device)
-        query_lengths = np.diff(_host_ints(features.cu_seqlens_q).astype(np.int64))
+        batch, max_q, max_k, query_lengths, used = _check_paged(features, nq, pages, page, device)
     elif varlen:
-        batch, max_q, max_k = _check_varlen(features, nq, nk, device)
-        key_lengths = np.diff(_host_ints(features.cu_seqlens_k).astype(np.int64))
-        query_lengths = np.diff(_host_ints(features.cu_seqlens_q).astype(np.int64))
+        batch, max_q, max_k, query_lengths, key_lengths = _check_varlen(features, nq, nk, device)
     else:
         batch, max_q, max_k = shapes["q"][0], nq, nk
         key_lengths = np.full(batch, nk)
@@ -334,7 +324,9 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     if features.sinks is not None:
         extras["sinks"] = _feature_array(features.sinks, "sinks", [(h,)], "float32", device)
     if features.seqused_k is not None:
-        extras["seqused_k"] = _check_seqused(features.seqused_k, batch, key_lengths, device)
+        if used is None:
+            used = _check_seqused(features.seqused_k, batch, key_lengths, device)
+        extras["seqused_k"] = features.seqused_k
     if varlen:
         extras["cu_seqlens_q"], extras["cu_seqlens_k"] = features.cu_seqlens_q, features.cu_seqlens_k
     if paged:
@@ -350,7 +342,8 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
         if unsupported:
             raise ValueError(f"kernel={kernel!r} does not support {unsupported[0]}: only kernel='fa2' runs every "
                              f"feature (got {unsupported[0]} with kernel={kernel!r})")
-    used = _host_ints(extras["seqused_k"]).astype(np.int64) if "seqused_k" in extras else key_lengths
+    if used is None:
+        used = key_lengths
     lengths = tuple(zip(map(int, query_lengths), map(int, used))) if varlen else ()
     problem = Problem(batch, max_q, max_k, h, hk, d, dtypes["q"], causal, window=window, softcap=softcap,
                       alibi="alibi_slopes" in extras, sinks="sinks" in extras, varlen=varlen,

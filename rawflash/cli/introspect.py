@@ -86,17 +86,18 @@ class ShapeSpec:
         forward's block_table gives each sequence its own pages in order)."""
         f32 = np.zeros((), np.float32)
         cu = None if not self.varlen else np.cumsum((0,) + tuple(self.varlen)).astype(np.int32)
-        paged = {}
+        used = table = None
         if self.varlen and self.page_size:
             table = np.zeros((len(self.varlen), max(self.pages)), np.int32)
             first = np.cumsum([0] + self.pages)
             for b, n in enumerate(self.pages):
                 table[b, :n] = np.arange(first[b], first[b] + n)
-            paged = dict(cu_seqlens_k=None, seqused_k=np.asarray(self.varlen, np.int32), block_table=table)
+            used = np.asarray(self.varlen, np.int32)
         return validation.Features(window=self.window, softcap=self.softcap,
                                    alibi_slopes=np.broadcast_to(f32, (self.heads,)) if self.alibi else None,
                                    sinks=np.broadcast_to(f32, (self.heads,)) if self.sinks else None,
-                                   **{"cu_seqlens_q": cu, "cu_seqlens_k": cu, **paged})
+                                   cu_seqlens_q=cu, cu_seqlens_k=None if table is not None else cu, seqused_k=used,
+                                   block_table=table)
 
 
 def placeholders(spec: ShapeSpec) -> dict:

@@ -302,7 +302,7 @@ WINDOW_ROWS: dict[tuple[str, int, str], TileConfig] = {
 # the whole cache again; 32 rows read it once per 32. At d = 128 the 32-row tile takes 220 registers without a
 # spill (offline). tools/tune_decode.py (H200 bf16, batch 8, N = 32768, MQA 32 / 1, d = 128, the model's split
 # counts): 32 x 16 with 4 warps and 2 stages is the fastest candidate (3 stages or 2 warps are slower). Measured at
-# d = 128 only. An FP8 cache's 32-row row has the 16-row FP8 row's depth.
+# d = 128 only. An FP8 cache's 32-row row keeps 4 stages (with 3 the CTA's merge outgrows the ring's bytes).
 MANY_DECODE_ROWS = 16
 MANY_ROWS_DECODE: dict[tuple[str, int, str], TileConfig] = {
     **{("decode_split", 128, dt): TileConfig(32, 16, 4, stages=2,

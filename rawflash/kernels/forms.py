@@ -317,7 +317,7 @@ def with_way_back(lau: Launch) -> list[Launch]:
 def forward_plan(p: Problem, kernel: str = "fa2", switches: Switches = Switches(), settings: Settings = Settings(),
                  override: Override | None = None) -> list[Launch]:
     """Every launch a forward call makes, in order (the naive kernel's matrix products are cuBLAS calls, not listed)."""
-    if p.page_size and not p.new_keys and p.arch != "sm_90":  # (a paged forward's load path is Hopper's)
+    if p.page_size and p.arch != "sm_90":  # (a paged forward's load path is Hopper's)
         raise ValueError(f"a paged forward (block_table) needs an sm_90 GPU (Hopper), got {p.arch}")
     if kernel == "fa2" and p.dtype == configs.FP8:
         return fp8_forward(p, switches, override)
