@@ -129,16 +129,16 @@ __device__ __forceinline__ void load_b2_kn(typename Frag<T>::B& b0, typename Fra
 // Products over an e4m3 tile run in float16 (every e4m3 value is a float16 exactly, one cvt per pair). ldmatrix
 // moves b16 units, i.e. byte pairs, so each loader below hands out its fragments in a permuted order that the
 // other operand follows.
-// K8 stored [n][k] (S = Q K^T): lane (g, t) receives bytes 4t .. 4t + 3 of row g of each 8 x 16-byte matrix,
-// which are B's k slots 2t, 2t + 1, 2t + 8, 2t + 9: the A operand must hold its columns 4t .. 4t + 3 of each
-// 16-column step in those slots (permute_k16). b[0], b[1]: n-tiles n0.., n0 + 8.. of k-step k0; b[2], b[3]: the
-// same of k-step k0 + 16.
 // Four e4m3 values (the low byte first) as the two registers of a float16 B fragment: bytes 0, 1 to r[0], 2, 3
 // to r[1].
 __device__ __forceinline__ void e4m3x4_to_b(Frag<__half>::B& b, u32 four) {
   b.r[0] = e4m3x2_to_f16x2(four & 0xffff);
   b.r[1] = e4m3x2_to_f16x2(four >> 16);
 }
+// K8 stored [n][k] (S = Q K^T): lane (g, t) receives bytes 4t .. 4t + 3 of row g of each 8 x 16-byte matrix,
+// which are B's k slots 2t, 2t + 1, 2t + 8, 2t + 9: the A operand must hold its columns 4t .. 4t + 3 of each
+// 16-column step in those slots (permute_k16). b[0], b[1]: n-tiles n0.., n0 + 8.. of k-step k0; b[2], b[3]: the
+// same of k-step k0 + 16.
 template <int R, int C>
 __device__ __forceinline__ void load_b4_nk_e4m3(Frag<__half>::B (&b)[4], const Tile<e4m3, R, C>& s, int n0, int k0) {
   const int l = lane_id(), q = l >> 3;
