@@ -33,7 +33,7 @@ template <typename T, int ROWS, int COLS> struct Sw128 {
   static_assert(sizeof(T) == 2, "wgmma tiles hold float16 / bfloat16");
   static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "whole 64-column panels of whole 8-row swizzle atoms");
   static constexpr int PANEL_COLS = 64, PANELS = COLS / 64;
-  static constexpr int PANEL_BYTES = ROWS * 128;
+  static constexpr int PANEL_BYTES = ROWS * 128, ROW_BYTES = 128;  // ROW_BYTES: a row's bytes in one panel
   static constexpr int BYTES = ROWS * COLS * 2;
   u32 base;  // shared-memory address, 1024-byte aligned (the swizzle repeats every 8 rows of 128 bytes)
   // Address of the 16-byte chunk holding (row, col..col+7), col % 8 == 0.
@@ -65,7 +65,7 @@ template <int ROWS, int COLS, int PANEL> struct SwizzledX8 {
   static_assert(PANEL == 128 || PANEL == 64, "the 128- or 64-byte swizzle");
   static_assert(COLS % PANEL == 0 && ROWS % 8 == 0, "whole panels of whole 8-row swizzle atoms");
   static constexpr int PANEL_COLS = PANEL, PANELS = COLS / PANEL;
-  static constexpr int PANEL_BYTES = ROWS * PANEL;
+  static constexpr int PANEL_BYTES = ROWS * PANEL, ROW_BYTES = PANEL;
   static constexpr int BYTES = ROWS * COLS;
   u32 base;  // shared-memory address, 1024-byte aligned
   __device__ __forceinline__ u64 desc_k(int r0, int k0) const {

@@ -72,6 +72,7 @@ struct MainloopFwdSm90Fp8
   using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;
   static_assert(BC % 64 == 0 && BC <= 256 && D % 128 == 0 && D <= 256, "whole 64- / 128-byte panels; wgmma N <= 256");
   static constexpr bool PACKED = Pol_::GENERAL;  // the general policy brings packed sequences
+  static constexpr bool PAGED = false;            // paged keys run 16-bit forms only
   static constexpr bool O_VIA_Q = false; // O (OutT) is twice Q_i's bytes: stored from registers
   static constexpr int REF = REF_RUNNING;  // e4m3's P has a narrow range: the running max always
   static constexpr float P_LOG2 = 8.f;  // P in [0, 256] before its cast (e4m3's largest finite value is 448) ...

@@ -35,6 +35,7 @@ namespace rf {
 // The mainloop that derives from it (CRTP: Derived) says what depends on the element type:
 //   - TQ, TK, TV: the shared-memory tiles of Q_i, K_j and V_j (TV may hold V_j^T); their BYTES size the rings;
 //   - PACKED: whether packed sequences reach it (their copies read "batch" 0 from the sequence's first row);
+//   - PAGED: whether paged keys reach it (a paged forward: the general policy with block_table; produce_paged);
 //   - load_v(p, tma, tile, bar, bi, k0, row, bk): the copy of V_j, keys k0.. of sequence bi at rows row.. of
 //     the tensor, "batch" bk (V is addressed by rows, V^T by keys);
 //   - gemm_qk(s, sq, r0, sk): S = Q K^T; gemm_pv(o, pa, sv): O += P V; pack_p(pa, s): S's registers -> P's
@@ -53,11 +54,11 @@ struct Fa3FwdPipeline {
   static constexpr int ALIGN = 1024, Q_BYTES = TQ::BYTES, KV_BYTES = TK::BYTES;
   // Q full / empty per Q_i buffer; K full / empty and V full / empty per stage
   static constexpr int BARRIERS = 2 * QSTAGES + 4 * STAGES;
-  // ... and 16 bytes for the index of the tile whose Q_i is (being) copied into each Q_i buffer (the dynamic
-  // scheduler's hand-over)
+  // ... and 16 bytes: the index of the tile whose Q_i is (being) copied into each Q_i buffer (the dynamic
+  // scheduler's hand-over; 4 bytes each), then V's landed mbarrier (paged keys' last block, PAGED kernels)
   static constexpr int SMEM_BYTES = ALIGN + QSTAGES * Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS + 16;
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
-  static_assert(QSTAGES == 1 || QSTAGES == 2, "one or two Q_i buffers (four tile-index slots of 4 bytes)");
+  static_assert(QSTAGES == 1 || QSTAGES == 2, "one or two Q_i buffers (tile-index slots of 4 bytes before V landed)");
   static_assert(TV::BYTES == KV_BYTES, "a stage holds K_j and V_j in halves of one size");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NC <= launch_regs(NTHREADS) * NTHREADS,
                 "setmaxnreg moves registers within the launch's pool");
@@ -70,6 +71,7 @@ struct Fa3FwdPipeline {
   struct Pipes {
     PipeState<QSTAGES> q;
     PipeState<STAGES> kv;
+    int landed = 0;  // the producer's uses of the V-landed barrier (produce_paged)
     // The Q_i buffer of the tile a consumer has just walked (its epilogue's staging buffer with O_VIA_Q).
     __device__ __forceinline__ int last_q() const { return (q.n + QSTAGES - 1) % QSTAGES; }
   };
@@ -91,13 +93,15 @@ struct Fa3FwdPipeline {
     __device__ __forceinline__ u32 v_full(int s) const { return bar(QB + 2 * STAGES + s); }
     __device__ __forceinline__ u32 v_empty(int s) const { return bar(QB + 3 * STAGES + s); }
     __device__ __forceinline__ u32 tile(int qs) const { return bar(BARRIERS) + 4 * qs; }
-    // One thread: full barriers wait for one arrival (the producer's expect_tx) plus the bytes, empty ones for
-    // every consumer thread.
+    __device__ __forceinline__ u32 v_landed() const { return bar(BARRIERS) + 8; }
+    // One thread: full barriers (V landed too) wait for one arrival (the producer's expect_tx) plus the bytes,
+    // empty ones for every consumer thread.
     __device__ __forceinline__ void init() const {
       for (int i = 0; i < BARRIERS; ++i) {
         const bool full = i < QSTAGES || (i >= QB && i < QB + STAGES) || (i >= QB + 2 * STAGES && i < QB + 3 * STAGES);
         mbar_init(bar(i), full ? 1 : NC * 128);
       }
+      if constexpr (Derived::PAGED) mbar_init(v_landed(), 1);
       mbar_init_fence();
     }
   };
@@ -124,14 +128,10 @@ struct Fa3FwdPipeline {
     const BlockRange kv = pol.kv_blocks(q0, nrows, BC);
     const int n = kv.n(), bq = Derived::PACKED && p.cu_seqlens_q ? 0 : bi.b,
               bk = Derived::PACKED && p.cu_seqlens_k ? 0 : bi.b;
+    if constexpr (Derived::PAGED)
+      if (p.block_table) return produce_paged(p, tma, bi, kv, q0, tile, bq, sm, pipes);
     if (lane_id() != 0) return;
-    // ---- [mainloop_fwd_sm90_ws:load_q] Q_i, once the consumers are done with the buffer's previous tile ----
-    const int qs = pipes.q.stage();
-    mbar_wait(sm.q_empty(qs), pipes.q.parity() ^ 1);
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sm.tile(qs)), "r"(tile) : "memory");  // released by the arrive
-    mbar_expect_tx(sm.q_full(qs), Q_BYTES);
-    tma_load_tile(tma.q, sm.q(qs), sm.q_full(qs), 0, bi.q_row0 + q0, bi.h, bq);
-    pipes.q.advance();
+    load_q(tma, bi, q0, tile, bq, sm, pipes);
     // ---- [mainloop_fwd_sm90_ws:load_kv] K_j, then V_j, into the next free stage ----
 #pragma unroll 1
     for (int step = 0; step < n; ++step) {
@@ -142,6 +142,78 @@ struct Fa3FwdPipeline {
       mbar_wait(sm.v_empty(s), free);
       mbar_expect_tx(sm.v_full(s), KV_BYTES);
       Derived::load_v(p, tma, sm.v(s), sm.v_full(s), bi, k0, row, bk);
+      pipes.kv.advance();
+    }
+  }
+
+  // ---- [mainloop_fwd_sm90_ws:load_q] Q_i, once the consumers are done with the buffer's previous tile (one lane) ----
+  __device__ __forceinline__ static void load_q(const TmaFwd& tma, const Info& bi, int q0, int tile, int bq,
+                                                const Smem& sm, Pipes& pipes) {
+    const int qs = pipes.q.stage();
+    mbar_wait(sm.q_empty(qs), pipes.q.parity() ^ 1);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sm.tile(qs)), "r"(tile) : "memory");  // released by the arrive
+    mbar_expect_tx(sm.q_full(qs), Q_BYTES);
+    tma_load_tile(tma.q, sm.q(qs), sm.q_full(qs), 0, bi.q_row0 + q0, bi.h, bq);
+    pipes.q.advance();
+  }
+
+  // Paged keys (a paged forward): key j of sequence b is row j % page_size of page block_table[b][j / page_size].
+  // The k and v maps describe the page pool as (head_dim, page rows, kv heads, pages) in boxes of
+  // SEG = gcd(BC, page_size) rows (rawflash/kernels/tma.py's paged_box_rows; page sizes that are not powers of two
+  // run the cp.async forms), so a key block is BC / SEG boxes a panel, each inside one page and starting on a
+  // whole swizzle atom: lane i of the warp locates box i (one table read, all lanes' reads in flight together) and
+  // issues its copies, once lane 0 has found the stage free and armed its barrier with the block's bytes. A box past
+  // the sequence's keys names page num_pages, outside the pool, and lands as zeros (no table entry past the used
+  // ones is read). The box holding the sequence's last key also brings the rows after it in its page, whatever
+  // the cache holds there: K's are masked scores; V's the warp overwrites with zeros once the copies have landed
+  // (a zero P times a NaN there is NaN), and only then completes V's full barrier.
+  __device__ __forceinline__ static void produce_paged(const FwdParams& p, const TmaFwd& tma, const Info& bi,
+                                                       const BlockRange& kv, int q0, int tile, int bq,
+                                                       const Smem& sm, Pipes& pipes) {
+    constexpr int BC_POW2 = BC & -BC;  // the largest power of two that divides BC
+    const int lane = lane_id(), seg = min(p.page_size, BC_POW2);  // gcd(BC, page_size): page sizes are powers of 2
+    const bool mine = lane * seg < BC;  // lane i's box: rows i * seg.. of the block
+    if (lane == 0) load_q(tma, bi, q0, tile, bq, sm, pipes);
+#pragma unroll 1
+    for (int step = 0; step < kv.n(); ++step) {
+      const int s = pipes.kv.stage(), free = pipes.kv.parity() ^ 1, k0 = kv.block(step) * BC;
+      // ---- [mainloop_fwd_sm90_ws:locate_pages] lane i: the page and first row of box i of this key block ----
+      int page = p.num_pages, row = 0;
+      const int j = k0 + lane * seg;
+      if (mine && j < bi.seqlen_k) {
+        const int pg = j >> (__ffs(p.page_size) - 1);  // a power of two (forms.hopper_form_fits)
+        page = (int)bi.page_slot(p, pg);
+        row = j & (p.page_size - 1);
+      }
+      // ---- [mainloop_fwd_sm90_ws:load_kv_paged] K_j, then V_j, box by box into the next free stage ----
+      if (lane == 0) {
+        mbar_wait(sm.k_empty(s), free);
+        mbar_expect_tx(sm.k_full(s), KV_BYTES);
+      }
+      __syncwarp();
+      if (mine) tma_load_rows(tma.k, sm.k(s), sm.k_full(s), lane * seg, row, bi.hk, page);
+      const int inside = bi.seqlen_k - k0, stale = min(BC, (inside + seg - 1) / seg * seg) - inside;
+      const u32 v_bar = stale > 0 ? sm.v_landed() : sm.v_full(s);  // V's rows past the last key: zeroed first
+      if (lane == 0) {
+        mbar_wait(sm.v_empty(s), free);
+        mbar_expect_tx(v_bar, KV_BYTES);
+      }
+      __syncwarp();
+      if (mine) tma_load_rows(tma.v, sm.v(s), v_bar, lane * seg, row, bi.hk, page);
+      if (stale > 0) {
+        // ---- [mainloop_fwd_sm90_ws:zero_stale_v] rows inside..inside+stale of every panel, then V_j is full ----
+        mbar_wait(sm.v_landed(), pipes.landed & 1);
+        ++pipes.landed;
+        const u32 first = sm.v(s).base + inside * TV::ROW_BYTES, end = first + stale * TV::ROW_BYTES;
+        for (u32 at = first + 16 * lane; at < end; at += 16 * 32)  // 16 bytes a lane, in every panel
+#pragma unroll
+          for (int panel = 0; panel < TV::PANELS; ++panel)
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at + panel * TV::PANEL_BYTES), "r"(0)
+                         : "memory");
+        fence_async_smem();  // the zeros, before the consumers' wgmma (the async proxy) reads them
+        __syncwarp();
+        if (lane == 0) mbar_arrive(sm.v_full(s));
+      }
       pipes.kv.advance();
     }
   }
@@ -303,6 +375,7 @@ struct MainloopFwdSm90Ws
   using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;
   static_assert(BC % 16 == 0 && BC <= 256 && D % 64 == 0, "a wgmma N of at most 256; panels of 64 columns");
   static constexpr bool PACKED = true;   // the general policy brings packed sequences
+  static constexpr bool PAGED = Pol_::GENERAL;  // ... and paged keys (produce_paged)
   static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
   // The softmax's reference (SoftmaxRef; the host's Problem.softmax_ref): without the running max P may exceed 1,
   // which needs P's type to have float32's exponent range (bfloat16). REF_BOUNDED: soft-capped scores without ALiBi

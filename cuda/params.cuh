@@ -51,7 +51,7 @@ struct FwdParams {
   float softcap;             // 0: off; else scores become softcap * tanh(score / softcap)
   int new_keys;              // decode: rows of k_new / v_new per sequence
   int cache_capacity;        // decode: keys one sequence's cache holds (capacity, or page_size x max_pages)
-  int num_pages;             // decode, paged: pages of the cache (valid block_table entries are 0 .. num_pages - 1)
+  int num_pages;             // paged keys (decode, paged forward): pages of k, v (block_table values < num_pages)
   int cache_len;             // decode: cache_seqlens of every sequence when seqused_k is nullptr (one int given)
   int split_appends;         // decode: 1 when decode_split writes k_new / v_new itself (no decode_append launch)
   int num_partials;          // decode: partial results per row, one per CTA of decode_split (cdiv(num_splits, warps))

@@ -82,6 +82,17 @@ __device__ __forceinline__ void tma_load_tile(const TmaDesc& d, const Tile& t, u
     tma_load_4d(d, t.base + i * Tile::PANEL_BYTES, bar, c0 + i * Tile::PANEL_COLS, c1, c2, c3);
 }
 
+// Rows r0.. of a swizzled tile from one box a panel (a paged key block's boxes, each from its own page): the
+// same as tma_load_tile into the tile's rows from r0, a multiple of 8 (whole swizzle atoms, so the swizzle that
+// the TMA unit applies to the absolute address is the tile's).
+template <class Tile>
+__device__ __forceinline__ void tma_load_rows(const TmaDesc& d, const Tile& t, u32 bar, int r0, int c1, int c2,
+                                              int c3) {
+#pragma unroll
+  for (int i = 0; i < Tile::PANELS; ++i)
+    tma_load_4d(d, t.base + i * Tile::PANEL_BYTES + r0 * Tile::ROW_BYTES, bar, i * Tile::PANEL_COLS, c1, c2, c3);
+}
+
 // Box (c0.., c1..) of a 2-d float32 tensor += the shared-memory tile at src (row-major, no swizzle): the TMA unit
 // reads shared memory and adds into global memory atomically per element. Issued by one thread, then committed to
 // its bulk group; the tile may be overwritten once bulk_wait_read says the reads are done.

@@ -107,9 +107,10 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         Paged keys (chunked prefill against a paged KV cache, the pages ``decode`` reads): k and v are
         (num_pages, page_size, kv_heads, head_dim), page_size >= 16, and key j of sequence b is row
         ``j % page_size`` of page ``block_table[b, j // page_size]``. Needs packed queries (``cu_seqlens_q``) and
-        ``seqused_k`` (each sequence's keys), no ``cu_seqlens_k``; the used entries are checked on the host. Runs
-        the cp.async forms (not FA3's TMA form), float16 or bfloat16; no FP8, no Numba twin, and ``backward``
-        takes no paged keys.
+        ``seqused_k`` (each sequence's keys), no ``cu_seqlens_k``; the used entries are checked on the host. Pages
+        of a power of two rows run FA3's form (its producer reads a key block in TMA boxes of one page each), other
+        page sizes the cp.async forms; a page's rows past its sequence's keys are never used, whatever they hold.
+        float16 or bfloat16; no FP8, no Numba twin, and ``backward`` takes no paged keys.
     q_descale, k_descale, v_descale : arrays (1,) or (batch, kv_heads), float32, optional
         FP8 (q, k, v float8_e4m3fn, Hopper, FA3's form): the factors the e4m3 values are multiplied by
         (``rawflash.fp8.quantize`` returns them); default 1. Plain or causal attention, GQA and sinks.

@@ -1,11 +1,13 @@
 """rawflash.forward with paged keys (``block_table``): packed queries against the pages a decode step reads.
 
 CPU tests check the semantics (the reference gathers the pages into packed sequences: the same answer as the
-packed call on those keys), the plan (the cp.async forms, never FA3's TMA form) and the validation, one test per
-refused input. GPU tests check the kernels against the float64 reference by flash-attn's rule (2x the error of a
-plain implementation in the inputs' dtype, out and lse) over ragged lengths (a sequence with no query, one with no
-key), page sizes 16 - 256 in a shuffled page order, GQA / MQA, causal both ways and the features, and that a
-paged prefill followed by decode steps on the same pages equals the same steps on contiguous keys.
+packed call on those keys), the plan (FA3's TMA form for pages of a power of two rows, the cp.async forms for
+the rest) and the validation, one test per refused input. GPU tests check both forms against the float64 reference
+by flash-attn's rule (2x the error of a plain implementation in the inputs' dtype, out and lse) over ragged lengths
+(a sequence with no query, one with no key), page sizes 16 - 256 in a shuffled page order, GQA / MQA, causal both
+ways and the features; that NaN in a page's rows past a sequence's keys and in pages no sequence names leaves the
+results finite; and that a paged prefill followed by decode steps on the same pages equals the same steps on
+contiguous keys.
 """
 from __future__ import annotations
 
@@ -54,22 +56,32 @@ def test_reference_reads_the_pages_as_the_packed_keys(causal, features):
     np.testing.assert_array_equal(lse, want_lse)
 
 
-def test_paged_forward_plans_the_cp_async_forms():
-    """FA3's form reads K and V through TMA, which cannot follow a page table: the cp.async wgmma form runs (the
-    mma.sync form at head dims it has no row for), warp_specialize=True is refused by name, and so is any GPU but
-    Hopper."""
+def test_paged_forward_plans():
+    """Pages of a power of two rows run FA3's TMA form (boxes of gcd(key block, page) rows, one page each); other
+    page sizes the cp.async wgmma form (the mma.sync form at head dims it has no row for), where
+    warp_specialize=True is refused by name; warp_specialize=False picks the cp.async form; any GPU but Hopper is
+    refused."""
+    from rawflash.kernels import tma
+
     p = Problem(4, 512, 4096, 32, 8, 128, "bfloat16", True, "sm_90", varlen=True, total_q=2048, total_k=8192,
                 seqused_k=True, page_size=64)
-    assert [lau.kernel for lau in forms.forward_plan(p)] == ["fa2_fwd_sm90"]
-    assert [lau.kernel for lau in forms.forward_plan(dataclasses.replace(p, head_dim=96))] == ["fa2_fwd"]
+    for page in (16, 64, 256):
+        assert [lau.kernel for lau in forms.forward_plan(dataclasses.replace(p, page_size=page))][0] == "fa3_fwd_sm90"
+    assert [tma.paged_box_rows(176, n) for n in (16, 64, 256)] == [16, 16, 16]
+    assert [tma.paged_box_rows(128, n) for n in (16, 64, 256)] == [16, 64, 128]
+    odd = dataclasses.replace(p, page_size=48)
+    assert [lau.kernel for lau in forms.forward_plan(odd)] == ["fa2_fwd_sm90"]
+    assert [lau.kernel for lau in forms.forward_plan(p, switches=forms.Switches(warp_specialize=False))] == [
+        "fa2_fwd_sm90"]
+    assert [lau.kernel for lau in forms.forward_plan(dataclasses.replace(odd, head_dim=96))] == ["fa2_fwd"]
     with pytest.raises(ValueError, match="a paged forward \\(block_table\\) needs an sm_90 GPU"):
         forms.forward_plan(dataclasses.replace(p, arch="sm_80"))
-    with pytest.raises(ValueError, match="warp_specialize=True \\(FA3's TMA form\\) reads no paged keys"):
-        forms.forward_plan(p, switches=forms.Switches(warp_specialize=True))
+    with pytest.raises(ValueError, match="reads paged keys in pages of a power of two rows; got page_size 48"):
+        forms.forward_plan(odd, switches=forms.Switches(warp_specialize=True))
 
 
 def test_explain_paged_forward():
-    """rawflash explain --varlen ... --page-size: the paged forward's plan (the cp.async form) without a GPU; with
+    """rawflash explain --varlen ... --page-size: the paged forward's plan (FA3's form) without a GPU; with
     the backward it is refused (backward takes no paged keys)."""
     import json
 
@@ -83,7 +95,10 @@ def test_explain_paged_forward():
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
     assert report["valid"] and "block_table=table" in report["call"][0]
-    assert [row["kernel"] for row in report["launches"]] == ["fa2_fwd_sm90"]
+    assert [row["kernel"] for row in report["launches"]][0] == "fa3_fwd_sm90"
+    assert "paged keys read by TMA in boxes of 64 rows" in report["launches"][0]["note"]
+    small = CliRunner().invoke(main, [*base[:4], "16", *base[5:], "--direction", "fwd", "--json"])
+    assert "paged keys read by TMA in boxes of 16 rows" in json.loads(small.output)["launches"][0]["note"]
     assert report["problem"]["paged"].startswith("keys in pages of 64 rows")
     res = CliRunner().invoke(main, base + ["--direction", "both"])
     assert res.exit_code == 2 and "backward takes no paged keys" in res.output
@@ -132,14 +147,17 @@ def test_refused_inputs(name, edit, err, match):
 
 
 # ---------------------------------------------------------------- GPU: the kernels against the reference
-def _gpu_check(args, packed, causal, dtype, feats=None):
+def _gpu_check(args, packed, causal, dtype, feats=None, form="tma"):
     """The cupy call on ``args`` (host arrays) against the float64 reference on the packed keys: out and lse by
-    flash-attn's rule."""
+    flash-attn's rule. ``form``: "tma" the default form (FA3's for pages of a power of two rows), "cp_async" the
+    threads' copies (the cp.async wgmma form; mma.sync at head dims it has no row for)."""
     import cupy
 
     feats = feats or {}
+    d = args["q"].shape[-1]
+    switches = {} if form == "tma" else {"warp_specialize": False} if d % 64 == 0 else {"wgmma": False}
     dev = {n: cupy.asarray(x) for n, x in {**args, **feats}.items() if isinstance(x, np.ndarray)}
-    out, lse = rawflash.forward(**{**args, **feats, **dev}, causal=causal)
+    out, lse = rawflash.forward(**{**args, **feats, **dev}, causal=causal, **switches)
     k, v, cu_k = packed
     ref_args = dict(cu_seqlens_q=args["cu_seqlens_q"], cu_seqlens_k=cu_k, causal=causal, **feats)
     ref_out, ref_lse = reference.forward(args["q"], k, v, **ref_args)
@@ -149,15 +167,50 @@ def _gpu_check(args, packed, causal, dtype, feats=None):
         assert ok, f"{what} error {err} > {bound} (plain {base})"
 
 
+FORMS = ["tma", "cp_async"]  # FA3's TMA form (the default for these pages), the threads' copies
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("page", [16, 64, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d, heads, kv_heads", [(64, 4, 2), (128, 8, 1), (96, 4, 4)])
-def test_paged_forward_matches_the_reference(page, dtype, causal, d, heads, kv_heads):
+@pytest.mark.parametrize("d, heads, kv_heads", [(64, 4, 2), (128, 8, 1), (96, 4, 4), (256, 4, 2)])
+def test_paged_forward_matches_the_reference(page, dtype, causal, d, heads, kv_heads, form):
     args, packed = _case(d=d, heads=heads, kv_heads=kv_heads, page=page, dtype=dtype, klens=(40, 7, 300, 257),
                          qlens=(5, 0, 133, 257))
-    _gpu_check(args, packed, causal, dtype)
+    _gpu_check(args, packed, causal, dtype, form=form)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [48, 80])
+def test_paged_forward_other_page_sizes(page):
+    """Pages that are no power of two rows: the cp.async form, chosen by default."""
+    args, packed = _case(d=128, heads=8, kv_heads=2, page=page, klens=(40, 7, 300, 257), qlens=(5, 0, 133, 257))
+    _gpu_check(args, packed, True, "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_forward_ignores_nan_past_the_keys(page, causal, form):
+    """A cache's rows past each sequence's keys (the rest of its last page) and pages no sequence names hold NaN,
+    as a cache may before anything is written there: the results equal the reference on the keys alone."""
+    args, packed = _case(d=128, heads=8, kv_heads=2, page=page, klens=(40, 7, 300, 257), qlens=(5, 3, 133, 257),
+                         spare_pages=4)
+    table, used = args["block_table"], args["seqused_k"]
+    for name in ("k", "v"):
+        x = args[name]
+        named = np.zeros(x.shape[0], bool)
+        for b, n in enumerate(used):
+            pages = -(-int(n) // page)
+            named[table[b, :pages]] = True
+            if n % page:
+                x[table[b, pages - 1], n % page:] = np.nan
+            x[table[b, pages:]] = np.nan
+        x[~named] = np.nan
+    _gpu_check(args, packed, causal, "bfloat16", form=form)
 
 
 @pytest.mark.gpu
@@ -170,6 +223,7 @@ def test_paged_forward_features(feature, causal):
              "sinks": {"sinks": np.linspace(-2, 2, 8).astype(np.float32)},
              "alibi": {"alibi_slopes": (2.0 ** -np.arange(1, 9)).astype(np.float32)}}[feature]
     _gpu_check(args, packed, causal, "bfloat16", feats)
+    _gpu_check(args, packed, causal, "bfloat16", feats, form="cp_async")
 
 
 @pytest.mark.gpu

@@ -138,8 +138,9 @@ def _decode(dtype: str) -> None:
 
 def _paged(dtype: str) -> None:
     """The paged forward (block_table; 16-bit): packed queries against shuffled pages of 16 and 48 rows (the last page
-    partly used), a sequence with no query and one with no key, GQA, causal both ways, a window and soft-capping,
-    head dims on the cp.async wgmma form's grid (64, 128) and off it (96: mma.sync)."""
+    partly used), a sequence with no query and one with no key, GQA, causal both ways, a window and soft-capping;
+    pages of 16 in FA3's TMA form (its stale V rows zeroed by the producer) and the cp.async form, pages of 48 in
+    the cp.async form only; head dims on the wgmma forms' grid (64, 128) and off it (96: mma.sync)."""
     rng = np.random.default_rng(2)
     dt = random_qkv(1, 1, 1, 1, 1, 8, dtype)[0].dtype
     qlens, klens = (3, 0, 70, 33), (20, 5, 90, 0)
@@ -154,8 +155,10 @@ def _paged(dtype: str) -> None:
             table = cupy.asarray(rng.permutation(pages)[: len(klens) * per].reshape(len(klens), per).astype(np.int32))
             for causal in (False, True):
                 for opts in ({}, {"window": (7, 2)}, {"softcap": 10.0}):
-                    rawflash.forward(q, kp, vp, cu_seqlens_q=cu, seqused_k=used, block_table=table, causal=causal,
-                                     **opts)
+                    copies = {"warp_specialize": False} if d % 64 == 0 else {"wgmma": False}  # (d 96: mma.sync)
+                    for form in ({}, copies) if page == 16 else ({},):
+                        rawflash.forward(q, kp, vp, cu_seqlens_q=cu, seqused_k=used, block_table=table,
+                                         causal=causal, **form, **opts)
 
 
 def _splitk(dtype: str) -> None:

@@ -1,7 +1,7 @@
 """``rawflash bench --paged``: a paged prefill (``rawflash.forward`` with ``block_table``: packed queries against
-keys in pages, in a shuffled page order) beside the same call on the same keys packed contiguously (the default
-form, FA3's on Hopper, and the cp.async form the paged call runs) and PyTorch's SDPA on each sequence's contiguous
-keys in turn (it has no packed form), bf16, causal, d = 128, GQA 32/8.
+keys in pages, in a shuffled page order; its default form, FA3's on Hopper, and its cp.async form) beside the same
+call on the same keys packed contiguously (both forms again) and PyTorch's SDPA on each sequence's contiguous keys
+in turn (it has no packed form), bf16, causal, d = 128, GQA 32/8.
 
 Each case is first validated on a reduced case of its kind (4 sequences of at most 1000 tokens) by flash-attn's rule
 against the float64 reference, then timed as public calls back to back (``bench.time_calls_ms``) and, for rawflash,
@@ -78,11 +78,11 @@ def _inputs(lengths, page: int, seed: int = 0):
     return dict(q=q, k=k, v=v, kp=kp, vp=vp, table=cupy.asarray(table), cu=cu, used=used)
 
 
-def _paged_call(x):
+def _paged_call(x, **switches):
     import rawflash
 
     return lambda: rawflash.forward(x["q"], x["kp"], x["vp"], cu_seqlens_q=x["cu"], seqused_k=x["used"],
-                                    block_table=x["table"], causal=True)
+                                    block_table=x["table"], causal=True, **switches)
 
 
 def _contiguous_call(x, **switches):
@@ -92,15 +92,15 @@ def _contiguous_call(x, **switches):
                                     **switches)
 
 
-def _bound_paged(x):
+def _bound_paged(x, **switches):
     """The paged call's kernels bound once (``Bound.launch``)."""
     from .. import settings, validation
-    from ..kernels import cupy_backend
+    from ..kernels import cupy_backend, forms
 
     feats = validation.Features(cu_seqlens_q=x["cu"], seqused_k=x["used"], block_table=x["table"])
     c = validation.check_forward(x["q"], x["kp"], x["vp"], True, None, "fa2", "cupy", feats)
-    return cupy_backend.bind_forward(c.problem, x["q"], x["kp"], x["vp"], c.scale, "fa2", extras=c.extras,
-                                     env=settings.load())
+    return cupy_backend.bind_forward(c.problem, x["q"], x["kp"], x["vp"], c.scale, "fa2", forms.Switches(**switches),
+                                     c.extras, settings.load())
 
 
 def _bound_contiguous(x, **switches):
@@ -113,13 +113,13 @@ def _bound_contiguous(x, **switches):
                                      forms.Switches(**switches), c.extras, settings.load())
 
 
-def validate(page: int) -> tuple[bool, str]:
+def validate(page: int, **switches) -> tuple[bool, str]:
     """flash-attn's rule for the paged call on a reduced case of its page size (4 sequences, 100 - 1000 tokens)."""
     import cupy
 
     lengths = (100, 1, 1000, 437)
     x = _inputs(lengths, page, seed=3)
-    out, lse = _paged_call(x)()
+    out, lse = _paged_call(x, **switches)()
     host = {n: cupy.asnumpy(a) for n, a in x.items()}
     args = dict(cu_seqlens_q=host["cu"], cu_seqlens_k=host["cu"], causal=True)
     ref, _ = reference.forward(host["q"], host["k"], host["v"], **args)
@@ -159,13 +159,15 @@ def run_paged(repeats: int = 10, cases: list[PagedCase] | None = None) -> dict:
 
     rows = []
     for case in cases or paged_cases():
-        ok, why = validate(case.page)
         x = _inputs(case.lengths, case.page)
         timed = []
-        if ok:
-            timed.append((f"rawflash paged {case.page}", _paged_call(x), _bound_paged(x)))
-        else:
-            rows.append({"case": case.name, "impl": f"rawflash paged {case.page}", "status": f"invalid: {why}"})
+        for suffix, switches in (("", {}), (" cp.async", {"warp_specialize": False})):
+            impl = f"rawflash paged {case.page}{suffix}"
+            ok, why = validate(case.page, **switches)
+            if ok:
+                timed.append((impl, _paged_call(x, **switches), _bound_paged(x, **switches)))
+            else:
+                rows.append({"case": case.name, "impl": impl, "status": f"invalid: {why}"})
         timed.append(("rawflash contiguous", _contiguous_call(x), _bound_contiguous(x)))
         timed.append(("rawflash contiguous cp.async", _contiguous_call(x, warp_specialize=False),
                       _bound_contiguous(x, warp_specialize=False)))
@@ -180,9 +182,9 @@ def run_paged(repeats: int = 10, cases: list[PagedCase] | None = None) -> dict:
             rows.append({"case": case.name, "impl": impl, "status": "ok", "ms": round(ms, 4),
                          "kernel_ms": None if kernel_ms is None else round(kernel_ms, 4),
                          "TFLOP/s": round(case.flops() / ms / 1e9, 1)})
-        paged = by.get(f"rawflash paged {case.page}")
         for r in rows:
-            if r["case"] == case.name and r["impl"] == f"rawflash paged {case.page}" and paged:
+            paged = by.get(r["impl"])
+            if r["case"] == case.name and r["impl"].startswith("rawflash paged") and paged:
                 r["x contiguous"] = round(by["rawflash contiguous"] / paged, 3)
                 r["x contiguous cp.async"] = round(by["rawflash contiguous cp.async"] / paged, 3)
         del x

@@ -24,6 +24,7 @@ DEFAULT_GPU = "H200"
 DEFAULT_ARCH = "sm_90"
 ELEMENTWISE_NOTE = "elementwise: no tiles"
 SITUATION_NOTES = {  # forms.situations' names, as explain says them
+    "paged_keys": "paged keys' row (128-key blocks: whole pages of 64 a block)",
     "short_causal": f"short causal row (<= {configs.SHORT_CAUSAL_SEQLEN} keys)",
     "short_full": f"short row without a mask (<= {configs.SHORT_FULL_SEQLEN} keys)",
     "short_window": f"short window row (<= {configs.SHORT_WINDOW_SPAN} keys beside the diagonal)",
@@ -591,6 +592,9 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                     add_note(row, f"{lau.config.q_stages} Q_i buffers (the next tile's Q_i copied during this one)")
                 if launch.stages_o(lau):
                     add_note(row, "O staged in the Q_i buffer, stored by TMA")
+                if lau.kernel == "fa3_fwd_sm90" and p.page_size:
+                    add_note(row, f"paged keys read by TMA in boxes of {launch.fa3_paged_boxes(lau, p.page_size)} "
+                                  "rows, one page each")
                 ref = lau.template_args[launch.REF_ARG] if lau.kernel == "fa3_fwd_sm90" else None
                 if ref == launch.REF_BOUNDED:
                     add_note(row,

@@ -201,7 +201,8 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
     args = (rec,)
     if plan[0].kernel == "fa3_fwd_sm90":
         try:
-            args = (rec, tma.fwd_maps(q, k, v, bufs["o"], plan[0].config.br, plan[0].config.bc, pr.varlen))
+            args = (rec, tma.fwd_maps(q, k, v, bufs["o"], plan[0].config.br, plan[0].config.bc, pr.varlen,
+                                      pr.page_size))
         except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: every thread copies instead
             if switches.warp_specialize:
                 raise

@@ -11,7 +11,7 @@ import functools
 
 from ..problem import Problem, cdiv
 from ..settings import Settings
-from . import configs, launch, registry
+from . import configs, launch, registry, tma
 from .configs import TileConfig
 from .launch import Launch
 
@@ -132,8 +132,13 @@ def long_bwd(p: Problem) -> bool:
     return p.seqlen_q >= (g.long_bwd_seqlen if mask == launch.NO_MASK else g.long_causal_bwd_seqlen)
 
 
-SITUATIONS = {"short_causal": short_causal, "short_full": short_full, "short_window": short_window,
-              "many_decode_rows": many_decode_rows, "long_bwd": long_bwd}
+def paged_keys(p: Problem) -> bool:
+    """A paged forward whose pages FA3's form reads (configs.PAGED_ROWS)."""
+    return bool(p.page_size) and tma.tma_pages(p.page_size)
+
+
+SITUATIONS = {"paged_keys": paged_keys, "short_causal": short_causal, "short_full": short_full,
+              "short_window": short_window, "many_decode_rows": many_decode_rows, "long_bwd": long_bwd}
 
 
 def situations(p: Problem) -> tuple[str, ...]:
@@ -188,9 +193,10 @@ def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
 
 def hopper_form_fits(kernel: str, p: Problem) -> bool:
     """Whether the sm_90 form ``kernel`` can run ``p``: an sm_90 GPU (wgmma is sm_90a code), one of the form's
-    dtypes, and a tile row at the specialised head_dim."""
+    dtypes, and a tile row at the specialised head_dim. FA3's forward reads a paged forward's keys in pages of a
+    power of two rows (tma.tma_pages)."""
     form = registry.form(kernel)
-    if kernel == "fa3_fwd_sm90" and p.page_size:  # TMA reads no paged keys (a paged forward)
+    if kernel == "fa3_fwd_sm90" and p.page_size and not tma.tma_pages(p.page_size):
         return False
     return p.arch == "sm_90" and p.dtype in form.dtypes and configs.has_row(kernel, p.head_dim, p.dtype)
 
@@ -232,9 +238,9 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
     got = (f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={sw.defer_norm}, "
            f"seq_parallel={sw.seq_parallel}, split_q={sw.split_q}")
     fa3 = sw.ideas_on and hopper_form_fits("fa3_fwd_sm90", p)
-    if sw.warp_specialize and p.page_size:
-        raise ValueError("warp_specialize=True (FA3's TMA form) reads no paged keys: a forward with block_table runs "
-                         "the cp.async forms")
+    if sw.warp_specialize and p.page_size and not tma.tma_pages(p.page_size):
+        raise ValueError(f"warp_specialize=True (FA3's TMA form) reads paged keys in pages of a power of two rows; "
+                         f"got page_size {p.page_size}")
     if sw.warp_specialize and not (fa3 and sw.wgmma is not False):
         raise ValueError(f"warp_specialize=True needs an sm_90 GPU, float16 or bfloat16, wgmma not False and every "
                          f"FA2 switch on; got {got}, wgmma={sw.wgmma}")

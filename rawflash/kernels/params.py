@@ -112,6 +112,7 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
     if extras.get("block_table") is not None:
         rec["block_table_sb"] = extras["block_table"].shape[1]
         rec["page_size"] = p.page_size
+        rec["num_pages"] = k.shape[0]  # (a paged forward's TMA boxes past the keys name this page: zeros)
     for name in ("o_ws", "m_ws", "l_ws"):
         rec[name] = ptr(extras.get(name))
     rec["num_splits"] = extras.get("num_splits", 1)

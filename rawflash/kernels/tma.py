@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import numpy as np
 
@@ -130,13 +131,32 @@ def encode_rows_f32(x, box_rows: int) -> np.ndarray:
     return _encode(x.data.ptr, FLOAT32, (d, x.size // d), (d * 4,), (32, box_rows), SWIZZLE_128B)
 
 
-def fwd_maps(q, k, v, o, br: int, bc: int, packed: bool) -> np.ndarray:
-    """The forward's ``TmaFwd`` parameter: q in boxes of br rows, k and v in boxes of bc rows, the output o in
-    boxes of ``O_BOX_ROWS`` rows."""
+def tma_pages(page_size: int) -> bool:
+    """Whether FA3's forward reads pages of ``page_size`` rows (a paged forward's keys): powers of two, so its
+    producer locates a key by shift and mask and its boxes (:func:`paged_box_rows`, at least 16 rows with the
+    pages' own minimum of 16) start on whole 8-row swizzle atoms; other sizes run the cp.async forms."""
+    return page_size > 0 and page_size & (page_size - 1) == 0
+
+
+def paged_box_rows(bc: int, page_size: int) -> int:
+    """The rows of a paged forward's k and v boxes for key blocks of bc rows in pages of page_size rows: their
+    greatest common divisor, so that every box lies inside one page and a block is whole boxes
+    (mainloop_fwd_sm90_ws.cuh's produce_paged computes the same for a power-of-two page size)."""
+    return math.gcd(bc, page_size)
+
+
+def fwd_maps(q, k, v, o, br: int, bc: int, packed: bool, page_size: int = 0) -> np.ndarray:
+    """The forward's ``TmaFwd`` parameter: q in boxes of br rows, k and v in boxes of bc rows (paged keys, a
+    ``page_size``: the page pool (num_pages, page_size, kv_heads, head_dim) in boxes of ``paged_box_rows``), the
+    output o in boxes of ``O_BOX_ROWS`` rows."""
     rec = np.zeros(1, FWD_DTYPE)
     rec["q"] = encode(q, br, packed)
-    rec["k"] = encode(k, bc, packed)
-    rec["v"] = encode(v, bc, packed)
+    if page_size:
+        rec["k"] = encode(k, paged_box_rows(bc, page_size), False)
+        rec["v"] = encode(v, paged_box_rows(bc, page_size), False)
+    else:
+        rec["k"] = encode(k, bc, packed)
+        rec["v"] = encode(v, bc, packed)
     rec["o"] = encode(o, O_BOX_ROWS, packed)
     return rec
 
