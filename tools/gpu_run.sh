@@ -22,7 +22,10 @@
 #     bench-decode-quick              rawflash bench --decode --quick (12 cases, about 2 minutes)
 #     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES
 #                (default "softcap fp8 plain decode"), d = PROFILE_D (128; decode is always 128),
-#                N = PROFILE_N (4096); one file ncu_<case>.txt per case (decode_fp8: decode on an FP8 cache)
+#                N = PROFILE_N (4096); one file ncu_<case>.txt per case (decode_fp8: decode on an FP8 cache;
+#                paged: the paged prefill in pages of PROFILE_PAGE, default 16)
+#     paged      the paged prefill: its GPU tests, the sanitizer over its workload (bfloat16, float16),
+#                rawflash bench --paged and tools/tune_paged.py (pages of 64 and 16)
 #     SCRIPT.py  python3 SCRIPT.py, its output appended to extra.log
 #     bench ARGS rawflash bench ARGS (the FA2 paper's sweep against the peers present)
 # Logs go to $OUT (or ./gpu_logs). PRECOMPILE_FILTER limits the precompile step; TESTS (default: tests) the test
@@ -113,6 +116,7 @@ while [ $i -lt ${#steps[@]} ]; do
         case $case in
           fp8) regex='fa3_fwd_sm90_fp8'; skip=2; count=1 ;;
           decode|decode_fp8) regex='decode_'; skip=2; count=2 ;;  # b = 64: decode_split (append folded), combine
+          paged) regex='fa3_fwd_sm90'; skip=2; count=1 ;;  # a call: the REF_FIRST launch, then its way back
           *) regex='fa3_(fwd|bwd)_sm90'; skip=2; count=2 ;;
         esac
         ncu --clock-control none --kernel-name "regex:$regex" --launch-skip $skip --launch-count $count \
@@ -120,9 +124,19 @@ while [ $i -lt ${#steps[@]} ]; do
           --section SchedulerStats --section InstructionStats --section Occupancy --section LaunchStats \
           --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
           python3 tools/profile_kernels.py --case $case --seqlen ${PROFILE_N:-4096} --head-dim ${PROFILE_D:-128} \
+          --page ${PROFILE_PAGE:-16} \
           > "$OUT/ncu_$case.txt" 2>&1 || status=1
         echo "ncu $case: $(grep -c 'Section: SpeedOfLight\|GPU Speed Of Light' "$OUT/ncu_$case.txt") kernels profiled"
       done ;;
+    paged)
+      python3 -m pytest -q -m "gpu" -p no:cacheprovider tests/test_paged_prefill.py 2>&1 | tee "$OUT/gpu_paged.log" \
+        | tail -5 || status=1
+      (export SANITIZE_ONLY=paged; rc=0
+       for tool in memcheck racecheck synccheck; do
+         sanitize_one $tool "$OUT/sanitize_paged_$tool.log" bfloat16 float16 || rc=1
+       done; exit $rc) || status=1
+      python3 -m rawflash.cli bench --paged --out "$OUT" 2>&1 | tee "$OUT/bench_paged.log" | tail -16 || status=1
+      python3 tools/tune_paged.py --pages 64,16 2>&1 | tee "$OUT/tune_paged.log" || status=1 ;;
     bench-decode)
       python3 -m rawflash.cli bench --decode --repeats ${DECODE_REPEATS:-20} --out "$OUT" 2>&1 \
         | tee "$OUT/bench_decode.log" \

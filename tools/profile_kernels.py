@@ -4,7 +4,8 @@ kernel's time goes (its roofline, stalls, occupancy); ``tools/gpu_run.sh profile
 PROFILE_CASES. Cases: ``plain`` (forward and backward), ``softcap`` / ``alibi`` (forward and backward with that
 feature, softcap 30, slopes 2^-1..2^-H), ``fp8`` (the FP8 forward, per-head descales), ``decode`` (one decode
 step: batch --batch, 32 query heads on --kv-heads (8) kv heads, d 128, N cached keys), ``decode_fp8`` (the same
-step on a float8_e4m3fn cache, per (sequence, kv head) descales). Example:
+step on a float8_e4m3fn cache, per (sequence, kv head) descales), ``paged`` (``rawflash bench --paged``'s paged
+prefill in pages of --page rows, forward only). Example:
 
     ncu --clock-control none --kernel-name regex:'fa[23]_(fwd|bwd)' --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rawflash  # noqa: E402
 from rawflash.cli import bench  # noqa: E402
 
-CASES = ("plain", "softcap", "alibi", "fp8", "decode", "decode_fp8")
+CASES = ("plain", "softcap", "alibi", "fp8", "decode", "decode_fp8", "paged")
 
 
 def feature_args(name: str, heads: int) -> dict:
@@ -44,8 +45,18 @@ def main() -> None:
     ap.add_argument("--forward-only", action="store_true", help="no backward call")
     ap.add_argument("--batch", type=int, default=64, help="decode only: sequences in the batch")
     ap.add_argument("--kv-heads", type=int, default=8, help="decode only: kv heads under the 32 query heads")
+    ap.add_argument("--page", type=int, default=16, help="paged only: the page size")
     args = ap.parse_args()
     import cupy
+
+    if args.case == "paged":
+        from rawflash.cli import bench_paged
+
+        call = bench_paged._paged_call(bench_paged._inputs(bench_paged.paged_cases()[0].lengths, args.page))
+        for _ in range(4):
+            call()
+        cupy.cuda.Device().synchronize()
+        return
 
     batch, heads = 16384 // args.seqlen, 2048 // args.head_dim
     if args.case in ("decode", "decode_fp8"):
