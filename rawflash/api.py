@@ -81,7 +81,8 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     q : array (batch, seqlen_q, heads, head_dim), float16, bfloat16 or float32
         Packed sequences (with ``cu_seqlens_q``): (total_q, heads, head_dim).
     k, v : arrays (batch, seqlen_k, kv_heads, head_dim), q's dtype; heads % kv_heads == 0 (GQA / MQA)
-        Packed: (total_k, kv_heads, head_dim).
+        Packed: (total_k, kv_heads, head_dim). v may have a head_dim of its own, at most q's (MLA's head_dim_v:
+        out and dout then have it), with ``backend='reference'`` only so far: the kernels take one head_dim.
     causal : bool
         Query i sees key j iff j <= i + seqlen_k - seqlen_q (bottom-right aligned, as flash-attn >= 2.1).
     scale : float, optional
@@ -180,7 +181,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         res = (res, _host_result(res_lse.astype(np.float32), to_numpy))
     elif _is_empty(c):
         xp = _xp(c.kind, backend)
-        res = (xp.zeros(q.shape, dtype=_np_dtype(out_dtype)), _empty_lse(xp, c))
+        res = (xp.zeros(validation.out_shape(q, v), dtype=_np_dtype(out_dtype)), _empty_lse(xp, c))
     else:
         _require_gpu(backend)
         with _device(c.device):
@@ -222,8 +223,9 @@ def _checked_forward(q, k, v, causal, scale, window, softcap, alibi_slopes, sink
     else:
         validation.check_fp8_options(descales, out_dtype, incoherent, fp8)
     sw = _check_switches(kernel, switches, c)
-    outputs = validation.check_outputs(c, (("out", out, tuple(q.shape), c.problem.out_dtype or c.problem.dtype,
-                                            False), ("lse", lse, _lse_shape(c), "float32", True)))
+    outputs = validation.check_outputs(c, (("out", out, validation.out_shape(q, v),
+                                            c.problem.out_dtype or c.problem.dtype, False),
+                                           ("lse", lse, _lse_shape(c), "float32", True)))
     return (q, k, v), c, feats, ds, sw, outputs
 
 

@@ -554,16 +554,16 @@ def _check_shapes(q, k, v, dout):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim); got shape {x.shape}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {k.shape}; got {v.shape}")
+    if v.shape[:3] != k.shape[:3] or v.shape[3] < 1:
+        raise ValueError(f"v must have k's (batch, seqlen, kv_heads) {k.shape[:3]} and head_dim >= 1; got {v.shape}")
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"k must have q's batch {q.shape[0]} and head_dim {q.shape[3]}; got shape {k.shape}")
     if q.shape[3] < 1:
         raise ValueError(f"q must have head_dim >= 1; got shape {q.shape}")
     if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
         raise ValueError(f"k's kv_heads must be >= 1 and divide q's heads {q.shape[2]}; got {k.shape[2]}")
-    if dout is not None and dout.shape != q.shape:
-        raise ValueError(f"dout must have q's shape {q.shape}; got {dout.shape}")
+    if dout is not None and dout.shape != (*q.shape[:3], v.shape[3]):
+        raise ValueError(f"dout must have q's shape with v's head_dim {(*q.shape[:3], v.shape[3])}; got {dout.shape}")
 
 
 @functools.lru_cache(maxsize=None)

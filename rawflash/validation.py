@@ -290,8 +290,14 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
         if bk != b or bv != b:
             raise ValueError(f"q, k and v must have the same batch size, got q {b}, k {bk}, v {bv}")
     (nq, h, d), (nk, hk, dk), vshape = qs, ks, vs
-    if dk != d or vshape[2] != d:
-        raise ValueError(f"q, k and v must have the same head_dim, got q {d}, k {dk}, v {vshape[2]}")
+    if dk != d:
+        raise ValueError(f"q and k must have the same head_dim, got q {d}, k {dk}")
+    if vshape[2] != d:  # MLA's value head dim (head_dim_v != head_dim_qk)
+        if backend != "reference":
+            raise ValueError(f"v's head_dim {vshape[2]} differs from q's and k's {d} (head_dim_v != head_dim_qk): "
+                             "only backend='reference' computes that so far (the kernels take one head_dim)")
+        if not 1 <= vshape[2] <= d:
+            raise ValueError(f"v's head_dim must be between 1 and q's head_dim {d}, got {vshape[2]}")
     if vshape[0] != nk:
         what = "packed length" if varlen else "seqlen_k"
         raise ValueError(f"k and v must have the same {what}, got k {nk}, v {vshape[0]}")
@@ -352,16 +358,23 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)
 
 
+def out_shape(q, v) -> tuple[int, ...]:
+    """The shape of attention's output (and of dout): q's, with v's head_dim (MLA's head_dim_v)."""
+    return (*(int(s) for s in q.shape[:-1]), int(v.shape[-1]))
+
+
 def check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backend: str = "cupy",
                    features: Features = Features()) -> Checked:
     """Validate a backward call: the forward checks plus dout, out and lse against q."""
     checked = check_forward(q, k, v, causal, scale, "fa2", backend, features, fp8="rawflash.backward")
     check_flag(deterministic, "deterministic")
     p = checked.problem
+    want = out_shape(q, v)
     for name, x in (("dout", dout), ("out", out)):
         kind = array_kind(x, name)
-        if tuple(int(s) for s in x.shape) != tuple(int(s) for s in q.shape):
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if tuple(int(s) for s in x.shape) != want:
+            what = "q's shape" if want == tuple(q.shape) else "q's shape with v's head_dim"
+            raise ValueError(f"{name} must have {what} {want}, got {tuple(x.shape)}")
         if _dtype(x, name) != p.dtype:
             raise TypeError(f"{name} must have q's dtype {p.dtype}, got {dtype_name(x.dtype)}")
         if device_of(x, kind) != checked.device:
