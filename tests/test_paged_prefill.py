@@ -285,3 +285,21 @@ def test_bench_paged_cases():
     if not gpu_available():
         res = CliRunner().invoke(main, ["bench", "--paged"])
         assert res.exit_code == 1 and "needs a CUDA GPU" in res.output
+
+
+def test_tune_paged_times_the_paged_row():
+    """tools/tune_paged.py, which measures configs.PAGED_ROWS, has that row and the table's among its candidates."""
+    import importlib.util
+    from pathlib import Path
+
+    from rawflash.kernels import configs
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "tune_paged.py"
+    spec = importlib.util.spec_from_file_location("tune_paged", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rows = [(r.br, r.bc, r.stages, r.q_stages) for r in tool.CANDIDATES.values()]
+    paged = configs.PAGED_ROWS[tool.KEY]
+    table = configs.TABLE[tool.KEY]
+    assert (paged.br, paged.bc, paged.stages, paged.q_stages) in rows
+    assert (table.br, table.bc, table.stages, table.q_stages) in rows
