@@ -7,7 +7,6 @@ __launch_bounds__ cap, and spill nothing, except the spills recorded with a reas
 from __future__ import annotations
 
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -34,14 +33,6 @@ def _nvrtc_available() -> bool:
         return False
 
 
-def _compile_one(item):
-    source, expr, arch = item
-    try:
-        return (expr, arch), compile.compile_offline(source, expr, arch)
-    except Exception as err:  # reported per instantiation by the test below
-        return (expr, arch), err
-
-
 def _selected(items: list) -> list[tuple[str, Launch]]:
     """The instantiations the run's selected tests read (``-k`` filters compile only theirs): those of the
     selected per-instantiation tests, and every one of KNOWN_SPILLS when its test is selected."""
@@ -59,8 +50,7 @@ def reports(request):
         pytest.skip("NVRTC or the CUDA headers are missing (install rawflash[cuda13] or [cuda12])")
     items = [(lau.source, lau.name_expression, lau.compile_arch(arch)) for arch, lau in
              _selected(request.config.stash[SELECTED])]
-    with ProcessPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return dict(pool.map(_compile_one, items, chunksize=4))
+    return compile.compile_offline_many(items, max(1, os.cpu_count() or 1))
 
 
 @pytest.mark.parametrize("arch,lau", INSTANTIATIONS, ids=IDS)

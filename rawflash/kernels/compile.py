@@ -270,6 +270,26 @@ def compile_offline(source: str, name_expression: str, arch: str = "sm_90", root
     return report
 
 
+def compile_offline_many(items, workers: int) -> dict:
+    """:func:`compile_offline` of many instantiations side by side: ``items`` of (source, name_expression, arch),
+    ``workers`` processes; ``{(name_expression, arch): CompileReport, or the exception it raised}``. The workers
+    start from a fork server, not by forking the caller: a caller that has imported JAX (a test run) holds threads,
+    and a fork copies their locks mid-use."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
+        return dict(pool.map(_offline_or_error, items, chunksize=4))
+
+
+def _offline_or_error(item):
+    source, expr, arch = item
+    try:
+        return (expr, arch), compile_offline(source, expr, arch)
+    except Exception as err:  # reported per instantiation by the caller
+        return (expr, arch), err
+
+
 def _compile_offline(code: str, source: str, name_expression: str, arch: str, options: tuple[str, ...]):
     from cupy.cuda import nvrtc
 
