@@ -15,10 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rawflash import reference, settings, validation  # noqa: E402
 from rawflash.cli import bench_paged as bp  # noqa: E402
 from rawflash.cli.bench import time_kernels_ms  # noqa: E402
-from rawflash.kernels import configs, cupy_backend, forms  # noqa: E402
+from rawflash.kernels import configs  # noqa: E402
 from rawflash.kernels.configs import TileConfig  # noqa: E402
 
 KEY = ("fa3_fwd_sm90", bp.HEAD_DIM, "bfloat16")
@@ -27,33 +26,12 @@ CANDIDATES = {"table (128 x 176)": configs.TABLE[KEY],
               "128 x 128, 3 stages": TileConfig(128, 128, 12, stages=3)}
 
 
-def _bound(x, paged: bool, row: TileConfig):
-    """The call's kernels bound once with ``row`` for the FA3 forward."""
-    if paged:
-        feats = validation.Features(cu_seqlens_q=x["cu"], seqused_k=x["used"], block_table=x["table"])
-        k, v = x["kp"], x["vp"]
-    else:
-        feats = validation.Features(cu_seqlens_q=x["cu"], cu_seqlens_k=x["cu"])
-        k, v = x["k"], x["v"]
-    c = validation.check_forward(x["q"], k, v, True, None, "fa2", "cupy", feats)
-    return cupy_backend.bind_forward(c.problem, x["q"], k, v, c.scale, "fa2", forms.Switches(), c.extras,
-                                     settings.load(), override={KEY: row})
-
-
 def _valid(page: int, row: TileConfig) -> bool:
     """flash-attn's rule for the paged call with ``row`` on the bench's reduced case."""
-    import cupy
-    import numpy as np
-
-    x = bp._inputs((100, 1, 1000, 437), page, seed=3)
-    bound = _bound(x, True, row)
+    x = bp._inputs(bp.REDUCED, page, seed=3)
+    bound = bp._bound(x, True, {KEY: row})
     bound.launch()
-    out = cupy.asnumpy(bound.result()[0])
-    host = {n: cupy.asnumpy(a) for n, a in x.items()}
-    args = dict(cu_seqlens_q=host["cu"], cu_seqlens_k=host["cu"], causal=True)
-    ref, _ = reference.forward(host["q"], host["k"], host["v"], **args)
-    base, _ = reference.forward(host["q"], host["k"], host["v"], upcast=False, **args)
-    return reference.error_ratio_ok(out.astype(np.float64), ref, base, host["q"].dtype, 2.0)[0]
+    return bp.check_out(x, bound.result()[0])[0]
 
 
 def main() -> int:
@@ -69,8 +47,8 @@ def main() -> int:
         x = bp._inputs(lengths, page)
         for name, row in CANDIDATES.items():
             ok = _valid(page, row)
-            paged = time_kernels_ms(_bound(x, True, row).launch, repeats=args.repeats) if ok else None
-            contiguous = time_kernels_ms(_bound(x, False, row).launch, repeats=args.repeats)
+            paged = time_kernels_ms(bp._bound(x, True, {KEY: row}).launch, repeats=args.repeats) if ok else None
+            contiguous = time_kernels_ms(bp._bound(x, False, {KEY: row}).launch, repeats=args.repeats)
             rows.append((page, name, "ok" if ok else "INVALID", paged, contiguous))
         del x
         cupy.get_default_memory_pool().free_all_blocks()

@@ -92,34 +92,37 @@ def _contiguous_call(x, **switches):
                                     **switches)
 
 
-def _bound_paged(x, **switches):
-    """The paged call's kernels bound once (``Bound.launch``)."""
+def _bound(x, paged: bool, override=None, **switches):
+    """The paged call's (``paged``) or the contiguous call's kernels bound once (``Bound.launch``); ``override``:
+    tile rows in place of the table's (tools/tune_paged.py)."""
     from .. import settings, validation
     from ..kernels import cupy_backend, forms
 
-    feats = validation.Features(cu_seqlens_q=x["cu"], seqused_k=x["used"], block_table=x["table"])
-    c = validation.check_forward(x["q"], x["kp"], x["vp"], True, None, "fa2", "cupy", feats)
-    return cupy_backend.bind_forward(c.problem, x["q"], x["kp"], x["vp"], c.scale, "fa2", forms.Switches(**switches),
-                                     c.extras, settings.load())
+    if paged:
+        feats = validation.Features(cu_seqlens_q=x["cu"], seqused_k=x["used"], block_table=x["table"])
+        k, v = x["kp"], x["vp"]
+    else:
+        feats = validation.Features(cu_seqlens_q=x["cu"], cu_seqlens_k=x["cu"])
+        k, v = x["k"], x["v"]
+    c = validation.check_forward(x["q"], k, v, True, None, "fa2", "cupy", feats)
+    return cupy_backend.bind_forward(c.problem, x["q"], k, v, c.scale, "fa2", forms.Switches(**switches), c.extras,
+                                     settings.load(), override=override)
 
 
-def _bound_contiguous(x, **switches):
-    from .. import settings, validation
-    from ..kernels import cupy_backend, forms
-
-    feats = validation.Features(cu_seqlens_q=x["cu"], cu_seqlens_k=x["cu"])
-    c = validation.check_forward(x["q"], x["k"], x["v"], True, None, "fa2", "cupy", feats)
-    return cupy_backend.bind_forward(c.problem, x["q"], x["k"], x["v"], c.scale, "fa2",
-                                     forms.Switches(**switches), c.extras, settings.load())
+REDUCED = (100, 1, 1000, 437)  # the validation case's sequences
 
 
 def validate(page: int, **switches) -> tuple[bool, str]:
     """flash-attn's rule for the paged call on a reduced case of its page size (4 sequences, 100 - 1000 tokens)."""
+    x = _inputs(REDUCED, page, seed=3)
+    out, _ = _paged_call(x, **switches)()
+    return check_out(x, out)
+
+
+def check_out(x, out) -> tuple[bool, str]:
+    """flash-attn's rule for a paged call's ``out`` on the inputs ``x`` (against the same keys packed)."""
     import cupy
 
-    lengths = (100, 1, 1000, 437)
-    x = _inputs(lengths, page, seed=3)
-    out, lse = _paged_call(x, **switches)()
     host = {n: cupy.asnumpy(a) for n, a in x.items()}
     args = dict(cu_seqlens_q=host["cu"], cu_seqlens_k=host["cu"], causal=True)
     ref, _ = reference.forward(host["q"], host["k"], host["v"], **args)
@@ -165,12 +168,12 @@ def run_paged(repeats: int = 10, cases: list[PagedCase] | None = None) -> dict:
             impl = f"rawflash paged {case.page}{suffix}"
             ok, why = validate(case.page, **switches)
             if ok:
-                timed.append((impl, _paged_call(x, **switches), _bound_paged(x, **switches)))
+                timed.append((impl, _paged_call(x, **switches), _bound(x, True, **switches)))
             else:
                 rows.append({"case": case.name, "impl": impl, "status": f"invalid: {why}"})
-        timed.append(("rawflash contiguous", _contiguous_call(x), _bound_contiguous(x)))
+        timed.append(("rawflash contiguous", _contiguous_call(x), _bound(x, False)))
         timed.append(("rawflash contiguous cp.async", _contiguous_call(x, warp_specialize=False),
-                      _bound_contiguous(x, warp_specialize=False)))
+                      _bound(x, False, warp_specialize=False)))
         loop = _torch_loop(x, case.lengths)
         if loop is not None:
             timed.append(("torch SDPA per sequence", loop, None))

@@ -13,7 +13,7 @@ import functools
 import numpy as np
 
 from .. import reference, settings, validation
-from ..kernels import compile, configs, forms, launch, registry
+from ..kernels import compile, configs, forms, launch, registry, tma
 from ..kernels.cupy_backend import run_head_dim
 from ..kernels.launch import Launch
 from ..problem import Problem, cdiv
@@ -593,8 +593,8 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                 if launch.stages_o(lau):
                     add_note(row, "O staged in the Q_i buffer, stored by TMA")
                 if lau.kernel == "fa3_fwd_sm90" and p.page_size:
-                    add_note(row, f"paged keys read by TMA in boxes of {launch.fa3_paged_boxes(lau, p.page_size)} "
-                                  "rows, one page each")
+                    rows = tma.paged_box_rows(lau.config.bc, p.page_size)
+                    add_note(row, f"paged keys read by TMA in boxes of {rows} rows, one page each")
                 ref = lau.template_args[launch.REF_ARG] if lau.kernel == "fa3_fwd_sm90" else None
                 if ref == launch.REF_BOUNDED:
                     add_note(row,

@@ -133,8 +133,8 @@ def long_bwd(p: Problem) -> bool:
 
 
 def paged_keys(p: Problem) -> bool:
-    """A paged forward whose pages FA3's form reads (configs.PAGED_ROWS)."""
-    return bool(p.page_size) and tma.tma_pages(p.page_size)
+    """A paged forward whose pages FA3's form reads (configs.PAGED_ROWS; tma.tma_pages is False for 0)."""
+    return tma.tma_pages(p.page_size)
 
 
 SITUATIONS = {"paged_keys": paged_keys, "short_causal": short_causal, "short_full": short_full,
@@ -196,7 +196,7 @@ def hopper_form_fits(kernel: str, p: Problem) -> bool:
     dtypes, and a tile row at the specialised head_dim. FA3's forward reads a paged forward's keys in pages of a
     power of two rows (tma.tma_pages)."""
     form = registry.form(kernel)
-    if kernel == "fa3_fwd_sm90" and p.page_size and not tma.tma_pages(p.page_size):
+    if kernel == "fa3_fwd_sm90" and p.page_size and not paged_keys(p):
         return False
     return p.arch == "sm_90" and p.dtype in form.dtypes and configs.has_row(kernel, p.head_dim, p.dtype)
 
@@ -238,7 +238,7 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
     got = (f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={sw.defer_norm}, "
            f"seq_parallel={sw.seq_parallel}, split_q={sw.split_q}")
     fa3 = sw.ideas_on and hopper_form_fits("fa3_fwd_sm90", p)
-    if sw.warp_specialize and p.page_size and not tma.tma_pages(p.page_size):
+    if sw.warp_specialize and p.page_size and not paged_keys(p):
         raise ValueError(f"warp_specialize=True (FA3's TMA form) reads paged keys in pages of a power of two rows; "
                          f"got page_size {p.page_size}")
     if sw.warp_specialize and not (fa3 and sw.wgmma is not False):

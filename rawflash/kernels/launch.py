@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..problem import Problem, cdiv
-from . import configs, tma
+from . import configs
 from .configs import TileConfig
 
 CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float8_e4m3fn": "rf::e4m3"}
@@ -282,14 +282,6 @@ SCHEDULES = {"one tile per CTA": 0, "persistent, static": 1, "persistent, dynami
 SCHEDULE_ARG = {"fa3_fwd_sm90": 10, "fa3_fwd_sm90_fp8": 9}  # SCHEDULE's position among the template arguments
 STAGE_O_ARG = 12  # fa3_fwd_sm90's STAGE_O among its template arguments (fa3_fwd_sm90.cu)
 REF_ARG = 7   # fa3_fwd_sm90's REF (forms.softmax_ref)
-
-
-def fa3_paged_boxes(lau: Launch, page_size: int) -> int:
-    """The rows of the TMA boxes in which an fa3_fwd_sm90 launch reads a paged forward's keys in pages of
-    ``page_size`` rows (mainloop_fwd_sm90_ws.cuh's produce_paged: one page a box)."""
-    return tma.paged_box_rows(lau.config.bc, page_size)
-
-
 # softmax.cuh's SoftmaxRef: what the FA3 16-bit forward's softmax subtracts in the exponent
 REF_RUNNING, REF_BOUNDED, REF_FIRST = 0, 1, 2
 

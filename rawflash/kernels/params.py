@@ -112,7 +112,8 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
     if extras.get("block_table") is not None:
         rec["block_table_sb"] = extras["block_table"].shape[1]
         rec["page_size"] = p.page_size
-        rec["num_pages"] = k.shape[0]  # (a paged forward's TMA boxes past the keys name this page: zeros)
+        rec["num_pages"] = k.shape[0]  # pages of k: decode checks entries against it; a paged forward's
+        # TMA boxes past the keys name this page (zeros)
     for name in ("o_ws", "m_ws", "l_ws"):
         rec[name] = ptr(extras.get(name))
     rec["num_splits"] = extras.get("num_splits", 1)
@@ -134,7 +135,6 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
             _set_strides(rec, prefix, x, False)
     if decode:
         rec["new_keys"], rec["cache_capacity"], rec["cache_len"] = p.new_keys, p.seqlen_k, cache_len
-        rec["num_pages"] = k.shape[0] if extras.get("block_table") is not None else 0
         rec["split_appends"] = int(split_appends)
         rec["num_partials"] = num_partials
         rec["decode_counters"] = ptr(decode_counters)
