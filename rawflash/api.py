@@ -82,7 +82,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         Packed sequences (with ``cu_seqlens_q``): (total_q, heads, head_dim).
     k, v : arrays (batch, seqlen_k, kv_heads, head_dim), q's dtype; heads % kv_heads == 0 (GQA / MQA)
         Packed: (total_k, kv_heads, head_dim). v may have a head_dim of its own, at most q's (MLA's head_dim_v:
-        out and dout then have it), with ``backend='reference'`` only so far: the kernels take one head_dim.
+        out, dout and dv then have it), on every backend; not with ``block_table``, FP8 or in ``decode``.
     causal : bool
         Query i sees key j iff j <= i + seqlen_k - seqlen_q (bottom-right aligned, as flash-attn >= 2.1).
     scale : float, optional

@@ -50,6 +50,12 @@ class Problem:
     gpu: str = "h200"    # the tuned GPU whose gates apply (kernels.configs.GATES: 'h200' or 'h100')
     out_dtype: str = ""  # FP8: the output's dtype (bfloat16 or float16); "" for the 16-bit and float32 forms
     kv_dtype: str = ""   # decode: the KV cache's dtype where it is not dtype ("float8_e4m3fn": an FP8 cache)
+    head_dim_v: int = 0  # v's head_dim where it is not head_dim (MLA's head_dim_v < head_dim_qk); 0: head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """v's head_dim (and out's, dout's, dv's): head_dim_v, or head_dim where v has q's."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def itemsize(self) -> int:

@@ -280,6 +280,9 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
         raise ValueError(f"q, k and v must be on the same device, got {given}")
     qs, ks, vs = (shapes[n] if varlen else shapes[n][1:] for n in ("q", "k", "v"))
     if paged:
+        if shapes["v"][:3] == shapes["k"][:3] and shapes["v"] != shapes["k"]:
+            raise ValueError(f"a paged forward (block_table) reads keys and values of one head_dim, the pages decode "
+                             f"reads; got k's {shapes['k'][3]} and v's {shapes['v'][3]} (head_dim_v != head_dim_qk)")
         if shapes["v"] != shapes["k"]:
             raise ValueError(f"k and v must have the same shape (num_pages, page_size, kv_heads, head_dim) with "
                              f"block_table, got k {shapes['k']}, v {shapes['v']}")
@@ -293,9 +296,6 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     if dk != d:
         raise ValueError(f"q and k must have the same head_dim, got q {d}, k {dk}")
     if vshape[2] != d:  # MLA's value head dim (head_dim_v != head_dim_qk)
-        if backend != "reference":
-            raise ValueError(f"v's head_dim {vshape[2]} differs from q's and k's {d} (head_dim_v != head_dim_qk): "
-                             "only backend='reference' computes that so far (the kernels take one head_dim)")
         if not 1 <= vshape[2] <= d:
             raise ValueError(f"v's head_dim must be between 1 and q's head_dim {d}, got {vshape[2]}")
     if vshape[0] != nk:
@@ -354,7 +354,8 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     problem = Problem(batch, max_q, max_k, h, hk, d, dtypes["q"], causal, window=window, softcap=softcap,
                       alibi="alibi_slopes" in extras, sinks="sinks" in extras, varlen=varlen,
                       total_q=nq if varlen else 0, total_k=nk if varlen else 0, seqused_k="seqused_k" in extras,
-                      lengths=lengths, page_size=page if paged else 0)
+                      lengths=lengths, page_size=page if paged else 0,
+                      head_dim_v=vshape[2] if vshape[2] != d else 0)
     return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)
 
 
@@ -463,6 +464,10 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
             raise ValueError(f"{given[0]} goes with a float8_e4m3fn cache (k_cache, v_cache); got it with a "
                              f"{dtype} cache")
     batch, sq, h, d = shapes["q"]
+    if shapes["v_cache"][:3] == shapes["k_cache"][:3] and shapes["v_cache"] != shapes["k_cache"]:
+        raise ValueError(f"decode reads caches of one head_dim: v_cache's head_dim {shapes['v_cache'][3]} differs "
+                         f"from k_cache's {shapes['k_cache'][3]} (head_dim_v != head_dim_qk runs in forward and "
+                         f"backward)")
     if shapes["v_cache"] != shapes["k_cache"]:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {shapes['k_cache']} and "
                          f"{shapes['v_cache']}")
@@ -587,6 +592,7 @@ def check_fp8(c: Checked, kernel: str, backend: str, features: Features, descale
         raise ValueError("incoherent=True rotates Q and K before they are quantised: give float16 / bfloat16 / "
                          "float32 q, k, v with incoherent=True (rawflash quantises them), or rotate with "
                          "rawflash.fp8.quantize(..., incoherent=True) yourself; got float8_e4m3fn q, k, v")
+    check_fp8_value_head_dim(p, "float8_e4m3fn inputs")
     if p.head_dim % 16:
         raise ValueError(f"float8_e4m3fn inputs need head_dim a multiple of 16 (TMA copies 16-byte chunks), got "
                          f"{p.head_dim}")
@@ -602,6 +608,13 @@ def check_fp8(c: Checked, kernel: str, backend: str, features: Features, descale
                          f"{sorted(got)}")
     problem = dataclasses.replace(p, out_dtype=out)
     return dataclasses.replace(c, problem=problem), tuple(checked[n] for n in ("q_descale", "k_descale", "v_descale"))
+
+
+def check_fp8_value_head_dim(p: Problem, what: str) -> None:
+    """The FP8 forward reads V^T tiles of q's head_dim: v's head_dim must be q's."""
+    if p.head_dim_v:
+        raise ValueError(f"{what} run with v's head_dim equal to q's (the FP8 form transposes V at q's head_dim); "
+                         f"got v's head_dim {p.head_dim_v} and q's {p.head_dim} (head_dim_v != head_dim_qk)")
 
 
 def check_fp8_options(descales: dict, out_dtype, incoherent, fp8) -> None:

@@ -2,8 +2,9 @@
 
 The reference (``backend='reference'``) is checked against an independent NumPy computation (einsum over the
 repeated kv heads, the mask and softmax written out here) for the forward, and against central differences of that
-computation for every gradient; packed sequences, GQA and both causal alignments included. The kernels take one
-head_dim so far: tests/test_api.py checks that the GPU backends refuse v's own head_dim by name.
+computation for every gradient; packed sequences, GQA and both causal alignments included. The calls that take
+no narrower v (a paged forward, decode, the FP8 forward, rawflash.jax) refuse it by name, one test each; the
+kernels' results are tests/test_gpu_mla.py's (GPU) and tests/test_numba_sim.py's (the twins on the simulator).
 """
 from __future__ import annotations
 
@@ -83,3 +84,42 @@ def test_refused_shapes():
         rawflash.backward(np.zeros(q.shape, np.float32), q, k, v, out, lse, backend="reference")
     with pytest.raises(ValueError, match=r"out must have shape \(2, 9, 4, 16\)"):
         rawflash.forward(q, k, v, backend="reference", out=np.zeros(q.shape, np.float32))
+
+
+def test_paged_forward_refuses_head_dim_v():
+    """A paged forward reads the pages decode reads: keys and values of one head_dim."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((6, 4, 32)).astype(np.float16)
+    kp = rng.standard_normal((3, 16, 2, 32)).astype(np.float16)
+    with pytest.raises(ValueError, match=r"paged forward .* one head_dim, .*; got k.s 32 and v.s 16"):
+        rawflash.forward(q, kp, kp[..., :16], cu_seqlens_q=np.array([0, 6], np.int32),
+                         seqused_k=np.array([20], np.int32), block_table=np.array([[2, 0]], np.int32),
+                         backend="reference")
+
+
+def test_decode_refuses_head_dim_v():
+    q = np.zeros((1, 1, 4, 32), np.float16)
+    cache = np.zeros((1, 64, 2, 32), np.float16)
+    with pytest.raises(ValueError, match=r"decode reads caches of one head_dim: v_cache's head_dim 16 differs"):
+        rawflash.decode(q, cache, cache[..., :16], cache_seqlens=10, backend="reference")
+
+
+def test_fp8_forward_refuses_head_dim_v():
+    from rawflash import fp8
+
+    q, k, v = (x.astype(fp8.e4m3()) for x in _inputs(d=64, dv=32))
+    with pytest.raises(ValueError, match=r"float8_e4m3fn inputs run with v's head_dim equal to q's"):
+        rawflash.forward(q, k, v, backend="reference")
+    with pytest.raises(ValueError, match=r"v's head_dim equal to q's"):
+        rawflash.forward(*_inputs(d=64, dv=32), fp8=True, backend="reference")
+
+
+def test_jax_refuses_head_dim_v():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from rawflash.jax import ops
+
+    q = jnp.zeros((1, 16, 4, 64), jnp.bfloat16)
+    v = jnp.zeros((1, 16, 4, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"rawflash.jax takes v with q's head_dim"):
+        jax.eval_shape(lambda q, v: ops.attention(q, q, v), q, v)

@@ -194,6 +194,29 @@ def test_backward(shape, dtype, causal, deterministic):
     assert np.all(grads[0][:, :hidden] == 0)
 
 
+MLA_CASES = [  # (shape with head_dim_qk, head_dim_v, dtype, causal, deterministic)
+    pytest.param(GQA_SHORT_Q, 24, "float16", True, False, id="float16-causal-" + _problem_id(GQA_SHORT_Q) + "-dv24"),
+    pytest.param((2, 9, 13, 2, 1, 32), 8, "float32", False, True, id="float32-full-b2-9x13-h2/1-d32-dv8"),
+    pytest.param((1, 20, 11, 2, 2, 40), 33, "float32", True, False, id="float32-causal-b1-20x11-h2/2-d40-dv33"),
+]
+
+
+@pytest.mark.parametrize("shape, head_dim_v, dtype, causal, deterministic", MLA_CASES)
+def test_mla_value_head_dim(shape, head_dim_v, dtype, causal, deterministic):
+    """v narrower than q and k (MLA): out, dout and dv take v's head_dim; the twins run v zero-padded to q's."""
+    q, k, v = _inputs(shape, dtype, seed=9)
+    v = np.ascontiguousarray(v[..., :head_dim_v])
+    out, lse = _forward(q, k, v, causal)
+    assert out.shape == (*q.shape[:3], head_dim_v) and out.dtype == q.dtype
+    ref_out, ref_lse = reference.forward(q, k, v, causal=causal)
+    base_out, base_lse = reference.forward(q, k, v, causal=causal, upcast=False)
+    _check("out", out, ref_out, base_out, q.dtype, 2)
+    _check("lse", lse, ref_lse, base_lse, q.dtype, 2)
+    dout = _dout(out)
+    grads = rawflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, backend="numba")
+    _assert_backward_ok(dout, q, k, v, grads, out=out, lse=lse, causal=causal)
+
+
 def test_backward_writes_every_element_of_its_uninitialised_buffers(monkeypatch):
     """The backend takes dQ's float32 rows, D, L in log2 units and the gradients from empty(): here empty() fills
     them with NaN, so the result is right only if the preprocess twin zeroes the dQ rows before the main pass adds

@@ -88,20 +88,28 @@ def run(lau: Launch, args: tuple, env: Settings = Settings()) -> None:
 
 @dataclasses.dataclass
 class Prepared:
-    """Inputs ready for the kernels and the problem they run as (head_dim possibly padded, the GPU's arch)."""
+    """Inputs ready for the kernels and the problem they run as (head_dim possibly padded, the GPU's arch), with the
+    caller's head dims of q and of v (which the results are cut back to)."""
 
     problem: Problem
     arrays: tuple
     head_dim: int
     extras: dict
+    head_dim_v: int = 0
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.head_dim_v or self.head_dim
 
 
 def prepare(p: Problem, extras: dict, env: Settings, *arrays) -> Prepared:
+    """The arrays at the kernels' one head_dim: q's rounded up to a multiple of 8, every array zero-padded to it (v,
+    and in the backward dout and out, of MLA's narrower head_dim_v too: zero columns of V give zero columns of O and
+    dV and add nothing to dP or D, so the padded problem's results, cut back, are the call's)."""
     hd = run_head_dim(p.head_dim)
     ready = tuple(_ready(x, hd, 16 // np.dtype(x.dtype).itemsize) for x in arrays)
-    return Prepared(dataclasses.replace(p, head_dim=hd, arch=device_arch(env), sms=_sms(), gpu=device_gpu(env)),
-                    ready, p.head_dim,
-                    _feature_arrays(extras))
+    pr = dataclasses.replace(p, head_dim=hd, head_dim_v=0, arch=device_arch(env), sms=_sms(), gpu=device_gpu(env))
+    return Prepared(pr, ready, p.head_dim, _feature_arrays(extras), p.head_dim_v)
 
 
 def _feature_arrays(extras: dict) -> dict:
@@ -176,9 +184,10 @@ def forward_buffers(pr: Problem, first: Launch, q, out=None, lse=None) -> dict:
     return bufs
 
 
-def _writes_in_place(x, out, head_dim: int, chunk: int) -> bool:
-    """Whether the kernels can write the caller's ``out`` directly (no padded head_dim, a kernel-ready layout)."""
-    return out is not None and x.shape[-1] == head_dim and kernel_ready(out, chunk) is out
+def _writes_in_place(out, run_dim: int, chunk: int) -> bool:
+    """Whether the kernels can write the caller's ``out`` directly: its head_dim is the one they run (nothing to cut
+    back) and its layout is kernel-ready."""
+    return out is not None and out.shape[-1] == run_dim and kernel_ready(out, chunk) is out
 
 
 def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switches: forms.Switches = forms.Switches(),
@@ -193,7 +202,7 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
         import cupy
 
         return _bind_naive(pr, q, k, v, scale, cupy.empty(_rows(pr), dtype=cupy.float32), plan, prep, env)
-    direct = _writes_in_place(q, out, prep.head_dim, 16 // q.dtype.itemsize)
+    direct = _writes_in_place(out, pr.head_dim, 16 // q.dtype.itemsize)
     first = plan[0]
     bufs = forward_buffers(pr, first, q, out if direct else None, lse)
     rec = params.fwd_params(pr, q, k, v, bufs["o"], bufs["lse"], scale, **prep.extras,
@@ -207,8 +216,8 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
             if switches.warp_specialize:
                 raise
             plan = forms.forward_plan_without_tma(pr, kernel, switches, env, override)
-    bound = Bound(plan, [(lau, args) for lau in plan], (_Trimmed(bufs["o"], prep.head_dim), bufs["lse"]), env,
-                  problem=pr)
+    bound = Bound(plan, [(lau, args) for lau in plan], (_Trimmed(bufs["o"], prep.value_head_dim), bufs["lse"]),
+                  env, problem=pr)
     bound.roles = _roles(dict(q=q, k=k, v=v), prep.extras, bufs)
     bound.keep = (q, k, v, prep.extras, bufs)  # the parameter struct holds their addresses
     bound.bufs = bufs
@@ -337,8 +346,8 @@ class ForwardCall:
         from . import plans
 
         self.problem = bound.problem
-        self.head_dim = int(q.shape[-1])
-        self.hd = run_head_dim(self.head_dim)
+        self.head_dim = int(v.shape[-1])  # out's (MLA: v's head_dim, below q's)
+        self.hd = run_head_dim(int(q.shape[-1]))
         self.chunk = 16 // np.dtype(q.dtype).itemsize
         self.as_is = all(_ready(x, self.hd, self.chunk) is x for x in (q, k, v))
         self.features = _features_as_is(extras)
@@ -453,7 +462,7 @@ def _bind_naive(p: Problem, q, k, v, scale: float, lse, plan: list, prep: Prepar
 
         def result(self):
             o = out.reshape(p.batch, p.heads, p.seqlen_q, p.head_dim).transpose(0, 2, 1, 3)
-            return (_trim(cupy.ascontiguousarray(o), prep.head_dim), lse)
+            return (_trim(cupy.ascontiguousarray(o), prep.value_head_dim), lse)
 
     return NaiveBound(plan, [], (), env)
 
@@ -515,7 +524,7 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
     lse = _lse_f32(lse)
     main = plan[1]
     chunk = 16 // q.dtype.itemsize
-    direct = [g if _writes_in_place(x, g, prep.head_dim, chunk) else None for x, g in zip((q, k, v), grads)]
+    direct = [g if _writes_in_place(g, pr.head_dim, chunk) else None for g in grads]
     bufs = backward_buffers(pr, main, deterministic, q, k, v, *direct)
     ordered = "dq_semaphore" in bufs
     rec = params.bwd_params(pr, q, k, v, out, do, lse, scale, **bufs,
@@ -523,8 +532,8 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
                             longest_first=(main.kernel == "fa3_bwd_sm90" and not ordered
                                            and launch.fa3_bwd_longest_first(pr, main.config, _sms())),
                             **prep.extras)
-    hd = prep.head_dim
-    outputs = tuple(_Trimmed(bufs[n], hd) for n in ("dq", "dk", "dv"))
+    outputs = tuple(_Trimmed(bufs[n], d) for n, d in zip(("dq", "dk", "dv"), _grad_dims(prep.head_dim,
+                                                                                         prep.value_head_dim)))
     launches = [(lau, (rec,)) for lau in plan]
     reset = [bufs["dq_semaphore"]] if ordered else []
     if main.kernel == "fa3_bwd_sm90":
@@ -547,6 +556,11 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
     return bound
 
 
+def _grad_dims(head_dim: int, head_dim_v: int) -> tuple[int, int, int]:
+    """The caller's head dims of dq, dk and dv (dv: v's)."""
+    return head_dim, head_dim, head_dim_v
+
+
 def dsinks(pr: Problem, dsink_ws):
     """The sinks' gradient (heads,) float32 from the backward's per-row terms."""
     import cupy
@@ -563,8 +577,8 @@ class BackwardCall:
 
         self.problem = bound.problem
         q = arrays[1]
-        self.head_dim = int(q.shape[-1])
-        self.hd = run_head_dim(self.head_dim)
+        self.dims = _grad_dims(int(q.shape[-1]), int(arrays[3].shape[-1]))
+        self.hd = run_head_dim(self.dims[0])
         self.chunk = 16 // np.dtype(q.dtype).itemsize
         self.as_is = all(_ready(x, self.hd, self.chunk) is x for x in arrays[:5]) and _lse_f32(arrays[5]) is arrays[5]
         self.features = _features_as_is(extras)
@@ -593,10 +607,10 @@ class BackwardCall:
         feats = _feature_ptrs(extras, self.features, ptrs) if extras else ()
         _launch_planned(self.plan, ptrs, {}, stream, (dout, q, k, v, out, lse, made, keep, feats, extras))
         result = []
-        for name, g in zip(("dq", "dk", "dv"), grads):
+        for name, g, dim in zip(("dq", "dk", "dv"), grads, self.dims):
             x = made[name]
-            if x.shape[-1] != self.head_dim:
-                x = _trim(x, self.head_dim)
+            if x.shape[-1] != dim:
+                x = _trim(x, dim)
             if g is not None and x is not g:
                 g[...] = x
                 x = g
@@ -731,7 +745,7 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
     pr = prep.problem
     q, k_cache, v_cache, k_new, v_new = _decode_inputs(q, k_cache, v_cache, k_new, v_new, pr.head_dim)
     plan = forms.decode_plan(pr, num_splits, _sms(), override)
-    direct = _writes_in_place(q, out, pr.head_dim, 16 // q.dtype.itemsize)
+    direct = _writes_in_place(out, pr.head_dim, 16 // q.dtype.itemsize)
     bufs = decode_buffers(pr, plan, q, out if direct else None, lse)
     rec = params.fwd_params(pr, q, k_cache, v_cache, bufs["o"], bufs["lse"], scale, o_ws=bufs["o_ws"],
                             m_ws=bufs["m_ws"], num_splits=plan.num_splits, k_new=k_new, v_new=v_new, decode=True,

@@ -76,8 +76,9 @@ def twin_of(lau: Launch, api_kernel: str = "fa2") -> Twin:
 
 
 def run_problem(p: Problem) -> Problem:
-    """The problem as the kernels see it (cupy_backend.prepare's): head_dim rounded up to a multiple of 8."""
-    return dataclasses.replace(p, head_dim=run_head_dim(p.head_dim))
+    """The problem as the kernels see it (cupy_backend.prepare's): head_dim rounded up to a multiple of 8, v (MLA's
+    narrower head_dim_v) zero-padded to it."""
+    return dataclasses.replace(p, head_dim=run_head_dim(p.head_dim), head_dim_v=0)
 
 
 def forward_plan(pr: Problem, kernel: str = "fa2", switches: forms.Switches | None = None) -> list[Launch]:
@@ -152,7 +153,8 @@ def _result(x, dtype: str):
 
 @dataclasses.dataclass
 class Prepared:
-    """Inputs ready for the twins and the problem they run as (head_dim rounded up as for the CUDA C).
+    """Inputs ready for the twins and the problem they run as (head_dim rounded up as for the CUDA C), with the
+    caller's head dims of q and v (which the results are cut back to).
 
     ``arrays`` are 4-D: packed sequences (total, heads, d) become (1, total, heads, d). ``features`` are the five
     optional arrays in the kernels' order (cu_q, cu_k, used_k, slopes, sinks), one-element dummies where absent.
@@ -163,6 +165,7 @@ class Prepared:
     head_dim: int
     features: tuple
     extras: dict
+    head_dim_v: int
 
 
 def _require_device() -> None:
@@ -190,7 +193,7 @@ def prepare(p: Problem, extras: dict | None, *arrays) -> Prepared:
     xp = _xp()
     feats = tuple(xp.ascontiguousarray(_on_device(extras[name]).astype(dtype).ravel()) if name in extras
                   else xp.zeros(1, dtype) for name, dtype in FEATURES)
-    return Prepared(pr, ready, p.head_dim, feats, extras)
+    return Prepared(pr, ready, p.head_dim, feats, extras, p.value_head_dim)
 
 
 def _params(cls, pr: Problem, scale: float, extras: dict, **more):
@@ -289,7 +292,7 @@ def forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", sw: forms.Sw
         ws = (xp.zeros((1, 1, 1, 1), np.float32), xp.zeros((1, 1, 1), np.float32), xp.zeros((1, 1, 1), np.float32))
     params = _params(FwdParams, pr, scale, prep.extras)
     _run_plan(resolved, (params, q, k, v, out, lse, *prep.features, *ws))
-    return _unpack(_result(_trim(out, prep.head_dim), p.dtype), pr), _unpack(lse, pr)
+    return _unpack(_result(_trim(out, prep.head_dim_v), p.dtype), pr), _unpack(lse, pr)
 
 
 # ---------------------------------------------------------------- backward
@@ -315,7 +318,8 @@ def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: b
     dsink_ws = xp.zeros(_rows(pr) if sinks else (1, 1, 1), np.float32)
     params = _params(BwdParams, pr, scale, prep.extras, rows_batch=pr.rows[0], rows_seqlen=pr.rows[1])
     _run_plan(resolved, (params, q, k, v, out, do, dq, dk, dv, lse, lse2, delta, dq_ws, dsink_ws, *prep.features))
-    grads = tuple(_unpack(_result(_trim(x, prep.head_dim), p.dtype), pr) for x in (dq, dk, dv))
+    grads = tuple(_unpack(_result(_trim(x, d), p.dtype), pr)
+                  for x, d in ((dq, prep.head_dim), (dk, prep.head_dim), (dv, prep.head_dim_v)))
     if not sinks:
         return grads
     return (*grads, (-dsink_ws.sum(axis=(0, 2), dtype=np.float64)).astype(np.float32))
