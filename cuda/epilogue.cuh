@@ -12,7 +12,13 @@
 
 namespace rf {
 
-template <typename T, bool NORMALIZED, class Pol, int MT, int NO>
+// The columns of O a forward writes: v's head_dim where the mainloop reads v at its own width (NARROW_V: FA3's
+// DV form, MLA's head_dim_v), else q's.
+template <bool NARROW_V> __device__ __forceinline__ int o_head_dim(const FwdParams& p) {
+  return NARROW_V ? p.head_dim_v : p.head_dim;
+}
+
+template <typename T, bool NORMALIZED, bool NARROW_V = false, class Pol, int MT, int NO>
 __device__ __forceinline__ void epilogue_fwd(const FwdParams& p, const typename Pol::Info& bi, const Pol& pol,
                                              const Acc<MT, NO>& o, const OnlineSoftmax<2 * MT>& sm, int r0,
                                              float o_scale = 1.f) {
@@ -20,7 +26,8 @@ __device__ __forceinline__ void epilogue_fwd(const FwdParams& p, const typename 
   sm.template finalize<T, NORMALIZED>(pol.sink_log2(p, bi), f, lse);
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) f[r] *= o_scale;  // FP8: V's descale (1 otherwise)
-  store_rows<T>(bi.template q_like<T>(p.o, p.o_sb, p.o_ss, p.o_sh), p.o_ss, o, f, r0, 0, bi.seqlen_q, p.head_dim);
+  store_rows<T>(bi.template q_like<T>(p.o, p.o_sb, p.o_ss, p.o_sh), p.o_ss, o, f, r0, 0, bi.seqlen_q,
+                o_head_dim<NARROW_V>(p));
   store_row_values<MT>(p.lse + bi.row0, lse, r0, bi.seqlen_q);
 }
 

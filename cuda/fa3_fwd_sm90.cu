@@ -5,7 +5,8 @@
 // the running max, a fixed reference for soft-capped bfloat16 scores, or the first block's max for plain bfloat16
 // attention, checked, with the REF_RUNNING launch after it as the way back), OVERLAP is FA3's intra-warpgroup
 // overlap, PINGPONG its inter-warpgroup schedule, QSTAGES the Q_i buffers (2: the next tile's Q_i is copied during
-// this one), STAGE_O the epilogue through shared memory and a TMA store.
+// this one), STAGE_O the epilogue through shared memory and a TMA store, DV the columns of V and O (D, or MLA's
+// narrower head_dim_v: the DV form).
 // fa3_fwd_sm90_fp8 is the same skeleton with the FP8 mainloop (mainloop_fwd_sm90_fp8.cuh, on the same pipeline):
 // e4m3 inputs, the output in OutT (bfloat16 or float16), the plain policy or the general one without its score
 // transforms (windows, packed sequences, seqused_k).
@@ -67,12 +68,12 @@ using Fa3Scheduler =
 }  // namespace rf
 
 template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, int REF, bool OVERLAP,
-          bool PINGPONG, int SCHEDULE, int QSTAGES, bool STAGE_O, int SMEM_BYTES>
+          bool PINGPONG, int SCHEDULE, int QSTAGES, bool STAGE_O, int DV, int SMEM_BYTES>
 __global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
     fa3_fwd_sm90(const __grid_constant__ rf::FwdParams p, const __grid_constant__ rf::TmaFwd tma) {
   using namespace rf;
   using Mainloop =
-      MainloopFwdSm90Ws<T, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>, QSTAGES, STAGE_O, REF>;
+      MainloopFwdSm90Ws<T, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>, QSTAGES, STAGE_O, REF, DV>;
   // The way back from REF_FIRST: launched after it with p.ref_flag set, a REF_RUNNING kernel runs only where that
   // launch flagged this call (every thread reads the same word, so the whole grid returns or none of it).
   if constexpr (REF == REF_RUNNING)

@@ -66,7 +66,7 @@ template <int D, int BC> using VtTile = typename Select<BC % 128 == 0, Sw128x8<D
 template <typename OutT, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_, int QSTAGES = 1>
 struct MainloopFwdSm90Fp8
     : Fa3FwdPipeline<MainloopFwdSm90Fp8<OutT, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES>, OutT,
-                     Sw128x8<BR_, D>, Sw128x8<BC, D>, VtTile<D, BC>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
+                     Sw128x8<BR_, D>, Sw128x8<BC, D>, VtTile<D, BC>, D, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
                      BR_ / 64 == 2 ? 24 : 32, BR_ / 64 == 2 ? 240 : 160, QSTAGES> {
   using Base = typename MainloopFwdSm90Fp8::Fa3FwdPipeline;
   using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;

@@ -33,7 +33,8 @@ namespace rf {
 
 // The FA3 forward pipeline: rings, roles, ping-pong turns and the walk over key blocks, for any element type.
 // The mainloop that derives from it (CRTP: Derived) says what depends on the element type:
-//   - TQ, TK, TV: the shared-memory tiles of Q_i, K_j and V_j (TV may hold V_j^T); their BYTES size the rings;
+//   - TQ, TK, TV: the shared-memory tiles of Q_i, K_j and V_j (TV may hold V_j^T, or V_j of DV < D columns: MLA's
+//     narrower v); their BYTES size the rings;
 //   - PACKED: whether packed sequences reach it (their copies read "batch" 0 from the sequence's first row);
 //   - PAGED: whether paged keys reach it (a paged forward: the general policy with block_table; produce_paged);
 //   - load_v(p, tma, tile, bar, bi, k0, row, bk): the copy of V_j, keys k0.. of sequence bi at rows row.. of
@@ -43,23 +44,23 @@ namespace rf {
 //     softmax subtracts (softmax.cuh's SoftmaxRef: the running max, a fixed bound, the first block's max);
 //   - consume (walk plus what surrounds it) and store (the epilogue).
 // PRODUCER_REGS / CONSUMER_REGS: registers per thread after the hand-over (launch bounds give every thread
-// 65536 / NTHREADS rounded down to 8 before it). QSTAGES: Q_i buffers (1 or 2).
-template <class Derived, typename T_, class TQ, class TK, class TV, int D, int BR_, int BC, int STAGES, bool OVERLAP,
-          bool PINGPONG, class Pol_, int PRODUCER_REGS, int CONSUMER_REGS, int QSTAGES>
+// 65536 / NTHREADS rounded down to 8 before it). QSTAGES: Q_i buffers (1 or 2). DV: O's columns (V's head_dim).
+template <class Derived, typename T_, class TQ, class TK, class TV, int D, int DV, int BR_, int BC, int STAGES,
+          bool OVERLAP, bool PINGPONG, class Pol_, int PRODUCER_REGS, int CONSUMER_REGS, int QSTAGES>
 struct Fa3FwdPipeline {
   using T = T_;  // what the softmax's exp2 and the epilogue's stores are instantiated for
   using Pol = Pol_;
   using Info = typename Pol_::Info;
-  static constexpr int BR = BR_, NC = BR_ / 64, NTHREADS = (NC + 1) * 128, NT = BC / 8, NO = D / 8;
-  static constexpr int ALIGN = 1024, Q_BYTES = TQ::BYTES, KV_BYTES = TK::BYTES;
+  static constexpr int BR = BR_, NC = BR_ / 64, NTHREADS = (NC + 1) * 128, NT = BC / 8, NO = DV / 8;
+  static constexpr int ALIGN = 1024, Q_BYTES = TQ::BYTES, K_BYTES = TK::BYTES, V_BYTES = TV::BYTES;
   // Q full / empty per Q_i buffer; K full / empty and V full / empty per stage
   static constexpr int BARRIERS = 2 * QSTAGES + 4 * STAGES;
   // ... and 16 bytes: the index of the tile whose Q_i is (being) copied into each Q_i buffer (the dynamic
   // scheduler's hand-over; 4 bytes each), then V's landed mbarrier (paged keys' last block, PAGED kernels)
-  static constexpr int SMEM_BYTES = ALIGN + QSTAGES * Q_BYTES + 2 * STAGES * KV_BYTES + 8 * BARRIERS + 16;
+  static constexpr int SMEM_BYTES = ALIGN + QSTAGES * Q_BYTES + STAGES * (K_BYTES + V_BYTES) + 8 * BARRIERS + 16;
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
   static_assert(QSTAGES == 1 || QSTAGES == 2, "one or two Q_i buffers (tile-index slots of 4 bytes before V landed)");
-  static_assert(TV::BYTES == KV_BYTES, "a stage holds K_j and V_j in halves of one size");
+  static_assert(DV <= D && DV % 64 == 0, "O of whole 64-column panels, at most Q's columns");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NC <= launch_regs(NTHREADS) * NTHREADS,
                 "setmaxnreg moves registers within the launch's pool");
 
@@ -75,17 +76,17 @@ struct Fa3FwdPipeline {
     // The Q_i buffer of the tile a consumer has just walked (its epilogue's staging buffer with O_VIA_Q).
     __device__ __forceinline__ int last_q() const { return (q.n + QSTAGES - 1) % QSTAGES; }
   };
-  // Shared-memory addresses: the Q_i buffers, then STAGES stages of K_j and of V_j, then the mbarriers, then the
-  // tile index of each Q_i buffer.
+  // Shared-memory addresses: the Q_i buffers, then STAGES stages of K_j, then STAGES of V_j, then the mbarriers, then
+  // the tile index of each Q_i buffer.
   struct Smem {
     static constexpr int KV0 = QSTAGES * Q_BYTES, QB = 2 * QSTAGES;  // K_j's first stage; K's first barrier
     u32 base;
     __device__ __forceinline__ explicit Smem(char* smem)
         : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {}
     __device__ __forceinline__ TQ q(int qs) const { return {base + qs * Q_BYTES}; }
-    __device__ __forceinline__ TK k(int s) const { return {base + KV0 + s * KV_BYTES}; }
-    __device__ __forceinline__ TV v(int s) const { return {base + KV0 + (STAGES + s) * KV_BYTES}; }
-    __device__ __forceinline__ u32 bar(int i) const { return base + KV0 + 2 * STAGES * KV_BYTES + 8 * i; }
+    __device__ __forceinline__ TK k(int s) const { return {base + KV0 + s * K_BYTES}; }
+    __device__ __forceinline__ TV v(int s) const { return {base + KV0 + STAGES * K_BYTES + s * V_BYTES}; }
+    __device__ __forceinline__ u32 bar(int i) const { return base + KV0 + STAGES * (K_BYTES + V_BYTES) + 8 * i; }
     __device__ __forceinline__ u32 q_full(int qs) const { return bar(qs); }
     __device__ __forceinline__ u32 q_empty(int qs) const { return bar(QSTAGES + qs); }
     __device__ __forceinline__ u32 k_full(int s) const { return bar(QB + s); }
@@ -137,10 +138,10 @@ struct Fa3FwdPipeline {
     for (int step = 0; step < n; ++step) {
       const int s = pipes.kv.stage(), free = pipes.kv.parity() ^ 1, k0 = kv.block(step) * BC, row = bi.k_row0 + k0;
       mbar_wait(sm.k_empty(s), free);
-      mbar_expect_tx(sm.k_full(s), KV_BYTES);
+      mbar_expect_tx(sm.k_full(s), K_BYTES);
       tma_load_tile(tma.k, sm.k(s), sm.k_full(s), 0, row, bi.hk, bk);
       mbar_wait(sm.v_empty(s), free);
-      mbar_expect_tx(sm.v_full(s), KV_BYTES);
+      mbar_expect_tx(sm.v_full(s), V_BYTES);
       Derived::load_v(p, tma, sm.v(s), sm.v_full(s), bi, k0, row, bk);
       pipes.kv.advance();
     }
@@ -188,7 +189,7 @@ struct Fa3FwdPipeline {
       // ---- [mainloop_fwd_sm90_ws:load_kv_paged] K_j, then V_j, box by box into the next free stage ----
       if (lane == 0) {
         mbar_wait(sm.k_empty(s), free);
-        mbar_expect_tx(sm.k_full(s), KV_BYTES);
+        mbar_expect_tx(sm.k_full(s), K_BYTES);
       }
       __syncwarp();
       if (mine) tma_load_rows(tma.k, sm.k(s), sm.k_full(s), lane * seg, row, bi.hk, page);
@@ -196,7 +197,7 @@ struct Fa3FwdPipeline {
       const u32 v_bar = stale > 0 ? sm.v_landed() : sm.v_full(s);  // V's rows past the last key: zeroed first
       if (lane == 0) {
         mbar_wait(sm.v_empty(s), free);
-        mbar_expect_tx(v_bar, KV_BYTES);
+        mbar_expect_tx(v_bar, V_BYTES);
       }
       __syncwarp();
       if (mine) tma_load_rows(tma.v, sm.v(s), v_bar, lane * seg, row, bi.hk, page);
@@ -364,18 +365,20 @@ struct Fa3FwdPipeline {
 // ---------------------------------------------------------------- the 16-bit form
 // Tiles of 64-column panels (Sw128); V_j is read MN-major as it lies, so O += P V needs no transpose; P goes
 // into the A operand as pairs of 16-bit values (to_a_operand). Registers after the hand-over: the producer keeps
-// what its loop needs, the consumers the rest of the 64K.
+// what its loop needs, the consumers the rest of the 64K. DV < D is the DV form (MLA's narrower v): V_j tiles and
+// O of DV columns, so P V costs DV's FLOPs and V's ring DV's bytes; O leaves with v's head_dim (NARROW_V).
 template <typename T_, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_, int QSTAGES = 1,
-          bool STAGE_O = false, int REF_ = REF_RUNNING>
+          bool STAGE_O = false, int REF_ = REF_RUNNING, int DV = D>
 struct MainloopFwdSm90Ws
-    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES, STAGE_O, REF_>, T_,
-                     Sw128<T_, BR_, D>, Sw128<T_, BC, D>, Sw128<T_, BC, D>, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_,
-                     BR_ / 64 == 2 ? 40 : 32, BR_ / 64 == 2 ? 232 : 160, QSTAGES> {
+    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES, STAGE_O, REF_, DV>,
+                     T_, Sw128<T_, BR_, D>, Sw128<T_, BC, D>, Sw128<T_, BC, DV>, D, DV, BR_, BC, STAGES, OVERLAP,
+                     PINGPONG, Pol_, BR_ / 64 == 2 ? 40 : 32, BR_ / 64 == 2 ? 232 : 160, QSTAGES> {
   using Base = typename MainloopFwdSm90Ws::Fa3FwdPipeline;
   using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;
   static_assert(BC % 16 == 0 && BC <= 256 && D % 64 == 0, "a wgmma N of at most 256; panels of 64 columns");
   static constexpr bool PACKED = true;   // the general policy brings packed sequences
   static constexpr bool PAGED = Pol_::GENERAL;  // ... and paged keys (produce_paged)
+  static constexpr bool NARROW_V = DV != D;     // O has v's head_dim (FwdParams::head_dim_v), not q's
   static constexpr float P_LOG2 = 0.f;   // P is cast to 16 bits as it is
   // The softmax's reference (SoftmaxRef; the host's Problem.softmax_ref): without the running max P may exceed 1,
   // which needs P's type to have float32's exponent range (bfloat16). REF_BOUNDED: soft-capped scores without ALiBi
@@ -412,7 +415,7 @@ struct MainloopFwdSm90Ws
   static constexpr float STALE_LOG2 = D >= 256 ? 8.f : 0.f;
   using PA = u32[BC / 16][4];  // P's A fragments, one per 16 keys
 
-  __device__ __forceinline__ static void load_v(const FwdParams&, const TmaFwd& tma, const Sw128<T_, BC, D>& v,
+  __device__ __forceinline__ static void load_v(const FwdParams&, const TmaFwd& tma, const Sw128<T_, BC, DV>& v,
                                                 u32 bar, const Info& bi, int, int row, int bk) {
     tma_load_tile(tma.v, v, bar, 0, row, bi.hk, bk);
   }
@@ -420,7 +423,7 @@ struct MainloopFwdSm90Ws
   __device__ __forceinline__ static void gemm_qk(Acc<1, BC / 8>& s, const SQ& sq, int r0, const SK& sk) {
     wg_gemm_abt(s, sq, r0, sk, 0, false);
   }
-  template <class SV> __device__ __forceinline__ static void gemm_pv(Acc<1, D / 8>& o, const PA& pa, const SV& sv) {
+  template <class SV> __device__ __forceinline__ static void gemm_pv(Acc<1, DV / 8>& o, const PA& pa, const SV& sv) {
     wg_gemm_rb(o, pa, sv, 0, 0);
   }
   __device__ __forceinline__ static void pack_p(PA& pa, const Acc<1, BC / 8>& s) { to_a_operand<T_>(pa, s); }
@@ -440,12 +443,12 @@ struct MainloopFwdSm90Ws
   __device__ __forceinline__ static void store(const FwdParams& p, const TmaFwd& tma, const Info& bi, const Pol_& pol,
                                                int q0, const Smem& sm, const Pipes& pipes, const State& st) {
     if constexpr (!O_VIA_Q) {
-      epilogue_fwd<T_, false>(p, bi, pol, st.o, st.sm, q0 + Base::warp_row());
+      epilogue_fwd<T_, false, NARROW_V>(p, bi, pol, st.o, st.sm, q0 + Base::warp_row());
     } else {
-      using TO = Sw128<T_, BR_, D>;
+      using TO = Sw128<T_, BR_, DV>;  // O's DV columns in the first panels of the Q_i buffer (same panel stride)
       const int wg = warpgroup_id(), r_wg = 64 * wg, rows = bi.seqlen_q - q0 - r_wg;
       const int qs = pipes.last_q();
-      const TO sQ = sm.q(qs);
+      const TO sQ{sm.q(qs).base};
       float f[2], lse[2];
       st.sm.template finalize<T_, false>(pol.sink_log2(p, bi), f, lse);
       // ---- [mainloop_fwd_sm90_ws:stage_o] O_i rows of this warp -> its rows of the Q_i buffer ----
@@ -456,12 +459,12 @@ struct MainloopFwdSm90Ws
       if (packed_tail) {
         // ---- [mainloop_fwd_sm90_ws:packed_tail] the rows inside the sequence, 16 bytes a thread at a time ----
         T_* g = bi.template q_like<T_>(p.o, p.o_sb, p.o_ss, p.o_sh) + (long long)(q0 + r_wg) * p.o_ss;
-        for (int idx = threadIdx.x & 127; idx < rows * (D / 8); idx += 128) {
-          const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
+        for (int idx = threadIdx.x & 127; idx < rows * (DV / 8); idx += 128) {
+          const int r = idx / (DV / 8), c = (idx % (DV / 8)) * 8;
           uint4 x;
           asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                        : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(sQ.addr(r_wg + r, c)));
-          if (c < p.head_dim) *reinterpret_cast<uint4*>(g + r * p.o_ss + c) = x;  // head_dim is a multiple of 8
+          if (c < o_head_dim<NARROW_V>(p)) *reinterpret_cast<uint4*>(g + r * p.o_ss + c) = x;  // (multiples of 8)
         }
       } else if ((threadIdx.x & 127) == 0) {
         // ---- [mainloop_fwd_sm90_ws:store_o] one thread: the TMA store, waited for until it has read the buffer ----

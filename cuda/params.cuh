@@ -56,6 +56,8 @@ struct FwdParams {
   int split_appends;         // decode: 1 when decode_split writes k_new / v_new itself (no decode_append launch)
   int num_partials;          // decode: partial results per row, one per CTA of decode_split (cdiv(num_splits, warps))
   int ref_gen;               // this call's number for ref_flag (never 0)
+  int head_dim_v;            // v's and o's head_dim (MLA's head_dim_v; head_dim where v has q's): FA3's DV form
+  int pad_;                  // (an even count of 4-byte fields: no padding on either side, tests/test_params.py)
 };
 
 struct BwdParams {

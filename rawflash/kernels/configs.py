@@ -336,6 +336,26 @@ PAGED_ROWS: dict[tuple[str, int, str], TileConfig] = {
     for d in (96, 128) for dt in _16BIT
 }
 
+# MLA's narrower v in FA3's forward (the DV form, forms.value_form: V_j and O of head_dim_v columns, so P V and V's
+# ring cost head_dim_v's FLOPs and bytes), keyed by (kernel, head_dim, head_dim_v, dtype) as the kernel is compiled
+# (whole 64-column panels, launch.tma_head_dim / tma_value_head_dim). Other pairs run v zero-padded to q's
+# head_dim on the table's rows. 192 / 128 (DeepSeek-V3's prefill): the d = 128 row's 128-key blocks, as many as
+# fit beside Q_i of 192 columns; 128 / 64: the d = 128 row.
+VALUE_ROWS: dict[tuple[str, int, int, str], TileConfig] = {
+    **{("fa3_fwd_sm90", 192, 128, dt): TileConfig(128, 128, 12, stages=2,
+                                                  why="192 / 128: 128 keys a block, 2 stages in 214,112 B; not tuned")
+       for dt in _16BIT},
+    **{("fa3_fwd_sm90", 128, 64, dt): TileConfig(128, 176, 12, stages=2,
+                                                 why="128 / 64: the d = 128 row, 169,056 B; not tuned")
+       for dt in _16BIT},
+}
+
+
+def value_row(kernel: str, head_dim: int, head_dim_v: int, dtype: str) -> TileConfig | None:
+    """The DV form's row for head dims as the kernel is compiled (None: v runs zero-padded to q's head_dim)."""
+    return VALUE_ROWS.get((kernel, head_dim, head_dim_v, dtype))
+
+
 # The rows of a situation (forms.situations names the ones that hold for a call), before the table's.
 SITUATION_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
     "short_causal": SHORT_CAUSAL_ROWS, "short_full": SHORT_FULL_ROWS, "short_window": WINDOW_ROWS,

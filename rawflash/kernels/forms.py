@@ -201,6 +201,20 @@ def hopper_form_fits(kernel: str, p: Problem) -> bool:
     return p.arch == "sm_90" and p.dtype in form.dtypes and configs.has_row(kernel, p.head_dim, p.dtype)
 
 
+def value_form(p: Problem) -> bool:
+    """Whether FA3's forward reads MLA's narrower v at its own head_dim (the DV form: V_j and O of head_dim_v columns)
+    for ``p``: a ``head_dim_v`` whose pair of compiled head dims has a row in configs.VALUE_ROWS, sm_90, 16-bit, keys
+    not paged. Elsewhere v runs zero-padded to q's head_dim."""
+    return (bool(p.head_dim_v) and p.arch == "sm_90" and not p.page_size and configs.value_row(
+        "fa3_fwd_sm90", launch.tma_head_dim(p), launch.tma_value_head_dim(p), p.dtype) is not None)
+
+
+def reads_value_head_dim(lau: Launch) -> bool:
+    """Whether a launch reads v (and writes O) at v's own head_dim: the DV form of FA3's forward. Every other
+    launch of a call with a narrower v reads it zero-padded to q's head_dim (cupy_backend.bind_forward)."""
+    return lau.kernel == "fa3_fwd_sm90" and lau.template_args[launch.DV_ARG] != lau.template_args[launch.D_ARG]
+
+
 def _use_wgmma(wgmma: bool | None, eligible: bool, kernel: str, also: str, got: str, settings: Settings) -> bool:
     """The choice of a ``wgmma`` switch: None picks the wgmma form wherever it is ``eligible`` unless the settings
     turn it off; True demands it (ValueError where it cannot run); False refuses it."""
@@ -235,6 +249,8 @@ def fp8_forward(p: Problem, sw: Switches = Switches(), override: Override | None
 def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Settings(),
                 override: Override | None = None) -> Launch:
     """The fa2 forward launch: its wgmma form where the switches and the GPU allow it, else the mma.sync form."""
+    if p.head_dim_v and not value_form(p):  # v zero-padded to q's head_dim: the kernels see one head_dim
+        p = dataclasses.replace(p, head_dim_v=0)
     got = (f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={sw.defer_norm}, "
            f"seq_parallel={sw.seq_parallel}, split_q={sw.split_q}")
     fa3 = sw.ideas_on and hopper_form_fits("fa3_fwd_sm90", p)
@@ -248,7 +264,9 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
                   " and every FA2 switch on", got, settings):
         use_fa3 = (fa3 and settings.warp_specialize) if sw.warp_specialize is None else sw.warp_specialize
         if use_fa3:
-            return launch.fa3_fwd_sm90(p, _config("fa3_fwd_sm90", p, override), ref=softmax_ref(p),
+            cfg = (configs.value_row("fa3_fwd_sm90", launch.tma_head_dim(p), launch.tma_value_head_dim(p), p.dtype)
+                   if p.head_dim_v else _config("fa3_fwd_sm90", p, override))
+            return launch.fa3_fwd_sm90(p, cfg, ref=softmax_ref(p),
                                        overlap=sw.overlap, pingpong=sw.pingpong,
                                        persistent=persistent_default(p) if sw.persistent is None else sw.persistent,
                                        dynamic=fa3_dynamic(p, sw))
@@ -576,6 +594,10 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                         launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=True),
                                                  override={("fa3_fwd_sm90", d, dtype): cfg})
                                      for cfg in FA3_TILE_CANDIDATES.get(d, ())]
+                for dv in (dv for (k, dq, dv, dt) in configs.VALUE_ROWS if (k, dq, dt) == ("fa3_fwd_sm90", d, dtype)):
+                    if hopper_form_fits("fa3_fwd_sm90", p):  # the DV form (MLA's narrower v)
+                        launches.append(fa2_forward(dataclasses.replace(p, head_dim_v=dv),
+                                                    Switches(wgmma=True, warp_specialize=True)))
                 if hopper_form_fits("fa2_bwd_sm90", p):
                     launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=False))
                 if hopper_form_fits("fa3_bwd_sm90", p):

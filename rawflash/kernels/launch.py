@@ -130,11 +130,12 @@ def smem_fa2_fwd_sm90(cfg: TileConfig, d: int) -> int:
     return 1024 + (cfg.br + 4 * cfg.bc) * d * 2
 
 
-def smem_fa3_fwd_sm90(cfg: TileConfig, d: int, item: int = 2) -> int:
+def smem_fa3_fwd_sm90(cfg: TileConfig, d: int, item: int = 2, dv: int = 0) -> int:
     """mainloop_fwd_sm90_ws.cuh Fa3FwdPipeline::SMEM_BYTES: 1024 B of alignment slack, `q_stages` Q_i buffers,
-    `stages` stages each of K_j and V_j (elements of `item` bytes), 2 q_stages + 4 stages mbarriers of 8 B and 16 B
-    for the tile indices (the dynamic schedule's) and the paged keys' V-landed mbarrier."""
-    return (1024 + (cfg.q_stages * cfg.br + 2 * cfg.stages * cfg.bc) * d * item
+    `stages` stages each of K_j and V_j (elements of `item` bytes; V_j of ``dv`` columns in the DV form, else d),
+    2 q_stages + 4 stages mbarriers of 8 B and 16 B for the tile indices (the dynamic schedule's) and the paged keys'
+    V-landed mbarrier."""
+    return (1024 + (cfg.q_stages * cfg.br * d + cfg.stages * cfg.bc * (d + (dv or d))) * item
             + 8 * (2 * cfg.q_stages + 4 * cfg.stages) + 16)
 
 
@@ -269,6 +270,12 @@ def tma_head_dim(p: Problem) -> int:
     return cdiv(configs.padded_head_dim(p.head_dim), 64) * 64
 
 
+def tma_value_head_dim(p: Problem) -> int:
+    """The columns of V and O FA3's forward is compiled for: v's head_dim as :func:`tma_head_dim` rounds q's (the DV
+    form, MLA's narrower v: ``Problem.head_dim_v``), else q's."""
+    return cdiv(configs.padded_head_dim(p.head_dim_v), 64) * 64 if p.head_dim_v else tma_head_dim(p)
+
+
 def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, int]:
     """scheduler.cuh's LinearTileScheduler: every query tile of every head in one index (packed sequences: the
     upper bound of ``Problem.q_tiles`` per head); persistent grids take one CTA per multiprocessor."""
@@ -281,6 +288,7 @@ def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, i
 SCHEDULES = {"one tile per CTA": 0, "persistent, static": 1, "persistent, dynamic": 2}
 SCHEDULE_ARG = {"fa3_fwd_sm90": 10, "fa3_fwd_sm90_fp8": 9}  # SCHEDULE's position among the template arguments
 STAGE_O_ARG = 12  # fa3_fwd_sm90's STAGE_O among its template arguments (fa3_fwd_sm90.cu)
+D_ARG, DV_ARG = 1, 13  # fa3_fwd_sm90's D and DV: Q's and K's columns, V's and O's (D unless the DV form)
 REF_ARG = 7   # fa3_fwd_sm90's REF (forms.softmax_ref)
 # softmax.cuh's SoftmaxRef: what the FA3 16-bit forward's softmax subtracts in the exponent
 REF_RUNNING, REF_BOUNDED, REF_FIRST = 0, 1, 2
@@ -317,11 +325,12 @@ def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, ref: int, overlap: bool = True,
     """FA3 forward (sm_90a): TMA copies by a producer warpgroup, br / 64 consumer warpgroups; ``overlap`` inside a
     warpgroup, ``pingpong`` between them, ``persistent`` a grid of one CTA per SM walking the tiles (``dynamic``:
     each CTA takes the next tile from a counter; else the static schedule). ``ref``: what the softmax subtracts
-    (SoftmaxRef: REF_RUNNING, REF_BOUNDED or REF_FIRST; ``forms.softmax_ref`` chooses it)."""
-    d = tma_head_dim(p)
-    smem = smem_fa3_fwd_sm90(cfg, d)
+    (SoftmaxRef: REF_RUNNING, REF_BOUNDED or REF_FIRST; ``forms.softmax_ref`` chooses it). A ``p.head_dim_v``
+    (MLA's narrower v, ``forms.value_form``) compiles the DV form: V_j and O of its columns."""
+    d, dv = tma_head_dim(p), tma_value_head_dim(p)
+    smem = smem_fa3_fwd_sm90(cfg, d, dv=dv)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, mask_mode(p), p.general, ref, overlap,
-            pingpong, fa3_schedule(persistent, dynamic), cfg.q_stages, fa3_fwd_stage_o(p, cfg, d), smem)
+            pingpong, fa3_schedule(persistent, dynamic), cfg.q_stages, fa3_fwd_stage_o(p, cfg, d), dv, smem)
     return Launch("fa3_fwd_sm90", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 

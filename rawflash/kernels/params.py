@@ -34,7 +34,7 @@ FWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("head_dim", "i32"), ("window_left", "i32"), ("window_right", "i32"), ("page_size", "i32"),
     ("num_splits", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("new_keys", "i32"),
     ("cache_capacity", "i32"), ("num_pages", "i32"), ("cache_len", "i32"), ("split_appends", "i32"),
-    ("num_partials", "i32"), ("ref_gen", "i32"),
+    ("num_partials", "i32"), ("ref_gen", "i32"), ("head_dim_v", "i32"), ("pad_", "i32"),
 )
 BWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("out", "ptr"), ("dout", "ptr"), ("dq", "ptr"), ("dk", "ptr"),
@@ -108,6 +108,7 @@ def fwd_params(p: Problem, q, k, v, o, lse, scale: float, *, k_new=None, v_new=N
         _set_strides(rec, name, x, p.varlen and len(x.shape) == 3)  # (a paged forward's k, v: pages, 4 axes)
     rec["lse"] = ptr(lse)
     _common(rec, p, scale, extras)
+    rec["head_dim_v"] = p.value_head_dim  # o's columns (FA3's DV form reads v at its own head_dim)
     rec["block_table"] = ptr(extras.get("block_table"))
     if extras.get("block_table") is not None:
         rec["block_table_sb"] = extras["block_table"].shape[1]
