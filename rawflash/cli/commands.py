@@ -296,6 +296,7 @@ def list_(gpu, arch, sms, as_json):
     _emit({"target": tgt.description,
            "variants": {v.name: _variant_entry(v) for v in registry.REGISTRY.values()},
            "tiles": _tile_rows(tgt.arch),
+           **({"tiles of MLA's narrower v (head_dim / head_dim_v)": _value_rows()} if tgt.arch == "sm_90" else {}),
            **({f"gates of the {tgt.tuning}": _gates(tgt.tuning),
                f"gates of the {tgt.tuning}, chosen by": configs.gates(tgt.tuning).why} if tgt.arch == "sm_90" else {}),
            f"no tile fits {tgt.arch}'s shared memory for": introspect.unfit_summary(tgt.arch)
@@ -339,6 +340,16 @@ def _tile_rows(arch: str) -> list[dict]:
         out.append({"kernel": kernel, "head_dims": ",".join(map(str, dims)), "dtypes": ",".join(dtypes),
                     "Br": cfg.br, "Bc": cfg.bc, **fields, "threads": cfg.threads, "why": cfg.why})
     return out
+
+
+def _value_rows() -> list[dict]:
+    """configs.VALUE_ROWS (FA3's DV form), dtypes merged."""
+    rows: dict = {}
+    for (kernel, d, dv, dtype), cfg in configs.VALUE_ROWS.items():
+        rows.setdefault((kernel, d, dv, cfg), []).append(dtype)
+    return [{"kernel": kernel, "head_dims": f"{d} / {dv}", "dtypes": ",".join(dtypes), "Br": cfg.br, "Bc": cfg.bc,
+             "stages": cfg.stages, "q_stages": cfg.q_stages, "threads": cfg.threads, "why": cfg.why}
+            for (kernel, d, dv, cfg), dtypes in rows.items()]
 
 
 # ---------------------------------------------------------------- launch-config, occupancy

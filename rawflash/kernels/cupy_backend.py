@@ -102,13 +102,25 @@ class Prepared:
         return self.head_dim_v or self.head_dim
 
 
-def prepare(p: Problem, extras: dict, env: Settings, *arrays) -> Prepared:
-    """The arrays at the kernels' one head_dim: q's rounded up to a multiple of 8, every array zero-padded to it (v,
-    and in the backward dout and out, of MLA's narrower head_dim_v too: zero columns of V give zero columns of O and
-    dV and add nothing to dP or D, so the padded problem's results, cut back, are the call's)."""
-    hd = run_head_dim(p.head_dim)
-    ready = tuple(_ready(x, hd, 16 // np.dtype(x.dtype).itemsize) for x in arrays)
-    pr = dataclasses.replace(p, head_dim=hd, head_dim_v=0, arch=device_arch(env), sms=_sms(), gpu=device_gpu(env))
+def run_problem(p: Problem, env: Settings, value_form: bool = False) -> Problem:
+    """The problem as the kernels see it: q's head_dim rounded up to a multiple of 8, the GPU's arch, SMs and gates.
+    MLA's narrower v keeps a head_dim_v of its own (rounded likewise) only with ``value_form`` (FA3's DV form reads
+    v at it: ``forms.reads_value_head_dim``); otherwise v is zero-padded to q's and head_dim_v is 0."""
+    hd_v = run_head_dim(p.head_dim_v) if value_form and p.head_dim_v else 0
+    return dataclasses.replace(p, head_dim=run_head_dim(p.head_dim), head_dim_v=hd_v, arch=device_arch(env),
+                               sms=_sms(), gpu=device_gpu(env))
+
+
+def prepare(p: Problem, extras: dict, env: Settings, *arrays, value_form: bool = False) -> Prepared:
+    """The arrays at the kernels' head dims: every array zero-padded to q's run head_dim (v, and in the backward dout
+    and out, of MLA's narrower head_dim_v too: zero columns of V give zero columns of O and dV and add nothing to dP
+    or D, so the padded problem's results, cut back, are the call's), except v (the third array) with
+    ``value_form``, which the DV form reads at its own run head_dim."""
+    pr = run_problem(p, env, value_form)
+    widths = [pr.head_dim] * len(arrays)
+    if pr.head_dim_v:
+        widths[2] = pr.head_dim_v
+    ready = tuple(_ready(x, w, 16 // np.dtype(x.dtype).itemsize) for x, w in zip(arrays, widths))
     return Prepared(pr, ready, p.head_dim, _feature_arrays(extras), p.head_dim_v)
 
 
@@ -166,12 +178,13 @@ def _ready(x, hd: int, chunk: int):
 
 def forward_buffers(pr: Problem, first: Launch, q, out=None, lse=None) -> dict:
     """A forward call's per-call buffers, by the parameter struct's field names: its outputs ``o`` (the caller's
-    ``out`` when given) and ``lse`` (likewise), fa1's work rows, FA3's tile counter and the REF_FIRST flag word
-    with this call's number (``ref_gen``). The template (``bind_forward``) makes them here; its planned calls
-    replay their layout (:class:`CallBuffers`)."""
+    ``out`` when given; v's run head_dim, q's unless the DV form) and ``lse`` (likewise), fa1's work rows, FA3's
+    tile counter and the REF_FIRST flag word with this call's number (``ref_gen``). The template (``bind_forward``)
+    makes them here; its planned calls replay their layout (:class:`CallBuffers`)."""
     import cupy
 
-    bufs = {"o": cupy.empty(q.shape, dtype=q.dtype) if out is None else out,
+    o_shape = (*q.shape[:-1], pr.value_head_dim)
+    bufs = {"o": cupy.empty(o_shape, dtype=q.dtype) if out is None else out,
             "lse": cupy.empty(_rows(pr), dtype=cupy.float32) if lse is None else lse}
     if first.kernel == "fa1_fwd":
         bufs.update(o_ws=cupy.zeros(_rows(pr, pr.head_dim), dtype=cupy.float32),
@@ -194,33 +207,42 @@ def bind_forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", switche
                  extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None,
                  out=None, lse=None) -> Bound:
     """Allocate the forward's outputs (or take ``out`` / ``lse``) and bind them; ``override`` (tools/tune.py)
-    replaces tile rows."""
-    prep = prepare(p, extras or {}, env, q, k, v)
+    replaces tile rows. The plan comes first: it decides whether v is read at its own head_dim (FA3's DV form) or
+    zero-padded to q's."""
+    extras = extras or {}
+    plan = forms.forward_plan(run_problem(p, env, value_form=True), kernel, switches, env, override)
+    try:
+        return _bind_forward_plan(p, plan, q, k, v, scale, extras, env, out, lse)
+    except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: every thread copies instead
+        if switches.warp_specialize:
+            raise
+        plan = forms.forward_plan_without_tma(run_problem(p, env), kernel, switches, env, override)
+        return _bind_forward_plan(p, plan, q, k, v, scale, extras, env, out, lse)
+
+
+def _bind_forward_plan(p: Problem, plan: list, q, k, v, scale: float, extras: dict, env: Settings, out,
+                       lse) -> Bound:
+    """bind_forward for a chosen plan (TmaUnavailable where FA3's maps cannot describe the arrays)."""
+    prep = prepare(p, extras, env, q, k, v, value_form=forms.reads_value_head_dim(plan[0]))
     pr, (q, k, v) = prep.problem, prep.arrays
-    plan = forms.forward_plan(pr, kernel, switches, env, override)
     if plan[0].kernel == "naive_softmax":
         import cupy
 
         return _bind_naive(pr, q, k, v, scale, cupy.empty(_rows(pr), dtype=cupy.float32), plan, prep, env)
-    direct = _writes_in_place(out, pr.head_dim, 16 // q.dtype.itemsize)
+    direct = _writes_in_place(out, pr.value_head_dim, 16 // q.dtype.itemsize)
     first = plan[0]
     bufs = forward_buffers(pr, first, q, out if direct else None, lse)
     rec = params.fwd_params(pr, q, k, v, bufs["o"], bufs["lse"], scale, **prep.extras,
                             **{n: x for n, x in bufs.items() if n not in ("o", "lse")})
     args = (rec,)
-    if plan[0].kernel == "fa3_fwd_sm90":
-        try:
-            args = (rec, tma.fwd_maps(q, k, v, bufs["o"], plan[0].config.br, plan[0].config.bc, pr.varlen,
-                                      pr.page_size))
-        except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: every thread copies instead
-            if switches.warp_specialize:
-                raise
-            plan = forms.forward_plan_without_tma(pr, kernel, switches, env, override)
+    if first.kernel == "fa3_fwd_sm90":
+        args = (rec, tma.fwd_maps(q, k, v, bufs["o"], first.config.br, first.config.bc, pr.varlen, pr.page_size))
     bound = Bound(plan, [(lau, args) for lau in plan], (_Trimmed(bufs["o"], prep.value_head_dim), bufs["lse"]),
                   env, problem=pr)
     bound.roles = _roles(dict(q=q, k=k, v=v), prep.extras, bufs)
     bound.keep = (q, k, v, prep.extras, bufs)  # the parameter struct holds their addresses
     bound.bufs = bufs
+    bound.widths = tuple(int(x.shape[-1]) for x in (q, k, v))  # the head dims the kernels read q, k, v at
     return bound
 
 
@@ -347,9 +369,9 @@ class ForwardCall:
 
         self.problem = bound.problem
         self.head_dim = int(v.shape[-1])  # out's (MLA: v's head_dim, below q's)
-        self.hd = run_head_dim(int(q.shape[-1]))
+        self.widths = bound.widths
         self.chunk = 16 // np.dtype(q.dtype).itemsize
-        self.as_is = all(_ready(x, self.hd, self.chunk) is x for x in (q, k, v))
+        self.as_is = all(_ready(x, w, self.chunk) is x for x, w in zip((q, k, v), self.widths))
         self.features = _features_as_is(extras)
         self.out_direct = out is not None and bound.outputs[0].x is out
         self.checks_ref = "ref_gen" in bound.bufs
@@ -365,7 +387,7 @@ class ForwardCall:
         import cupy
 
         if not self.as_is:
-            q, k, v = (_ready(x, self.hd, self.chunk) for x in (q, k, v))
+            q, k, v = (_ready(x, w, self.chunk) for x, w in zip((q, k, v), self.widths))
         stream = cupy.cuda.get_current_stream()
         ptrs = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr}
         made, keep = self.buffers.make(ptrs, stream.ptr, {"o": out if self.out_direct else None, "lse": lse})
