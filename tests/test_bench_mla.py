@@ -177,3 +177,17 @@ def test_bench_mla_writes_its_rows_and_honours_repeats(monkeypatch, tmp_path):
     assert len(report["summary"]) == len(seen) // 2 and {r["x cuDNN"] for r in report["summary"]} == {2.0}
     assert (tmp_path / "bench-mla-t.csv").read_text().count("\n") == len(seen) + 1
     assert "x cuDNN" in res.output and "bench-mla-t.csv" in res.output
+
+
+def test_gpu_run_has_a_bench_mla_step():
+    """tools/gpu_run.sh documents the step in its usage and runs rawflash bench --mla with MLA_REPEATS into its log."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "gpu_run.sh"
+    usage = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"^\s+bench-mla\s+rawflash bench --mla .*MLA_REPEATS, default 10", usage, re.M | re.S)
+    step = re.search(r"^\s+bench-mla\)\n(.*?);;", script.read_text(), re.M | re.S)
+    assert step and "bench --mla --repeats ${MLA_REPEATS:-10} --out \"$OUT\"" in step.group(1)
+    assert "$OUT/bench_mla.log" in step.group(1)

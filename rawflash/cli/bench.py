@@ -1,6 +1,7 @@
 """The benchmark: validate every implementation against the reference, then time it beside the peers.
 
-Conventions: FLOPs are ``4 B H Nq Nk d`` forward (half when causal), backward 2.5x that;
+Conventions: FLOPs are ``4 B H Nq Nk d`` forward (half when causal), backward 2.5x that (``iomodel.flops``, which
+also counts a v with a head_dim of its own: ``Case.head_dim_v``, ``rawflash bench --mla``);
 times are the median of CUDA-event timings after a warm-up, of calls queued back to back (``time_calls_ms``: the
 public call's time, host included, which is the headline; the kernels' time beside it, a CUDA graph of them
 replayed back to back: ``time_kernels_ms``); every
