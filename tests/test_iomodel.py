@@ -284,5 +284,10 @@ def test_bad_input_is_refused():
         io_bytes("fa3", "fwd", small(), Br=64, Bc=64)
     with pytest.raises(ValueError, match="direction"):
         flops(small(), "both")
+    with pytest.raises(ValueError, match="head_dim_v"):
+        Shape(1, 8, 8, 4, 4, 64, head_dim_v=0)
+    with pytest.raises(ValueError, match="one head_dim"):  # the byte model has no term for v's own head_dim
+        io_bytes("fa2", "fwd", small(head_dim_v=32), Br=64, Bc=64)
+    assert io_bytes("naive", "fwd", small(head_dim_v=small().head_dim)).flops == flops(small(), "fwd")
     with pytest.raises(ValueError, match="itemsize 2"):
         roofline(io_bytes("naive", "fwd", small()), "H200", "float32")

@@ -1,6 +1,7 @@
 """The benchmark: validate every implementation against the reference, then time it beside the peers.
 
-Conventions: FLOPs are ``4 B H Nq Nk d`` forward (half when causal), backward 2.5x that;
+Conventions: FLOPs are ``4 B H Nq Nk d`` forward (half when causal), backward 2.5x that (``iomodel.flops``, which
+also counts a v with a head_dim of its own: ``Case.head_dim_v``, ``rawflash bench --mla``);
 times are the median of CUDA-event timings after a warm-up, of calls queued back to back (``time_calls_ms``: the
 public call's time, host included, which is the headline; the kernels' time beside it, a CUDA graph of them
 replayed back to back: ``time_kernels_ms``); every
@@ -59,11 +60,16 @@ class Case:
     seqlen: int
     head_dim: int
     causal: bool
+    head_dim_v: int | None = None  # v's head_dim where it differs from q's and k's (MLA); None: head_dim
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def flops(self) -> float:
         shape = iomodel.Shape(self.batch, self.seqlen, self.seqlen, self.heads, self.kv_heads, self.head_dim, 2,
-                              self.causal)
+                              self.causal, head_dim_v=self.head_dim_v)
         return float(iomodel.flops(shape, self.direction))
 
 
@@ -82,6 +88,11 @@ class Record:
     tflops: float | None
     status: str = "ok"
     kernel_ms: float | None = None  # rawflash: the launches alone (no validation, allocation or copy)
+    head_dim_v: int | None = None
+
+    @property
+    def case(self) -> Case:
+        return Case(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Case)})
 
     @classmethod
     def of(cls, case: Case, ms: float | None, status: str = "ok", kernel_ms: float | None = None) -> "Record":
@@ -90,9 +101,7 @@ class Record:
 
     @property
     def kernel_tflops(self) -> float | None:
-        shape = iomodel.Shape(self.batch, self.seqlen, self.seqlen, self.heads, self.kv_heads, self.head_dim, 2,
-                              self.causal)
-        return float(iomodel.flops(shape, self.direction)) / (self.kernel_ms * 1e-3) / 1e12 if self.kernel_ms else None
+        return self.case.flops / (self.kernel_ms * 1e-3) / 1e12 if self.kernel_ms else None
 
 
 def sweep_cases(impls, directions, dtypes, head_dims, seqlens, causals, tokens=16384, hidden=2048, kv_ratio=1):
@@ -224,13 +233,14 @@ def make_inputs(case: Case, seed: int = 0):
     dt = np.dtype(ml_dtypes.bfloat16) if case.dtype in ("bfloat16", FP8) else np.dtype(case.dtype)
     shape_q = (case.batch, case.seqlen, case.heads, case.head_dim)
     shape_k = (case.batch, case.seqlen, case.kv_heads, case.head_dim)
-    q, k, v = (rng.standard_normal(s, dtype=cupy.float32).astype(dt) for s in (shape_q, shape_k, shape_k))
+    shape_v, shape_o = (*shape_k[:3], case.dv), (*shape_q[:3], case.dv)
+    q, k, v = (rng.standard_normal(s, dtype=cupy.float32).astype(dt) for s in (shape_q, shape_k, shape_v))
     if case.dtype == FP8:  # the fourth value is then the descales (an FP8 case is a forward)
         from .. import fp8
 
         (q, qd), (k, kd), (v, vd) = (fp8.quantize(x, "head", kv_heads=case.kv_heads) for x in (q, k, v))
         return q, k, v, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
-    dout = rng.standard_normal(shape_q, dtype=cupy.float32).astype(dt)
+    dout = rng.standard_normal(shape_o, dtype=cupy.float32).astype(dt)
     return q, k, v, dout
 
 
@@ -322,29 +332,46 @@ def _torch_runner(case: Case, q, k, v, dout):
 # ---------------------------------------------------------------- validation before timing
 def validate(case: Case, seqlen_cap: int = 512) -> tuple[bool, str]:
     """flash-attn's rule on a reduced problem (1 batch, 2 query heads, seqlen <= seqlen_cap) of the same kind."""
-    import cupy
-
     small = dataclasses.replace(case, batch=1, heads=2, kv_heads=max(1, 2 * case.kv_heads // case.heads),
                                 seqlen=min(case.seqlen, seqlen_cap) - 3)
-    q, k, v, dout = make_inputs(small, seed=11)
-    fn = runner(small, q, k, v, dout)
-    got = fn()
-    if case.dtype == FP8:
+    return check_case(small)
+
+
+def check_case(small: Case, seed: int = 11) -> tuple[bool, str]:
+    """Run ``small`` once on inputs of its own (``make_inputs``, ``runner``) and grade its result: flash-attn's rule
+    (``rule_verdict``), or the FP8 forward's bounds."""
+    import cupy
+
+    q, k, v, dout = make_inputs(small, seed=seed)
+    got = runner(small, q, k, v, dout)()
+    if small.dtype == FP8:
         return _validate_fp8(small, q, k, v, dout, got)
+
+    def host(x):
+        return x.transpose(1, 2).float().cpu().numpy() if hasattr(x, "cpu") else cupy.asnumpy(x)
+
     hq, hk, hv, hdo = (cupy.asnumpy(x) for x in (q, k, v, dout))
-    if case.direction == "fwd":
-        got = got[0] if isinstance(got, tuple) else got
-        got = got.transpose(1, 2).float().cpu().numpy() if hasattr(got, "cpu") else cupy.asnumpy(got)
-        ref = reference.forward(hq, hk, hv, causal=case.causal)[0]
-        base = reference.forward(hq, hk, hv, causal=case.causal, upcast=False)[0]
+    if small.direction == "fwd":
+        return rule_verdict(host(got[0] if isinstance(got, tuple) else got), hq, hk, hv, causal=small.causal)
+    return rule_verdict([host(g) for g in got], hq, hk, hv, hdo, causal=small.causal)
+
+
+def rule_verdict(got, q, k, v, dout=None, **reference_kw) -> tuple[bool, str]:
+    """flash-attn's rule for a result against the float64 reference of the same inputs (``reference_kw``: causal,
+    cu_seqlens, window, ...): each tensor's worst error at most ``factor`` times the naive computation's in the
+    input dtype (``reference.error_ratio_ok``), factor 2 for a forward's ``got`` (out; ``dout`` None), 3 for a
+    backward's (dq, dk, dv, and dsinks with sinks). ``(True, "ok")``, or ``(False, why)`` naming the first tensor
+    that fails."""
+    if dout is None:
+        ref = reference.forward(q, k, v, **reference_kw)[0]
+        base = reference.forward(q, k, v, upcast=False, **reference_kw)[0]
         pairs, factor = [("out", got, ref, base)], 2
     else:
-        grads = [g.transpose(1, 2).float().cpu().numpy() if hasattr(g, "cpu") else cupy.asnumpy(g) for g in got]
-        refs = reference.backward(hdo, hq, hk, hv, causal=case.causal)
-        bases = reference.backward(hdo, hq, hk, hv, causal=case.causal, upcast=False)
-        pairs, factor = list(zip(("dq", "dk", "dv"), grads, refs, bases)), 3
+        refs = reference.backward(dout, q, k, v, **reference_kw)
+        bases = reference.backward(dout, q, k, v, upcast=False, **reference_kw)
+        pairs, factor = list(zip(("dq", "dk", "dv", "dsinks"), got, refs, bases)), 3
     for name, g, ref, base in pairs:
-        ok, err, base_err, bound = reference.error_ratio_ok(np.asarray(g, np.float64), ref, base, hq.dtype, factor)
+        ok, err, _, bound = reference.error_ratio_ok(g, ref, base, q.dtype, factor)
         if not ok:
             return False, f"{name} error {err:.3g} > {bound:.3g}"
     return True, "ok"
@@ -377,20 +404,22 @@ def fits(case: Case, free_bytes: int) -> bool:
     """Whether the case's buffers (and the O(N^2) score matrices of the naive implementations) fit in memory."""
     item = {"float32": 4, FP8: 1}.get(case.dtype, 2)
     tokens = case.batch * case.seqlen
-    need = tokens * (case.heads * 3 + case.kv_heads * 4) * case.head_dim * item + FLUSH_BYTES
+    d, dv = case.head_dim, case.dv  # q, out, dout; k, v, dk, dv
+    need = tokens * (case.heads * (d + 2 * dv) + case.kv_heads * 2 * (d + dv)) * item + FLUSH_BYTES
     if case.impl in ("cupy-naive", "rawflash-naive"):
         need += 4 * case.batch * case.heads * case.seqlen ** 2 * item
     return need < 0.8 * free_bytes
 
 
-def run_case(case: Case, repeats: int, validated: dict, override=None) -> Record:
-    """Validate (once per kind of case), then time the public call and, for rawflash, its kernels alone."""
+def run_case(case: Case, repeats: int, validated: dict, override=None, check=None) -> Record:
+    """Validate (once per kind of case, by ``check``: ``validate`` unless given), then time the public call and, for
+    rawflash, its kernels alone."""
     import cupy
 
-    key = (case.impl, case.direction, case.dtype, case.head_dim, case.causal)
+    key = (case.impl, case.direction, case.dtype, case.head_dim, case.dv, case.causal)
     if key not in validated:
         try:
-            validated[key] = validate(case)
+            validated[key] = (check or validate)(case)
         except Exception as err:  # a peer that cannot run this case (e.g. no cuDNN kernel) is reported
             validated[key] = (False, f"{type(err).__name__}: {str(err).splitlines()[0][:100]}")
     ok, why = validated[key]

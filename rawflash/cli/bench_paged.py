@@ -14,8 +14,6 @@ import dataclasses
 
 import numpy as np
 
-from .. import reference
-
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
@@ -123,13 +121,11 @@ def check_out(x, out) -> tuple[bool, str]:
     """flash-attn's rule for a paged call's ``out`` on the inputs ``x`` (against the same keys packed)."""
     import cupy
 
+    from .bench import rule_verdict
+
     host = {n: cupy.asnumpy(a) for n, a in x.items()}
-    args = dict(cu_seqlens_q=host["cu"], cu_seqlens_k=host["cu"], causal=True)
-    ref, _ = reference.forward(host["q"], host["k"], host["v"], **args)
-    base, _ = reference.forward(host["q"], host["k"], host["v"], upcast=False, **args)
-    ok, err, _, bound = reference.error_ratio_ok(cupy.asnumpy(out).astype(np.float64), ref, base,
-                                                 host["q"].dtype, 2.0)
-    return (True, "ok") if ok else (False, f"out error {err:.3g} > {bound:.3g}")
+    return rule_verdict(cupy.asnumpy(out), host["q"], host["k"], host["v"], cu_seqlens_q=host["cu"],
+                        cu_seqlens_k=host["cu"], causal=True)
 
 
 def _torch_loop(x, lengths):

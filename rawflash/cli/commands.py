@@ -730,6 +730,10 @@ def demo(ctx, gpu, arch, sms, as_json):
               help="Time a paged prefill instead (forward with block_table: 16 sequences of 256 - 8192 tokens, pages "
                    "of 64 and 16, bf16, causal, d = 128, GQA 32/8) beside the same call on contiguous keys and "
                    "PyTorch's SDPA per sequence.")
+@click.option("--mla", is_flag=True,
+              help="Time DeepSeek-V3's prefill attention instead (MLA: 128 heads, head_dim_qk 192, head_dim_v 128, "
+                   "bf16, N 4096 / 8192 / 16384 with batch 16384 / N, forward and backward, full and causal) beside "
+                   "PyTorch's SDPA on its cuDNN backend.")
 @click.option("--feature-head-dim", type=click.IntRange(min=8, max=256), default=None,
               help="With --features: the head dim of every feature case (heads = 2048 / it)  [default: 128]")
 @click.option("--deterministic", is_flag=True,
@@ -744,7 +748,7 @@ def demo(ctx, gpu, arch, sms, as_json):
 @json_option
 @click.pass_context
 def bench(ctx, impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir,
-          tag, features, decode, quick, paged, feature_head_dim, deterministic, host, use_jax, as_json):
+          tag, features, decode, quick, paged, mla, feature_head_dim, deterministic, host, use_jax, as_json):
     """Validate, then time rawflash beside its peers on the FA2 paper's sweep; write JSON, CSV and a plot. GPU
     only. The headline is the public call's time (calls back to back); the rawflash rows also give the kernels' own
     time (kernel_tflops: the launches alone, a CUDA graph of them replayed)."""
@@ -764,6 +768,16 @@ def bench(ctx, impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, 
             raise click.UsageError(f"--jax times its own sweep; it does not go with {', '.join(given)}")
         if set(dtypes) != {"bfloat16"}:
             raise click.UsageError("--jax times bfloat16 only")
+    if mla:
+        given = [f"--{n}" for n, on in (("impl", impls), ("features", features), ("decode", decode),
+                                         ("paged", paged), ("deterministic", deterministic), ("host", host),
+                                         ("jax", use_jax)) if on]
+        if given:
+            raise click.UsageError(f"--mla times its own cases; it does not go with {', '.join(given)}")
+        _require_gpu("bench --mla", "there are no MLA figures without one (rawflash.cli.bench_mla.mla_cases() lists "
+                                    "its cases)")
+        _bench_mla(repeats, out_dir, tag, as_json)
+        return
     _require_gpu("bench", "'rawflash io' and 'rawflash explain' give the predicted numbers without one")
     if use_jax:
         _bench_jax(ctx, directions, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,
@@ -819,19 +833,12 @@ def bench(ctx, impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, 
         for case in bar:
             records.append(bench_mod.run_case(case, repeats, validated))
     rows = [dataclasses.asdict(r) for r in records]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench{('-' + tag) if tag else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
-    with open(out / f"{stem}.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    out, stem = Path(out_dir), f"bench{('-' + tag) if tag else ''}"
+    wrote = _write_rows(rows, out, stem)
     plot_path = _plot(records, out / f"{stem}.png")
     bad = [{k: r[k] for k in ("impl", "direction", "status", "head_dim", "seqlen", "causal")} for r in rows
            if r["status"] != "ok"]
-    wrote = [str(out / f"{stem}.json"), str(out / f"{stem}.csv"),
-             str(plot_path) if plot_path else "no plot: matplotlib is not installed"]
+    wrote.append(str(plot_path) if plot_path else "no plot: matplotlib is not installed")
     det = bench_mod.ratios(records, "rawflash-fa2-det")  # its "x rawflash-fa2": deterministic over default
     if as_json:
         extra = {"fp8 published": bench_mod.FP8_PUBLISHED} if bench_mod.FP8 in dtypes else {}
@@ -845,6 +852,32 @@ def bench(ctx, impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, 
     if bench_mod.FP8 in dtypes:
         click.echo(f"FP8 peers (PyTorch's SDPA has no FP8 path to call), published: {bench_mod.FP8_PUBLISHED}")
     click.echo("wrote " + ", ".join(wrote))
+
+
+def _write_rows(rows: list[dict], out: Path, stem: str, report: dict | None = None) -> list[str]:
+    """``rows`` as ``out/stem.csv`` and as ``out/stem.json`` (``report`` in their place when given); the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(rows if report is None else report, indent=1))
+    with open(out / f"{stem}.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
+    return [str(out / f"{stem}.json"), str(out / f"{stem}.csv")]
+
+
+def _bench_mla(repeats: int, out_dir: str, tag: str, as_json: bool) -> None:
+    """bench --mla: every case of ``bench_mla.mla_cases()`` validated and timed; the cases (JSON, CSV) and the
+    summary (rawflash's TFLOP/s beside cuDNN's) written to ``out_dir`` and printed."""
+    from . import bench_mla
+
+    verdicts: dict = {}
+    records = _rows_with_progress(bench_mla.mla_cases(), lambda c: bench_mla.run_case(c, repeats, verdicts),
+                                  "MLA cases", show=lambda c: c and f"{c.impl} {c.direction} N={c.seqlen}")
+    rows, summary = [dataclasses.asdict(r) for r in records], bench_mla.summary(records)
+    wrote = _write_rows(rows, Path(out_dir), f"bench-mla{('-' + tag) if tag else ''}",
+                        {"cases": rows, "summary": summary})
+    mla = {"cases": rows, "summary": summary} if as_json else summary  # (text: the summary's table alone)
+    _emit({"mla": mla, "wrote": wrote}, as_json)
 
 
 def _bench_jax(ctx, directions, head_dims, seqlens, causal, kv_ratio, tokens, hidden, repeats, out_dir, tag,

@@ -74,6 +74,9 @@ class Shape:
         Bottom-right aligned causal mask.
     window : (int, int)
         Sliding window (left, right), -1 = unbounded; causal makes right 0.
+    head_dim_v : int, optional
+        v's head_dim where it differs from q's and k's (MLA: 128 beside 192); None: ``head_dim``. Only
+        :func:`flops` counts it: :func:`io_bytes` models one head_dim and refuses a shape that has two.
     """
 
     batch: int
@@ -85,10 +88,13 @@ class Shape:
     itemsize: int = 2
     causal: bool = False
     window: tuple = (-1, -1)
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         for name in ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "head_dim"):
             _positive_int(f"Shape.{name}", getattr(self, name))
+        if self.head_dim_v is not None:
+            _positive_int("Shape.head_dim_v", self.head_dim_v)
         if self.heads % self.kv_heads:
             raise ValueError(f"Shape.heads must be a multiple of Shape.kv_heads, got heads={self.heads}, "
                              f"kv_heads={self.kv_heads}")
@@ -99,6 +105,11 @@ class Shape:
     def group(self):
         """Query heads per kv head."""
         return self.heads // self.kv_heads
+
+    @property
+    def dv(self):
+        """v's head_dim (``head_dim_v``, else ``head_dim``)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
 def _bounds(causal, window):
@@ -147,8 +158,11 @@ def visible_pairs(seqlen_q, seqlen_k, causal, window=(-1, -1)):
 def flops(shape, direction):
     """FLOPs reported for one call, by the benchmark convention of the FA2 paper and flash-attn.
 
-    Only the matrix products count (a multiply-add is 2 FLOPs): the forward's QK^T and PV are
-    ``4 * batch * heads * seqlen_q * seqlen_k * head_dim``; the backward's five products are 2.5x that.
+    Only the matrix products count (a multiply-add is 2 FLOPs), per visible (query, key) pair and (batch, head):
+    the forward's ``S = QK^T`` is ``2 d`` and ``PV`` is ``2 dv``; the backward recomputes S (``2 d``) and computes
+    ``dV = P^T dO`` (``2 dv``), ``dP = dO V^T`` (``2 dv``), ``dQ = dS K`` (``2 d``) and ``dK = dS^T Q`` (``2 d``).
+    ``d`` is q's and k's head_dim, ``dv`` v's (``Shape.dv``): with ``dv == d`` the forward is
+    ``4 * batch * heads * seqlen_q * seqlen_k * head_dim`` and the backward 2.5x that.
     Causal with ``seqlen_q == seqlen_k`` reports exactly half, as the paper and flash-attn's benchmarks
     do (the diagonal makes the true count ``N(N+1)/2`` pairs, slightly more than half). Causal with
     different lengths, where no such convention exists, counts the exact visible pairs.
@@ -164,11 +178,10 @@ def flops(shape, direction):
     """
     _check_direction(direction)
     s = shape
+    per_pair = 2 * (s.head_dim + s.dv) if direction == "fwd" else 2 * (3 * s.head_dim + 2 * s.dv)
     if s.causal and s.seqlen_q == s.seqlen_k and s.window[0] < 0:
-        forward = 2 * s.batch * s.heads * s.seqlen_q * s.seqlen_k * s.head_dim
-    else:
-        forward = 4 * s.batch * s.heads * s.head_dim * visible_pairs(s.seqlen_q, s.seqlen_k, s.causal, s.window)
-    return forward if direction == "fwd" else forward * 5 // 2
+        return s.batch * s.heads * s.seqlen_q * s.seqlen_k * per_pair // 2
+    return s.batch * s.heads * per_pair * visible_pairs(s.seqlen_q, s.seqlen_k, s.causal, s.window)
 
 
 def visited_k_blocks(seqlen_q, seqlen_k, Br, Bc, causal, window=(-1, -1)):
@@ -476,6 +489,8 @@ def io_bytes(kernel, direction, shape, *, Br=None, Bc=None, splits=1):
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     _check_direction(direction)
+    if shape.dv != shape.head_dim:
+        raise ValueError(f"io_bytes models one head_dim; got head_dim {shape.head_dim} and head_dim_v {shape.dv}")
     tiles = None
     if kernel != "naive":
         if Br is None or Bc is None:
