@@ -378,6 +378,40 @@ def test_bench_paged_cases():
         assert res.exit_code == 1 and "needs a CUDA GPU" in res.output
 
 
+def test_bench_paged_new_lengths_miss_every_call():
+    """The new-lengths rows' seqused_k: no two calls alike and none the full lengths (which the repeated rows
+    plan), so every call misses the plan cache; each sequence keeps all but fewer than MAX_TRIM of its keys, and
+    none goes below 0 (the reduced validation case has a one-key sequence)."""
+    import itertools
+
+    from rawflash.cli import bench_paged
+
+    lengths = np.asarray(bench_paged.paged_cases()[0].lengths)
+    calls = [tuple(u) for u in itertools.islice(bench_paged.lengths_each_call(lengths), 5000)]
+    assert len(set(calls)) == len(calls) and tuple(lengths) not in calls
+    used = np.asarray(calls)
+    assert (used <= lengths).all() and (used > lengths - bench_paged.MAX_TRIM).all()
+    reduced = list(itertools.islice(bench_paged.lengths_each_call(bench_paged.REDUCED), 3))
+    assert len({tuple(u) for u in reduced}) == 3 and all((u >= 0).all() and u.dtype == np.int32 for u in reduced)
+
+
+def test_bench_paged_compares_rows_of_a_kind():
+    """A paged row's "x contiguous" is against the contiguous row of its kind (repeated or new lengths); a
+    new-lengths row gets its ms over the repeated-lengths row of the same call; invalid rows get nothing."""
+    from rawflash.cli import bench_paged
+
+    new = bench_paged.NEW_LENGTHS
+    by = {"rawflash paged 64": 2.5, "rawflash paged 64 cp.async": 4.0, "rawflash contiguous": 2.4,
+          "rawflash contiguous cp.async": 3.6, "rawflash paged 64" + new: 3.0, "rawflash contiguous" + new: 2.8}
+    rows = [{"impl": impl} for impl in by] + [{"impl": "rawflash paged 16" + new, "status": "invalid: ..."}]
+    bench_paged.compare(rows, by)
+    got = {r["impl"]: {n: x for n, x in r.items() if n != "impl"} for r in rows}
+    assert got["rawflash paged 64"] == {"x contiguous": 0.96, "x contiguous cp.async": 1.44}
+    assert got["rawflash paged 64" + new] == {"x contiguous": 0.933, "ms over repeated lengths": 0.5}
+    assert got["rawflash contiguous" + new] == {"ms over repeated lengths": 0.4}
+    assert got["rawflash contiguous"] == {} and got["rawflash paged 16" + new] == {"status": "invalid: ..."}
+
+
 def test_tune_paged_times_the_paged_row():
     """tools/tune_paged.py, which measures configs.PAGED_ROWS, has that row and the table's among its candidates."""
     import importlib.util
