@@ -108,10 +108,12 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         Paged keys (chunked prefill against a paged KV cache, the pages ``decode`` reads): k and v are
         (num_pages, page_size, kv_heads, head_dim), page_size >= 16, and key j of sequence b is row
         ``j % page_size`` of page ``block_table[b, j // page_size]``. Needs packed queries (``cu_seqlens_q``) and
-        ``seqused_k`` (each sequence's keys), no ``cu_seqlens_k``; the used entries are checked on the host. Pages
-        of a power of two rows run FA3's form (its producer reads a key block in TMA boxes of one page each), other
-        page sizes the cp.async forms; a page's rows past its sequence's keys are never used, whatever they hold.
-        float16 or bfloat16; no FP8, no Numba twin, and ``backward`` takes no paged keys.
+        ``seqused_k`` (each sequence's keys), no ``cu_seqlens_k``; the used entries are checked on the host. The
+        table's values are part of the call's signature, with the offsets' and seqused_k's: a call that repeats an
+        earlier call's values and layouts runs that call's plan. Pages of a power of two rows run FA3's form (its
+        producer reads a key block in TMA boxes of one page each), other page sizes the cp.async forms; a page's
+        rows past its sequence's keys are never used, whatever they hold. float16 or bfloat16; no FP8, no Numba
+        twin, and ``backward`` takes no paged keys.
     q_descale, k_descale, v_descale : arrays (1,) or (batch, kv_heads), float32, optional
         FP8 (q, k, v float8_e4m3fn, Hopper, FA3's form): the factors the e4m3 values are multiplied by
         (``rawflash.fp8.quantize`` returns them); default 1. Plain or causal attention, GQA and sinks.
@@ -147,18 +149,18 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         sink (their out is 0).
 
     CuPy and foreign device arrays give CuPy results; NumPy arrays are copied to the device and the results come
-    back as NumPy. Work is queued on CuPy's current stream; nothing synchronises the host (except checking
-    cu_seqlens / seqused_k values).
+    back as NumPy. Work is queued on CuPy's current stream; nothing synchronises the host (except reading
+    cu_seqlens / seqused_k / block_table values).
     """
     if backend == "cupy" and kernel == "fa2" and fp8 is False and incoherent is False and out_dtype is None \
-            and q_descale is None and k_descale is None and v_descale is None and block_table is None:
+            and q_descale is None and k_descale is None and v_descale is None:
         q, k, v = _import((("q", q), ("k", k), ("v", v)))
         key = signature.forward(q, k, v, (causal, scale, window, softcap, max_seqlen_q, max_seqlen_k,
                                           tuple([(n, x.__class__, x) for n, x in sorted(switches.items())])),
-                                (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k), out, lse)
+                                (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k), out, lse, block_table)
         call = PLANS.get(key) if key is not None else None
         if call is not None:
-            given = _hit_features(alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k)
+            given = _hit_features(alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
             return _on(q, call.run, q, k, v, given, out, lse)
     else:
         key = None
@@ -280,12 +282,14 @@ def _given(**features) -> dict:
     return {n: arrays.import_array(x, n) for n, x in features.items() if x is not None}
 
 
-def _hit_features(alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k) -> dict:
-    """A planned forward's or backward's feature arrays by name: {} at once when none is given (most calls)."""
-    if alibi_slopes is None and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None:
+def _hit_features(alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table=None) -> dict:
+    """A planned forward's or backward's feature arrays by name (a paged forward's block_table among them): {} at
+    once when none is given (most calls)."""
+    if alibi_slopes is None and sinks is None and cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None \
+            and block_table is None:
         return {}
     return _given(alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                  seqused_k=seqused_k)
+                  seqused_k=seqused_k, block_table=block_table)
 
 
 def _plan(key, build):

@@ -5,9 +5,10 @@ the public functions look a signature up in their plan cache before anything els
 A signature holds, for each array, its shape, strides, dtype, device and whether its address is 16-byte aligned
 (the kernels' and TMA's requirement; other addresses take another plan); for each option, its type beside its
 value (``causal=1`` is refused where ``causal=True`` is not, and ``1 == True`` in Python); and the host values
-a plan depends on (packed sequences' offsets, ``seqused_k``). A call that is not on the fast path (NumPy inputs,
-another backend, the FP8 forward, zero-size arrays, anything unhashable) has no signature (``None``) and takes
-the full path every time.
+a plan depends on or validation reads (packed sequences' offsets, ``seqused_k``, a paged forward's
+``block_table``, whose used entries validation checks against the page pool). A call that is not on the fast
+path (NumPy inputs, another backend, the FP8 forward, zero-size arrays, anything unhashable) has no signature
+(``None``) and takes the full path every time.
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def optional(x):
 
 
 def values(x):
-    """A small int32 array (offsets, lengths) by its layout and its values (a device array is copied to the
-    host: validation reads them too)."""
+    """A small int32 array (offsets, lengths, a page table) by its layout and its values (a device array is copied
+    to the host: validation reads them too)."""
     if x is None:
         return None
     return array(x), x.get().tobytes()
@@ -70,14 +71,15 @@ def settings_key() -> tuple:
     return tuple([os.environ.get(name) for name in _SETTINGS])
 
 
-def forward(q, k, v, opts: tuple, features: tuple, out, lse):
+def forward(q, k, v, opts: tuple, features: tuple, out, lse, block_table=None):
     """The signature of a forward call (``opts``: the options' values; ``features``: alibi_slopes, sinks,
-    cu_seqlens_q, cu_seqlens_k, seqused_k, as given); None where it takes the full path."""
+    cu_seqlens_q, cu_seqlens_k, seqused_k, as given; ``block_table``: a paged forward's page table, by its values
+    as the offsets are); None where it takes the full path."""
     alibi, sinks, cu_q, cu_k, used = features
     try:
         return _hashable(("forward", array(q), array(k), array(v), options(opts), optional(alibi),
-                          optional(sinks), values(cu_q), values(cu_k), values(used), optional(out), optional(lse),
-                          settings_key()))
+                          optional(sinks), values(cu_q), values(cu_k), values(used), values(block_table),
+                          optional(out), optional(lse), settings_key()))
     except (NoSignature, TypeError):
         return None
 

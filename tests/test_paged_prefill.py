@@ -6,8 +6,9 @@ the rest) and the validation, one test per refused input. GPU tests check both f
 by flash-attn's rule (2x the error of a plain implementation in the inputs' dtype, out and lse) over ragged lengths
 (a sequence with no query, one with no key), page sizes 16 - 256 in a shuffled page order, GQA / MQA, causal both
 ways and the features; that NaN in a page's rows past a sequence's keys and in pages no sequence names leaves the
-results finite; and that a paged prefill followed by decode steps on the same pages equals the same steps on
-contiguous keys.
+results finite; that repeated calls run their plan (the plan cache) with the new arrays' addresses, and that a
+table's new values are validated and planned again; and that a paged prefill followed by decode steps on the same
+pages equals the same steps on contiguous keys.
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from rawflash.problem import Problem
 
 
 def _case(qlens=(5, 0, 33, 70), klens=(40, 7, 33, 200), heads=4, kv_heads=2, d=64, page=16, dtype="bfloat16",
-          seed=0, spare_pages=3):
-    """Packed q, the pages of k and v (shuffled order, spare pages never named), block_table, seqused_k and
-    cu_seqlens_q (host arrays), with the same keys packed (k, v, cu_seqlens_k) for the reference."""
+          seed=0, spare_pages=3, table=None):
+    """Packed q, the pages of k and v (shuffled order, spare pages never named), block_table (``table`` in place
+    of the shuffled one when given), seqused_k and cu_seqlens_q (host arrays), with the same keys packed (k, v,
+    cu_seqlens_k) for the reference."""
     rng = np.random.default_rng(seed)
     dt = DTYPES[dtype]
     cu_q = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
@@ -34,7 +36,8 @@ def _case(qlens=(5, 0, 33, 70), klens=(40, 7, 33, 200), heads=4, kv_heads=2, d=6
     pages = len(klens) * per + spare_pages
     q = rng.standard_normal((int(cu_q[-1]), heads, d)).astype(dt)
     kp, vp = (rng.standard_normal((pages, page, kv_heads, d)).astype(dt) for _ in range(2))
-    table = rng.permutation(pages)[: len(klens) * per].reshape(len(klens), per).astype(np.int32)
+    shuffled = rng.permutation(pages)[: len(klens) * per].reshape(len(klens), per).astype(np.int32)
+    table = shuffled if table is None else table
     used = np.asarray(klens, np.int32)
     rows = [(table[b, j // page], j % page) for b, n in enumerate(klens) for j in range(n)]
     k = np.stack([kp[s, r] for s, r in rows]) if rows else np.zeros((0, kv_heads, d), dt)
@@ -154,10 +157,20 @@ def _gpu_check(args, packed, causal, dtype, feats=None, form="tma"):
     import cupy
 
     feats = feats or {}
-    d = args["q"].shape[-1]
-    switches = {} if form == "tma" else {"warp_specialize": False} if d % 64 == 0 else {"wgmma": False}
     dev = {n: cupy.asarray(x) for n, x in {**args, **feats}.items() if isinstance(x, np.ndarray)}
-    out, lse = rawflash.forward(**{**args, **feats, **dev}, causal=causal, **switches)
+    out, lse = rawflash.forward(**{**args, **feats, **dev}, causal=causal, **_switches(form, args["q"].shape[-1]))
+    _check_reference(args, packed, causal, dtype, out, lse, feats)
+
+
+def _switches(form: str, d: int) -> dict:
+    """The switches of a form (``_gpu_check``'s ``form``) at head_dim d."""
+    return {} if form == "tma" else {"warp_specialize": False} if d % 64 == 0 else {"wgmma": False}
+
+
+def _check_reference(args, packed, causal, dtype, out, lse, feats=None):
+    """A paged call's out and lse (device arrays) against the float64 reference on its keys packed (``packed``)
+    by flash-attn's rule."""
+    feats = feats or {}
     k, v, cu_k = packed
     ref_args = dict(cu_seqlens_q=args["cu_seqlens_q"], cu_seqlens_k=cu_k, causal=causal, **feats)
     ref_out, ref_lse = reference.forward(args["q"], k, v, **ref_args)
@@ -226,6 +239,84 @@ def test_paged_forward_features(feature, causal):
     _gpu_check(args, packed, causal, "bfloat16", feats, form="cp_async")
 
 
+# ---------------------------------------------------------------- GPU: the plan cache
+PLANNED = dict(d=128, heads=8, kv_heads=2, klens=(40, 7, 300, 257), qlens=(5, 0, 133, 257))
+PLANNED_FORMS = [(64, "fa3_fwd_sm90"), (48, "fa2_fwd_sm90")]  # FA3's TMA form, the cp.async form (by default)
+
+
+def _on_device(args: dict) -> dict:
+    import cupy
+
+    return {n: cupy.asarray(x) for n, x in args.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page, kernel", PLANNED_FORMS)
+def test_repeated_paged_calls_run_their_plan(page, kernel):
+    """The first paged call plans; a call with the same table, lengths and offsets in new arrays (other q, k, v
+    values) runs that plan, and reads the new arrays: the first call's are overwritten before it (NaN queries and
+    keys, a table of page 0, no keys, empty sequences), so an address the plan did not rewrite gives a wrong
+    answer."""
+    from rawflash import api
+
+    args, packed = _case(**PLANNED, page=page)
+    again, packed_again = _case(**PLANNED, page=page, seed=1, table=args["block_table"])
+    rawflash.clear_cache()
+    first = _on_device(args)
+    out, lse = rawflash.forward(**first, causal=True)
+    _check_reference(args, packed, True, "bfloat16", out, lse)
+    assert (len(api.PLANS), api.PLANS.hits) == (1, 0)
+    (call, _), = api.PLANS._plans.values()
+    assert any(launch.name.startswith(kernel + "<") for launch in call.plan.launches)
+    for name, value in (("q", np.nan), ("k", np.nan), ("v", np.nan), ("block_table", 0), ("seqused_k", 0),
+                        ("cu_seqlens_q", 0)):
+        first[name].set(np.full(first[name].shape, value, args[name].dtype))
+    out, lse = rawflash.forward(**_on_device(again), causal=True)
+    assert (len(api.PLANS), api.PLANS.hits) == (1, 1)
+    _check_reference(again, packed_again, True, "bfloat16", out, lse)
+
+
+@pytest.mark.gpu
+def test_a_bad_table_after_a_planned_one_is_refused():
+    """A planned call's table given again with a used entry outside the pool (the same array, changed in place)
+    is validated, not run: the values are the signature's; the good values then run the plan again."""
+    from rawflash import api
+
+    args, packed = _case(**PLANNED, page=64)
+    rawflash.clear_cache()
+    dev = _on_device(args)
+    rawflash.forward(**dev, causal=True)
+    dev["block_table"][2, 1] = args["k"].shape[0]  # one past the pool; sequence 2's 300 keys use 5 pages of 64
+    with pytest.raises(ValueError, match=r"block_table\[2\] must name pages of k"):
+        rawflash.forward(**dev, causal=True)
+    dev["block_table"][2, 1] = int(args["block_table"][2, 1])
+    out, lse = rawflash.forward(**dev, causal=True)
+    assert (len(api.PLANS), api.PLANS.hits) == (1, 1)
+    _check_reference(args, packed, True, "bfloat16", out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [page for page, _ in PLANNED_FORMS])
+def test_new_table_values_make_a_new_plan(page):
+    """New values in a planned call's table (written in place: the same address) make a new plan, whose answer is
+    the new table's; the old values then run their own plan."""
+    from rawflash import api
+
+    args, packed = _case(**PLANNED, page=page)
+    swapped, packed_swapped = _case(**PLANNED, page=page, table=args["block_table"][::-1].copy())
+    rawflash.clear_cache()
+    dev = _on_device(args)
+    rawflash.forward(**dev, causal=True)
+    dev["block_table"].set(swapped["block_table"])
+    out, lse = rawflash.forward(**dev, causal=True)
+    assert (len(api.PLANS), api.PLANS.hits) == (2, 0)
+    _check_reference(swapped, packed_swapped, True, "bfloat16", out, lse)
+    dev["block_table"].set(args["block_table"])
+    out, lse = rawflash.forward(**dev, causal=True)
+    assert (len(api.PLANS), api.PLANS.hits) == (2, 1)
+    _check_reference(args, packed, True, "bfloat16", out, lse)
+
+
 @pytest.mark.gpu
 def test_paged_prefill_then_decode_equals_contiguous():
     """Chunked prefill into a paged cache, then decode steps appending to the same pages: the outputs equal the
@@ -285,6 +376,40 @@ def test_bench_paged_cases():
     if not gpu_available():
         res = CliRunner().invoke(main, ["bench", "--paged"])
         assert res.exit_code == 1 and "needs a CUDA GPU" in res.output
+
+
+def test_bench_paged_new_lengths_miss_every_call():
+    """The new-lengths rows' seqused_k: no two calls alike and none the full lengths (which the repeated rows
+    plan), so every call misses the plan cache; each sequence keeps all but fewer than MAX_TRIM of its keys, and
+    none goes below 0 (the reduced validation case has a one-key sequence)."""
+    import itertools
+
+    from rawflash.cli import bench_paged
+
+    lengths = np.asarray(bench_paged.paged_cases()[0].lengths)
+    calls = [tuple(u) for u in itertools.islice(bench_paged.lengths_each_call(lengths), 5000)]
+    assert len(set(calls)) == len(calls) and tuple(lengths) not in calls
+    used = np.asarray(calls)
+    assert (used <= lengths).all() and (used > lengths - bench_paged.MAX_TRIM).all()
+    reduced = list(itertools.islice(bench_paged.lengths_each_call(bench_paged.REDUCED), 3))
+    assert len({tuple(u) for u in reduced}) == 3 and all((u >= 0).all() and u.dtype == np.int32 for u in reduced)
+
+
+def test_bench_paged_compares_rows_of_a_kind():
+    """A paged row's "x contiguous" is against the contiguous row of its kind (repeated or new lengths); a
+    new-lengths row gets its ms over the repeated-lengths row of the same call; invalid rows get nothing."""
+    from rawflash.cli import bench_paged
+
+    new = bench_paged.NEW_LENGTHS
+    by = {"rawflash paged 64": 2.5, "rawflash paged 64 cp.async": 4.0, "rawflash contiguous": 2.4,
+          "rawflash contiguous cp.async": 3.6, "rawflash paged 64" + new: 3.0, "rawflash contiguous" + new: 2.8}
+    rows = [{"impl": impl} for impl in by] + [{"impl": "rawflash paged 16" + new, "status": "invalid: ..."}]
+    bench_paged.compare(rows, by)
+    got = {r["impl"]: {n: x for n, x in r.items() if n != "impl"} for r in rows}
+    assert got["rawflash paged 64"] == {"x contiguous": 0.96, "x contiguous cp.async": 1.44}
+    assert got["rawflash paged 64" + new] == {"x contiguous": 0.933, "ms over repeated lengths": 0.5}
+    assert got["rawflash contiguous" + new] == {"ms over repeated lengths": 0.4}
+    assert got["rawflash contiguous"] == {} and got["rawflash paged 16" + new] == {"status": "invalid: ..."}
 
 
 def test_tune_paged_times_the_paged_row():

@@ -3,6 +3,13 @@ keys in pages, in a shuffled page order; its default form, FA3's on Hopper, and 
 call on the same keys packed contiguously (both forms again) and PyTorch's SDPA on each sequence's contiguous keys
 in turn (it has no packed form), bf16, causal, d = 128, GQA 32/8.
 
+The paged call and the contiguous call are each timed once more in their default forms, ", new lengths each call":
+every call gives seqused_k values no earlier call gave (a serving loop's chunked prefill, whose keys grow each
+step; :func:`lengths_each_call`), so each call misses the plan cache (the values are part of its signature) and
+pays validation, binding and planning, where the rows with repeated lengths run their plan. "ms over repeated
+lengths" is that difference per call (the contiguous call's new-lengths row gives seqused_k, its repeated row
+none; the kernels' work differs by under MAX_TRIM keys a sequence).
+
 Each case is first validated on a reduced case of its kind (4 sequences of at most 1000 tokens) by flash-attn's rule
 against the float64 reference, then timed as public calls back to back (``bench.time_calls_ms``) and, for rawflash,
 as its kernels alone (a CUDA graph of the bound launches, ``bench.time_kernels_ms``). "x contiguous" is the paged
@@ -11,6 +18,7 @@ call's speed over the contiguous call's (1.0: paging costs nothing).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -76,18 +84,45 @@ def _inputs(lengths, page: int, seed: int = 0):
     return dict(q=q, k=k, v=v, kp=kp, vp=vp, table=cupy.asarray(table), cu=cu, used=used)
 
 
-def _paged_call(x, **switches):
+NEW_LENGTHS = ", new lengths each call"
+MAX_TRIM = 64  # keys a call's seqused_k leaves out of a sequence at most (lengths_each_call)
+
+
+def lengths_each_call(lengths, start: int = 1):
+    """seqused_k of successive calls (host int32 arrays), no two alike: call n uses ``lengths[b] - digit b of n in
+    base MAX_TRIM`` keys of sequence b (at least 0), so sequences longer than MAX_TRIM keys give new values every
+    call and the kernels' work changes by under MAX_TRIM keys a sequence. ``start`` >= 1: call 0 would be the full
+    lengths, which the rows with repeated lengths plan."""
+    n = start
+    while True:
+        trims = [(n // MAX_TRIM ** b) % MAX_TRIM for b in range(len(lengths))]
+        yield np.maximum(np.asarray(lengths, np.int64) - trims, 0).astype(np.int32)
+        n += 1
+
+
+def _new_lengths(lengths):
+    """A function giving each call's seqused_k on the device (copied there in the call, as a serving loop's)."""
+    import cupy
+
+    each = lengths_each_call(lengths)
+    return lambda: cupy.asarray(next(each))
+
+
+def _paged_call(x, new_lengths=None, **switches):
+    """The paged call on ``x``; ``new_lengths``: a function giving each call's seqused_k (else x's)."""
     import rawflash
 
-    return lambda: rawflash.forward(x["q"], x["kp"], x["vp"], cu_seqlens_q=x["cu"], seqused_k=x["used"],
+    return lambda: rawflash.forward(x["q"], x["kp"], x["vp"], cu_seqlens_q=x["cu"],
+                                    seqused_k=x["used"] if new_lengths is None else new_lengths(),
                                     block_table=x["table"], causal=True, **switches)
 
 
-def _contiguous_call(x, **switches):
+def _contiguous_call(x, new_lengths=None, **switches):
+    """The contiguous call on ``x``; ``new_lengths``: a function giving each call's seqused_k (else none)."""
     import rawflash
 
     return lambda: rawflash.forward(x["q"], x["k"], x["v"], cu_seqlens_q=x["cu"], cu_seqlens_k=x["cu"], causal=True,
-                                    **switches)
+                                    seqused_k=None if new_lengths is None else new_lengths(), **switches)
 
 
 def _bound(x, paged: bool, override=None, **switches):
@@ -117,15 +152,32 @@ def validate(page: int, **switches) -> tuple[bool, str]:
     return check_out(x, out)
 
 
-def check_out(x, out) -> tuple[bool, str]:
-    """flash-attn's rule for a paged call's ``out`` on the inputs ``x`` (against the same keys packed)."""
+def validate_new_lengths(page: int, paged: bool, calls: int = 2) -> tuple[bool, str]:
+    """flash-attn's rule for ``calls`` successive calls of a new-lengths row (the paged call's with ``paged``, else
+    the contiguous call's) on the reduced case, each against the reference with that call's seqused_k."""
+    import cupy
+
+    x = _inputs(REDUCED, page, seed=3)
+    each = lengths_each_call(REDUCED)
+    for _ in range(calls):
+        used = next(each)
+        out, _ = (_paged_call if paged else _contiguous_call)(x, functools.partial(cupy.asarray, used))()
+        ok, why = check_out(x, out, used)
+        if not ok:
+            return ok, f"{why} (seqused_k {used.tolist()})"
+    return True, "ok"
+
+
+def check_out(x, out, used=None) -> tuple[bool, str]:
+    """flash-attn's rule for a paged or contiguous call's ``out`` on the inputs ``x`` (against the same keys packed;
+    ``used``: the call's seqused_k where it gave one)."""
     import cupy
 
     from .bench import rule_verdict
 
     host = {n: cupy.asnumpy(a) for n, a in x.items()}
     return rule_verdict(cupy.asnumpy(out), host["q"], host["k"], host["v"], cu_seqlens_q=host["cu"],
-                        cu_seqlens_k=host["cu"], causal=True)
+                        cu_seqlens_k=host["cu"], seqused_k=used, causal=True)
 
 
 def _torch_loop(x, lengths):
@@ -150,8 +202,28 @@ def _torch_loop(x, lengths):
     return call
 
 
+def compare(rows: list[dict], by: dict) -> None:
+    """Adds to one case's rows (``by``: its timed rows' ms by impl) each paged row's "x contiguous" (and "x
+    contiguous cp.async"), against the contiguous row of its kind (repeated or new lengths), and each new-lengths
+    row's "ms over repeated lengths"."""
+    for r in rows:
+        impl, ms = r["impl"], by.get(r["impl"])
+        if ms is None:
+            continue
+        if impl.endswith(NEW_LENGTHS):
+            repeated = by.get(impl[:-len(NEW_LENGTHS)])
+            if repeated is not None:
+                r["ms over repeated lengths"] = round(ms - repeated, 4)
+            if impl.startswith("rawflash paged") and "rawflash contiguous" + NEW_LENGTHS in by:
+                r["x contiguous"] = round(by["rawflash contiguous" + NEW_LENGTHS] / ms, 3)
+        elif impl.startswith("rawflash paged"):
+            r["x contiguous"] = round(by["rawflash contiguous"] / ms, 3)
+            r["x contiguous cp.async"] = round(by["rawflash contiguous cp.async"] / ms, 3)
+
+
 def run_paged(repeats: int = 10, cases: list[PagedCase] | None = None) -> dict:
-    """Validate and time every case; rows of (case, impl, ms, kernel_ms, TFLOP/s, x contiguous)."""
+    """Validate and time every case; rows of (case, impl, ms, kernel_ms, TFLOP/s, x contiguous; the new-lengths
+    rows: ms over repeated lengths, no kernel_ms)."""
     import cupy
 
     from .bench import time_calls_ms, time_kernels_ms
@@ -170,6 +242,13 @@ def run_paged(repeats: int = 10, cases: list[PagedCase] | None = None) -> dict:
         timed.append(("rawflash contiguous", _contiguous_call(x), _bound(x, False)))
         timed.append(("rawflash contiguous cp.async", _contiguous_call(x, warp_specialize=False),
                       _bound(x, False, warp_specialize=False)))
+        for impl, paged, call in ((f"rawflash paged {case.page}", True, _paged_call),
+                                  ("rawflash contiguous", False, _contiguous_call)):
+            ok, why = validate_new_lengths(case.page, paged)
+            if ok:
+                timed.append((impl + NEW_LENGTHS, call(x, _new_lengths(case.lengths)), None))
+            else:
+                rows.append({"case": case.name, "impl": impl + NEW_LENGTHS, "status": f"invalid: {why}"})
         loop = _torch_loop(x, case.lengths)
         if loop is not None:
             timed.append(("torch SDPA per sequence", loop, None))
@@ -181,11 +260,7 @@ def run_paged(repeats: int = 10, cases: list[PagedCase] | None = None) -> dict:
             rows.append({"case": case.name, "impl": impl, "status": "ok", "ms": round(ms, 4),
                          "kernel_ms": None if kernel_ms is None else round(kernel_ms, 4),
                          "TFLOP/s": round(case.flops() / ms / 1e9, 1)})
-        for r in rows:
-            paged = by.get(r["impl"])
-            if r["case"] == case.name and r["impl"].startswith("rawflash paged") and paged:
-                r["x contiguous"] = round(by["rawflash contiguous"] / paged, 3)
-                r["x contiguous cp.async"] = round(by["rawflash contiguous cp.async"] / paged, 3)
+        compare([r for r in rows if r["case"] == case.name], by)
         del x
         cupy.get_default_memory_pool().free_all_blocks()
     return {"rows": rows}
