@@ -1,7 +1,7 @@
 """MLA on a GPU: v with a head_dim below q's and k's (head_dim_v < head_dim_qk), against the float64 reference by
-flash-attn's rule (forward 2x, gradients 3x the same-precision naive error, plus a floor). Pairs with a row in
-configs.VALUE_ROWS run FA3's DV form (v read at its own head_dim) by default; the rest, and every other form and
-the backward, run v zero-padded to q's head_dim.
+flash-attn's rule (forward 2x, gradients 3x the same-precision naive error, plus a floor). Each case runs both
+ways: v zero-padded to q's head_dim (the default) and, with RAWFLASH_DV_FORM=1, FA3's DV form (v read at its own
+head_dim) where configs.VALUE_ROWS has the pair (other pairs, the other forms and the backward pad v either way).
 
 Covered: DeepSeek-V3's pair (192 / 128) and others down to head_dim_v = 8 and odd ones, every dtype, ragged
 shapes with seqlen_q != seqlen_k both ways, MHA / GQA / MQA, causal both ways, the features alone and combined
@@ -21,6 +21,16 @@ from rawflash import api, reference
 from test_gpu_features import COMBOS, SINGLE, _check, _device, _inputs
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["padded", "dv-form"], autouse=True)
+def dv_form(request, monkeypatch):
+    """Every case with v zero-padded (the default) and with FA3's DV form asked for."""
+    if request.param == "dv-form":
+        monkeypatch.setenv("RAWFLASH_DV_FORM", "1")
+    else:
+        monkeypatch.delenv("RAWFLASH_DV_FORM", raising=False)
+    return request.param
 
 # (head_dim_qk, head_dim_v): the DV form at (192, 128), (128, 64), (96, 64), (160, 100), (128, 32) (compiled as
 # 192 / 128 and 128 / 64, the extra columns zero), v zero-padded at the rest
@@ -151,12 +161,12 @@ def test_mla_planned_calls_repeat_the_first(pair):
         np.testing.assert_array_equal(a.get(), b.get())
 
 
-@pytest.mark.parametrize("pair, dv_form", [((192, 128), True), ((128, 64), True), ((160, 100), True),
+@pytest.mark.parametrize("pair, has_row", [((192, 128), True), ((128, 64), True), ((160, 100), True),
                                            ((256, 128), False)], ids=["192-128", "128-64", "160-100", "256-128"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_dv_form_is_the_default_where_it_has_a_row(pair, dv_form, dtype):
-    """The plan reads v at its own head_dim where configs.VALUE_ROWS has the pair (and the kernels' v is then
-    the caller's width, not padded), and the result is right either way."""
+def test_dv_form_where_it_has_a_row(pair, has_row, dtype, dv_form):
+    """With RAWFLASH_DV_FORM=1 the plan reads v at its own head_dim where configs.VALUE_ROWS has the pair (the
+    kernels' v is then the caller's width, not padded); without it never; the result is right either way."""
     import cupy
 
     from rawflash import settings, validation
@@ -166,6 +176,7 @@ def test_dv_form_is_the_default_where_it_has_a_row(pair, dv_form, dtype):
     q, k, v, extra = _narrow(*_inputs(257, 300, 4, 2, d, dtype, {"causal": True}, 8), dv, 8)
     c = validation.check_forward(q, k, v, True, None, "fa2", "cupy", validation.Features())
     bound = cupy_backend.bind_forward(c.problem, *(cupy.asarray(x) for x in (q, k, v)), c.scale, env=settings.load())
-    assert forms.reads_value_head_dim(bound.plan[0]) is dv_form
-    assert bound.widths[2] == (cupy_backend.run_head_dim(dv) if dv_form else cupy_backend.run_head_dim(d))
+    on = has_row and dv_form == "dv-form"
+    assert forms.reads_value_head_dim(bound.plan[0]) is on
+    assert bound.widths[2] == cupy_backend.run_head_dim(dv if on else d)
     check_mla(257, 300, 4, 2, pair, dtype, {"causal": True}, seed=8)

@@ -1,7 +1,8 @@
-"""FA3's DV form (MLA's narrower v read at its own head_dim) without a GPU: which calls take it, its launches'
-template arguments and shared memory, and that every DV instantiation is compiled by the offline compile test.
+"""FA3's DV form (MLA's narrower v read at its own head_dim) without a GPU: which calls take it (with
+RAWFLASH_DV_FORM=1; by default v runs zero-padded), its launches' template arguments and shared memory, and that
+every DV instantiation is compiled by the offline compile test.
 
-The kernels' results are tests/test_gpu_mla.py's (GPU): with a row here, its calls run the DV form by default.
+The kernels' results are tests/test_gpu_mla.py's (GPU: every case both ways).
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import pytest
 from rawflash.cli.commands import main
 from rawflash.kernels import configs, forms, launch
 from rawflash.problem import Problem
+from rawflash.settings import Settings
+
+DV_ON = Settings(dv_form=True)
 
 
 def _p(d, dv, dtype="bfloat16", causal=True, arch="sm_90", **kw):
@@ -23,7 +27,8 @@ def _p(d, dv, dtype="bfloat16", causal=True, arch="sm_90", **kw):
                                           (128, 32, 128, 64), (120, 40, 128, 64)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_pairs_with_a_row_run_the_dv_form(d, dv, D, DV, dtype):
-    plan = forms.forward_plan(_p(d, dv, dtype))
+    assert not forms.reads_value_head_dim(forms.forward_plan(_p(d, dv, dtype))[0]), "off by default"
+    plan = forms.forward_plan(_p(d, dv, dtype), settings=DV_ON)
     assert all(forms.reads_value_head_dim(lau) for lau in plan)  # (REF_FIRST's way back too)
     lau = plan[0]
     assert lau.template_args[launch.D_ARG] == D and lau.template_args[launch.DV_ARG] == DV
@@ -46,22 +51,22 @@ def test_dv_smem_matches_the_rows_stated_bytes():
 def test_other_calls_read_v_padded(case):
     dv = case.pop("dv")
     p = _p(dv=0 if dv == case["d"] else dv, **case)
-    plan = forms.forward_plan(p)
+    plan = forms.forward_plan(p, settings=DV_ON)
     assert not any(forms.reads_value_head_dim(lau) for lau in plan)
-    assert forms.value_form(p) is False
+    assert forms.value_form(p, DV_ON) is False
 
 
 def test_switches_off_fa3_read_v_padded():
     p = _p(192, 128)
     for sw in (forms.Switches(wgmma=False), forms.Switches(warp_specialize=False)):
-        assert not forms.reads_value_head_dim(forms.forward_plan(p, "fa2", sw)[0])
-    assert not forms.reads_value_head_dim(forms.forward_plan(p, "fa1")[0])
-    assert forms.reads_value_head_dim(forms.forward_plan(p, "fa2", forms.Switches(persistent=False))[0])
+        assert not forms.reads_value_head_dim(forms.forward_plan(p, "fa2", sw, DV_ON)[0])
+    assert not forms.reads_value_head_dim(forms.forward_plan(p, "fa1", settings=DV_ON)[0])
+    assert forms.reads_value_head_dim(forms.forward_plan(p, "fa2", forms.Switches(persistent=False), DV_ON)[0])
 
 
 def test_features_take_the_dv_form_general_policy():
     p = dataclasses.replace(_p(192, 128), window=(100, 0), softcap=20.0, alibi=True, sinks=True)
-    lau = forms.forward_plan(p)[0]
+    lau = forms.forward_plan(p, settings=DV_ON)[0]
     assert forms.reads_value_head_dim(lau) and lau.template_args[launch.MASK_ARG["fa3_fwd_sm90"] + 1] is True
 
 
@@ -73,7 +78,7 @@ def test_every_dv_launch_is_instantiated():
     for (kernel, d, dv, dtype) in configs.VALUE_ROWS:
         for causal, n, extra in itertools.product((False, True), (1, 4096), ({}, {"window": (8, 0)}, {"alibi": True})):
             p = dataclasses.replace(_p(d, dv, dtype, causal=causal), seqlen_q=n, seqlen_k=n, **extra)
-            for lau in forms.forward_plan(p):
+            for lau in forms.forward_plan(p, settings=DV_ON):
                 assert lau.name_expression in names, lau.name_expression
 
 
@@ -83,3 +88,12 @@ def test_list_prints_the_value_rows():
     out = CliRunner().invoke(main, ["list", "--gpu", "h200"])
     assert out.exit_code == 0, out.output
     assert "tiles of MLA's narrower v" in out.output and "192 / 128" in out.output
+
+
+def test_the_setting_is_part_of_the_signature():
+    from rawflash import signature
+
+    assert "RAWFLASH_DV_FORM" in signature._SETTINGS
+    from rawflash import settings
+
+    assert settings.load({"RAWFLASH_DV_FORM": "1"}).dv_form and not settings.load({}).dv_form

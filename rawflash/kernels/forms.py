@@ -201,11 +201,11 @@ def hopper_form_fits(kernel: str, p: Problem) -> bool:
     return p.arch == "sm_90" and p.dtype in form.dtypes and configs.has_row(kernel, p.head_dim, p.dtype)
 
 
-def value_form(p: Problem) -> bool:
+def value_form(p: Problem, settings: Settings = Settings()) -> bool:
     """Whether FA3's forward reads MLA's narrower v at its own head_dim (the DV form: V_j and O of head_dim_v columns)
-    for ``p``: a ``head_dim_v`` whose pair of compiled head dims has a row in configs.VALUE_ROWS, sm_90, 16-bit, keys
-    not paged. Elsewhere v runs zero-padded to q's head_dim."""
-    return (bool(p.head_dim_v) and p.arch == "sm_90" and not p.page_size and configs.value_row(
+    for ``p``: asked for (``RAWFLASH_DV_FORM=1``), a ``head_dim_v`` whose pair of compiled head dims has a row in
+    configs.VALUE_ROWS, sm_90, 16-bit, keys not paged. Elsewhere v runs zero-padded to q's head_dim."""
+    return (settings.dv_form and bool(p.head_dim_v) and p.arch == "sm_90" and not p.page_size and configs.value_row(
         "fa3_fwd_sm90", launch.tma_head_dim(p), launch.tma_value_head_dim(p), p.dtype) is not None)
 
 
@@ -249,7 +249,7 @@ def fp8_forward(p: Problem, sw: Switches = Switches(), override: Override | None
 def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Settings(),
                 override: Override | None = None) -> Launch:
     """The fa2 forward launch: its wgmma form where the switches and the GPU allow it, else the mma.sync form."""
-    if p.head_dim_v and not value_form(p):  # v zero-padded to q's head_dim: the kernels see one head_dim
+    if p.head_dim_v and not value_form(p, settings):  # v zero-padded to q's head_dim: the kernels see one head_dim
         p = dataclasses.replace(p, head_dim_v=0)
     got = (f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={sw.defer_norm}, "
            f"seq_parallel={sw.seq_parallel}, split_q={sw.split_q}")
@@ -597,7 +597,7 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                 for dv in (dv for (k, dq, dv, dt) in configs.VALUE_ROWS if (k, dq, dt) == ("fa3_fwd_sm90", d, dtype)):
                     if hopper_form_fits("fa3_fwd_sm90", p):  # the DV form (MLA's narrower v)
                         launches.append(fa2_forward(dataclasses.replace(p, head_dim_v=dv),
-                                                    Switches(wgmma=True, warp_specialize=True)))
+                                                    Switches(wgmma=True, warp_specialize=True), DV_FORM))
                 if hopper_form_fits("fa2_bwd_sm90", p):
                     launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=False))
                 if hopper_form_fits("fa3_bwd_sm90", p):
@@ -633,6 +633,7 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
     return list(out.values())
 
 
+DV_FORM = Settings(dv_form=True)  # (the DV form's instantiations are compiled whatever the environment asks)
 # FP8 tile rows not in configs.TABLE that tools/tune.py times at d = 128 (compiled by fp8_instantiations, so CI
 # keeps them compiling): the rows the table's 128 x 192 (3 stages, 2 Q_i buffers) was measured against.
 FP8_TILE_CANDIDATES = (configs.TileConfig(128, 128, 12, stages=2), configs.TileConfig(128, 192, 12, stages=2),
