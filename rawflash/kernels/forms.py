@@ -554,16 +554,15 @@ def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
 def _variants_of(p: Problem) -> list[Problem]:
     """The compile-time variants a (dtype, head_dim) instantiates: plain without and with the causal mask, and the
     general policy without a mask and with a window (which is how every feature reaches the kernels), the window
-    unbounded and bounded on the left (FA3's forward runs the latter on its persistent grid); for bfloat16 the general
-    ones also with bounded scores (soft-capping without ALiBi: the FA3 forward's REF_BOUNDED instantiations) and
-    without a left bound (the general policy's REF_FIRST instantiations: the ALiBi ones above give the persistent
-    grids, ALiBi with seqused_k those of one tile per CTA)."""
+    unbounded and bounded on the left; for bfloat16 the general ones also with bounded scores (soft-capping without
+    ALiBi: the FA3 forward's REF_BOUNDED instantiations) and without a left bound (the general policy's REF_FIRST
+    instantiations). Each general one also with seqused_k: FA3's forward runs fixed lengths on its persistent grid
+    and packed sequences or seqused_k one tile per CTA (persistent_default), another instantiation."""
     general = [dataclasses.replace(p, alibi=True), dataclasses.replace(p, alibi=True, causal=True),
                dataclasses.replace(p, window=(8, 0))]
-    bf16 = p.dtype == "bfloat16"
-    bounded = [dataclasses.replace(x, alibi=False, softcap=1.0) for x in general] if bf16 else []
-    first = [dataclasses.replace(x, seqused_k=True) for x in general[:2]] if bf16 else []
-    return [dataclasses.replace(p, causal=False), dataclasses.replace(p, causal=True), *general, *bounded, *first]
+    bounded = [dataclasses.replace(x, alibi=False, softcap=1.0) for x in general] if p.dtype == "bfloat16" else []
+    one_tile = [dataclasses.replace(x, seqused_k=True) for x in general + bounded]
+    return [dataclasses.replace(p, causal=False), dataclasses.replace(p, causal=True), *general, *bounded, *one_tile]
 
 
 def all_instantiations(arch: str = "sm_90") -> list[Launch]:
