@@ -97,3 +97,27 @@ def test_the_setting_is_part_of_the_signature():
     from rawflash import settings
 
     assert settings.load({"RAWFLASH_DV_FORM": "1"}).dv_form and not settings.load({}).dv_form
+
+
+def test_explain_shows_the_padded_path_and_the_dv_form(monkeypatch):
+    from click.testing import CliRunner
+
+    args = ["explain", "--batch", "1", "--seqlen-q", "4096", "--heads", "128", "--head-dim", "192", "--head-dim-v",
+            "128", "--causal", "--gpu", "h200"]
+    monkeypatch.delenv("RAWFLASH_DV_FORM", raising=False)
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0, out.output
+    assert "v[1, 4096, 128, 128]" in out.output and "head_dim_v: 128" in out.output
+    assert "zero-padded to q's head_dim" in out.output and "DV form: V_j" not in out.output
+    assert ", 192, 197728>" in out.output  # the d = 192 row, V at 192 columns
+    monkeypatch.setenv("RAWFLASH_DV_FORM", "1")
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0, out.output
+    assert "DV form: V_j, P V and O of 128 columns" in out.output and ", 128, 214112>" in out.output
+
+
+def test_explain_refuses_a_wider_v_by_name():
+    from click.testing import CliRunner
+
+    out = CliRunner().invoke(main, ["explain", "--head-dim", "64", "--head-dim-v", "128", "--gpu", "h200"])
+    assert "v's head_dim must be between 1 and q's head_dim 64, got 128" in out.output

@@ -86,7 +86,7 @@ def main():
 
 # ---------------------------------------------------------------- shared options and helpers
 SHAPE_NAMES = ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "head_dim", "dtype", "causal", "window",
-               "softcap", "alibi", "sinks", "varlen")
+               "softcap", "alibi", "sinks", "varlen", "head_dim_v")
 
 
 def _csv_lengths(ctx, param, text):
@@ -125,6 +125,8 @@ def shape_options(batch=4, seqlen=2048, heads=16, head_dim=128, dtype="bfloat16"
         click.option("--heads", type=size, **shown("heads")),
         click.option("--kv-heads", type=size, default=None, help="Key/value heads (GQA/MQA)  [default: --heads]"),
         click.option("--head-dim", type=click.IntRange(min=1), **shown("head_dim")),
+        click.option("--head-dim-v", type=click.IntRange(min=1), default=None,
+                     help="v's head_dim (MLA's head_dim_v, at most --head-dim)  [default: --head-dim]"),
         click.option("--dtype", type=click.Choice(configs.DTYPES), default=dtype, show_default=True),
         click.option("--causal/--no-causal", default=causal, show_default=True,
                      help="Bottom-right aligned causal mask."),
@@ -254,7 +256,8 @@ def _rows_with_progress(items: list, fn, label: str, show=None) -> list:
 
 def _shape_text(p: Problem) -> str:
     return (f"batch {p.batch}, seqlen_q {p.seqlen_q}, seqlen_k {p.seqlen_k}, heads {p.heads}, kv_heads {p.kv_heads}, "
-            f"head_dim {p.head_dim}, {p.dtype}, {'causal' if p.causal else 'non-causal'}")
+            f"head_dim {p.head_dim}{f', head_dim_v {p.head_dim_v}' if p.head_dim_v else ''}, {p.dtype}, "
+            f"{'causal' if p.causal else 'non-causal'}")
 
 
 def _csv_ints(ctx, param, text: str) -> list[int]:

@@ -60,6 +60,7 @@ class ShapeSpec:
     sinks: bool = False
     varlen: tuple | None = None  # lengths of packed sequences (q and k alike): batch and seqlen then do not apply
     page_size: int = 0           # with varlen: a paged forward, each sequence's keys in pages of this many rows
+    head_dim_v: int | None = None  # v's head_dim (MLA's head_dim_v); None: head_dim
 
     @property
     def q_shape(self) -> tuple:
@@ -76,6 +77,16 @@ class ShapeSpec:
             return (sum(self.varlen), hk, self.head_dim)
         nk = self.seqlen_q if self.seqlen_k is None else self.seqlen_k
         return (self.batch, nk, hk, self.head_dim)
+
+    @property
+    def v_shape(self) -> tuple:
+        """v's shape: k's with v's head_dim."""
+        return (*self.kv_shape[:-1], self.head_dim if self.head_dim_v is None else self.head_dim_v)
+
+    @property
+    def out_shape(self) -> tuple:
+        """out's and dout's shape: q's with v's head_dim."""
+        return (*self.q_shape[:-1], self.v_shape[-1])
 
     @property
     def pages(self) -> list[int]:
@@ -107,8 +118,8 @@ def placeholders(spec: ShapeSpec) -> dict:
     one = np.zeros((), dt)
     q, kv = spec.q_shape, spec.kv_shape
     lse = (q[1], q[0]) if spec.varlen else (q[0], q[2], q[1])
-    return {"q": np.broadcast_to(one, q), "k": np.broadcast_to(one, kv), "v": np.broadcast_to(one, kv),
-            "out": np.broadcast_to(one, q), "dout": np.broadcast_to(one, q),
+    return {"q": np.broadcast_to(one, q), "k": np.broadcast_to(one, kv), "v": np.broadcast_to(one, spec.v_shape),
+            "out": np.broadcast_to(one, spec.out_shape), "dout": np.broadcast_to(one, spec.out_shape),
             "lse": np.broadcast_to(np.zeros((), np.float32), lse)}
 
 
@@ -127,7 +138,7 @@ def validate(spec: ShapeSpec, *, kernel: str = "fa2", backend: str = "cupy", sca
 def call_text(spec: ShapeSpec, kernel: str, backend: str, scale, direction: str, deterministic: bool) -> list[str]:
     """The API calls a dry run stands for, as Python."""
     q = f"q{list(spec.q_shape)}"
-    kv = f"k{list(spec.kv_shape)}, v{list(spec.kv_shape)}"
+    kv = f"k{list(spec.kv_shape)}, v{list(spec.v_shape)}"
     opts = f"causal={spec.causal}, scale={scale!r}"
     if spec.varlen and spec.page_size:
         opts = f"cu_seqlens_q=cu, seqused_k=lens, block_table=table, {opts}"
@@ -145,18 +156,22 @@ def is_empty(p: Problem) -> bool:
 
 
 def kernel_problem(p: Problem) -> Problem:
-    """The problem as the CUDA backend launches it: head_dim zero-padded to what the kernels read (cupy_backend)."""
-    return dataclasses.replace(p, head_dim=run_head_dim(p.head_dim))
+    """The problem as the CUDA backend plans it: head_dim (and MLA's head_dim_v) rounded up to what the kernels read
+    (cupy_backend.run_problem's head dims; the forward's plan then decides whether v is zero-padded to q's)."""
+    return dataclasses.replace(p, head_dim=run_head_dim(p.head_dim),
+                               head_dim_v=run_head_dim(p.head_dim_v) if p.head_dim_v else 0)
 
 
 def launches(p: Problem, kernel: str, direction: str, deterministic: bool = False) -> list[tuple[str, Launch]]:
-    """(direction, launch) for every launch of the call, in order; direction 'both' gives forward then backward."""
+    """(direction, launch) for every launch of the call, in order; direction 'both' gives forward then backward.
+    The plans follow the environment's RAWFLASH_* settings, as a call's do."""
     kp = kernel_problem(p)
     out = []
     if direction in ("fwd", "both"):
-        out += [("fwd", lau) for lau in forms.forward_plan(kp, kernel)]
+        out += [("fwd", lau) for lau in forms.forward_plan(kp, kernel, settings=settings.load())]
     if direction in ("bwd", "both"):
-        out += [("bwd", lau) for lau in forms.backward_plan(kp, deterministic)]
+        out += [("bwd", lau) for lau in forms.backward_plan(dataclasses.replace(kp, head_dim_v=0), deterministic,
+                                                            settings.load())]
     return out
 
 
@@ -488,6 +503,8 @@ def io_tiles(p: Problem, kernel: str, direction: str) -> tuple[int | None, int |
 
 
 def io_shape(p: Problem) -> iomodel.Shape:
+    """The I/O model's shape of a call (it models one head_dim: MLA's v counted at q's, as the padded path reads
+    it)."""
     return iomodel.Shape(p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads, p.head_dim, p.itemsize, p.causal,
                          p.window)
 
@@ -592,6 +609,9 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                     add_note(row, f"{lau.config.q_stages} Q_i buffers (the next tile's Q_i copied during this one)")
                 if launch.stages_o(lau):
                     add_note(row, "O staged in the Q_i buffer, stored by TMA")
+                if forms.reads_value_head_dim(lau):
+                    add_note(row, f"DV form: V_j, P V and O of {lau.template_args[launch.DV_ARG]} columns (v read at "
+                                  "its own head_dim)")
                 if lau.kernel == "fa3_fwd_sm90" and p.page_size:
                     rows = tma.paged_box_rows(lau.config.bc, p.page_size)
                     add_note(row, f"paged keys read by TMA in boxes of {rows} rows, one page each")
@@ -653,7 +673,8 @@ def twin_rows(p: Problem, kernel: str, direction: str, deterministic: bool, tgt:
 def _problem_summary(p: Problem, scale: float) -> dict:
     out = {"batch": p.batch, "seqlen_q": p.seqlen_q, "seqlen_k": p.seqlen_k, "heads": p.heads,
            "kv_heads": p.kv_heads, "head_dim": p.head_dim, "kernel head_dim": configs.padded_head_dim(p.head_dim),
-           "dtype": p.dtype, "causal": p.causal, "scale": scale}
+           **({"head_dim_v": p.head_dim_v} if p.head_dim_v else {}), "dtype": p.dtype, "causal": p.causal,
+           "scale": scale}
     if p.window != (-1, -1):
         out["window (left, right)"] = p.window_bounds
     for name, on in (("softcap", p.softcap), ("alibi", p.alibi), ("sinks", p.sinks)):
@@ -692,6 +713,11 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
                      "time; plain calls run the plain kernels")
     if configs.padded_head_dim(p.head_dim) != p.head_dim:
         notes.append(f"head_dim {p.head_dim} runs on the {configs.padded_head_dim(p.head_dim)} kernel, zero-padded")
+    if p.head_dim_v:
+        notes.append(f"v's head_dim {p.head_dim_v} (MLA): v (and the backward's dout and out) zero-padded to q's "
+                     f"head_dim, out and dv cut back, except in FA3's DV form (RAWFLASH_DV_FORM=1, a pair in "
+                     f"configs.VALUE_ROWS), which reads v at its own; the predicted bytes and FLOPs count v at q's "
+                     f"head_dim")
     if kernel == "naive":
         notes.append("naive: S = QK^T and O = PV are cuBLAS products, not listed among the launches")
     if backend == "numba":
