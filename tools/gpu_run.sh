@@ -34,9 +34,9 @@
 # Logs go to $OUT (or ./gpu_logs). PRECOMPILE_FILTER limits the precompile step; TESTS (default: tests) the test
 # paths and TESTS_K (a pytest -k expression) the tests step; SANITIZE_TOOLS (memcheck racecheck synccheck) and
 # SANITIZE_DTYPES (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype as its
-# own process, side by side; SANITIZE_ONLY=decode, splitk, fa3, fp8, paged or feature:NAME, e.g. feature:alibi (that
-# feature in every form): that part of its workload alone); TAR_TO=path packs every log into one archive at the
-# end (for machines that return only a few files).
+# own process, side by side; SANITIZE_ONLY=decode, splitk, fa3, fp8, paged, mla or feature:NAME, e.g.
+# feature:alibi (that feature in every form): that part of its workload alone); TAR_TO=path packs every log into
+# one archive at the end (for machines that return only a few files).
 set -uo pipefail
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as usage
   awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"

@@ -4,8 +4,9 @@ an out-of-bounds access, a shared-memory race or a barrier misuse shows there an
 pool is switched off so that out-of-bounds accesses inside a pooled chunk are seen. Every form runs (the Hopper
 forms where the GPU has them, the mma.sync forms through wgmma=False and RAWFLASH_WGMMA=0's backward), with and
 without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k); decode with
-contiguous and paged caches; the paged forward. SANITIZE_ONLY=decode, splitk, fa3, fp8, paged or feature:NAME (e.g.
-feature:alibi: that feature in every form) runs that part alone (racecheck is slow). Example:
+contiguous and paged caches; the paged forward; MLA's narrower v (padded, and FA3's DV form). SANITIZE_ONLY=decode,
+splitk, fa3, fp8, paged, mla or feature:NAME (e.g. feature:alibi: that feature in every form) runs that part alone
+(racecheck is slow). Example:
 
     SANITIZE_ONLY=fa3 compute-sanitizer --tool racecheck python3 tools/sanitize.py bfloat16
 """
@@ -257,21 +258,43 @@ def _fp8(dtype: str) -> None:
                              v_descale=ds, seqused_k=None if used is None else cupy.asarray(used, cupy.int32))
 
 
+def _mla(dtype: str) -> None:
+    """MLA's narrower v: the forward (v zero-padded, then with RAWFLASH_DV_FORM=1 FA3's DV form at 192 / 128 and
+    128 / 64 and a pair that rounds to them) and the backward, ragged shapes, GQA, causal both ways, packed
+    sequences with a window, soft-capping and sinks."""
+    rng = np.random.default_rng(5)
+    for d, dv, (b, sq, sk, h, hk) in ((192, 128, (1, 203, 330, 4, 2)), (128, 64, (2, 300, 129, 4, 1)),
+                                      (160, 100, (1, 77, 257, 2, 2))):
+        q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
+        v = cupy.asarray(rng.standard_normal((b, sk, hk, dv)).astype(v.dtype))
+        for dv_form in ("0", "1"):
+            os.environ["RAWFLASH_DV_FORM"] = dv_form
+            for causal in (False, True):
+                out, lse = rawflash.forward(q, k, v, causal=causal)
+                rawflash.backward(cupy.ones_like(out), q, k, v, out, lse, causal=causal)
+            qq, kk, vv, packed = _varlen(q, k, v)
+            feats = dict(window=(50, 0), softcap=10.0, sinks=cupy.linspace(-1, 1, h, dtype=cupy.float32), **packed)
+            o, l = rawflash.forward(qq, kk, vv, **feats)
+            rawflash.backward(cupy.ones_like(o), qq, kk, vv, o, l, **feats)
+    os.environ.pop("RAWFLASH_DV_FORM", None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dtypes", nargs="*", metavar="DTYPE", help=f"of {', '.join(DTYPES)} (default: all three)")
     dtypes = ap.parse_args().dtypes or list(DTYPES)
     if set(dtypes) - set(DTYPES):
         ap.error(f"DTYPE is one of {', '.join(DTYPES)}, not {', '.join(sorted(set(dtypes) - set(DTYPES)))}")
-    # 'decode', 'splitk', 'fa3', 'fp8', 'paged' or 'feature:NAME' (e.g. feature:alibi): that part alone (racecheck is
-    # slow)
+    # 'decode', 'splitk', 'fa3', 'fp8', 'paged', 'mla' or 'feature:NAME' (e.g. feature:alibi): that part alone
+    # (racecheck is slow)
     only = os.environ.get("SANITIZE_ONLY")
     if only:
         for dtype in dtypes:
             if only.startswith("feature:"):
                 _feature(only.split(":", 1)[1], dtype)
             else:
-                {"decode": _decode, "splitk": _splitk, "fa3": _fa3, "fp8": _fp8, "paged": _paged}[only](dtype)
+                {"decode": _decode, "splitk": _splitk, "fa3": _fa3, "fp8": _fp8, "paged": _paged,
+                 "mla": _mla}[only](dtype)
             cupy.cuda.Device().synchronize()
             print(f"sanitize workload done: {only} {dtype}", flush=True)
         return
@@ -298,6 +321,7 @@ def main() -> None:
         if dtype != "float32":
             _paged(dtype)
         _fp8(dtype)
+        _mla(dtype)
         print(f"sanitize workload done: {dtype}", flush=True)
     os.environ["RAWFLASH_FA3"] = "0"  # this script's own process: the cp.async wgmma backward too
     q, k, v = (cupy.asarray(x) for x in random_qkv(1, 70, 33, 2, 1, 128, "bfloat16"))
