@@ -34,9 +34,10 @@
 # Logs go to $OUT (or ./gpu_logs). PRECOMPILE_FILTER limits the precompile step; TESTS (default: tests) the test
 # paths and TESTS_K (a pytest -k expression) the tests step; SANITIZE_TOOLS (memcheck racecheck synccheck) and
 # SANITIZE_DTYPES (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype as its
-# own process, side by side; SANITIZE_ONLY=decode, splitk, fa3, fp8, paged, mla or feature:NAME, e.g.
-# feature:alibi (that feature in every form): that part of its workload alone); TAR_TO=path packs every log into
-# one archive at the end (for machines that return only a few files).
+# own process, side by side, each split further into SANITIZE_SHARDS processes (default 1; tools/sanitize.py's
+# SANITIZE_SHARD: float32's racecheck alone takes more than 420 s on an H100); SANITIZE_ONLY=decode, splitk, fa3,
+# fp8, paged, mla or feature:NAME, e.g. feature:alibi (that feature in every form): that part of its workload
+# alone); TAR_TO=path packs every log into one archive at the end (for machines that return only a few files).
 set -uo pipefail
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as usage
   awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
@@ -52,7 +53,7 @@ sanitize_one() {  # TOOL LOG DTYPES...
   compute-sanitizer --tool "$tool" --error-exitcode 9 python3 tools/sanitize.py "$@" > "$log" 2>&1
   local rc=$? clean
   clean=$(grep -c 'ERROR SUMMARY: 0 errors\|0 hazards displayed' "$log")
-  echo "compute-sanitizer $tool $*: exit $rc; $clean clean summaries"
+  echo "compute-sanitizer $tool $*${SANITIZE_SHARD:+ (shard $SANITIZE_SHARD)}: exit $rc; $clean clean summaries"
   tail -3 "$log"
   return $rc
 }
@@ -95,10 +96,14 @@ while [ $i -lt ${#steps[@]} ]; do
     sanitize)
       pids=()
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
-        if [ "${SANITIZE_JOBS:-1}" -gt 1 ]; then  # one process per (tool, dtype), side by side
+        if [ "${SANITIZE_JOBS:-1}" -gt 1 ]; then  # one process per (tool, dtype, shard), side by side
+          shards=${SANITIZE_SHARDS:-1}
           for dt in ${SANITIZE_DTYPES:-float16 bfloat16 float32}; do
-            sanitize_one $tool "$OUT/sanitize_${tool}_$dt.log" $dt > "$OUT/.summary_${tool}_$dt" &
-            pids+=("$!:${tool}_$dt")
+            for sh in $(seq 0 $((shards - 1))); do
+              name=${tool}_$dt; [ "$shards" -gt 1 ] && name=${name}_$sh
+              SANITIZE_SHARD=$sh/$shards sanitize_one $tool "$OUT/sanitize_$name.log" $dt > "$OUT/.summary_$name" &
+              pids+=("$!:$name")
+            done
           done
         else
           sanitize_one $tool "$OUT/sanitize_$tool.log" ${SANITIZE_DTYPES:-float16 bfloat16 float32} || status=1

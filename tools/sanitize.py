@@ -6,7 +6,8 @@ forms where the GPU has them, the mma.sync forms through wgmma=False and RAWFLAS
 without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k); decode with
 contiguous and paged caches; the paged forward; MLA's narrower v (padded, and FA3's DV form). SANITIZE_ONLY=decode,
 splitk, fa3, fp8, paged, mla or feature:NAME (e.g. feature:alibi: that feature in every form) runs that part alone
-(racecheck is slow). Example:
+(racecheck is slow); SANITIZE_SHARD=i/n runs shard i of n of the whole workload (the main loop's cases i, i + n,
+...; the other parts in shard 0), so that n processes side by side cover it. Example:
 
     SANITIZE_ONLY=fa3 compute-sanitizer --tool racecheck python3 tools/sanitize.py bfloat16
 """
@@ -298,8 +299,9 @@ def main() -> None:
             cupy.cuda.Device().synchronize()
             print(f"sanitize workload done: {only} {dtype}", flush=True)
         return
+    shard, shards = (int(x) for x in os.environ.get("SANITIZE_SHARD", "0/1").split("/"))
     for dtype in dtypes:
-        for b, sq, sk, h, hk, d in CASES:
+        for b, sq, sk, h, hk, d in CASES[shard::shards]:
             for causal in (False, True):
                 q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
                 for kernel in ("fa2", "fa1", "naive"):
@@ -317,12 +319,15 @@ def main() -> None:
                 for opts in FEATURES:
                     _feature_calls(q, k, v, causal, opts)
                 cupy.cuda.Device().synchronize()
-        _decode(dtype)
-        if dtype != "float32":
-            _paged(dtype)
-        _fp8(dtype)
-        _mla(dtype)
+        if shard == 0:
+            _decode(dtype)
+            if dtype != "float32":
+                _paged(dtype)
+            _fp8(dtype)
+            _mla(dtype)
         print(f"sanitize workload done: {dtype}", flush=True)
+    if shard != 0:
+        return
     os.environ["RAWFLASH_FA3"] = "0"  # this script's own process: the cp.async wgmma backward too
     q, k, v = (cupy.asarray(x) for x in random_qkv(1, 70, 33, 2, 1, 128, "bfloat16"))
     o, l = rawflash.forward(q, k, v, causal=True)
