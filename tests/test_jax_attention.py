@@ -46,6 +46,26 @@ def test_gradient_lowers_to_forward_and_backward_with_the_sinks():
     assert backward.split("=")[0].strip().endswith(":5")
 
 
+def test_mla_pads_v_and_cuts_out_and_dv():
+    """v narrower than q (MLA): out has v's head_dim; the custom calls run v zero-padded to q's, and dv comes back
+    at v's head_dim (the pad's gradient)."""
+    qa = jax.ShapeDtypeStruct((1, 64, 4, 192), jnp.bfloat16)
+    va = jax.ShapeDtypeStruct((1, 64, 4, 128), jnp.bfloat16)
+    assert jax.eval_shape(lambda q, v: jattention.attention(q, q, v, causal=True), qa, va).shape == (1, 64, 4, 128)
+
+    def loss(q, k, v):
+        return jattention.attention(q, k, v, causal=True).astype(jnp.float32).sum()
+
+    grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), qa, qa, va)
+    assert [g.shape for g in grads] == [(1, 64, 4, 192), (1, 64, 4, 192), (1, 64, 4, 128)]
+    text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), qa, qa, va)
+    calls = _custom_calls(text)
+    assert [c.split("@")[1].split("(")[0] for c in calls] == ["rawflash_forward", "rawflash_backward"]
+    assert "tensor<1x64x4x192xbf16>" in calls[0] and "tensor<1x64x4x128xbf16>" not in calls[0]
+    with pytest.raises(ValueError, match=r"v's head_dim must be between 1 and q's head_dim 128, got 192"):
+        jax.eval_shape(lambda q, v: jattention.attention(q, q, v), va, qa)
+
+
 def test_padded_head_dim_pads_and_cuts():
     aval = jax.ShapeDtypeStruct((1, 64, 2, 36), jnp.float16)
     out = jax.eval_shape(lambda q: jattention.attention(q, q, q), aval)
@@ -237,6 +257,28 @@ def test_forward_and_gradients_against_the_reference(case, dtype):
         err = np.max(np.abs(_f64(g) - w))
         scale = max(1.0, float(np.max(np.abs(w))))
         assert err <= 3e-2 * scale, (name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, dv, causal", [(192, 128, True), (128, 64, False), (96, 40, True)])
+def test_mla_forward_and_gradients_against_the_reference(d, dv, causal):
+    """v narrower than q (MLA) under jax.jit: out and dv at v's head_dim, by the rule of the test above."""
+    if not _gpu_jax():
+        pytest.skip("JAX sees no GPU")
+    rng = np.random.default_rng(3)
+    q, k = (jnp.asarray(rng.standard_normal((1, 130, 4, d)), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1, 130, 4, dv)), jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((1, 130, 4, dv)), jnp.bfloat16)
+    out, pullback = jax.vjp(jax.jit(lambda q, k, v: jattention.attention(q, k, v, causal=causal)), q, k, v)
+    grads = jax.jit(pullback)(dout)
+    assert out.shape == v.shape[:3] + (dv,) and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    want, _ = reference.forward(_f64(q), _f64(k), _f64(v), causal=causal)
+    rounded = _f64(jnp.asarray(want, q.dtype))
+    ulp = 2.0 ** -8 * max(1.0, float(np.max(np.abs(want))))
+    assert np.max(np.abs(_f64(out) - want)) <= 2 * np.max(np.abs(rounded - want)) + ulp
+    for g, w, name in zip(grads, reference.backward(_f64(dout), _f64(q), _f64(k), _f64(v), causal=causal),
+                          ("dq", "dk", "dv")):
+        assert np.max(np.abs(_f64(g) - w)) <= 3e-2 * max(1.0, float(np.max(np.abs(w)))), name
 
 
 @pytest.mark.gpu

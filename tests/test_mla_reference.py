@@ -3,8 +3,9 @@
 The reference (``backend='reference'``) is checked against an independent NumPy computation (einsum over the
 repeated kv heads, the mask and softmax written out here) for the forward, and against central differences of that
 computation for every gradient; packed sequences, GQA and both causal alignments included. The calls that take
-no narrower v (a paged forward, decode, the FP8 forward, rawflash.jax) refuse it by name, one test each; the
-kernels' results are tests/test_gpu_mla.py's (GPU) and tests/test_numba_sim.py's (the twins on the simulator).
+no narrower v (a paged forward, decode, the FP8 forward) refuse it by name, one test each; the kernels' results
+are tests/test_gpu_mla.py's (GPU) and tests/test_numba_sim.py's (the twins on the simulator), rawflash.jax's
+tests/test_jax_attention.py's.
 """
 from __future__ import annotations
 
@@ -114,12 +115,3 @@ def test_fp8_forward_refuses_head_dim_v():
         rawflash.forward(*_inputs(d=64, dv=32), fp8=True, backend="reference")
 
 
-def test_jax_refuses_head_dim_v():
-    jax = pytest.importorskip("jax")
-    jnp = jax.numpy
-    from rawflash.jax import ops
-
-    q = jnp.zeros((1, 16, 4, 64), jnp.bfloat16)
-    v = jnp.zeros((1, 16, 4, 32), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"rawflash.jax takes v with q's head_dim"):
-        jax.eval_shape(lambda q, v: ops.attention(q, q, v), q, v)

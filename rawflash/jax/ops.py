@@ -226,7 +226,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     that break flash-attn's rules give undefined results, as in flash-attn). ``seqused_k`` likewise. The other
     options are ``rawflash.forward``'s (``deterministic``: the backward's). Returns out like q, and with
     ``return_lse`` also lse ((..., batch, heads, seqlen_q), or (heads, total_q)) float32, whose cotangent enters
-    the backward. ``sinks`` get their gradient, ``alibi_slopes`` none.
+    the backward. ``sinks`` get their gradient, ``alibi_slopes`` none. v may have a head_dim below q's (MLA's
+    head_dim_v): out then has it; v runs zero-padded to q's head_dim inside the jitted computation (the pad's
+    gradient cuts dv back).
     """
     validation.check_flag(deterministic, "deterministic")
     validation.check_flag(return_lse, "return_lse")
@@ -250,13 +252,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, wind
     targets.register()
     import jax.numpy as jnp
 
-    d = q.shape[-1]
-    hd = run_head_dim(d)
+    hd, dv = run_head_dim(q.shape[-1]), v.shape[-1]
     opts = (bool(causal), float(c.scale), tuple(int(w) for w in window), float(softcap)) + maxima
     features = tuple(x is not None for x in arrays)
     feats = tuple(jnp.asarray(x, jnp.float32 if i < 2 else jnp.int32) for i, x in enumerate(arrays) if x is not None)
     out, lse = _differentiable(opts, features, bool(deterministic))(_pad(q4, hd), _pad(k4, hd), _pad(v4, hd), feats)
-    out = out[..., :d].reshape(q.shape)
+    out = out[..., :dv].reshape(q.shape[:-1] + (dv,))
     if return_lse:
         return out, (lse.reshape(tuple(lead) + (q.shape[-4],) + tuple(lse.shape[1:])) if lead else lse)
     return out
