@@ -122,10 +122,10 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         ``j % page_size`` of page ``block_table[b, j // page_size]``. Needs packed queries (``cu_seqlens_q``) and
         ``seqused_k`` (each sequence's keys), no ``cu_seqlens_k``; the used entries are checked on the host on every
         call. A call whose table, offsets and seqused_k have an earlier call's layouts and maxima (max_seqlen_q /
-        _k) runs that call's plan, whatever their values: new lengths each call (chunked prefill) plan once. Pages of a power of two rows run FA3's form (its
-        producer reads a key block in TMA boxes of one page each), other page sizes the cp.async forms; a page's
-        rows past its sequence's keys are never used, whatever they hold. float16 or bfloat16; no FP8, no Numba
-        twin, and ``backward`` takes no paged keys.
+        _k) runs that call's plan, whatever their values: new lengths each call (chunked prefill) plan once. Pages
+        of a power of two rows run FA3's form (its producer reads a key block in TMA boxes of one page each), other
+        page sizes the cp.async forms; a page's rows past its sequence's keys are never used, whatever they hold.
+        float16 or bfloat16; no FP8, no Numba twin, and ``backward`` takes no paged keys.
     q_descale, k_descale, v_descale : arrays (1,) or (batch, kv_heads), float32, optional
         FP8 (q, k, v float8_e4m3fn, Hopper, FA3's form): the factors the e4m3 values are multiplied by
         (``rawflash.fp8.quantize`` returns them); default 1. Plain or causal attention, GQA and sinks.

@@ -17,7 +17,8 @@ call of the signature then
 
 Nothing else runs per call: no validation that the signature already proved (the public call checks the values
 of the offsets, lengths and page table, which the signature holds by layout, before it runs the plan), no form
-choice, no compile lookup, no argument packing by CuPy. :class:`PlanCache` keeps the plans, least recently used first out, behind a lock.
+choice, no compile lookup, no argument packing by CuPy. :class:`PlanCache` keeps the plans, least recently used
+first out, behind a lock.
 """
 from __future__ import annotations
 
