@@ -169,14 +169,15 @@ def _offsets_layout(name: str, cu, device) -> int:
 def _check_offsets(name: str, values: np.ndarray, total: int) -> np.ndarray:
     """The sequence lengths a cu_seqlens array's host values give, by flash-attn's rules: starting at 0,
     non-decreasing, ending at the packed length ``total``."""
+    lengths = np.diff(values)
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {int(values[0])}")
-    if np.any(np.diff(values) < 0):
+    if (lengths < 0).any():
         raise ValueError(f"{name} must be non-decreasing, got {values.tolist()}")
     if values[-1] != total:
         what = "q" if name.endswith("_q") else "k"
         raise ValueError(f"{name}[-1] must equal the packed length of {what} ({total}), got {int(values[-1])}")
-    return np.diff(values)
+    return lengths
 
 
 def _varlen_layout(f: Features, device) -> int:
@@ -241,23 +242,23 @@ def _seqused_layout(seqused, batch: int, device) -> None:
         raise ValueError(f"seqused_k must be on q's device ({device}), got {device_of(seqused, kind)}")
 
 
-def _check_seqused(used: np.ndarray, key_lengths: np.ndarray) -> np.ndarray:
-    """seqused_k's host values, each within its sequence's keys."""
-    if np.any(used < 0) or np.any(used > key_lengths):
-        raise ValueError(f"seqused_k must be between 0 and each sequence's key count {key_lengths.tolist()}, got "
-                         f"{used.tolist()}")
+def _check_seqused(used: np.ndarray, key_lengths) -> np.ndarray:
+    """seqused_k's host values, each within its sequence's keys (``key_lengths``: an array, or one int for all)."""
+    if (used < 0).any() or (used > key_lengths).any():
+        raise ValueError(f"seqused_k must be between 0 and each sequence's key count "
+                         f"{np.broadcast_to(key_lengths, used.shape).tolist()}, got {used.tolist()}")
     return used
 
 
 def _check_table(entries: np.ndarray, used: np.ndarray, pages: int, page: int) -> None:
-    """A paged forward's table: the entries its sequences' keys use (seqused_k's) name pages of k."""
-    for b in range(len(used)):
-        n = -(-int(used[b]) // page)
-        row = entries[b, :n]
-        if np.any(row < 0) or np.any(row >= pages):
-            bad = int(row[(row < 0) | (row >= pages)][0])
-            raise ValueError(f"block_table[{b}] must name pages of k (0 .. {pages - 1}) for its {n} used pages, got "
-                             f"{bad}")
+    """A paged forward's table: the entries its sequences' keys use (seqused_k's) name pages of k (one pass over
+    the table, not a loop over its rows: a planned call runs this every time)."""
+    n = -(-used // page)  # the pages each sequence uses
+    bad = (np.arange(entries.shape[1]) < n[:, None]) & ((entries < 0) | (entries >= pages))
+    if bad.any():
+        b = int(bad.any(axis=1).argmax())
+        raise ValueError(f"block_table[{b}] must name pages of k (0 .. {pages - 1}) for its {int(n[b])} used pages, "
+                         f"got {int(entries[b][bad[b]][0])}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,10 +322,10 @@ def check_values(values: Values | None, facts: Facts) -> tuple:
     v, f = values or Values(), facts
     if v.cu_seqlens_q is None:
         used = v.seqused_k
-        return None, None, None, None if used is None else _check_seqused(used, np.full(len(used), f.keys))
+        return None, None, None, None if used is None else _check_seqused(used, f.keys)
     q_lengths = _check_offsets("cu_seqlens_q", v.cu_seqlens_q, f.total_q)
     if v.block_table is not None:
-        used = _check_seqused(v.seqused_k, np.full(len(q_lengths), f.keys, dtype=np.int64))
+        used = _check_seqused(v.seqused_k, f.keys)
         _check_table(v.block_table, used, f.pages, f.page)
         key_lengths = used
     else:
