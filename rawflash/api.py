@@ -37,12 +37,23 @@ def _import(named):
 
 
 def _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              seqused_k, block_table=None) -> Features:
+              seqused_k, block_table=None, values=None) -> Features:
     alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = _import(
         (("alibi_slopes", alibi_slopes), ("sinks", sinks), ("cu_seqlens_q", cu_seqlens_q),
          ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k), ("block_table", block_table)))
     return Features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    seqused_k, block_table)
+                    seqused_k, block_table, values)
+
+
+def _values(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table=None):
+    """A fast-path call's offsets, lengths and page table on the host (``validation.read_values``: one copy of each
+    device array, for the key's maxima and the value checks, planned call or not); None when none is given or
+    one is not a CuPy array (that call has no signature and validation reads its own)."""
+    if cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None and block_table is None:
+        return None
+    if not signature.cupy_arrays(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table):
+        return None
+    return validation.read_values(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
 
 
 def _is_empty(c: Checked) -> bool:
@@ -99,7 +110,8 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         One learnable logit per head that joins every row's softmax denominator and has no value (gpt-oss).
     cu_seqlens_q, cu_seqlens_k : arrays (batch + 1,), int32, optional
         Offsets of packed variable-length sequences (flash-attn's ``flash_attn_varlen_func``); both or neither.
-        Their values are checked on the host (a device array is copied: one synchronisation).
+        Their values are checked on the host on every call (a device array is copied once: one synchronisation);
+        the plan cache keys them by their layout and the maxima they give, not by their values.
     max_seqlen_q, max_seqlen_k : int, optional
         The longest sequences (computed from the offsets when not given; must not be below any length).
     seqused_k : array (batch,), int32, optional
@@ -108,12 +120,12 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
         Paged keys (chunked prefill against a paged KV cache, the pages ``decode`` reads): k and v are
         (num_pages, page_size, kv_heads, head_dim), page_size >= 16, and key j of sequence b is row
         ``j % page_size`` of page ``block_table[b, j // page_size]``. Needs packed queries (``cu_seqlens_q``) and
-        ``seqused_k`` (each sequence's keys), no ``cu_seqlens_k``; the used entries are checked on the host. The
-        table's values are part of the call's signature, with the offsets' and seqused_k's: a call that repeats an
-        earlier call's values and layouts runs that call's plan. Pages of a power of two rows run FA3's form (its
-        producer reads a key block in TMA boxes of one page each), other page sizes the cp.async forms; a page's
-        rows past its sequence's keys are never used, whatever they hold. float16 or bfloat16; no FP8, no Numba
-        twin, and ``backward`` takes no paged keys.
+        ``seqused_k`` (each sequence's keys), no ``cu_seqlens_k``; the used entries are checked on the host on every
+        call. A call whose table, offsets and seqused_k have an earlier call's layouts and maxima (max_seqlen_q /
+        _k) runs that call's plan, whatever their values: new lengths each call (chunked prefill) plan once. Pages
+        of a power of two rows run FA3's form (its producer reads a key block in TMA boxes of one page each), other
+        page sizes the cp.async forms; a page's rows past its sequence's keys are never used, whatever they hold.
+        float16 or bfloat16; no FP8, no Numba twin, and ``backward`` takes no paged keys.
     q_descale, k_descale, v_descale : arrays (1,) or (batch, kv_heads), float32, optional
         FP8 (q, k, v float8_e4m3fn, Hopper, FA3's form): the factors the e4m3 values are multiplied by
         (``rawflash.fp8.quantize`` returns them); default 1. Plain or causal attention, GQA and sinks.
@@ -155,20 +167,24 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
     if backend == "cupy" and kernel == "fa2" and fp8 is False and incoherent is False and out_dtype is None \
             and q_descale is None and k_descale is None and v_descale is None:
         q, k, v = _import((("q", q), ("k", k), ("v", v)))
+        values = _values(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
         key = signature.forward(q, k, v, (causal, scale, window, softcap, max_seqlen_q, max_seqlen_k,
                                           tuple([(n, x.__class__, x) for n, x in sorted(switches.items())])),
-                                (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k), out, lse, block_table)
+                                (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k), out, lse, block_table,
+                                validation.maxima(values, max_seqlen_q, max_seqlen_k))
         call = PLANS.get(key) if key is not None else None
         if call is not None:
+            if values is not None:  # the key holds their layouts and maxima: their values are checked here
+                validation.check_values(values, call.facts)
             given = _hit_features(alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
             return _on(q, call.run, q, k, v, given, out, lse)
     else:
-        key = None
+        key = values = None
     env = settings.load()
     (q, k, v), c, feats, ds, sw, outputs = _checked_forward(
         q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, seqused_k, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale},
-        out_dtype, fp8, incoherent, kernel, backend, switches, out, lse, block_table)
+        out_dtype, fp8, incoherent, kernel, backend, switches, out, lse, block_table, values)
     p, to_numpy = c.problem, c.kind == "numpy"
     out_dtype = p.out_dtype or p.dtype
     if backend == "reference":
@@ -201,7 +217,7 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
                 from .kernels import cupy_backend
 
                 bound = cupy_backend.bind_forward(p, q, k, v, c.scale, kernel, sw, c.extras, env, out=out, lse=lse)
-                call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out))
+                call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out, c.facts))
                 if call is not None:
                     return call.run(q, k, v, c.extras, out, lse)
                 bound.launch()
@@ -211,13 +227,13 @@ def forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float 
 
 def _checked_forward(q, k, v, causal, scale, window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, seqused_k, descales: dict, out_dtype, fp8, incoherent, kernel: str,
-                     backend: str, switches: dict, out, lse, block_table=None):
+                     backend: str, switches: dict, out, lse, block_table=None, values=None):
     """forward's arrays imported (and quantised for fp8=True / incoherent=True) and every argument checked: the
     arrays, the checked call, its features, the FP8 descales (None for 16-bit and float32), the switches and the
-    caller's outputs."""
+    caller's outputs. ``values``: the host values of the offsets, lengths and table where already read."""
     q, k, v = _import((("q", q), ("k", k), ("v", v)))
     feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      seqused_k, block_table)
+                      seqused_k, block_table, values)
     c = validation.check_forward(q, k, v, causal, scale, kernel, backend, feats)
     ds = None
     if c.problem.dtype == configs.FP8 or fp8 is True or incoherent is True:
@@ -266,7 +282,7 @@ def _unpaged(k, v, feats: Features):
     dense = reference.gather_kv(k, v, used, feats.block_table)
     k, v = (np.concatenate([x[b, :n] for b, n in enumerate(used)]) for x in dense)
     cu = np.concatenate([[0], np.cumsum(used)]).astype(np.int32)
-    return k, v, dataclasses.replace(feats, cu_seqlens_k=cu, seqused_k=None, block_table=None)
+    return k, v, dataclasses.replace(feats, cu_seqlens_k=cu, seqused_k=None, block_table=None, values=None)
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -360,15 +376,21 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
     key = None
     if backend == "cupy":
         ins = _import(named)
-        key = signature.backward(ins, options, features, grads_given)
+        values = _values(cu_seqlens_q, cu_seqlens_k, seqused_k)
+        key = signature.backward(ins, options, features, grads_given,
+                                 validation.maxima(values, max_seqlen_q, max_seqlen_k))
         call = PLANS.get(key) if key is not None else None
         if call is not None:
+            if values is not None:  # as the forward's hit
+                validation.check_values(values, call.facts)
             return _on(ins[1], call.run, *ins, _hit_features(*features), grads_given)
         named = tuple((n, x) for (n, _), x in zip(named, ins))  # imported once
+    else:
+        values = None
     env = settings.load()
     dout, q, k, v, out, lse = _import(named)
     feats = _features(window, softcap, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      seqused_k)
+                      seqused_k, None, values)
     c = validation.check_backward(dout, q, k, v, out, lse, causal, scale, deterministic, backend, feats)
     to_numpy = c.kind == "numpy"
     p = c.problem
@@ -396,7 +418,8 @@ def backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, 
                 bound = cupy_backend.bind_backward(p, dout, q, k, v, out, lse, c.scale, deterministic, c.extras, env,
                                                    grads=given)
                 arrays_in = (dout, q, k, v, out, lse)
-                call = _plan(key, lambda: cupy_backend.BackwardCall(bound, arrays_in, c.extras, env, given))
+                call = _plan(key, lambda: cupy_backend.BackwardCall(bound, arrays_in, c.extras, env, given,
+                                                                    c.facts))
                 if call is not None:
                     return call.run(*arrays_in, c.extras, given)
                 bound.launch()
@@ -745,10 +768,11 @@ def plan_forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: f
     opts = (causal, scale, window, softcap, max_seqlen_q, max_seqlen_k, ())
     raw = (alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k)
     env = settings.load()
+    values = _values(cu_seqlens_q, cu_seqlens_k, seqused_k)
     (q, k, v), c, _, ds, sw, _ = _checked_forward(q, k, v, causal, scale, window, softcap, alibi_slopes, sinks,
                                                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-                                                  {}, None, False, False, "fa2", "cupy", {}, out, lse)
-    key = signature.forward(q, k, v, opts, raw, out, lse)
+                                                  {}, None, False, False, "fa2", "cupy", {}, out, lse, None, values)
+    key = signature.forward(q, k, v, opts, raw, out, lse, None, validation.maxima(values, max_seqlen_q, max_seqlen_k))
     if key is None:
         raise ValueError("a plan takes non-empty CuPy arrays (q, k, v, the feature arrays and the outputs)")
     call = PLANS.get(key)
@@ -758,7 +782,7 @@ def plan_forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: f
         with _device(c.device):
             bound = cupy_backend.bind_forward(c.problem, q, k, v, c.scale, "fa2", sw, c.extras, env, out=out,
                                               lse=lse)
-            call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out))
+            call = _plan(key, lambda: cupy_backend.ForwardCall(bound, q, k, v, c.extras, env, out, c.facts))
     # a run compares the layouts of its own arrays: the feature arrays are the plan's, never read on the host again
     return ForwardPlan(signature.forward(q, k, v, opts, (None,) * 5, out, lse), call, opts, dict(c.extras),
                        (None,) * 5)

@@ -43,7 +43,9 @@ class Problem:
     total_q: int = 0
     total_k: int = 0
     seqused_k: bool = False
-    lengths: tuple = ()  # (seqlen_q, seqlen_k) of every packed sequence, when known on the host (introspection)
+    # (seqlen_q, seqlen_k) of every packed sequence, when known on the host: introspection's; no launch reads it, so
+    # a planned call (keyed on the maxima above) runs for other lengths
+    lengths: tuple = ()
     new_keys: int = 0    # decode: rows of k_new / v_new appended to the cache (seqlen_k is the cache's capacity)
     page_size: int = 0   # decode and a paged forward: the pages' rows (0: contiguous keys)
     sms: int = 132       # multiprocessors of the GPU (an H200's by default): persistent grids and split counts

@@ -4,11 +4,13 @@ Two calls with equal signatures pass or fail validation alike and run the same l
 the public functions look a signature up in their plan cache before anything else and validate only on a miss.
 A signature holds, for each array, its shape, strides, dtype, device and whether its address is 16-byte aligned
 (the kernels' and TMA's requirement; other addresses take another plan); for each option, its type beside its
-value (``causal=1`` is refused where ``causal=True`` is not, and ``1 == True`` in Python); and the host values
-a plan depends on or validation reads (packed sequences' offsets, ``seqused_k``, a paged forward's
-``block_table``, whose used entries validation checks against the page pool). A call that is not on the fast
-path (NumPy inputs, another backend, the FP8 forward, zero-size arrays, anything unhashable) has no signature
-(``None``) and takes the full path every time.
+value (``causal=1`` is refused where ``causal=True`` is not, and ``1 == True`` in Python); and, for packed
+sequences, the max_seqlen_q / max_seqlen_k the call runs with (``validation.maxima``: they pick tile rows and
+grids). The offsets, ``seqused_k`` and a paged forward's ``block_table`` enter by their layouts only: no launch
+depends on their values but through those maxima, and validation checks the values on every call, planned or not
+(``validation.check_values``), so new lengths with the same layouts and maxima run one plan. A call that is not
+on the fast path (NumPy inputs, another backend, the FP8 forward, zero-size arrays, anything unhashable) has no
+signature (``None``) and takes the full path every time.
 """
 from __future__ import annotations
 
@@ -41,12 +43,10 @@ def optional(x):
     return None if x is None else array(x)
 
 
-def values(x):
-    """A small int32 array (offsets, lengths, a page table) by its layout and its values (a device array is copied
-    to the host: validation reads them too)."""
-    if x is None:
-        return None
-    return array(x), x.get().tobytes()
+def cupy_arrays(*xs) -> bool:
+    """Whether each of ``xs`` is None or a CuPy array (the only arrays a signature describes): a call reads its
+    offsets', lengths' and page table's values for the key's maxima only then."""
+    return all(x is None or is_cupy_array(x) for x in xs)
 
 
 def options(values: tuple) -> tuple:
@@ -72,26 +72,27 @@ def settings_key() -> tuple:
     return tuple([os.environ.get(name) for name in _SETTINGS])
 
 
-def forward(q, k, v, opts: tuple, features: tuple, out, lse, block_table=None):
+def forward(q, k, v, opts: tuple, features: tuple, out, lse, block_table=None, maxima=None):
     """The signature of a forward call (``opts``: the options' values; ``features``: alibi_slopes, sinks,
-    cu_seqlens_q, cu_seqlens_k, seqused_k, as given; ``block_table``: a paged forward's page table, by its values
-    as the offsets are); None where it takes the full path."""
+    cu_seqlens_q, cu_seqlens_k, seqused_k, as given; ``block_table``: a paged forward's page table; ``maxima``:
+    packed sequences' max_seqlen_q / _k, ``validation.maxima``'s); None where it takes the full path."""
     alibi, sinks, cu_q, cu_k, used = features
     try:
         return _hashable(("forward", array(q), array(k), array(v), options(opts), optional(alibi),
-                          optional(sinks), values(cu_q), values(cu_k), values(used), values(block_table),
-                          optional(out), optional(lse), settings_key()))
+                          optional(sinks), optional(cu_q), optional(cu_k), optional(used), optional(block_table),
+                          maxima, optional(out), optional(lse), settings_key()))
     except (NoSignature, TypeError):
         return None
 
 
-def backward(arrays: tuple, opts: tuple, features: tuple, grads: tuple):
-    """The signature of a backward call (``arrays``: dout, q, k, v, out, lse; ``grads``: the caller's dq, dk, dv)."""
+def backward(arrays: tuple, opts: tuple, features: tuple, grads: tuple, maxima=None):
+    """The signature of a backward call (``arrays``: dout, q, k, v, out, lse; ``grads``: the caller's dq, dk, dv;
+    ``maxima`` as the forward's)."""
     alibi, sinks, cu_q, cu_k, used = features
     try:
         return _hashable(("backward", *[array(x) for x in arrays], options(opts), optional(alibi),
-                          optional(sinks), values(cu_q), values(cu_k), values(used), *[optional(g) for g in grads],
-                          settings_key()))
+                          optional(sinks), optional(cu_q), optional(cu_k), optional(used), maxima,
+                          *[optional(g) for g in grads], settings_key()))
     except (NoSignature, TypeError):
         return None
 

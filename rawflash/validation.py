@@ -107,6 +107,7 @@ class Checked:
     kind: str              # 'numpy', 'cupy' or 'foreign' (of q; all inputs share a device)
     device: object
     extras: dict = dataclasses.field(default_factory=dict)  # cu_seqlens_q/_k, seqused_k, alibi_slopes, sinks
+    facts: object = None   # a forward's or backward's Facts: what its values are checked against on every call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +124,7 @@ class Features:
     max_seqlen_k: object = None
     seqused_k: object = None
     block_table: object = None  # a paged forward: k and v are pages (num_pages, page_size, kv_heads, head_dim)
+    values: object = None  # read_values' host copies of the four above, where the caller has read them already
 
     def given(self) -> list[str]:
         """Names of the features that are on."""
@@ -151,9 +153,9 @@ def _feature_array(x, name: str, shapes: list[tuple], dtype: str, device) -> obj
     return x
 
 
-def _check_offsets(name: str, cu, total: int, device) -> np.ndarray:
-    """The sequence lengths a cu_seqlens array gives, by flash-attn's rules: int32, 1-D with batch + 1 >= 2 entries,
-    on q's device, starting at 0, non-decreasing, ending at the packed length ``total``."""
+def _offsets_layout(name: str, cu, device) -> int:
+    """A cu_seqlens array's layout by flash-attn's rules (int32, 1-D with batch + 1 >= 2 entries, on q's device);
+    its batch. Its values are :func:`check_values`'."""
     kind = array_kind(cu, name)
     if dtype_name(cu.dtype) != "int32":
         raise TypeError(f"{name} must have dtype int32, got {dtype_name(cu.dtype)}")
@@ -161,34 +163,42 @@ def _check_offsets(name: str, cu, total: int, device) -> np.ndarray:
         raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
     if device_of(cu, kind) != device:
         raise ValueError(f"{name} must be on q's device ({device}), got {device_of(cu, kind)}")
-    values = _host_ints(cu).astype(np.int64)
+    return int(cu.shape[0]) - 1
+
+
+def _check_offsets(name: str, values: np.ndarray, total: int) -> np.ndarray:
+    """The sequence lengths a cu_seqlens array's host values give, by flash-attn's rules: starting at 0,
+    non-decreasing, ending at the packed length ``total``."""
+    lengths = np.diff(values)
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {int(values[0])}")
-    if np.any(np.diff(values) < 0):
+    if (lengths < 0).any():
         raise ValueError(f"{name} must be non-decreasing, got {values.tolist()}")
     if values[-1] != total:
         what = "q" if name.endswith("_q") else "k"
         raise ValueError(f"{name}[-1] must equal the packed length of {what} ({total}), got {int(values[-1])}")
-    return np.diff(values)
+    return lengths
 
 
-def _check_varlen(f: Features, q_total: int, k_total: int, device) -> tuple:
-    """(batch, max_seqlen_q, max_seqlen_k, query lengths, key lengths) of packed sequences; every rule of
-    flash-attn's varlen arguments."""
+def _varlen_layout(f: Features, device) -> int:
+    """The batch of packed sequences with contiguous keys: both offsets given, laid out alike."""
     if f.cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together, got cu_seqlens_q without cu_seqlens_k")
-    q_lengths = _check_offsets("cu_seqlens_q", f.cu_seqlens_q, q_total, device)
-    k_lengths = _check_offsets("cu_seqlens_k", f.cu_seqlens_k, k_total, device)
-    if len(q_lengths) != len(k_lengths):
+    batch = _offsets_layout("cu_seqlens_q", f.cu_seqlens_q, device)
+    batch_k = _offsets_layout("cu_seqlens_k", f.cu_seqlens_k, device)
+    if batch != batch_k:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-                         f"{len(q_lengths) + 1} and {len(k_lengths) + 1}")
-    return (len(q_lengths), _max_seqlen("max_seqlen_q", q_lengths, f.max_seqlen_q),
-            _max_seqlen("max_seqlen_k", k_lengths, f.max_seqlen_k), q_lengths, k_lengths)
+                         f"{batch + 1} and {batch_k + 1}")
+    return batch
+
+
+def _longest(lengths) -> int:
+    return 0 if lengths is None else int(lengths.max(initial=0))
 
 
 def _max_seqlen(name: str, lengths: np.ndarray, given) -> int:
     """max_seqlen_q / _k: the longest of ``lengths`` when not given, else the given int, which must not be less."""
-    longest = int(lengths.max(initial=0))
+    longest = _longest(lengths)
     if given is None:
         return longest
     if isinstance(given, (bool, np.bool_)) or not isinstance(given, numbers.Integral):
@@ -198,9 +208,9 @@ def _max_seqlen(name: str, lengths: np.ndarray, given) -> int:
     return int(given)
 
 
-def _check_paged(f: Features, q_total: int, pages: int, page: int, device) -> tuple:
-    """(batch, max_seqlen_q, max_seqlen_k, query lengths, seqused_k's values) of a paged forward: packed queries
-    (cu_seqlens_q), keys in pages located by block_table and counted by seqused_k; every used page inside k."""
+def _paged_layout(f: Features, page: int, device) -> int:
+    """The batch of a paged forward: packed queries (cu_seqlens_q), keys in pages located by block_table
+    (int32 (batch, max_pages) on q's device) and counted by seqused_k; no cu_seqlens_k."""
     if f.cu_seqlens_k is not None:
         raise ValueError("cu_seqlens_k does not go with block_table: a paged forward's keys are located by "
                          "block_table and counted by seqused_k")
@@ -208,8 +218,7 @@ def _check_paged(f: Features, q_total: int, pages: int, page: int, device) -> tu
         raise ValueError("block_table needs seqused_k: the keys of each sequence in its pages")
     if page < 16:
         raise ValueError(f"a paged forward needs pages of at least 16 rows (k.shape[1]), got {page}")
-    q_lengths = _check_offsets("cu_seqlens_q", f.cu_seqlens_q, q_total, device)
-    batch = len(q_lengths)
+    batch = _offsets_layout("cu_seqlens_q", f.cu_seqlens_q, device)
     table = f.block_table
     kind = array_kind(table, "block_table")
     if dtype_name(table.dtype) != "int32":
@@ -219,20 +228,11 @@ def _check_paged(f: Features, q_total: int, pages: int, page: int, device) -> tu
                          f"{tuple(table.shape)}")
     if device_of(table, kind) != device:
         raise ValueError(f"block_table must be on q's device ({device}), got {device_of(table, kind)}")
-    used = _check_seqused(f.seqused_k, batch, np.full(batch, int(table.shape[1]) * page, dtype=np.int64), device)
-    entries = _host_ints(table).astype(np.int64)
-    for b in range(batch):
-        n = -(-int(used[b]) // page)
-        bad = [int(x) for x in entries[b, :n] if not 0 <= x < pages]
-        if bad:
-            raise ValueError(f"block_table[{b}] must name pages of k (0 .. {pages - 1}) for its {n} used pages, got "
-                             f"{bad[0]}")
-    return (batch, _max_seqlen("max_seqlen_q", q_lengths, f.max_seqlen_q),
-            _max_seqlen("max_seqlen_k", used, f.max_seqlen_k), q_lengths, used)
+    return batch
 
 
-def _check_seqused(seqused, batch: int, key_lengths: np.ndarray, device) -> np.ndarray:
-    """seqused_k's rules (int32 (batch,) on q's device, each value within its sequence's keys); its values."""
+def _seqused_layout(seqused, batch: int, device) -> None:
+    """seqused_k's layout: int32 (batch,) on q's device."""
     kind = array_kind(seqused, "seqused_k")
     if dtype_name(seqused.dtype) != "int32":
         raise TypeError(f"seqused_k must have dtype int32, got {dtype_name(seqused.dtype)}")
@@ -240,11 +240,101 @@ def _check_seqused(seqused, batch: int, key_lengths: np.ndarray, device) -> np.n
         raise ValueError(f"seqused_k must have shape (batch,) = ({batch},), got {tuple(seqused.shape)}")
     if device_of(seqused, kind) != device:
         raise ValueError(f"seqused_k must be on q's device ({device}), got {device_of(seqused, kind)}")
-    used = _host_ints(seqused).astype(np.int64)
-    if np.any(used < 0) or np.any(used > key_lengths):
-        raise ValueError(f"seqused_k must be between 0 and each sequence's key count {key_lengths.tolist()}, got "
-                         f"{used.tolist()}")
+
+
+def _check_seqused(used: np.ndarray, key_lengths) -> np.ndarray:
+    """seqused_k's host values, each within its sequence's keys (``key_lengths``: an array, or one int for all)."""
+    if (used < 0).any() or (used > key_lengths).any():
+        raise ValueError(f"seqused_k must be between 0 and each sequence's key count "
+                         f"{np.broadcast_to(key_lengths, used.shape).tolist()}, got {used.tolist()}")
     return used
+
+
+def _check_table(entries: np.ndarray, used: np.ndarray, pages: int, page: int) -> None:
+    """A paged forward's table: the entries its sequences' keys use (seqused_k's) name pages of k (one pass over
+    the table, not a loop over its rows: a planned call runs this every time)."""
+    n = -(-used // page)  # the pages each sequence uses
+    bad = (np.arange(entries.shape[1]) < n[:, None]) & ((entries < 0) | (entries >= pages))
+    if bad.any():
+        b = int(bad.any(axis=1).argmax())
+        raise ValueError(f"block_table[{b}] must name pages of k (0 .. {pages - 1}) for its {int(n[b])} used pages, "
+                         f"got {int(entries[b][bad[b]][0])}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Values:
+    """The host values of a call's small int32 arrays (int64 copies): cu_seqlens_q / _k, seqused_k and a paged
+    forward's block_table, None where not given. :func:`read_values` reads each once per call; validation checks
+    them (:func:`check_values`) on every call, planned or not, and the plan-cache key holds the maxima they give
+    (:func:`maxima`), not the values."""
+
+    cu_seqlens_q: np.ndarray | None = None
+    cu_seqlens_k: np.ndarray | None = None
+    seqused_k: np.ndarray | None = None
+    block_table: np.ndarray | None = None
+
+
+def read_values(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table=None) -> Values | None:
+    """The host copies of the given arrays (a device array is copied: one synchronisation each); None when none is
+    given."""
+    if cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None and block_table is None:
+        return None
+    return Values(*[None if x is None else _host_ints(x).astype(np.int64)
+                    for x in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)])
+
+
+def maxima(values: Values | None, max_seqlen_q, max_seqlen_k) -> tuple | None:
+    """The max_seqlen_q / _k a packed call runs with (its Problem's seqlen_q / seqlen_k, which pick tile rows and
+    grids), by :func:`check_values`' rule: the given ones, else the longest sequence of cu_seqlens_q and of
+    cu_seqlens_k (seqused_k for paged keys). Computed from values not yet checked, for the plan-cache key (a call
+    whose values check_values refuses runs nothing); None for fixed lengths, whose shapes fix them."""
+    if values is None or values.cu_seqlens_q is None:
+        return None
+    keys = values.seqused_k if values.block_table is not None else \
+        None if values.cu_seqlens_k is None else np.diff(values.cu_seqlens_k.reshape(-1))
+    return (max_seqlen_q if max_seqlen_q is not None else _longest(np.diff(values.cu_seqlens_q.reshape(-1))),
+            max_seqlen_k if max_seqlen_k is not None else _longest(keys))
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What :func:`check_values` compares a call's host values with, all fixed by its layouts and options (so by
+    its signature): the packed rows of q and k, each sequence's keys where no offsets count them (fixed lengths'
+    seqlen_k, or a paged table's width times its page), the page pool (pages, rows a page) and the max_seqlen_q /
+    _k given (None: the longest)."""
+
+    total_q: int = 0
+    total_k: int = 0
+    keys: int = 0
+    pages: int = 0
+    page: int = 0
+    max_seqlen_q: object = None
+    max_seqlen_k: object = None
+
+
+def check_values(values: Values | None, facts: Facts) -> tuple:
+    """The rules on the values of a call's offsets, seqused_k and page table (host copies, ``values``) against
+    what its layouts fix (``facts``): offsets start at 0, never decrease and end at the packed lengths;
+    max_seqlen_q / _k are not below the longest sequence; seqused_k is within each sequence's keys; a paged
+    table's used entries name pages of k. :func:`check_forward` runs them on a new call, ``rawflash.forward`` /
+    ``backward`` before a planned call launches. Returns (max_seqlen_q, max_seqlen_k, query lengths, keys of each
+    sequence: seqused_k's values where given, else the offsets'); the first three are None for fixed lengths."""
+    v, f = values or Values(), facts
+    if v.cu_seqlens_q is None:
+        used = v.seqused_k
+        return None, None, None, None if used is None else _check_seqused(used, f.keys)
+    q_lengths = _check_offsets("cu_seqlens_q", v.cu_seqlens_q, f.total_q)
+    if v.block_table is not None:
+        used = _check_seqused(v.seqused_k, f.keys)
+        _check_table(v.block_table, used, f.pages, f.page)
+        key_lengths = used
+    else:
+        key_lengths = _check_offsets("cu_seqlens_k", v.cu_seqlens_k, f.total_k)
+    max_q = _max_seqlen("max_seqlen_q", q_lengths, f.max_seqlen_q)
+    max_k = _max_seqlen("max_seqlen_k", key_lengths, f.max_seqlen_k)
+    if v.seqused_k is not None and v.block_table is None:
+        key_lengths = _check_seqused(v.seqused_k, key_lengths)
+    return max_q, max_k, q_lengths, key_lengths
 
 
 def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "cupy",
@@ -309,18 +399,27 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     if not 1 <= d <= configs.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be between 1 and {configs.MAX_HEAD_DIM}, got {d}")
     device = devices["q"]
-    used = None  # seqused_k's values once checked
     if paged:
-        batch, max_q, max_k, query_lengths, used = _check_paged(features, nq, pages, page, device)
+        batch = _paged_layout(features, page, device)
+        facts = Facts(total_q=nq, keys=int(features.block_table.shape[1]) * page, pages=pages, page=page)
     elif varlen:
-        batch, max_q, max_k, query_lengths, key_lengths = _check_varlen(features, nq, nk, device)
+        batch = _varlen_layout(features, device)
+        facts = Facts(total_q=nq, total_k=nk)
     else:
-        batch, max_q, max_k = shapes["q"][0], nq, nk
-        key_lengths = np.full(batch, nk)
+        batch = shapes["q"][0]
+        facts = Facts(keys=nk)
         for name in ("max_seqlen_q", "max_seqlen_k"):
             if getattr(features, name) is not None:
                 raise ValueError(f"{name} goes with cu_seqlens_q / cu_seqlens_k (packed sequences); got {name} "
                                  "without them")
+    if features.seqused_k is not None:
+        _seqused_layout(features.seqused_k, batch, device)
+    facts = dataclasses.replace(facts, max_seqlen_q=features.max_seqlen_q, max_seqlen_k=features.max_seqlen_k)
+    values = features.values if features.values is not None else \
+        read_values(features.cu_seqlens_q, features.cu_seqlens_k, features.seqused_k, features.block_table)
+    max_q, max_k, query_lengths, key_lengths = check_values(values, facts)
+    if not varlen:
+        max_q, max_k = nq, nk
     if h > MAX_GRID_YZ or batch > MAX_GRID_YZ:
         raise ValueError(f"heads and batch must each be at most {MAX_GRID_YZ}, got heads {h}, batch {batch}")
     extras = {}
@@ -330,8 +429,6 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
     if features.sinks is not None:
         extras["sinks"] = _feature_array(features.sinks, "sinks", [(h,)], "float32", device)
     if features.seqused_k is not None:
-        if used is None:
-            used = _check_seqused(features.seqused_k, batch, key_lengths, device)
         extras["seqused_k"] = features.seqused_k
     if varlen:
         extras["cu_seqlens_q"], extras["cu_seqlens_k"] = features.cu_seqlens_q, features.cu_seqlens_k
@@ -348,15 +445,13 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
         if unsupported:
             raise ValueError(f"kernel={kernel!r} does not support {unsupported[0]}: only kernel='fa2' runs every "
                              f"feature (got {unsupported[0]} with kernel={kernel!r})")
-    if used is None:
-        used = key_lengths
-    lengths = tuple(zip(map(int, query_lengths), map(int, used))) if varlen else ()
+    lengths = tuple(zip(map(int, query_lengths), map(int, key_lengths))) if varlen else ()
     problem = Problem(batch, max_q, max_k, h, hk, d, dtypes["q"], causal, window=window, softcap=softcap,
                       alibi="alibi_slopes" in extras, sinks="sinks" in extras, varlen=varlen,
                       total_q=nq if varlen else 0, total_k=nk if varlen else 0, seqused_k="seqused_k" in extras,
                       lengths=lengths, page_size=page if paged else 0,
                       head_dim_v=vshape[2] if vshape[2] != d else 0)
-    return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)
+    return Checked(problem, check_scale(scale, d), kinds["q"], device, extras, facts)
 
 
 def out_shape(q, v) -> tuple[int, ...]:

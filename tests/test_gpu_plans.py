@@ -362,3 +362,67 @@ def test_the_readme_decode_graph_pattern():
         eager_lens += 1
         assert bool(cupy.all(outs[t] == want)), f"step {t}"
     assert bool(cupy.all(k_cache == k_eager)) and bool(cupy.all(lens == eager_lens))
+
+
+# Packed calls of one layout with new offsets and seqused_k each call: 3 sequences, 300 query and 420 key rows in
+# all, the longest always 160 queries and 200 keys (so the same maxima).
+PACKED_LENGTHS = [((100, 40, 160), (200, 20, 200), (150, 20, 0)),
+                  ((160, 140, 0), (20, 200, 200), (20, 199, 200)),
+                  ((40, 160, 100), (200, 200, 20), (1, 200, 7))]
+
+
+def _packed_call(qlens, klens, used, seed):
+    """Host q, k, v, dout (bfloat16, 4 heads over 2 kv heads, d = 128) and the call's offsets and seqused_k."""
+    q, k, v = random_qkv(1, sum(qlens), sum(klens), 4, 2, 128, "bfloat16", seed=seed)
+    dout = random_qkv(1, sum(qlens), sum(klens), 4, 2, 128, "bfloat16", seed=seed + 1)[0][0]
+    offsets = {"cu_seqlens_q": np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32),
+               "cu_seqlens_k": np.concatenate([[0], np.cumsum(klens)]).astype(np.int32),
+               "seqused_k": np.asarray(used, np.int32)}
+    return (q[0], k[0], v[0], dout), offsets
+
+
+def test_new_packed_lengths_each_call_run_one_plan():
+    """A loop of packed forwards and backwards with new cu_seqlens_q / _k and seqused_k each call (same layouts and
+    maxima) makes one plan a direction: every later call hits it, and each result is its own lengths' (the float64
+    reference, by flash-attn's rule)."""
+    rawflash.clear_cache()
+    for i, (qlens, klens, used) in enumerate(PACKED_LENGTHS):
+        (q, k, v, dout), offsets = _packed_call(qlens, klens, used, seed=20 + 2 * i)
+        dev = {n: cupy.asarray(x) for n, x in offsets.items()}
+        gq, gk, gv, gdout = _device(q, k, v, dout)
+        out, lse = rawflash.forward(gq, gk, gv, causal=True, **dev)
+        grads = rawflash.backward(gdout, gq, gk, gv, out, lse, causal=True, **dev)
+        assert (len(api.PLANS), api.PLANS.hits) == (2, 2 * i), "one plan a direction, every later call a hit"
+        ref = reference.forward(q, k, v, causal=True, **offsets)
+        base = reference.forward(q, k, v, causal=True, upcast=False, **offsets)
+        for what, got, want, plain in zip(("out", "lse"), (out, lse), ref, base):
+            ok, err, _, bound = reference.error_ratio_ok(got.get(), want, plain, q.dtype, 2)
+            assert ok, f"call {i} {what}: max error {err:.3g} > bound {bound:.3g}"
+        want = reference.backward(dout, q, k, v, causal=True, **offsets)
+        plain = reference.backward(dout, q, k, v, causal=True, upcast=False, **offsets)
+        for name, g, w, b in zip(("dq", "dk", "dv"), grads, want, plain):
+            ok, err, _, bound = reference.error_ratio_ok(g.get(), w, b, q.dtype, 3)
+            assert ok, f"call {i} {name}: max error {err:.3g} > bound {bound:.3g}"
+
+
+def test_a_bad_packed_value_after_a_good_plan_launches_nothing():
+    """A hit whose seqused_k runs past a sequence's keys, or whose offsets decrease, is refused with the full
+    path's message before anything is launched (``out`` keeps what it held)."""
+    rawflash.clear_cache()
+    (q, k, v, _), offsets = _packed_call(*PACKED_LENGTHS[0], seed=30)
+    dev = {n: cupy.asarray(x) for n, x in offsets.items()}
+    gq, gk, gv = _device(q, k, v)
+    out = cupy.empty(gq.shape, gq.dtype)
+    rawflash.forward(gq, gk, gv, causal=True, out=out, **dev)
+    sentinel = cupy.asarray(np.full(q.shape, 7, q.dtype))
+    out[...] = sentinel
+    bad = [("seqused_k", [150, 21, 0], "seqused_k must be between 0 and each sequence's key count"),
+           ("cu_seqlens_q", [0, 150, 140, 300], "cu_seqlens_q must be non-decreasing")]
+    for name, values, match in bad:
+        given = dict(dev, **{name: cupy.asarray(np.asarray(values, np.int32))})
+        hits = api.PLANS.hits
+        with pytest.raises(ValueError, match=match):
+            rawflash.forward(gq, gk, gv, causal=True, out=out, **given)
+        assert api.PLANS.hits == hits + 1 and len(api.PLANS) == 1, "refused on a hit"
+    cupy.cuda.get_current_stream().synchronize()
+    assert bool(cupy.all(out.view(cupy.uint16) == sentinel.view(cupy.uint16))), "nothing launched"

@@ -6,9 +6,9 @@ the rest) and the validation, one test per refused input. GPU tests check both f
 by flash-attn's rule (2x the error of a plain implementation in the inputs' dtype, out and lse) over ragged lengths
 (a sequence with no query, one with no key), page sizes 16 - 256 in a shuffled page order, GQA / MQA, causal both
 ways and the features; that NaN in a page's rows past a sequence's keys and in pages no sequence names leaves the
-results finite; that repeated calls run their plan (the plan cache) with the new arrays' addresses, and that a
-table's new values are validated and planned again; and that a paged prefill followed by decode steps on the same
-pages equals the same steps on contiguous keys.
+results finite; that repeated calls run their plan (the plan cache) with the new arrays' addresses, that new
+lengths and tables of the same layouts and maxima run that plan too, each checked before it launches; and that
+a paged prefill followed by decode steps on the same pages equals the same steps on contiguous keys.
 """
 from __future__ import annotations
 
@@ -278,43 +278,68 @@ def test_repeated_paged_calls_run_their_plan(page, kernel):
 
 @pytest.mark.gpu
 def test_a_bad_table_after_a_planned_one_is_refused():
-    """A planned call's table given again with a used entry outside the pool (the same array, changed in place)
-    is validated, not run: the values are the signature's; the good values then run the plan again."""
+    """A planned call's table given again with a used entry outside the pool (the same array, changed in place:
+    the same key) hits the plan and is refused by the value checks before anything is launched (``out`` keeps
+    what it held); the good values then run the plan again."""
+    import cupy
+
     from rawflash import api
 
     args, packed = _case(**PLANNED, page=64)
     rawflash.clear_cache()
     dev = _on_device(args)
-    rawflash.forward(**dev, causal=True)
+    out = cupy.empty(args["q"].shape, args["q"].dtype)
+    rawflash.forward(**dev, causal=True, out=out)
+    sentinel = cupy.asarray(np.full(args["q"].shape, 7, args["q"].dtype))
+    out[...] = sentinel
     dev["block_table"][2, 1] = args["k"].shape[0]  # one past the pool; sequence 2's 300 keys use 5 pages of 64
     with pytest.raises(ValueError, match=r"block_table\[2\] must name pages of k"):
-        rawflash.forward(**dev, causal=True)
+        rawflash.forward(**dev, causal=True, out=out)
+    assert (len(api.PLANS), api.PLANS.hits) == (1, 1), "the refused call was a hit"
+    cupy.cuda.get_current_stream().synchronize()
+    assert bool(cupy.all(out.view(cupy.uint16) == sentinel.view(cupy.uint16))), "nothing launched"
     dev["block_table"][2, 1] = int(args["block_table"][2, 1])
-    out, lse = rawflash.forward(**dev, causal=True)
-    assert (len(api.PLANS), api.PLANS.hits) == (1, 1)
-    _check_reference(args, packed, True, "bfloat16", out, lse)
+    res, lse = rawflash.forward(**dev, causal=True, out=out)
+    assert (len(api.PLANS), api.PLANS.hits) == (1, 2)
+    _check_reference(args, packed, True, "bfloat16", res, lse)
+
+
+# Each call's lengths (queries, keys) in a chunked-prefill loop: new values, the same totals of queries (the
+# packed q's rows) and the same longest sequences (257 queries, 300 keys), so the same maxima and page tables of
+# one width.
+NEW_LENGTHS = [((5, 0, 133, 257), (40, 7, 300, 257)), ((257, 133, 5, 0), (300, 1, 64, 299)),
+               ((100, 38, 257, 0), (0, 128, 300, 17)), ((0, 257, 1, 137), (300, 300, 2, 250))]
+
+
+def test_new_lengths_cases_share_layouts_and_maxima():
+    """NEW_LENGTHS' calls differ in their values only: the same array shapes and maxima (so one plan key)."""
+    from rawflash import validation
+
+    for page, _ in PLANNED_FORMS:
+        seen = set()
+        for qlens, klens in NEW_LENGTHS:
+            args, _ = _case(d=128, heads=8, kv_heads=2, qlens=qlens, klens=klens, page=page)
+            values = validation.read_values(args["cu_seqlens_q"], None, args["seqused_k"], args["block_table"])
+            seen.add((tuple((n, x.shape) for n, x in args.items()), validation.maxima(values, None, None)))
+        assert len(seen) == 1, seen
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [page for page, _ in PLANNED_FORMS])
-def test_new_table_values_make_a_new_plan(page):
-    """New values in a planned call's table (written in place: the same address) make a new plan, whose answer is
-    the new table's; the old values then run their own plan."""
+@pytest.mark.parametrize("page, kernel", PLANNED_FORMS)
+def test_new_lengths_each_call_run_one_plan(page, kernel):
+    """A loop of paged calls with new seqused_k, cu_seqlens_q and page tables every call (same layouts, same
+    maxima) makes one plan: the first call plans, every later one hits it, and each result is its own lengths'
+    (the float64 reference on its keys, by flash-attn's rule)."""
     from rawflash import api
 
-    args, packed = _case(**PLANNED, page=page)
-    swapped, packed_swapped = _case(**PLANNED, page=page, table=args["block_table"][::-1].copy())
     rawflash.clear_cache()
-    dev = _on_device(args)
-    rawflash.forward(**dev, causal=True)
-    dev["block_table"].set(swapped["block_table"])
-    out, lse = rawflash.forward(**dev, causal=True)
-    assert (len(api.PLANS), api.PLANS.hits) == (2, 0)
-    _check_reference(swapped, packed_swapped, True, "bfloat16", out, lse)
-    dev["block_table"].set(args["block_table"])
-    out, lse = rawflash.forward(**dev, causal=True)
-    assert (len(api.PLANS), api.PLANS.hits) == (2, 1)
-    _check_reference(args, packed, True, "bfloat16", out, lse)
+    for i, (qlens, klens) in enumerate(NEW_LENGTHS):
+        args, packed = _case(d=128, heads=8, kv_heads=2, qlens=qlens, klens=klens, page=page, seed=10 + i)
+        out, lse = rawflash.forward(**_on_device(args), causal=True)
+        assert (len(api.PLANS), api.PLANS.hits) == (1, i), "one plan, every later call a hit"
+        _check_reference(args, packed, True, "bfloat16", out, lse)
+    (call, _), = api.PLANS._plans.values()
+    assert any(launch.name.startswith(kernel + "<") for launch in call.plan.launches)
 
 
 @pytest.mark.gpu
@@ -378,10 +403,11 @@ def test_bench_paged_cases():
         assert res.exit_code == 1 and "needs a CUDA GPU" in res.output
 
 
-def test_bench_paged_new_lengths_miss_every_call():
+def test_bench_paged_new_lengths_each_call():
     """The new-lengths rows' seqused_k: no two calls alike and none the full lengths (which the repeated rows
-    plan), so every call misses the plan cache; each sequence keeps all but fewer than MAX_TRIM of its keys, and
-    none goes below 0 (the reduced validation case has a one-key sequence)."""
+    plan), the longest sequence whole (so every call has the maxima of the first, whose plan it runs, its values
+    checked); each sequence keeps all but fewer than MAX_TRIM of its keys, and none goes below 0 (the reduced
+    validation case has a one-key sequence)."""
     import itertools
 
     from rawflash.cli import bench_paged
@@ -391,6 +417,7 @@ def test_bench_paged_new_lengths_miss_every_call():
     assert len(set(calls)) == len(calls) and tuple(lengths) not in calls
     used = np.asarray(calls)
     assert (used <= lengths).all() and (used > lengths - bench_paged.MAX_TRIM).all()
+    assert (used.max(axis=1) == lengths.max()).all()
     reduced = list(itertools.islice(bench_paged.lengths_each_call(bench_paged.REDUCED), 3))
     assert len({tuple(u) for u in reduced}) == 3 and all((u >= 0).all() and u.dtype == np.int32 for u in reduced)
 

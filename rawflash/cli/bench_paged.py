@@ -5,10 +5,10 @@ in turn (it has no packed form), bf16, causal, d = 128, GQA 32/8.
 
 The paged call and the contiguous call are each timed once more in their default forms, ", new lengths each call":
 every call gives seqused_k values no earlier call gave (a serving loop's chunked prefill, whose keys grow each
-step; :func:`lengths_each_call`), so each call misses the plan cache (the values are part of its signature) and
-pays validation, binding and planning, where the rows with repeated lengths run their plan. "ms over repeated
-lengths" is that difference per call (the contiguous call's new-lengths row gives seqused_k, its repeated row
-none; the kernels' work differs by under MAX_TRIM keys a sequence).
+step; :func:`lengths_each_call`) with the same longest sequence, so every call after the first runs the first's
+plan (the signature holds the lengths' layout and maxima) after the host checks its values, as the rows with
+repeated lengths do. "ms over repeated lengths" is that difference per call (the contiguous call's new-lengths row
+gives seqused_k, its repeated row none; the kernels' work differs by under MAX_TRIM keys a sequence).
 
 Each case is first validated on a reduced case of its kind (4 sequences of at most 1000 tokens) by flash-attn's rule
 against the float64 reference, then timed as public calls back to back (``bench.time_calls_ms``) and, for rawflash,
@@ -91,8 +91,9 @@ MAX_TRIM = 64  # keys a call's seqused_k leaves out of a sequence at most (lengt
 def lengths_each_call(lengths, start: int = 1):
     """seqused_k of successive calls (host int32 arrays), no two alike: call n uses ``lengths[b] - digit b of n in
     base MAX_TRIM`` keys of sequence b (at least 0), so sequences longer than MAX_TRIM keys give new values every
-    call and the kernels' work changes by under MAX_TRIM keys a sequence. ``start`` >= 1: call 0 would be the full
-    lengths, which the rows with repeated lengths plan."""
+    call and the kernels' work changes by under MAX_TRIM keys a sequence; the high digits stay 0 over the calls a
+    timing makes, so the last sequences (the cases' longest) keep all their keys and every call the maxima of the
+    first. ``start`` >= 1: call 0 would be the full lengths, which the rows with repeated lengths plan."""
     n = start
     while True:
         trims = [(n // MAX_TRIM ** b) % MAX_TRIM for b in range(len(lengths))]

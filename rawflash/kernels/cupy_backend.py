@@ -362,11 +362,14 @@ def _features_as_is(extras: dict) -> dict:
 
 class ForwardCall:
     """A planned forward: the template's launches prepacked (:class:`plans.CallPlan`), its buffers laid out
-    (:class:`CallBuffers`), and what a call needs besides its arrays (whether each input is read as it is)."""
+    (:class:`CallBuffers`), and what a call needs besides its arrays (whether each input is read as it is).
+    ``facts``: what the values of a call's offsets, lengths and page table are checked against before it runs
+    (``validation.Facts``, the template's; the caller checks them: the plan's key holds their layouts only)."""
 
-    def __init__(self, bound: Bound, q, k, v, extras: dict, env: Settings, out=None):
+    def __init__(self, bound: Bound, q, k, v, extras: dict, env: Settings, out=None, facts=None):
         from . import plans
 
+        self.facts = facts
         self.problem = bound.problem
         self.head_dim = int(v.shape[-1])  # out's (MLA: v's head_dim, below q's)
         self.widths = bound.widths
@@ -594,9 +597,10 @@ def dsinks(pr: Problem, dsink_ws):
 class BackwardCall:
     """A planned backward (see :class:`ForwardCall`)."""
 
-    def __init__(self, bound: Bound, arrays: tuple, extras: dict, env: Settings, grads: tuple):
+    def __init__(self, bound: Bound, arrays: tuple, extras: dict, env: Settings, grads: tuple, facts=None):
         from . import plans
 
+        self.facts = facts
         self.problem = bound.problem
         q = arrays[1]
         self.dims = _grad_dims(int(q.shape[-1]), int(arrays[3].shape[-1]))

@@ -2,7 +2,7 @@
 only writes its addresses into them and queues the kernels.
 
 A call's *signature* (``rawflash.signature``) is everything that decides its launches: shapes, strides, dtypes,
-the device, the options, the feature arrays' layouts and the host values the plan depends on. The first call of a
+the device, the options, the feature arrays' layouts and packed sequences' maxima. The first call of a
 signature validates, chooses the forms and binds a template (``cupy_backend.bind_forward`` / ``bind_backward`` /
 ``bind_decode``: the parameter structs and TMA descriptors as that call's arrays fill them); :class:`CallPlan`
 copies the template's argument bytes once and remembers which words of them are addresses of which buffer (the
@@ -15,8 +15,10 @@ call of the signature then
 3. launches each kernel with ``cuLaunchKernel`` on CuPy's current stream (the driver copies the parameters at
    launch, so the packed bytes can be rewritten by the next call at once).
 
-Nothing else runs per call: no validation that the signature already proved, no form choice, no compile lookup,
-no argument packing by CuPy. :class:`PlanCache` keeps the plans, least recently used first out, behind a lock.
+Nothing else runs per call: no validation that the signature already proved (the public call checks the values
+of the offsets, lengths and page table, which the signature holds by layout, before it runs the plan), no form
+choice, no compile lookup, no argument packing by CuPy. :class:`PlanCache` keeps the plans, least recently used
+first out, behind a lock.
 """
 from __future__ import annotations
 
