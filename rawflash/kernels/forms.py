@@ -551,6 +551,9 @@ def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
     return _decode_plan(dataclasses.replace(p, lengths=()), num_splits, sms)
 
 
+DV_FORM = Settings(dv_form=True)  # all_instantiations compiles the DV form whatever the environment asks
+
+
 def _variants_of(p: Problem) -> list[Problem]:
     """The compile-time variants a (dtype, head_dim) instantiates: plain without and with the causal mask, and the
     general policy without a mask and with a window (which is how every feature reaches the kernels), the window
@@ -632,7 +635,6 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
     return list(out.values())
 
 
-DV_FORM = Settings(dv_form=True)  # (the DV form's instantiations are compiled whatever the environment asks)
 # FP8 tile rows not in configs.TABLE that tools/tune.py times at d = 128 (compiled by fp8_instantiations, so CI
 # keeps them compiling): the rows the table's 128 x 192 (3 stages, 2 Q_i buffers) was measured against.
 FP8_TILE_CANDIDATES = (configs.TileConfig(128, 128, 12, stages=2), configs.TileConfig(128, 192, 12, stages=2),

@@ -165,7 +165,7 @@ class Prepared:
     head_dim: int
     features: tuple
     extras: dict
-    head_dim_v: int
+    value_head_dim: int  # v's (and out's, dv's): MLA's head_dim_v, or head_dim
 
 
 def _require_device() -> None:
@@ -292,7 +292,7 @@ def forward(p: Problem, q, k, v, scale: float, kernel: str = "fa2", sw: forms.Sw
         ws = (xp.zeros((1, 1, 1, 1), np.float32), xp.zeros((1, 1, 1), np.float32), xp.zeros((1, 1, 1), np.float32))
     params = _params(FwdParams, pr, scale, prep.extras)
     _run_plan(resolved, (params, q, k, v, out, lse, *prep.features, *ws))
-    return _unpack(_result(_trim(out, prep.head_dim_v), p.dtype), pr), _unpack(lse, pr)
+    return _unpack(_result(_trim(out, prep.value_head_dim), p.dtype), pr), _unpack(lse, pr)
 
 
 # ---------------------------------------------------------------- backward
@@ -319,7 +319,7 @@ def backward(p: Problem, dout, q, k, v, out, lse, scale: float, deterministic: b
     params = _params(BwdParams, pr, scale, prep.extras, rows_batch=pr.rows[0], rows_seqlen=pr.rows[1])
     _run_plan(resolved, (params, q, k, v, out, do, dq, dk, dv, lse, lse2, delta, dq_ws, dsink_ws, *prep.features))
     grads = tuple(_unpack(_result(_trim(x, d), p.dtype), pr)
-                  for x, d in ((dq, prep.head_dim), (dk, prep.head_dim), (dv, prep.head_dim_v)))
+                  for x, d in ((dq, prep.head_dim), (dk, prep.head_dim), (dv, prep.value_head_dim)))
     if not sinks:
         return grads
     return (*grads, (-dsink_ws.sum(axis=(0, 2), dtype=np.float64)).astype(np.float32))
