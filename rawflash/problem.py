@@ -49,7 +49,7 @@ class Problem:
     new_keys: int = 0    # decode: rows of k_new / v_new appended to the cache (seqlen_k is the cache's capacity)
     page_size: int = 0   # decode and a paged forward: the pages' rows (0: contiguous keys)
     sms: int = 132       # multiprocessors of the GPU (an H200's by default): persistent grids and split counts
-    gpu: str = "h200"    # the tuned GPU whose gates apply (kernels.configs.GATES: 'h200' or 'h100')
+    gpu: str = "h200"    # the tuned GPU whose rows and gates apply (kernels.configs.GPU_ROWS, GATES)
     out_dtype: str = ""  # FP8: the output's dtype (bfloat16 or float16); "" for the 16-bit and float32 forms
     kv_dtype: str = ""   # decode: the KV cache's dtype where it is not dtype ("float8_e4m3fn": an FP8 cache)
     head_dim_v: int = 0  # v's head_dim where it is not head_dim (MLA's head_dim_v < head_dim_qk); 0: head_dim

@@ -7,7 +7,7 @@ reads them once and hands the object down); no other module reads or writes them
 ``RAWFLASH_WGMMA=0``      never run Hopper's warpgroup (wgmma) forms: the mma.sync kernels everywhere
 ``RAWFLASH_FA3=0``        on Hopper, run the wgmma form without warp specialisation (fa2_fwd_sm90) by default
 ``RAWFLASH_TILE_ARCH``    take another architecture's tile rows (``sm_80``) on the GPU at hand
-``RAWFLASH_TILE_GPU``     take another Hopper GPU's gates (``h100``, ``h200``) on the GPU at hand
+``RAWFLASH_TILE_GPU``     take another Hopper GPU's rows and gates (``h100``, ``h200``) on the GPU at hand
 ``RAWFLASH_DV_FORM=1``    MLA's narrower v runs FA3's DV form where it has a row (default: v zero-padded to q's
                           head_dim until the DV form is measured, bench/NOTES.md A9)
 ``RAWFLASH_CUDA_DIR``     read the CUDA sources from this folder instead of the installed ones

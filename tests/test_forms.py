@@ -467,6 +467,63 @@ def test_a_gpu_takes_the_gates_of_the_tuned_gpu_its_l2_matches(arch, l2_mb, gpu)
         configs.gates("a100")
 
 
+def test_every_tuned_gpu_has_rows_gates_and_keys_the_table_knows():
+    """configs.GPU_ROWS, GPU_SITUATION_ROWS and GATES have an entry per tuned GPU; a GPU's row replaces a table row
+    (or a situation's, by a situation's name) that exists, so a pasted entry with a typo fails here."""
+    assert set(configs.GPU_ROWS) == set(configs.GPU_SITUATION_ROWS) == set(configs.GATES) == set(configs.TUNED_GPUS)
+    for gpu in configs.TUNED_GPUS:
+        assert set(configs.GPU_ROWS[gpu]) <= set(configs.TABLE), gpu
+        for name, rows in configs.GPU_SITUATION_ROWS[gpu].items():
+            assert name in configs.SITUATION_ROWS and set(rows) <= set(configs.TABLE), (gpu, name)
+    assert set(configs.TABLE_CHOSEN_ON) <= set(configs.TABLE) and set(configs.TABLE_CHOSEN_ON.values()) <= set(
+        configs.TUNED_GPUS)
+
+
+FA3_KEY = ("fa3_fwd_sm90", 128, "bfloat16")
+H100_ROW = configs.TileConfig(128, 160, 12, stages=2, why="injected by the test")
+
+
+def test_a_gpu_row_is_taken_on_its_gpu_only(monkeypatch):
+    """A row of configs.GPU_ROWS['h100'] is what an H100's call runs (forms passes Problem.gpu) and what
+    all_instantiations compiles; the H200 keeps the table's row, an override still beats the GPU's row, a situation's
+    row beats it too (configs.tile_config says why), and the sm_80 family never takes it."""
+    monkeypatch.setitem(configs.GPU_ROWS, "h100", {FA3_KEY: H100_ROW, ("fa2_fwd", 128, "bfloat16"): H100_ROW})
+    long = Problem(2, 4096, 4096, 8, 2, 128, "bfloat16", False, "sm_90")
+    h100 = dataclasses.replace(long, gpu="h100")
+    assert forms.fa2_forward(h100).config == H100_ROW
+    assert forms.fa2_forward(long).config == configs.TABLE[FA3_KEY] != H100_ROW
+    cand = configs.TileConfig(128, 128, 12, stages=3)
+    assert forms.fa2_forward(h100, override={FA3_KEY: cand}).config == cand
+    short = dataclasses.replace(h100, seqlen_q=512, seqlen_k=512, causal=True)
+    assert "short_causal" in forms.situations(short)
+    assert forms.fa2_forward(short).config == configs.SHORT_CAUSAL_ROWS[FA3_KEY]
+    assert configs.tile_config(*FA3_KEY, gpu="h100") == H100_ROW
+    assert configs.tile_config("fa2_fwd", 128, "bfloat16", "sm_80", gpu="h100") == \
+        configs.ARCH_ROWS["sm_80"][("fa2_fwd", 128, "bfloat16")]
+    assert configs.tile_source(*FA3_KEY, gpu="h100") == "GPU_ROWS" and configs.tile_source(*FA3_KEY) == "TABLE"
+    assert configs.chosen_on(*FA3_KEY, gpu="h100") == "h100" and configs.chosen_on(*FA3_KEY) == "h200"
+    assert configs.chosen_on("decode_split", 128, configs.FP8, gpu="h100") == "h100", "TABLE_CHOSEN_ON"
+    names = {lau.name_expression for lau in forms.all_instantiations("sm_90")}
+    assert forms.fa2_forward(h100).name_expression in names
+    with pytest.raises(ValueError, match="gpu must be one of h200, h100, got 'a100'"):
+        configs.tile_config(*FA3_KEY, gpu="a100")
+
+
+def test_a_gpu_situation_row_replaces_the_situation_row_on_its_gpu_only(monkeypatch):
+    """configs.GPU_SITUATION_ROWS['h100']['short_causal'] is what an H100's short causal call runs; the H200's and the
+    H100's long calls keep theirs, and the general policy's min_blocks still applies to a GPU's table row."""
+    monkeypatch.setitem(configs.GPU_SITUATION_ROWS, "h100", {"short_causal": {FA3_KEY: H100_ROW}})
+    short = Problem(2, 512, 512, 8, 2, 128, "bfloat16", True, "sm_90", gpu="h100")
+    assert forms.fa2_forward(short).config == H100_ROW
+    assert configs.tile_source(*FA3_KEY, situations=("short_causal",), gpu="h100") == "GPU_SITUATION_ROWS"
+    assert forms.fa2_forward(dataclasses.replace(short, gpu="h200")).config == configs.SHORT_CAUSAL_ROWS[FA3_KEY]
+    assert forms.fa2_forward(dataclasses.replace(short, seqlen_q=4096, seqlen_k=4096)).config == \
+        configs.TABLE[FA3_KEY]
+    key = ("fa2_fwd_sm90", 64, "bfloat16")
+    monkeypatch.setitem(configs.GPU_ROWS, "h100", {key: dataclasses.replace(configs.TABLE[key], why="")})
+    assert configs.tile_config(*key, general=True, gpu="h100").min_blocks == configs.TABLE[key].general_min_blocks
+
+
 def test_rawflash_tile_gpu_names_the_gates_and_is_checked():
     """RAWFLASH_TILE_GPU makes the GPU at hand take another tuned GPU's gates (no GPU needed to read it); a name
     that is not one is refused by name."""

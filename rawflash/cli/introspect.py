@@ -234,7 +234,7 @@ class GpuModel:
     peaks: iomodel.GPU
     source: str
     examples: str = ""
-    tuning: str = configs.DEFAULT_GPU  # the tuned GPU whose gates its calls take (configs.GATES)
+    tuning: str = configs.DEFAULT_GPU  # the tuned GPU whose rows and gates its calls take (configs.GPU_ROWS, GATES)
 
 
 MODELS: dict[str, GpuModel] = {m.name: m for m in (
@@ -286,7 +286,7 @@ class Target:
     name: str = ""
     peaks: iomodel.GPU | None = None
     peaks_from: str = ""
-    tuning: str = configs.DEFAULT_GPU  # the tuned GPU whose gates apply (configs.GATES)
+    tuning: str = configs.DEFAULT_GPU  # the tuned GPU whose rows and gates apply (configs.GPU_ROWS, GATES)
 
     @property
     def limits(self) -> occupancy.ArchLimits | None:
@@ -334,7 +334,7 @@ def target(gpu: str | None = None, sms: int | None = None) -> Target:
 
 
 def current_tuning() -> str:
-    """The tuned GPU whose gates the GPU here takes (cupy_backend.device_gpu: its L2, or RAWFLASH_TILE_GPU)."""
+    """The tuned GPU whose rows and gates the GPU here takes (cupy_backend.device_gpu: its L2, or RAWFLASH_TILE_GPU)."""
     from ..kernels import cupy_backend  # (CuPy: a GPU is here)
 
     return cupy_backend.device_gpu(settings.load())

@@ -5,6 +5,12 @@ One row per (kernel, head_dim, dtype). A head_dim without a row of its own runs 
 chose it (``rawflash list`` prints it); ``bench/NOTES.md`` keeps the measurements behind the figures. TFLOP/s
 pairs are full / causal; quadruples are full / causal at the shorter length, then at the longer one.
 
+The table's rows (and ``SITUATION_ROWS``') were chosen for the H200 and serve every Hopper GPU. A row that another
+tuned GPU measures differently lives beside them in ``GPU_ROWS`` (or ``GPU_SITUATION_ROWS`` for a situation's row),
+keyed by the GPU's name (``TUNED_GPUS``; a device is told by its arch and L2 size, ``gpu_name``); ``tile_config``
+takes the GPU's row on that GPU only, and ``rawflash list --gpu h100`` marks it. ``tools/tune.py`` and
+``tools/tune_decode.py`` print such an entry, with the figures that chose it, for the GPU they run on.
+
 Kernels here are the CUDA templates: ``fa1_fwd``, ``fa2_fwd``, ``fa2_fwd_splitk`` (fa2_fwd with its split-Q
 partition switched off, for the ablation), ``fa2_fwd_sm90`` (fa2_fwd on Hopper's wgmma, 16-bit, sm_90 only),
 ``fa3_fwd_sm90`` (FA3's warp-specialised TMA forward, 16-bit, sm_90 only), ``fa3_fwd_sm90_fp8`` (the same form on
@@ -364,12 +370,25 @@ SITUATION_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {
 
 # ---- the GPUs the sm_90 rows and gates are tuned for ----
 # The table's rows were chosen on an H200 and serve every Hopper GPU; where an H100 measures differently, the
-# difference is a gate of its own (Gates), so each GPU's choices sit side by side. A GPU is told apart by its L2
-# (H100: 50 MB, H200: 60 MB): where the two differ, the H100's lower HBM bandwidth (3.0 against 4.3 TB/s copied)
-# makes misses in L2 cost more. RAWFLASH_TILE_GPU names one instead (how a GPU runs the other's choices).
+# difference is a row of its own (GPU_ROWS, GPU_SITUATION_ROWS) or a gate of its own (Gates), so each GPU's choices
+# sit side by side. A GPU is told apart by its L2 (H100: 50 MB, H200: 60 MB): where the two differ, the H100's lower
+# HBM bandwidth (3.0 against 4.3 TB/s copied) makes misses in L2 cost more. RAWFLASH_TILE_GPU names one instead (how
+# a GPU runs the other's choices).
 TUNED_GPUS = ("h200", "h100")
 DEFAULT_GPU = "h200"  # a Hopper GPU unlike both, and the command line's offline target
 H100_L2_MAX_BYTES = 56 << 20  # between the H100's 50 MB and the H200's 60 MB
+
+# Tile rows that differ on one tuned GPU, keyed like TABLE (tools/tune.py and tools/tune_decode.py print an entry,
+# with the figures that chose it, for the GPU they run on). The H200's entry stays empty: the table is its own. The
+# H100 has no measured row that differs, so its entry is empty too and the H200's rows serve both until
+# tools/tune.py on an H100 measures otherwise.
+GPU_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {"h200": {}, "h100": {}}
+# A situation's rows that differ on one tuned GPU: GPU -> situation (SITUATION_ROWS' names) -> rows keyed like
+# TABLE. None is measured on either GPU.
+GPU_SITUATION_ROWS: dict[str, dict[str, dict[tuple[str, int, str], TileConfig]]] = {"h200": {}, "h100": {}}
+# Table rows chosen by a measurement on a tuned GPU other than the H200 (the comment above each row gives it); they
+# serve both GPUs, as the rest of the table does.
+TABLE_CHOSEN_ON: dict[tuple[str, int, str], str] = {("decode_split", 128, FP8): "h100"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,16 +428,22 @@ GATES: dict[str, Gates] = {
 
 
 def gpu_name(arch: str, l2_bytes: int) -> str:
-    """The tuned GPU whose gates a device takes: 'h100' for a Hopper GPU with an H100's L2, else 'h200' (the
-    rows' own GPU, for every other architecture too: their calls never reach the gated forms)."""
+    """The tuned GPU whose rows and gates a device takes: 'h100' for a Hopper GPU with an H100's L2, else 'h200'
+    (the rows' own GPU, for every other architecture too: their calls never reach the gated forms, and GPU_ROWS
+    apply to the sm_90 family only)."""
     return "h100" if arch_family(arch) == "sm_90" and 0 < l2_bytes <= H100_L2_MAX_BYTES else DEFAULT_GPU
+
+
+def _tuned(gpu: str) -> str:
+    """``gpu``, refused unless it is one of ``TUNED_GPUS``."""
+    if gpu not in TUNED_GPUS:
+        raise ValueError(f"gpu must be one of {', '.join(TUNED_GPUS)}, got {gpu!r}")
+    return gpu
 
 
 def gates(gpu: str) -> Gates:
     """The gates of a tuned GPU (``TUNED_GPUS``)."""
-    if gpu not in GATES:
-        raise ValueError(f"gpu must be one of {', '.join(TUNED_GPUS)}, got {gpu!r}")
-    return GATES[gpu]
+    return GATES[_tuned(gpu)]
 
 
 # Instantiations allowed to spill: (name expression, arch) -> the bytes of spill stores + loads ptxas reports, each
@@ -460,7 +485,7 @@ def arch_family(arch: str) -> str:
 
 def tile_config(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90",
                 override: dict[tuple[str, int, str], TileConfig] | None = None, general: bool = False,
-                situations: tuple[str, ...] = ()) -> TileConfig:
+                situations: tuple[str, ...] = (), gpu: str = DEFAULT_GPU) -> TileConfig:
     """The row for ``kernel`` at the specialised head_dim covering ``head_dim``, for ``dtype`` on ``arch``.
 
     Parameters
@@ -475,25 +500,61 @@ def tile_config(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90",
         For the general policy's instantiations: a row's ``general_min_blocks`` then applies.
     situations : tuple of str
         Names of ``SITUATION_ROWS`` that hold for the call (``rawflash.kernels.forms.situations`` decides); on the
-        sm_90 family the first with a row for the key gives it. They are measured on the H200, so other
-        architectures keep their table rows.
+        sm_90 family the first with a row for the key gives it, the GPU's own (``GPU_SITUATION_ROWS``) before the
+        shared one. They are measured on Hopper GPUs, so other architectures keep their table rows.
+    gpu : str
+        The tuned GPU (``TUNED_GPUS``; ``Problem.gpu``): on the sm_90 family its ``GPU_ROWS`` replace the table's
+        rows. A situation's row comes first: it is chosen against the table's row for a kind of call (its mask,
+        pages, rows per kv head), for a reason of the call's shape that holds on every Hopper GPU, where a GPU's row
+        re-tunes the general case (tools/tune.py's sweep) and so replaces only the table's row.
 
     Returns
     -------
     TileConfig
     """
+    return _lookup(kernel, head_dim, dtype, arch, override, general, situations, gpu)[0]
+
+
+def tile_source(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90", situations: tuple[str, ...] = (),
+                gpu: str = DEFAULT_GPU) -> str:
+    """Where ``tile_config``'s row comes from: 'GPU_SITUATION_ROWS', 'SITUATION_ROWS', 'GPU_ROWS', 'ARCH_ROWS' or
+    'TABLE'."""
+    return _lookup(kernel, head_dim, dtype, arch, None, False, situations, gpu)[1]
+
+
+def chosen_on(kernel: str, head_dim: int, dtype: str, gpu: str = DEFAULT_GPU) -> str:
+    """The tuned GPU whose measurement chose the sm_90 row ``gpu`` takes without a situation: ``gpu`` for a row of
+    its ``GPU_ROWS``, else the table's (``TABLE_CHOSEN_ON``, else the H200). A row chosen without a measurement (a
+    register or shared-memory bound, flash-attn's shape) says so in its ``why``."""
+    if tile_source(kernel, head_dim, dtype, "sm_90", (), gpu) == "GPU_ROWS":
+        return gpu
+    return TABLE_CHOSEN_ON.get((kernel, padded_head_dim(head_dim), dtype), DEFAULT_GPU)
+
+
+def _lookup(kernel: str, head_dim: int, dtype: str, arch: str, override: dict | None, general: bool,
+            situations: tuple[str, ...], gpu: str) -> tuple[TileConfig, str]:
+    """``tile_config``'s row and the name of what gave it (``tile_source``)."""
     key = (kernel, padded_head_dim(head_dim), dtype)
     if override and key in override:
-        return override[key]
+        return override[key], "override"
     if key not in TABLE:
         raise KeyError(f"no tile configuration for kernel={kernel!r}, head_dim={head_dim}, dtype={dtype!r}")
-    for name in situations if arch_family(arch) == "sm_90" else ():  # measured on the H200 only
+    own = GPU_SITUATION_ROWS[_tuned(gpu)]
+    hopper = arch_family(arch) == "sm_90"
+    for name in situations if hopper else ():  # measured on Hopper GPUs only
+        if key in own.get(name, {}):
+            return own[name][key], "GPU_SITUATION_ROWS"
         if key in SITUATION_ROWS[name]:
-            return SITUATION_ROWS[name][key]
-    row = ARCH_ROWS.get(arch_family(arch), {}).get(key, TABLE[key])
+            return SITUATION_ROWS[name][key], "SITUATION_ROWS"
+    if hopper and key in GPU_ROWS[gpu]:
+        row, source = GPU_ROWS[gpu][key], "GPU_ROWS"
+    elif key in ARCH_ROWS.get(arch_family(arch), {}):
+        row, source = ARCH_ROWS[arch_family(arch)][key], "ARCH_ROWS"
+    else:
+        row, source = TABLE[key], "TABLE"
     if general and row.general_min_blocks:
         row = dataclasses.replace(row, min_blocks=row.general_min_blocks)
-    return row
+    return row, source
 
 
 def has_row(kernel: str, head_dim: int, dtype: str) -> bool:

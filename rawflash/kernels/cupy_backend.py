@@ -36,8 +36,9 @@ def device_arch(env: Settings = Settings()) -> str:
 
 
 def device_gpu(env: Settings = Settings()) -> str:
-    """The tuned GPU whose gates the current device takes ('h100' or 'h200': configs.gpu_name, from its arch and L2
-    size). ``RAWFLASH_TILE_GPU`` (``env.tile_gpu``) names one instead: how one GPU runs the other's choices."""
+    """The tuned GPU whose rows and gates the current device takes ('h100' or 'h200': configs.gpu_name, from its
+    arch and L2 size). ``RAWFLASH_TILE_GPU`` (``env.tile_gpu``) names one instead: how one GPU runs the other's
+    choices."""
     if env.tile_gpu:
         if env.tile_gpu not in configs.TUNED_GPUS:
             raise ValueError(f"RAWFLASH_TILE_GPU must be one of {', '.join(configs.TUNED_GPUS)}, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 from ..problem import Problem, cdiv
 from ..settings import Settings
@@ -186,9 +187,9 @@ def softmax_ref(p: Problem) -> int:
 
 
 def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
-    """The row of ``kernel`` for ``p`` (decode with an FP8 cache: the cache's dtype keys it)."""
+    """The row of ``kernel`` for ``p`` on its GPU (decode with an FP8 cache: the cache's dtype keys it)."""
     return configs.tile_config(kernel, configs.padded_head_dim(p.head_dim), p.kv_dtype or p.dtype, p.arch, override,
-                               p.general, situations(p))
+                               p.general, situations(p), p.gpu)
 
 
 def hopper_form_fits(kernel: str, p: Problem) -> bool:
@@ -294,11 +295,12 @@ def forward_plan_without_tma(p: Problem, kernel: str = "fa2", switches: Switches
 
 def ordered_dq_config(p: Problem, cfg: TileConfig) -> TileConfig:
     """The tile row of FA3's deterministic backward for a call whose default backward runs ``cfg``: the same, but
-    the table's row where ``cfg`` is the 80-row tile (launch.FA3_BWD_SWAP_ROWS), whose single dQ_i buffer the
-    ordered dQ's two writer warps cannot share."""
+    the GPU's row without a situation where ``cfg`` is the 80-row tile (launch.FA3_BWD_SWAP_ROWS), whose single
+    dQ_i buffer the ordered dQ's two writer warps cannot share."""
     if cfg.br != launch.FA3_BWD_SWAP_ROWS:
         return cfg
-    return configs.tile_config("fa3_bwd_sm90", configs.padded_head_dim(p.head_dim), p.dtype, p.arch, None, p.general)
+    return configs.tile_config("fa3_bwd_sm90", configs.padded_head_dim(p.head_dim), p.dtype, p.arch, None, p.general,
+                               gpu=p.gpu)
 
 
 def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, settings: Settings = Settings(),
@@ -569,68 +571,69 @@ def _variants_of(p: Problem) -> list[Problem]:
 
 
 def all_instantiations(arch: str = "sm_90") -> list[Launch]:
-    """Every template instantiation the library can launch on ``arch`` (for the compile tests and pre-compiling)."""
+    """Every template instantiation the library can launch on ``arch`` (for the compile tests and pre-compiling):
+    on the sm_90 family, each tuned GPU's (configs.GPU_ROWS)."""
     out: dict[str, Launch] = {}
-    for dtype in configs.DTYPES:
-        for d in configs.SPECIALISED_HEAD_DIMS:
-            base = Problem(1, 1, 1, 1, 1, d, dtype, False, arch)
-            for p in _variants_of(base):
-                launches = [fa2_forward(p, Switches(wgmma=False)), fa2_backward_main(p, True, wgmma=False),
-                            fa2_backward_main(p, False), launch.fa2_bwd_dq(p, _config("fa2_bwd_dq", p, None))]
-                if hopper_form_fits("fa2_fwd_sm90", p):
-                    launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=False)),
-                                 fa2_forward(p, Switches(wgmma=True, warp_specialize=False, overlap=False))]
-                if hopper_form_fits("fa3_fwd_sm90", p):
-                    # a plain p of one key takes configs.SHORT_CAUSAL_ROWS or SHORT_FULL_ROWS, a short window
-                    # WINDOW_ROWS; a longer twin, or a wider window, the table's rows
-                    n = max(configs.SHORT_CAUSAL_SEQLEN, configs.SHORT_FULL_SEQLEN) + 1
-                    short = short_causal(p) or short_full(p)
-                    sizes = (p, dataclasses.replace(p, seqlen_q=n, seqlen_k=n)) if short else (p,)
-                    if short_window(p):
-                        sizes += (dataclasses.replace(p, window=(configs.SHORT_WINDOW_SPAN + 1, 0)),)
-                    launches += [fa2_forward(x, Switches(wgmma=True, warp_specialize=True)) for x in sizes]
-                    if not p.general and d in (64, 128):  # FA3's ablation, at the FA2 paper's head dims
-                        launches += [fa2_forward(x, sw) for sw in ABLATIONS.values() if sw.warp_specialize
-                                     for x in sizes]
-                    if not p.general and dtype == "bfloat16":  # tools/tune.py's candidates
-                        launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=True),
-                                                 override={("fa3_fwd_sm90", d, dtype): cfg})
-                                     for cfg in FA3_TILE_CANDIDATES.get(d, ())]
-                for dv in (dv for (k, dq, dv, dt) in configs.VALUE_ROWS if (k, dq, dt) == ("fa3_fwd_sm90", d, dtype)):
-                    if hopper_form_fits("fa3_fwd_sm90", p):  # the DV form (MLA's narrower v)
-                        launches.append(fa2_forward(dataclasses.replace(p, head_dim_v=dv),
-                                                    Switches(wgmma=True, warp_specialize=True), DV_FORM))
-                if hopper_form_fits("fa2_bwd_sm90", p):
-                    launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=False))
-                if hopper_form_fits("fa3_bwd_sm90", p):
-                    fa3 = fa2_backward_main(p, True, wgmma=True, warp_specialize=True)
-                    launches.append(fa3)
-                    if not launch.fa3_bwd_split_d(fa3.config):  # (the column split has no ordered dQ)
-                        launches.append(launch.fa3_bwd_sm90(p, fa3.config, deterministic=True))
-                    n = max(max(g.long_bwd_seqlen, g.long_causal_bwd_seqlen) for g in configs.GATES.values())
-                    long_p = dataclasses.replace(p, seqlen_q=n, seqlen_k=n)
-                    if long_bwd(long_p):  # a long twin takes configs.LONG_BWD_ROWS where it has a row
-                        launches.append(fa2_backward_main(long_p, True, wgmma=True, warp_specialize=True))
-                if not p.general:  # the teaching kernels and the ablation run the plain policy only
-                    launches += [*forward_plan(p, "fa1"), *forward_plan(p, "naive")]
-                    if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures
-                        launches += [fa2_forward(p, sw) for sw in ABLATIONS.values() if not sw.wgmma]
-                launches += [launch.fa2_bwd_preprocess(p), launch.fa2_bwd_convert_dq(p)]
-                if not p.general and not p.causal:  # decode has one instantiation per (dtype, head_dim)
-                    dp = dataclasses.replace(p, seqlen_k=4096, new_keys=1)
-                    launches += decode_plan(dp, 8).launches  # the fold and the warp combine
-                    # MQA with twice MANY_DECODE_ROWS query heads: configs.MANY_ROWS_DECODE's rows
-                    launches += decode_plan(dataclasses.replace(dp, heads=2 * configs.MANY_DECODE_ROWS), 8).launches
-                    launches += [launch.decode_append(dp), launch.decode_combine(dp)]  # and the other forms
-                    if configs.has_row("decode_split", d, configs.FP8) and dtype != "float32" and arch == "sm_90":
-                        fp = dataclasses.replace(dp, kv_dtype=configs.FP8)
-                        launches += [*decode_plan(fp, 8).launches, launch.decode_append(fp)]
-                        launches += decode_plan(dataclasses.replace(fp, heads=2 * configs.MANY_DECODE_ROWS), 8).launches
-                for lau in launches:
-                    for x in with_way_back(lau):  # (a REF_FIRST forward's REF_RUNNING twin)
-                        out.setdefault(x.name_expression, x)
+    gpus = configs.TUNED_GPUS if configs.arch_family(arch) == "sm_90" else (configs.DEFAULT_GPU,)
+    for dtype, d, gpu in itertools.product(configs.DTYPES, configs.SPECIALISED_HEAD_DIMS, gpus):
+        base = Problem(1, 1, 1, 1, 1, d, dtype, False, arch, gpu=gpu)
+        for p in _variants_of(base):
+            launches = [fa2_forward(p, Switches(wgmma=False)), fa2_backward_main(p, True, wgmma=False),
+                        fa2_backward_main(p, False), launch.fa2_bwd_dq(p, _config("fa2_bwd_dq", p, None))]
+            if hopper_form_fits("fa2_fwd_sm90", p):
+                launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=False)),
+                             fa2_forward(p, Switches(wgmma=True, warp_specialize=False, overlap=False))]
+            if hopper_form_fits("fa3_fwd_sm90", p):
+                # a plain p of one key takes configs.SHORT_CAUSAL_ROWS or SHORT_FULL_ROWS, a short window
+                # WINDOW_ROWS; a longer twin, or a wider window, the table's rows
+                n = max(configs.SHORT_CAUSAL_SEQLEN, configs.SHORT_FULL_SEQLEN) + 1
+                short = short_causal(p) or short_full(p)
+                sizes = (p, dataclasses.replace(p, seqlen_q=n, seqlen_k=n)) if short else (p,)
+                if short_window(p):
+                    sizes += (dataclasses.replace(p, window=(configs.SHORT_WINDOW_SPAN + 1, 0)),)
+                launches += [fa2_forward(x, Switches(wgmma=True, warp_specialize=True)) for x in sizes]
+                if not p.general and d in (64, 128):  # FA3's ablation, at the FA2 paper's head dims
+                    launches += [fa2_forward(x, sw) for sw in ABLATIONS.values() if sw.warp_specialize
+                                 for x in sizes]
+                if not p.general and dtype == "bfloat16":  # tools/tune.py's candidates
+                    launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=True),
+                                             override={("fa3_fwd_sm90", d, dtype): cfg})
+                                 for cfg in FA3_TILE_CANDIDATES.get(d, ())]
+            for dv in (dv for (k, dq, dv, dt) in configs.VALUE_ROWS if (k, dq, dt) == ("fa3_fwd_sm90", d, dtype)):
+                if hopper_form_fits("fa3_fwd_sm90", p):  # the DV form (MLA's narrower v)
+                    launches.append(fa2_forward(dataclasses.replace(p, head_dim_v=dv),
+                                                Switches(wgmma=True, warp_specialize=True), DV_FORM))
+            if hopper_form_fits("fa2_bwd_sm90", p):
+                launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=False))
+            if hopper_form_fits("fa3_bwd_sm90", p):
+                fa3 = fa2_backward_main(p, True, wgmma=True, warp_specialize=True)
+                launches.append(fa3)
+                if not launch.fa3_bwd_split_d(fa3.config):  # (the column split has no ordered dQ)
+                    launches.append(launch.fa3_bwd_sm90(p, fa3.config, deterministic=True))
+                n = max(max(g.long_bwd_seqlen, g.long_causal_bwd_seqlen) for g in configs.GATES.values())
+                long_p = dataclasses.replace(p, seqlen_q=n, seqlen_k=n)
+                if long_bwd(long_p):  # a long twin takes configs.LONG_BWD_ROWS where it has a row
+                    launches.append(fa2_backward_main(long_p, True, wgmma=True, warp_specialize=True))
+            if not p.general:  # the teaching kernels and the ablation run the plain policy only
+                launches += [*forward_plan(p, "fa1"), *forward_plan(p, "naive")]
+                if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures
+                    launches += [fa2_forward(p, sw) for sw in ABLATIONS.values() if not sw.wgmma]
+            launches += [launch.fa2_bwd_preprocess(p), launch.fa2_bwd_convert_dq(p)]
+            if not p.general and not p.causal:  # decode has one instantiation per (dtype, head_dim)
+                dp = dataclasses.replace(p, seqlen_k=4096, new_keys=1)
+                launches += decode_plan(dp, 8).launches  # the fold and the warp combine
+                # MQA with twice MANY_DECODE_ROWS query heads: configs.MANY_ROWS_DECODE's rows
+                launches += decode_plan(dataclasses.replace(dp, heads=2 * configs.MANY_DECODE_ROWS), 8).launches
+                launches += [launch.decode_append(dp), launch.decode_combine(dp)]  # and the other forms
+                if configs.has_row("decode_split", d, configs.FP8) and dtype != "float32" and arch == "sm_90":
+                    fp = dataclasses.replace(dp, kv_dtype=configs.FP8)
+                    launches += [*decode_plan(fp, 8).launches, launch.decode_append(fp)]
+                    launches += decode_plan(dataclasses.replace(fp, heads=2 * configs.MANY_DECODE_ROWS), 8).launches
+            for lau in launches:
+                for x in with_way_back(lau):  # (a REF_FIRST forward's REF_RUNNING twin)
+                    out.setdefault(x.name_expression, x)
     if arch == "sm_90":
-        for lau in fp8_instantiations():
+        for lau in (lau for gpu in gpus for lau in fp8_instantiations(gpu)):
             out.setdefault(lau.name_expression, lau)
     return list(out.values())
 
@@ -648,21 +651,21 @@ FA3_TILE_CANDIDATES = {64: (configs.TileConfig(192, 128, 16, stages=2),),
                              configs.TileConfig(128, 128, 12, stages=2, q_stages=2))}
 
 
-def fp8_instantiations() -> list[Launch]:
-    """The FP8 forward's instantiations: both output dtypes, without and with the causal mask, and the general
-    policy's (packed sequences; a window), at head_dim 128 and 256, with FA3's ablation switches at 128; the
-    pre-passes for every input dtype, with and without rotation."""
+def fp8_instantiations(gpu: str = configs.DEFAULT_GPU) -> list[Launch]:
+    """The FP8 forward's instantiations on the tuned GPU ``gpu``: both output dtypes, without and with the causal
+    mask, and the general policy's (packed sequences; a window), at head_dim 128 and 256, with FA3's ablation
+    switches at 128; the pre-passes for every input dtype, with and without rotation."""
     out = []
     for d in (128, 256):
         for out_dtype in ("bfloat16", "float16"):
             general = [Problem(2, 64, 64, 1, 1, d, configs.FP8, False, "sm_90", varlen=True, total_q=100,
-                               total_k=100, out_dtype=out_dtype)]
-            general += [Problem(1, 1, 1, 1, 1, d, configs.FP8, True, "sm_90", window=w, out_dtype=out_dtype)
+                               total_k=100, out_dtype=out_dtype, gpu=gpu)]
+            general += [Problem(1, 1, 1, 1, 1, d, configs.FP8, True, "sm_90", window=w, out_dtype=out_dtype, gpu=gpu)
                         for w in ((8, 0), (configs.SHORT_WINDOW_SPAN + 1, 0))]  # configs.WINDOW_ROWS and beyond
             for p in general:
                 out += fp8_forward(p)
             for causal in (False, True):
-                p = Problem(1, 1, 1, 1, 1, d, configs.FP8, causal, "sm_90", out_dtype=out_dtype)
+                p = Problem(1, 1, 1, 1, 1, d, configs.FP8, causal, "sm_90", out_dtype=out_dtype, gpu=gpu)
                 out += fp8_forward(p)
                 if d == 128 and out_dtype == "bfloat16":
                     out += [fp8_forward(p, sw)[1] for sw in ABLATIONS.values() if sw.warp_specialize]
