@@ -266,6 +266,37 @@ def test_list_prints_the_gates_of_the_named_gpu(gpu, causal_rows, ctas):
     assert not any(k.startswith("gates") for k in invoke_json("list", "--gpu", "sm_80"))
 
 
+def test_list_marks_the_rows_a_gpu_takes_of_its_own(monkeypatch):
+    """``list --gpu h100`` prints configs.GPU_ROWS['h100']'s row where the table's stands, from GPU_ROWS and chosen
+    on the h100, and its situation rows (GPU_SITUATION_ROWS) apart; ``--gpu h200`` keeps the table's row; the rest
+    say the table's GPU (the FP8 decode row at d = 128: configs.TABLE_CHOSEN_ON's)."""
+    key = ("fa3_fwd_sm90", 128, "bfloat16")
+    own = configs.TileConfig(128, 160, 12, stages=2, why="injected by the test")
+    monkeypatch.setitem(configs.GPU_ROWS, "h100", {key: own})
+    monkeypatch.setitem(configs.GPU_SITUATION_ROWS, "h100", {"short_causal": {key: own}})
+
+    def row(report, kernel, d, dtype):
+        return next(r for r in report["tiles"] if r["kernel"] == kernel and str(d) in r["head_dims"].split(",")
+                    and dtype in r["dtypes"].split(","))
+
+    h100, h200 = invoke_json("list", "--gpu", "h100"), invoke_json("list", "--gpu", "h200")
+    got = row(h100, *key)
+    assert (got["Br"], got["Bc"], got["from"], got["chosen on"], got["why"]) == (128, 160, "GPU_ROWS", "the h100",
+                                                                                 own.why)
+    assert got["dtypes"] == "bfloat16" and row(h100, "fa3_fwd_sm90", 128, "float16")["from"] == "TABLE"
+    table = row(h200, *key)
+    assert (table["Bc"], table["from"], table["chosen on"]) == (configs.TABLE[key].bc, "TABLE", "the h200")
+    assert row(h100, "decode_split", 128, configs.FP8)["chosen on"] == "the h100"
+    assert h100["tiles of the h100"].startswith("2 row(s) of its own")
+    assert h200["tiles of the h200"].startswith("0 row(s) of its own")
+    assert [(r["situation"], r["Bc"], r["from"]) for r in h100["tiles of situations on the h100"]] == [
+        ("short_causal", 160, "GPU_SITUATION_ROWS")]
+    assert "tiles of situations on the h200" not in h200
+    assert all("chosen on" not in r for r in invoke_json("list", "--gpu", "sm_80")["tiles"])
+    text = invoke("list", "--gpu", "h100").output.splitlines()
+    assert any("GPU_ROWS" in line and "the h100" in line and own.why in line for line in text)
+
+
 @pytest.mark.parametrize("n, causal, rotated", [(4096, False, True), (4096, True, False), (16384, False, False)])
 def test_explain_says_when_the_deterministic_backward_rotates(n, causal, rotated):
     """The rotated order runs without a mask where a sequence has at most half as many key blocks as SMs; the

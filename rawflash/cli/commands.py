@@ -294,14 +294,20 @@ def info(as_json):
 @target_options()
 @json_option
 def list_(gpu, arch, sms, as_json):
-    """The variant registry, the tile rows and gates the target uses, and which calls have no tile that fits it."""
+    """The variant registry, the tile rows and gates the target uses, and which calls have no tile that fits it. On
+    a Hopper target each row says which tuned GPU's measurement chose it: the GPU's own rows (configs.GPU_ROWS) are
+    marked, the rest are the table's."""
     tgt = _target(gpu, arch, sms)
+    hopper = tgt.arch == "sm_90"
     _emit({"target": tgt.description,
            "variants": {v.name: _variant_entry(v) for v in registry.REGISTRY.values()},
-           "tiles": _tile_rows(tgt.arch),
-           **({"tiles of MLA's narrower v (head_dim / head_dim_v)": _value_rows()} if tgt.arch == "sm_90" else {}),
+           "tiles": _tile_rows(tgt.arch, tgt.tuning),
+           **({f"tiles of the {tgt.tuning}": _own_rows_summary(tgt.tuning)} if hopper else {}),
+           **({f"tiles of situations on the {tgt.tuning}": _situation_rows(tgt.tuning)}
+              if hopper and configs.GPU_SITUATION_ROWS[tgt.tuning] else {}),
+           **({"tiles of MLA's narrower v (head_dim / head_dim_v)": _value_rows()} if hopper else {}),
            **({f"gates of the {tgt.tuning}": _gates(tgt.tuning),
-               f"gates of the {tgt.tuning}, chosen by": configs.gates(tgt.tuning).why} if tgt.arch == "sm_90" else {}),
+               f"gates of the {tgt.tuning}, chosen by": configs.gates(tgt.tuning).why} if hopper else {}),
            f"no tile fits {tgt.arch}'s shared memory for": introspect.unfit_summary(tgt.arch)
            if tgt.arch in introspect.occupancy.ARCHS else "unknown (no occupancy rules for this arch)"}, as_json)
 
@@ -325,24 +331,45 @@ def _gates(gpu: str) -> list[dict]:
     return [{"gate": name, "value": getattr(g, name), "gates": text} for name, text in what.items()]
 
 
-def _tile_rows(arch: str) -> list[dict]:
-    """The rows of configs.TABLE as ``arch`` reads them (configs.tile_config; the wgmma rows on sm_90 only), with
-    rows that differ only in head_dim or dtype merged."""
+def _tile_rows(arch: str, gpu: str = configs.DEFAULT_GPU) -> list[dict]:
+    """The rows of configs.TABLE as ``arch`` and the tuned GPU ``gpu`` read them (configs.tile_config; the wgmma
+    rows on sm_90 only), with rows that differ only in head_dim or dtype merged. Each says which of configs' tables
+    gave it ("from") and, on sm_90, which tuned GPU's measurement chose it (configs.chosen_on)."""
     merged: dict = {}
     for (kernel, d, dtype) in configs.TABLE:
         if kernel.endswith("_sm90") and arch != "sm_90":
             continue
-        cfg = configs.tile_config(kernel, d, dtype, arch)
-        merged.setdefault((kernel, cfg, dtype), []).append(d)
+        cfg = configs.tile_config(kernel, d, dtype, arch, gpu=gpu)
+        origin = (configs.tile_source(kernel, d, dtype, arch, gpu=gpu),
+                  configs.chosen_on(kernel, d, dtype, gpu) if arch == "sm_90" else "")
+        merged.setdefault((kernel, cfg, origin, dtype), []).append(d)
     rows: dict = {}
-    for (kernel, cfg, dtype), dims in merged.items():
-        rows.setdefault((kernel, cfg, tuple(dims)), []).append(dtype)
-    out = []
-    for (kernel, cfg, dims), dtypes in rows.items():
-        fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("br", "bc", "why")}
-        out.append({"kernel": kernel, "head_dims": ",".join(map(str, dims)), "dtypes": ",".join(dtypes),
-                    "Br": cfg.br, "Bc": cfg.bc, **fields, "threads": cfg.threads, "why": cfg.why})
-    return out
+    for (kernel, cfg, origin, dtype), dims in merged.items():
+        rows.setdefault((kernel, cfg, origin, tuple(dims)), []).append(dtype)
+    return [_tile_entry(kernel, ",".join(map(str, dims)), ",".join(dtypes), cfg, origin)
+            for (kernel, cfg, origin, dims), dtypes in rows.items()]
+
+
+def _tile_entry(kernel: str, head_dims: str, dtypes: str, cfg: configs.TileConfig, origin: tuple[str, str]) -> dict:
+    """One row of ``rawflash list``'s tiles: the TileConfig's fields, where it comes from and what chose it."""
+    source, chosen_on = origin
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("br", "bc", "why")}
+    return {"kernel": kernel, "head_dims": head_dims, "dtypes": dtypes, "Br": cfg.br, "Bc": cfg.bc, **fields,
+            "threads": cfg.threads, "from": source, **({"chosen on": f"the {chosen_on}"} if chosen_on else {}),
+            "why": cfg.why}
+
+
+def _own_rows_summary(gpu: str) -> str:
+    """How many of ``gpu``'s rows are its own (configs.GPU_ROWS, GPU_SITUATION_ROWS) and where the rest come from."""
+    own = len(configs.GPU_ROWS[gpu]) + sum(map(len, configs.GPU_SITUATION_ROWS[gpu].values()))
+    return (f"{own} row(s) of its own (configs.GPU_ROWS / GPU_SITUATION_ROWS['{gpu}'], chosen on the {gpu}); the "
+            f"rest are the table's, chosen on the {configs.DEFAULT_GPU} unless a row's 'chosen on' says otherwise")
+
+
+def _situation_rows(gpu: str) -> list[dict]:
+    """configs.GPU_SITUATION_ROWS[gpu], one entry per (situation, row)."""
+    return [{"situation": name, **_tile_entry(kernel, str(d), dtype, cfg, ("GPU_SITUATION_ROWS", gpu))}
+            for name, rows in configs.GPU_SITUATION_ROWS[gpu].items() for (kernel, d, dtype), cfg in rows.items()]
 
 
 def _value_rows() -> list[dict]:
