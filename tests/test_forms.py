@@ -500,7 +500,7 @@ def test_a_gpu_row_is_taken_on_its_gpu_only(monkeypatch):
     assert configs.tile_config(*FA3_KEY, gpu="h100") == H100_ROW
     assert configs.tile_config("fa2_fwd", 128, "bfloat16", "sm_80", gpu="h100") == \
         configs.ARCH_ROWS["sm_80"][("fa2_fwd", 128, "bfloat16")]
-    assert configs.tile_source(*FA3_KEY, gpu="h100") == "GPU_ROWS" and configs.tile_source(*FA3_KEY) == "TABLE"
+    assert configs.tile_source(*FA3_KEY, gpu="h100") == ("GPU_ROWS", "") and configs.tile_source(*FA3_KEY)[0] == "TABLE"
     assert configs.chosen_on(*FA3_KEY, gpu="h100") == "h100" and configs.chosen_on(*FA3_KEY) == "h200"
     assert configs.chosen_on("decode_split", 128, configs.FP8, gpu="h100") == "h100", "TABLE_CHOSEN_ON"
     names = {lau.name_expression for lau in forms.all_instantiations("sm_90")}
@@ -515,7 +515,9 @@ def test_a_gpu_situation_row_replaces_the_situation_row_on_its_gpu_only(monkeypa
     monkeypatch.setitem(configs.GPU_SITUATION_ROWS, "h100", {"short_causal": {FA3_KEY: H100_ROW}})
     short = Problem(2, 512, 512, 8, 2, 128, "bfloat16", True, "sm_90", gpu="h100")
     assert forms.fa2_forward(short).config == H100_ROW
-    assert configs.tile_source(*FA3_KEY, situations=("short_causal",), gpu="h100") == "GPU_SITUATION_ROWS"
+    assert configs.tile_source(*FA3_KEY, situations=("short_causal",), gpu="h100") == ("GPU_SITUATION_ROWS",
+                                                                                        "short_causal")
+    assert configs.tile_source(*FA3_KEY, situations=("short_causal",)) == ("SITUATION_ROWS", "short_causal")
     assert forms.fa2_forward(dataclasses.replace(short, gpu="h200")).config == configs.SHORT_CAUSAL_ROWS[FA3_KEY]
     assert forms.fa2_forward(dataclasses.replace(short, seqlen_q=4096, seqlen_k=4096)).config == \
         configs.TABLE[FA3_KEY]

@@ -2,14 +2,20 @@
 contributor runs it after a change to a kernel's tiling or shared memory, or on a new GPU, to see whether the
 table's row is still the fastest. Each candidate is passed as a tile-row override (nothing in configs.TABLE
 changes), validated on a small problem by flash-attn's rule, then its kernels alone are timed (bench.bound_call)
-on the FA2 paper's shape (B = 16384 / N, H = 2048 / d), causal off and on; the table's own row is marked
-"(current)". Example:
+on the FA2 paper's shape (B = 16384 / N, H = 2048 / d), causal off and on. The row the GPU takes today
+(configs.tile_config for the GPU at hand: configs.GPU_ROWS, else the table's) is timed too and marked "(current)";
+``--features`` times the calls as they run today ("table rows") beside the candidates. The first line names the
+GPU that measures (its name, arch, L2 size and the tuned GPU configs.gpu_name makes of them); the last lines give,
+where a candidate beats today's row on every case's geometric mean, the configs.GPU_ROWS (or GPU_SITUATION_ROWS)
+entry to paste, with the figures as its ``why``. ``--out FILE`` writes it all as JSON (tools/tune_record.py).
+Example:
 
     python3 tools/tune.py --which fwd_fa3 --head-dims 128 --seqlen 2048,8192
     python3 tools/tune.py [--seqlen 4096] [--dtype bfloat16] [--head-dims 64,128] \\
         [--which fwd,bwd,fwd_sm90,fwd_fa3,bwd_sm90,fwd_fp8]
     python3 tools/tune.py --which fwd_fa3 --head-dims 128 --features window,dense   # bench --features' cases
     python3 tools/tune.py --which fwd_fp8 --head-dims 128 --features window,dense   # (the FP8 forward's ones)
+    python3 tools/tune.py --which fwd_fa3 --head-dims 64,128,256 --seqlen 2048,8192 --out tune-fa3-h100.json
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import tune_record as rec  # noqa: E402  (tools/, this script's folder)
 from rawflash.cli import bench  # noqa: E402
 from rawflash.kernels import configs, forms  # noqa: E402
 from rawflash.kernels.configs import TileConfig  # noqa: E402
@@ -110,32 +117,60 @@ def _fp8_rule(case: bench.FeatureCase, got, q, k, v, feats: dict) -> str:
     return "ok" if ok else f"invalid: {why}"
 
 
-def tune_features(kernel: str, dims: list[int], prefixes: list[str], direction: str) -> None:
+def _failure(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+
+
+def tune_features(kernel: str, dims: list[int], prefixes: list[str], direction: str, gpu: str, rows: list[dict],
+                  entries: list[dict]) -> None:
     """Each candidate row on bench --features' cases whose names start with one of ``prefixes`` (bfloat16, or the
     FP8 forward's cases for its kernel; kernels alone), validated first on a small problem with the same
-    features."""
+    features, beside the calls as they run today; measurements go to ``rows``, the entries that beat today's rows
+    on ``gpu`` (one per row the cases take today: the table's, or a situation's) to ``entries``."""
     dtype = configs.FP8 if kernel == WHICH["fwd_fp8"][0] else "bfloat16"
     for d in dims:
         key = (kernel, d, dtype)
         cases = [c for c in bench.feature_cases(d, dtype) if c.name.startswith(tuple(prefixes))
                  and c.direction == direction]
         inputs = {}  # each case's arrays, made once for all the candidates
+        times: dict = {}  # row -> case -> TFLOP/s
+        todays = {}  # case -> tune_record.today's dict
         for cand in [None] + CANDIDATES.get(key, CANDIDATES.get((kernel, d), [])):
             override = None if cand is None else {key: cand}
             label = "table rows" if cand is None else (f"Br={cand.br} Bc={cand.bc} warps={cand.warps} "
                                                        f"st={cand.stages} qst={cand.q_stages}")
             for case in cases:
+                tf = None
                 try:
                     status = valid_feature(case, override)
                     if status == "ok":
                         if case.name not in inputs:
                             inputs[case.name] = bench._feature_inputs(case)
                         bound = bench.feature_bound(case, *inputs[case.name], override)
+                        if cand is None:
+                            todays[case.name] = rec.today(kernel, d, dtype, forms.situations(bound.problem), gpu)
                         ms = bench.time_ms(bound.launch, repeats=10)
-                        status = f"{case.flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s ({ms:.4f} ms)"
+                        tf = case.flops / (ms * 1e-3) / 1e12
+                        status = f"{tf:.0f} TFLOP/s ({ms:.4f} ms)"
                 except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
-                    status = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+                    status = _failure(err)
+                row = todays[case.name]["row"] if cand is None and case.name in todays else cand
+                if row is not None:
+                    times.setdefault(row, {})[case.name] = tf
+                    rows.append(rec.measurement(kernel, d, dtype, case.name, row, "ok" if tf else status, tf,
+                                                "TFLOP/s", cand is None))
                 print(f"{case.direction} d={d} {case.name}: {label}: {status}", flush=True)
+        for where in {t["entry"] for t in todays.values()}:  # one entry per row the cases take today
+            names = [n for n, t in todays.items() if t["entry"] == where]
+            today_of = todays[names[0]]
+            if any(not rec.same_tile(todays[n]["row"], today_of["row"]) for n in names):
+                continue  # (one entry serves one row)
+            sub = {r: {n: t.get(n) for n in names} for r, t in times.items()}
+            entries.append(rec.suggestion(key, sub, today_of, "TFLOP/s", gpu, ", ".join(names)))
+
+
+def _n(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 def main() -> None:
@@ -146,36 +181,61 @@ def main() -> None:
     ap.add_argument("--which", default="fwd,bwd", help=f"comma-separated, of {', '.join(WHICH)}")
     ap.add_argument("--features", default="", help="comma-separated prefixes of bench --features' case names "
                     "(e.g. window,dense): time the candidates on those cases instead of the FA2 sweep's shapes")
+    ap.add_argument("--out", help="also write the GPU, the date, every measurement and the entries as JSON here")
     args = ap.parse_args()
     dims = [int(x) for x in args.head_dims.split(",")]
+    gpu_rec = rec.device_record()
+    gpu = gpu_rec["gpu"]
+    print(rec.header(gpu_rec), flush=True)
+    rows: list[dict] = []
+    entries: list[dict] = []
     if args.features:
         for which in args.which.split(","):
-            tune_features(WHICH[which][0], dims, args.features.split(","), which.split("_")[0])
-        return
+            tune_features(WHICH[which][0], dims, args.features.split(","), which.split("_")[0], gpu, rows, entries)
+    else:
+        tune_sweep(args, dims, gpu, rows, entries)
+    rec.finish(gpu_rec, "tools/tune.py", sys.argv[1:], args.out, rows, entries)
+
+
+def tune_sweep(args, dims: list[int], gpu: str, rows: list[dict], entries: list[dict]) -> None:
+    """Each candidate row (and the row ``gpu`` takes today) on the FA2 paper's shapes at ``args.seqlen``, full and
+    causal, validated first; measurements go to ``rows``, an entry that beats today's row to ``entries``."""
+    lengths = [int(x) for x in args.seqlen.split(",")]
     for which in args.which.split(","):
         (kernel, impl), direction = WHICH[which], which.split("_")[0]
         dtype = DTYPE_OF.get(which, args.dtype)
         for d in dims:
             key = (kernel, d, dtype)
-            default = configs.TABLE.get(key)
-            if default is None:
+            if configs.TABLE.get(key) is None:
                 continue
-            for cand in CANDIDATES.get((kernel, d, dtype), CANDIDATES.get((kernel, d), [])):
+            today_of = rec.today(kernel, d, dtype, (), gpu)
+            current = today_of["row"]
+            cands = CANDIDATES.get((kernel, d, dtype), CANDIDATES.get((kernel, d), []))
+            if not any(rec.same_tile(c, current) for c in cands):
+                cands = [current, *cands]
+            times: dict = {}
+            for cand in cands:
                 override = {key: cand}
-                for n, causal in itertools.product((int(x) for x in args.seqlen.split(",")), (False, True)):
+                for n, causal in itertools.product(lengths, (False, True)):
                     case = bench.Case(impl, direction, dtype, 16384 // n, 2048 // d, 2048 // d, n, d, causal)
                     try:
                         status = valid(case, override)
-                        rec = bench.run_case(case, 10, {}, override, check=lambda _: (True, "ok")) \
+                        run = bench.run_case(case, 10, {}, override, check=lambda _: (True, "ok")) \
                             if status == "ok" else None  # (valid() checked the candidate)
-                        tf = rec.kernel_tflops if rec else None
-                        status = rec.status if rec else status
+                        tf = run.kernel_tflops if run else None
+                        status = run.status if run else status
                     except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
-                        tf, status = None, f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+                        tf, status = None, _failure(err)
+                    is_current = rec.same_tile(cand, current)
+                    times.setdefault(cand, {})[f"N={n} causal={causal}"] = tf
+                    rows.append(rec.measurement(kernel, d, dtype, f"N={n} causal={causal}", cand,
+                                                "ok" if tf else status, tf, "TFLOP/s", is_current))
                     print(f"{direction} d={d} N={n} causal={causal!s:5} Br={cand.br} Bc={cand.bc} warps={cand.warps} "
                           f"minB={cand.min_blocks} ku={cand.kunroll} st={cand.stages} qst={cand.q_stages}: "
-                          f"{'%.0f TFLOP/s' % tf if tf else status}{'  (current)' if cand == default else ''}",
+                          f"{'%.0f TFLOP/s' % tf if tf else status}{'  (current)' if is_current else ''}",
                           flush=True)
+            cases = f"N {'/'.join(map(_n, lengths))} full/causal"
+            entries.append(rec.suggestion(key, times, today_of, "TFLOP/s", gpu, cases))
 
 
 if __name__ == "__main__":

@@ -340,7 +340,7 @@ def _tile_rows(arch: str, gpu: str = configs.DEFAULT_GPU) -> list[dict]:
         if kernel.endswith("_sm90") and arch != "sm_90":
             continue
         cfg = configs.tile_config(kernel, d, dtype, arch, gpu=gpu)
-        origin = (configs.tile_source(kernel, d, dtype, arch, gpu=gpu),
+        origin = (configs.tile_source(kernel, d, dtype, arch, gpu=gpu)[0],
                   configs.chosen_on(kernel, d, dtype, gpu) if arch == "sm_90" else "")
         merged.setdefault((kernel, cfg, origin, dtype), []).append(d)
     rows: dict = {}

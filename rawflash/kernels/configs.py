@@ -516,36 +516,36 @@ def tile_config(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90",
 
 
 def tile_source(kernel: str, head_dim: int, dtype: str, arch: str = "sm_90", situations: tuple[str, ...] = (),
-                gpu: str = DEFAULT_GPU) -> str:
+                gpu: str = DEFAULT_GPU) -> tuple[str, str]:
     """Where ``tile_config``'s row comes from: 'GPU_SITUATION_ROWS', 'SITUATION_ROWS', 'GPU_ROWS', 'ARCH_ROWS' or
-    'TABLE'."""
-    return _lookup(kernel, head_dim, dtype, arch, None, False, situations, gpu)[1]
+    'TABLE', and the situation whose row it is ('' for the others)."""
+    return _lookup(kernel, head_dim, dtype, arch, None, False, situations, gpu)[1:]
 
 
 def chosen_on(kernel: str, head_dim: int, dtype: str, gpu: str = DEFAULT_GPU) -> str:
     """The tuned GPU whose measurement chose the sm_90 row ``gpu`` takes without a situation: ``gpu`` for a row of
     its ``GPU_ROWS``, else the table's (``TABLE_CHOSEN_ON``, else the H200). A row chosen without a measurement (a
     register or shared-memory bound, flash-attn's shape) says so in its ``why``."""
-    if tile_source(kernel, head_dim, dtype, "sm_90", (), gpu) == "GPU_ROWS":
+    if tile_source(kernel, head_dim, dtype, "sm_90", (), gpu)[0] == "GPU_ROWS":
         return gpu
     return TABLE_CHOSEN_ON.get((kernel, padded_head_dim(head_dim), dtype), DEFAULT_GPU)
 
 
 def _lookup(kernel: str, head_dim: int, dtype: str, arch: str, override: dict | None, general: bool,
-            situations: tuple[str, ...], gpu: str) -> tuple[TileConfig, str]:
-    """``tile_config``'s row and the name of what gave it (``tile_source``)."""
+            situations: tuple[str, ...], gpu: str) -> tuple[TileConfig, str, str]:
+    """``tile_config``'s row, the name of what gave it and its situation (``tile_source``)."""
     key = (kernel, padded_head_dim(head_dim), dtype)
     if override and key in override:
-        return override[key], "override"
+        return override[key], "override", ""
     if key not in TABLE:
         raise KeyError(f"no tile configuration for kernel={kernel!r}, head_dim={head_dim}, dtype={dtype!r}")
     own = GPU_SITUATION_ROWS[_tuned(gpu)]
     hopper = arch_family(arch) == "sm_90"
     for name in situations if hopper else ():  # measured on Hopper GPUs only
         if key in own.get(name, {}):
-            return own[name][key], "GPU_SITUATION_ROWS"
+            return own[name][key], "GPU_SITUATION_ROWS", name
         if key in SITUATION_ROWS[name]:
-            return SITUATION_ROWS[name][key], "SITUATION_ROWS"
+            return SITUATION_ROWS[name][key], "SITUATION_ROWS", name
     if hopper and key in GPU_ROWS[gpu]:
         row, source = GPU_ROWS[gpu][key], "GPU_ROWS"
     elif key in ARCH_ROWS.get(arch_family(arch), {}):
@@ -554,7 +554,7 @@ def _lookup(kernel: str, head_dim: int, dtype: str, arch: str, override: dict | 
         row, source = TABLE[key], "TABLE"
     if general and row.general_min_blocks:
         row = dataclasses.replace(row, min_blocks=row.general_min_blocks)
-    return row, source
+    return row, source, ""
 
 
 def has_row(kernel: str, head_dim: int, dtype: str) -> bool:
