@@ -286,8 +286,31 @@ def test_bad_input_is_refused():
         flops(small(), "both")
     with pytest.raises(ValueError, match="head_dim_v"):
         Shape(1, 8, 8, 4, 4, 64, head_dim_v=0)
-    with pytest.raises(ValueError, match="one head_dim"):  # the byte model has no term for v's own head_dim
-        io_bytes("fa2", "fwd", small(head_dim_v=32), Br=64, Bc=64)
+    with pytest.raises(ValueError, match="one head_dim for kernel 'fa1'"):  # (fa2's model counts v's own)
+        io_bytes("fa1", "fwd", small(head_dim_v=32), Br=64, Bc=64)
     assert io_bytes("naive", "fwd", small(head_dim_v=small().head_dim)).flops == flops(small(), "fwd")
     with pytest.raises(ValueError, match="itemsize 2"):
         roofline(io_bytes("naive", "fwd", small()), "H200", "float32")
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_fa2_counts_v_out_dout_and_dv_at_v_s_head_dim(direction):
+    """MLA (v narrower than q): fa2's terms that move V, O, dO or dV shrink by dv / d, the others stay; with
+    dv == d the model is the one-head_dim model."""
+    d, dv = 192, 128
+    full = io_bytes("fa2", direction, Shape(2, 512, 512, 8, 8, d, causal=True), Br=128, Bc=128)
+    mla = io_bytes("fa2", direction, Shape(2, 512, 512, 8, 8, d, causal=True, head_dim_v=dv), Br=128, Bc=128)
+    same = io_bytes("fa2", direction, Shape(2, 512, 512, 8, 8, d, causal=True, head_dim_v=d), Br=128, Bc=128)
+    assert same.breakdown == full.breakdown
+    for name, nbytes in full.breakdown.items():
+        moves_v = any(x in name for x in ("V", "O written", "dO", "dV"))
+        if name.startswith("K,V") or name.startswith("K_j,V_j") or name.startswith("Q_i,dO_i") \
+                or name.startswith("dK,dV"):  # one of two equal halves takes v's width
+            assert mla.breakdown[name] == nbytes * (d + dv) // (2 * d), name
+        elif moves_v and "rowsum" not in name:
+            assert mla.breakdown[name] == nbytes * dv // d, name
+        elif "rowsum" in name:  # O and dO read at dv, D written in float32
+            assert mla.breakdown[name] < nbytes, name
+        else:
+            assert mla.breakdown[name] == nbytes, name
+    assert mla.flops == flops(Shape(2, 512, 512, 8, 8, d, causal=True, head_dim_v=dv), direction) < full.flops

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import pytest
 
@@ -110,10 +111,15 @@ def test_explain_shows_the_padded_path_and_the_dv_form(monkeypatch):
     assert "v[1, 4096, 128, 128]" in out.output and "head_dim_v: 128" in out.output
     assert "zero-padded to q's head_dim" in out.output and "DV form: V_j" not in out.output
     assert ", 192, 197728>" in out.output  # the d = 192 row, V at 192 columns
+    padded = CliRunner().invoke(main, args + ["--json"])
     monkeypatch.setenv("RAWFLASH_DV_FORM", "1")
     out = CliRunner().invoke(main, args)
     assert out.exit_code == 0, out.output
     assert "DV form: V_j, P V and O of 128 columns" in out.output and ", 128, 214112>" in out.output
+    dv_form = CliRunner().invoke(main, args + ["--json"])
+    before, after = (json.loads(x.output)["predicted"][0] for x in (padded, dv_form))
+    assert after["GFLOP"] == pytest.approx(before["GFLOP"] * (192 + 128) / (192 + 192))  # P V at 128 columns
+    assert after["Bc"] == 128 and before["Bc"] == 96 and after["write_MB"] < before["write_MB"]  # O of 128 columns
 
 
 def test_explain_refuses_a_wider_v_by_name():

@@ -492,35 +492,41 @@ def io_tiles(p: Problem, kernel: str, direction: str) -> tuple[int | None, int |
     if kernel == "naive":
         runs = "rawflash (cuBLAS + softmax)" if direction == "fwd" else "model only (FA1 Alg. 0 backward)"
         return None, None, runs
-    if direction == "fwd":
-        lau = forms.forward_plan(p, kernel)[0]
-        return lau.config.br, lau.config.bc, f"rawflash {lau.kernel}"
-    if kernel == "fa2":
-        lau = forms.backward_plan(p)[1]
+    if direction == "fwd" or kernel == "fa2":  # the forward's first launch, the backward's main pass
+        lau = launches(p, kernel, direction)[0 if direction == "fwd" else 1][1]
         return lau.config.br, lau.config.bc, f"rawflash {lau.kernel}"
     cfg = forms.forward_plan(p, "fa1")[0].config
     return cfg.br, cfg.bc, "model only (FA1 Alg. 4), fa1_fwd's tiles"
 
 
-def io_shape(p: Problem) -> iomodel.Shape:
-    """The I/O model's shape of a call (it models one head_dim: MLA's v counted at q's, as the padded path reads
-    it)."""
+def io_shape(p: Problem, value_form: bool = False) -> iomodel.Shape:
+    """The I/O model's shape of a call: MLA's v at its own head_dim where the kernels read it so (``value_form``:
+    FA3's DV form), else at q's, as the padded path reads it."""
     return iomodel.Shape(p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.kv_heads, p.head_dim, p.itemsize, p.causal,
-                         p.window)
+                         p.window, head_dim_v=p.head_dim_v if value_form and p.head_dim_v else None)
+
+
+def reads_value_head_dim(p: Problem, kernel: str, direction: str) -> bool:
+    """Whether the call's launches of ``direction`` read v at its own head_dim (the forward's DV form, as the
+    environment's settings plan it)."""
+    return (direction == "fwd" and bool(p.head_dim_v)
+            and any(forms.reads_value_head_dim(lau) for _, lau in launches(p, kernel, direction)))
 
 
 def io_row(p: Problem, kernel: str, direction: str, tgt: Target) -> dict:
     """Bytes, FLOPs and the roofline bound of one (kernel, direction) with the tiles it runs with on ``p.arch``."""
     br, bc, runs = io_tiles(p, kernel, direction)
     splits = forms.forward_plan(p, "fa1")[0].grid[2] if (kernel, direction) == ("fa1", "fwd") else 1
+    value_form = reads_value_head_dim(p, kernel, direction)
     if p.lengths:  # packed sequences: each sequence's bytes and FLOPs, summed
-        reps = [iomodel.io_bytes(kernel, direction, io_shape(dataclasses.replace(p, batch=1, seqlen_q=sq, seqlen_k=sk)),
+        reps = [iomodel.io_bytes(kernel, direction,
+                                 io_shape(dataclasses.replace(p, batch=1, seqlen_q=sq, seqlen_k=sk), value_form),
                                  Br=br, Bc=bc, splits=splits) for sq, sk in p.lengths if sq and sk]
         rep = dataclasses.replace(reps[0], read_bytes=sum(r.read_bytes for r in reps),
                                   write_bytes=sum(r.write_bytes for r in reps), flops=sum(r.flops for r in reps),
                                   breakdown={k: sum(r.breakdown.get(k, 0) for r in reps) for k in reps[0].breakdown})
     else:
-        rep = iomodel.io_bytes(kernel, direction, io_shape(p), Br=br, Bc=bc, splits=splits)
+        rep = iomodel.io_bytes(kernel, direction, io_shape(p, value_form), Br=br, Bc=bc, splits=splits)
     row = {"kernel": kernel, "dir": direction, "runs": runs, "Br": br, "Bc": bc, "read_MB": rep.read_bytes / 1e6,
            "write_MB": rep.write_bytes / 1e6, "GFLOP": rep.flops / 1e9, "flop_per_byte": rep.intensity}
     if tgt.peaks is not None:
@@ -716,8 +722,8 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
     if p.head_dim_v:
         notes.append(f"v's head_dim {p.head_dim_v} (MLA): v (and the backward's dout and out) zero-padded to q's "
                      f"head_dim, out and dv cut back, except in FA3's DV form (RAWFLASH_DV_FORM=1, a pair in "
-                     f"configs.VALUE_ROWS), which reads v at its own; the predicted bytes and FLOPs count v at q's "
-                     f"head_dim")
+                     f"configs.VALUE_ROWS), which reads v at its own; the predicted bytes and FLOPs count v at the "
+                     f"head_dim the kernels read it at")
     if kernel == "naive":
         notes.append("naive: S = QK^T and O = PV are cuBLAS products, not listed among the launches")
     if backend == "numba":

@@ -75,8 +75,9 @@ class Shape:
     window : (int, int)
         Sliding window (left, right), -1 = unbounded; causal makes right 0.
     head_dim_v : int, optional
-        v's head_dim where it differs from q's and k's (MLA: 128 beside 192); None: ``head_dim``. Only
-        :func:`flops` counts it: :func:`io_bytes` models one head_dim and refuses a shape that has two.
+        v's head_dim where it differs from q's and k's (MLA: 128 beside 192); None: ``head_dim``. :func:`flops`
+        and fa2's :func:`io_bytes` count it (V, O, dO and dV rows of ``dv`` elements); fa1's and naive's model one
+        head_dim and refuse a shape that has two.
     """
 
     batch: int
@@ -432,28 +433,29 @@ def _fa1_bwd(s, t):
 
 
 def _fa2_fwd(s, t):
-    """FA2 Algorithm 1: grid over (Q block, head, batch); K/V loaded per query head."""
-    bh, row = s.batch * s.heads, s.head_dim * s.itemsize
+    """FA2 Algorithm 1: grid over (Q block, head, batch); K/V loaded per query head (V and O rows of v's head_dim)."""
+    bh, row, row_v = s.batch * s.heads, s.head_dim * s.itemsize, s.dv * s.itemsize
     return [
         ("Q read once", bh * t.q_rows_loaded * row, 0),
-        ("K,V re-read per Q block", bh * 2 * t.k_rows_in_tiles * row, 0),
-        ("O written once", 0, bh * s.seqlen_q * row),
+        ("K,V re-read per Q block", bh * t.k_rows_in_tiles * (row + row_v), 0),
+        ("O written once", 0, bh * s.seqlen_q * row_v),
         ("LSE written once (float32)", 0, bh * s.seqlen_q * F32),
     ]
 
 
 def _fa2_bwd(s, t):
-    """FA2 Algorithm 2: D precomputed; one CTA per (K block, kv head, batch) loops over its query heads."""
+    """FA2 Algorithm 2: D precomputed; one CTA per (K block, kv head, batch) loops over its query heads (V, O, dO
+    and dV rows of v's head_dim)."""
     bh, bkv = s.batch * s.heads, s.batch * s.kv_heads
-    row, f32_row = s.head_dim * s.itemsize, s.head_dim * F32
+    row, row_v, f32_row = s.head_dim * s.itemsize, s.dv * s.itemsize, s.head_dim * F32
     return [
-        ("D = rowsum(dO*O): O, dO read, D written (float32)", bh * s.seqlen_q * 2 * row, bh * s.seqlen_q * F32),
+        ("D = rowsum(dO*O): O, dO read, D written (float32)", bh * s.seqlen_q * 2 * row_v, bh * s.seqlen_q * F32),
         ("dQ accumulator zero-filled by the D pass (float32)", 0, bh * s.seqlen_q * f32_row),
-        ("K_j,V_j read once per CTA", bkv * 2 * t.k_rows_loaded * row, 0),
-        ("Q_i,dO_i re-read per K block", bh * t.q_rows_in_tiles * 2 * row, 0),
+        ("K_j,V_j read once per CTA", bkv * t.k_rows_loaded * (row + row_v), 0),
+        ("Q_i,dO_i re-read per K block", bh * t.q_rows_in_tiles * (row + row_v), 0),
         ("L_i,D_i re-read per K block (float32)", bh * t.q_rows_in_tiles * 2 * F32, 0),
         ("dQ atomicAdd per K block (float32)", bh * t.q_rows_in_tiles * f32_row, bh * t.q_rows_in_tiles * f32_row),
-        ("dK,dV written once", 0, bkv * 2 * s.seqlen_k * row),
+        ("dK,dV written once", 0, bkv * s.seqlen_k * (row + row_v)),
         ("dQ float32 converted to out dtype", bh * s.seqlen_q * f32_row, bh * s.seqlen_q * row),
     ]
 
@@ -489,8 +491,9 @@ def io_bytes(kernel, direction, shape, *, Br=None, Bc=None, splits=1):
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     _check_direction(direction)
-    if shape.dv != shape.head_dim:
-        raise ValueError(f"io_bytes models one head_dim; got head_dim {shape.head_dim} and head_dim_v {shape.dv}")
+    if shape.dv != shape.head_dim and kernel != "fa2":
+        raise ValueError(f"io_bytes models one head_dim for kernel {kernel!r}; got head_dim {shape.head_dim} and "
+                         f"head_dim_v {shape.dv} (kernel 'fa2' counts v's own)")
     tiles = None
     if kernel != "naive":
         if Br is None or Bc is None:
