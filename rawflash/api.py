@@ -49,8 +49,6 @@ def _values(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table=None):
     """A fast-path call's offsets, lengths and page table on the host (``validation.read_values``: one copy of each
     device array, for the key's maxima and the value checks, planned call or not); None when none is given or
     one is not a CuPy array (that call has no signature and validation reads its own)."""
-    if cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None and block_table is None:
-        return None
     if not signature.cupy_arrays(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table):
         return None
     return validation.read_values(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)

@@ -687,7 +687,10 @@ def check_fp8(c: Checked, kernel: str, backend: str, features: Features, descale
         raise ValueError("incoherent=True rotates Q and K before they are quantised: give float16 / bfloat16 / "
                          "float32 q, k, v with incoherent=True (rawflash quantises them), or rotate with "
                          "rawflash.fp8.quantize(..., incoherent=True) yourself; got float8_e4m3fn q, k, v")
-    check_fp8_value_head_dim(p, "float8_e4m3fn inputs")
+    if p.head_dim_v:  # the FP8 form transposes V at q's head_dim
+        raise ValueError(f"float8_e4m3fn inputs run with v's head_dim equal to q's (the FP8 form transposes V at q's "
+                         f"head_dim); got v's head_dim {p.head_dim_v} and q's {p.head_dim} (head_dim_v != "
+                         f"head_dim_qk)")
     if p.head_dim % 16:
         raise ValueError(f"float8_e4m3fn inputs need head_dim a multiple of 16 (TMA copies 16-byte chunks), got "
                          f"{p.head_dim}")
@@ -703,13 +706,6 @@ def check_fp8(c: Checked, kernel: str, backend: str, features: Features, descale
                          f"{sorted(got)}")
     problem = dataclasses.replace(p, out_dtype=out)
     return dataclasses.replace(c, problem=problem), tuple(checked[n] for n in ("q_descale", "k_descale", "v_descale"))
-
-
-def check_fp8_value_head_dim(p: Problem, what: str) -> None:
-    """The FP8 forward reads V^T tiles of q's head_dim: v's head_dim must be q's."""
-    if p.head_dim_v:
-        raise ValueError(f"{what} run with v's head_dim equal to q's (the FP8 form transposes V at q's head_dim); "
-                         f"got v's head_dim {p.head_dim_v} and q's {p.head_dim} (head_dim_v != head_dim_qk)")
 
 
 def check_fp8_options(descales: dict, out_dtype, incoherent, fp8) -> None:

@@ -377,8 +377,7 @@ def _value_rows() -> list[dict]:
     rows: dict = {}
     for (kernel, d, dv, dtype), cfg in configs.VALUE_ROWS.items():
         rows.setdefault((kernel, d, dv, cfg), []).append(dtype)
-    return [{"kernel": kernel, "head_dims": f"{d} / {dv}", "dtypes": ",".join(dtypes), "Br": cfg.br, "Bc": cfg.bc,
-             "stages": cfg.stages, "q_stages": cfg.q_stages, "threads": cfg.threads, "why": cfg.why}
+    return [_tile_entry(kernel, f"{d} / {dv}", ",".join(dtypes), cfg, ("VALUE_ROWS", ""))
             for (kernel, d, dv, cfg), dtypes in rows.items()]
 
 

@@ -165,13 +165,13 @@ def kernel_problem(p: Problem) -> Problem:
 def launches(p: Problem, kernel: str, direction: str, deterministic: bool = False) -> list[tuple[str, Launch]]:
     """(direction, launch) for every launch of the call, in order; direction 'both' gives forward then backward.
     The plans follow the environment's RAWFLASH_* settings, as a call's do."""
-    kp = kernel_problem(p)
+    kp, env = kernel_problem(p), settings.load()
     out = []
     if direction in ("fwd", "both"):
-        out += [("fwd", lau) for lau in forms.forward_plan(kp, kernel, settings=settings.load())]
+        out += [("fwd", lau) for lau in forms.forward_plan(kp, kernel, settings=env)]
     if direction in ("bwd", "both"):
         out += [("bwd", lau) for lau in forms.backward_plan(dataclasses.replace(kp, head_dim_v=0), deterministic,
-                                                            settings.load())]
+                                                            env)]
     return out
 
 
@@ -487,16 +487,17 @@ def roofline_note(tgt: Target) -> str:
     return f"time bound: roofline of {tgt.peaks_from}; caches are not modelled, so a kernel may beat it"
 
 
-def io_tiles(p: Problem, kernel: str, direction: str) -> tuple[int | None, int | None, str]:
-    """Br, Bc of the tile config that ``kernel`` runs with in ``direction`` on ``p.arch``, and what runs it."""
+def io_tiles(p: Problem, kernel: str, direction: str) -> tuple[int | None, int | None, str, bool]:
+    """Br, Bc of the tile config that ``kernel`` runs with in ``direction`` on ``p.arch``, what runs it, and whether
+    it reads MLA's v at its own head_dim (FA3's DV form, as the environment's settings plan it)."""
     if kernel == "naive":
         runs = "rawflash (cuBLAS + softmax)" if direction == "fwd" else "model only (FA1 Alg. 0 backward)"
-        return None, None, runs
+        return None, None, runs, False
     if direction == "fwd" or kernel == "fa2":  # the forward's first launch, the backward's main pass
         lau = launches(p, kernel, direction)[0 if direction == "fwd" else 1][1]
-        return lau.config.br, lau.config.bc, f"rawflash {lau.kernel}"
+        return lau.config.br, lau.config.bc, f"rawflash {lau.kernel}", forms.reads_value_head_dim(lau)
     cfg = forms.forward_plan(p, "fa1")[0].config
-    return cfg.br, cfg.bc, "model only (FA1 Alg. 4), fa1_fwd's tiles"
+    return cfg.br, cfg.bc, "model only (FA1 Alg. 4), fa1_fwd's tiles", False
 
 
 def io_shape(p: Problem, value_form: bool = False) -> iomodel.Shape:
@@ -506,18 +507,10 @@ def io_shape(p: Problem, value_form: bool = False) -> iomodel.Shape:
                          p.window, head_dim_v=p.head_dim_v if value_form and p.head_dim_v else None)
 
 
-def reads_value_head_dim(p: Problem, kernel: str, direction: str) -> bool:
-    """Whether the call's launches of ``direction`` read v at its own head_dim (the forward's DV form, as the
-    environment's settings plan it)."""
-    return (direction == "fwd" and bool(p.head_dim_v)
-            and any(forms.reads_value_head_dim(lau) for _, lau in launches(p, kernel, direction)))
-
-
 def io_row(p: Problem, kernel: str, direction: str, tgt: Target) -> dict:
     """Bytes, FLOPs and the roofline bound of one (kernel, direction) with the tiles it runs with on ``p.arch``."""
-    br, bc, runs = io_tiles(p, kernel, direction)
+    br, bc, runs, value_form = io_tiles(p, kernel, direction)
     splits = forms.forward_plan(p, "fa1")[0].grid[2] if (kernel, direction) == ("fa1", "fwd") else 1
-    value_form = reads_value_head_dim(p, kernel, direction)
     if p.lengths:  # packed sequences: each sequence's bytes and FLOPs, summed
         reps = [iomodel.io_bytes(kernel, direction,
                                  io_shape(dataclasses.replace(p, batch=1, seqlen_q=sq, seqlen_k=sk), value_form),

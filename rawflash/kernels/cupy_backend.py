@@ -96,11 +96,7 @@ class Prepared:
     arrays: tuple
     head_dim: int
     extras: dict
-    head_dim_v: int = 0
-
-    @property
-    def value_head_dim(self) -> int:
-        return self.head_dim_v or self.head_dim
+    value_head_dim: int  # v's (and out's, dv's): MLA's head_dim_v, or head_dim
 
 
 def run_problem(p: Problem, env: Settings, value_form: bool = False) -> Problem:
@@ -122,7 +118,7 @@ def prepare(p: Problem, extras: dict, env: Settings, *arrays, value_form: bool =
     if pr.head_dim_v:
         widths[2] = pr.head_dim_v
     ready = tuple(_ready(x, w, 16 // np.dtype(x.dtype).itemsize) for x, w in zip(arrays, widths))
-    return Prepared(pr, ready, p.head_dim, _feature_arrays(extras), p.head_dim_v)
+    return Prepared(pr, ready, p.head_dim, _feature_arrays(extras), p.value_head_dim)
 
 
 def _feature_arrays(extras: dict) -> dict:

@@ -206,8 +206,13 @@ def value_form(p: Problem, settings: Settings = Settings()) -> bool:
     """Whether FA3's forward reads MLA's narrower v at its own head_dim (the DV form: V_j and O of head_dim_v columns)
     for ``p``: asked for (``RAWFLASH_DV_FORM=1``), a ``head_dim_v`` whose pair of compiled head dims has a row in
     configs.VALUE_ROWS, sm_90, 16-bit, keys not paged. Elsewhere v runs zero-padded to q's head_dim."""
-    return (settings.dv_form and bool(p.head_dim_v) and p.arch == "sm_90" and not p.page_size and configs.value_row(
-        "fa3_fwd_sm90", launch.tma_head_dim(p), launch.tma_value_head_dim(p), p.dtype) is not None)
+    return settings.dv_form and bool(p.head_dim_v) and p.arch == "sm_90" and not p.page_size and \
+        _value_row(p) is not None
+
+
+def _value_row(p: Problem) -> TileConfig | None:
+    """configs.VALUE_ROWS' row for ``p``'s head dims as FA3's forward compiles them (None: no DV form)."""
+    return configs.value_row("fa3_fwd_sm90", launch.tma_head_dim(p), launch.tma_value_head_dim(p), p.dtype)
 
 
 def reads_value_head_dim(lau: Launch) -> bool:
@@ -265,8 +270,7 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
                   " and every FA2 switch on", got, settings):
         use_fa3 = (fa3 and settings.warp_specialize) if sw.warp_specialize is None else sw.warp_specialize
         if use_fa3:
-            cfg = (configs.value_row("fa3_fwd_sm90", launch.tma_head_dim(p), launch.tma_value_head_dim(p), p.dtype)
-                   if p.head_dim_v else _config("fa3_fwd_sm90", p, override))
+            cfg = _value_row(p) if p.head_dim_v else _config("fa3_fwd_sm90", p, override)
             return launch.fa3_fwd_sm90(p, cfg, ref=softmax_ref(p),
                                        overlap=sw.overlap, pingpong=sw.pingpong,
                                        persistent=persistent_default(p) if sw.persistent is None else sw.persistent,
@@ -574,7 +578,10 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
     """Every template instantiation the library can launch on ``arch`` (for the compile tests and pre-compiling):
     on the sm_90 family, each tuned GPU's (configs.GPU_ROWS)."""
     out: dict[str, Launch] = {}
-    gpus = configs.TUNED_GPUS if configs.arch_family(arch) == "sm_90" else (configs.DEFAULT_GPU,)
+    gpus = (configs.DEFAULT_GPU,)  # other GPUs' instantiations differ only where they have rows of their own
+    if configs.arch_family(arch) == "sm_90":
+        gpus += tuple(g for g in configs.TUNED_GPUS if g != configs.DEFAULT_GPU
+                      and (configs.GPU_ROWS[g] or configs.GPU_SITUATION_ROWS[g]))
     for dtype, d, gpu in itertools.product(configs.DTYPES, configs.SPECIALISED_HEAD_DIMS, gpus):
         base = Problem(1, 1, 1, 1, 1, d, dtype, False, arch, gpu=gpu)
         for p in _variants_of(base):
