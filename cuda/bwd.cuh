@@ -73,17 +73,30 @@ __device__ __forceinline__ void load_key_block(const BwdParams& p, const Info& b
   cp_async_commit();
 }
 
-// Alg.2 l.17: dK_j (times scale) and dV_j of the rows kr.. and columns c0.. a thread holds.
+// Alg.2 l.17: dK_j (times scale) of the rows kr.. and columns c0.. a thread holds (q's head_dim columns).
+template <typename T, class Info, int MT, int NT>
+__device__ __forceinline__ void store_dk(const BwdParams& p, const Info& bi, const Acc<MT, NT>& dk, int kr, int c0) {
+  float f[2 * MT];
+#pragma unroll
+  for (int r = 0; r < 2 * MT; ++r) f[r] = p.scale;
+  store_rows<T>(bi.template k_like<T>(p.dk, p.dk_sb, p.dk_ss, p.dk_sh), p.dk_ss, dk, f, kr, c0, bi.seqlen_k,
+                p.head_dim);
+}
+// ... and dV_j: v's head_dim columns (BwdParams::head_dim_v: MLA's narrower v in FA3's DV form, else q's).
+template <typename T, class Info, int MT, int NT>
+__device__ __forceinline__ void store_dv(const BwdParams& p, const Info& bi, const Acc<MT, NT>& dv, int kr, int c0) {
+  float f[2 * MT];
+#pragma unroll
+  for (int r = 0; r < 2 * MT; ++r) f[r] = 1.f;
+  store_rows<T>(bi.template k_like<T>(p.dv, p.dv_sb, p.dv_ss, p.dv_sh), p.dv_ss, dv, f, kr, c0, bi.seqlen_k,
+                p.head_dim_v);
+}
+// Both, where dK_j and dV_j of a thread share their rows and columns.
 template <typename T, class Info, int MT, int NT>
 __device__ __forceinline__ void store_dkdv(const BwdParams& p, const Info& bi, const Acc<MT, NT>& dk,
                                            const Acc<MT, NT>& dv, int kr, int c0) {
-  float fk[2 * MT], fv[2 * MT];
-#pragma unroll
-  for (int r = 0; r < 2 * MT; ++r) { fk[r] = p.scale; fv[r] = 1.f; }
-  store_rows<T>(bi.template k_like<T>(p.dk, p.dk_sb, p.dk_ss, p.dk_sh), p.dk_ss, dk, fk, kr, c0, bi.seqlen_k,
-                p.head_dim);
-  store_rows<T>(bi.template k_like<T>(p.dv, p.dv_sb, p.dv_ss, p.dv_sh), p.dv_ss, dv, fv, kr, c0, bi.seqlen_k,
-                p.head_dim);
+  store_dk<T>(p, bi, dk, kr, c0);
+  store_dv<T>(p, bi, dv, kr, c0);
 }
 
 template <class Mainloop> __device__ __forceinline__ void bwd_kernel(const BwdParams& p) {

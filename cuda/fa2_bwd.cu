@@ -38,21 +38,22 @@ template <typename T> __global__ void fa2_bwd_preprocess(const __grid_constant__
   // chain, and the group adds the chains up in block order through shuffles, so a warp reads 32 / lanes rows
   // side by side in 32-byte pieces (one thread per row read 16 bytes at a time, a row apart: 1.3 TB/s on the
   // H200). A grid-stride loop over (row, block) pairs; a row's group is whole or absent in every step (lanes
-  // divides 32, and so the loop's stride).
+  // divides 32, and so the loop's stride). O and dO have v's head_dim (p.head_dim_v: MLA's narrower v in FA3's DV
+  // form) and dQ's rows q's; the blocks cover q's, the ones past v's columns add nothing to D.
   const int lanes = preprocess_lanes(p.head_dim), nblk = cdiv(p.head_dim, 16);
   const unsigned group = lanes >= 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (lane_id() & ~(lanes - 1));
   const long long n = (long long)p.rows_batch * p.heads * p.rows_seqlen * lanes;
   for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
     const long long row = x / lanes;
-    const int blk = (int)(x % lanes), c0 = 16 * blk, c1 = min(c0 + 16, p.head_dim);
+    const int blk = (int)(x % lanes), c0 = 16 * blk, c1 = min(c0 + 16, p.head_dim), cv = min(c1, p.head_dim_v);
     const T* o = (const T*)p.out + row_offset(p, row, p.o_sb, p.o_ss, p.o_sh);
     const T* d = (const T*)p.dout + row_offset(p, row, p.do_sb, p.do_ss, p.do_sh);
-    // 16-byte loads of 8 values where the rows allow it (head_dim % 8 == 0, aligned), else one value at a time.
-    const bool vec = p.head_dim % 8 == 0 &&
+    // 16-byte loads of 8 values where the rows allow it (head_dim_v % 8 == 0, aligned), else one value at a time.
+    const bool vec = p.head_dim_v % 8 == 0 &&
                      ((reinterpret_cast<unsigned long long>(o) | reinterpret_cast<unsigned long long>(d)) & 15) == 0;
     float part = 0.f;
     if (vec) {
-      for (int c = c0; c < c1; c += 8) {
+      for (int c = c0; c < cv; c += 8) {
         float a[8], y[8];
         load8(a, o + c);
         load8(y, d + c);
@@ -60,7 +61,7 @@ template <typename T> __global__ void fa2_bwd_preprocess(const __grid_constant__
         for (int e = 0; e < 8; ++e) part = fmaf(a[e], y[e], part);
       }
     } else {
-      for (int c = c0; c < c1; ++c) part = fmaf(to_float(o[c]), to_float(d[c]), part);
+      for (int c = c0; c < cv; ++c) part = fmaf(to_float(o[c]), to_float(d[c]), part);
     }
     // ---- [fa2_bwd:zero_dq] the float32 dQ rows the main pass adds into start at zero: this block's columns ----
     if (p.dq_ws) {

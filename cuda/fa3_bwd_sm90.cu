@@ -4,7 +4,8 @@
 // per query block, by two warps of the producer warpgroup). BC = 64 (head_dim 192, 256):
 // mainloop_bwd_sm90_ws_split_d.cuh, both consumer warpgroups on the same 64 keys, split by queries for the scores
 // and by columns for dK, dV and dQ (atomic dQ only), in clusters of two neighbouring key blocks that sum dQ_i
-// between them (PAIR). fa2_bwd_preprocess runs before it and fa2_bwd_convert_dq after.
+// between them (PAIR). DV: the columns of V, dO and dV (D, or MLA's narrower head_dim_v: the DV form, whose dP^T
+// and dV products run over DV columns). fa2_bwd_preprocess runs before it and fa2_bwd_convert_dq after.
 #include "mainloop_bwd_sm90_ws.cuh"
 #include "mainloop_bwd_sm90_ws_split_d.cuh"
 
@@ -67,20 +68,21 @@ template <class Mainloop> __device__ __forceinline__ void bwd_kernel_ws(const Bw
 namespace rf {
 // The mainloop of a tile row: 64 keys (BC) for two consumer warpgroups is the column split (launch.py's
 // fa3_bwd_split_d); it has no DETERMINISTIC form.
-template <typename T, int D, int BR, int BC, int STAGES, class Pol, bool DET> struct Fa3BwdMainloop {
+template <typename T, int D, int BR, int BC, int STAGES, class Pol, bool DET, int DV> struct Fa3BwdMainloop {
   static_assert(BC == 128 || !DET, "the column split has no ordered dQ (deterministic=True: fa2_bwd + fa2_bwd_dq)");
-  using type = typename Select<BC == 64, MainloopBwdSm90WsSplitD<T, D, BR, BC, STAGES, Pol>,
-                               MainloopBwdSm90Ws<T, D, BR, BC, STAGES, Pol, DET>>::type;
+  using type = typename Select<BC == 64, MainloopBwdSm90WsSplitD<T, D, BR, BC, STAGES, Pol, DV>,
+                               MainloopBwdSm90Ws<T, D, BR, BC, STAGES, Pol, DET, DV>>::type;
 };
 }  // namespace rf
 
 // (three warpgroups either way: a producer and two consumers)
-template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, bool DETERMINISTIC, int SMEM_BYTES>
+template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, bool DETERMINISTIC, int DV,
+          int SMEM_BYTES>
 __global__ void __launch_bounds__(3 * 128, 1) __cluster_dims__(
-    rf::Fa3BwdMainloop<T, D, BR, BC, STAGES, rf::Policy<MASK, GENERAL>, DETERMINISTIC>::type::PAIR ? 2 : 1, 1, 1)
+    rf::Fa3BwdMainloop<T, D, BR, BC, STAGES, rf::Policy<MASK, GENERAL>, DETERMINISTIC, DV>::type::PAIR ? 2 : 1, 1, 1)
     fa3_bwd_sm90(const __grid_constant__ rf::BwdParams p, const __grid_constant__ rf::TmaBwd tma) {
   using namespace rf;
-  using Mainloop = typename Fa3BwdMainloop<T, D, BR, BC, STAGES, Policy<MASK, GENERAL>, DETERMINISTIC>::type;
+  using Mainloop = typename Fa3BwdMainloop<T, D, BR, BC, STAGES, Policy<MASK, GENERAL>, DETERMINISTIC, DV>::type;
   static_assert(Mainloop::NTHREADS == 3 * 128, "the launch bounds");
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");

@@ -14,6 +14,8 @@
 // dQ_i and dK, and writes dQ_i out while dK runs (FlashAttention-3's order). Each warpgroup's slice
 // of dQ_i goes to shared memory (float32, double-buffered) and one thread adds it into the float32 dQ rows with a
 // TMA reduce-add, so the consumers issue no atomics of their own.
+// DV < D (the DV form, MLA's narrower v: configs.VALUE_ROWS): V_j, dO_i and dV_j have DV columns, so dP^T's and
+// dV_j's products and V's and dO's tiles cost DV's FLOPs and bytes; S^T, dK_j and dQ_i keep D.
 //
 // DET (deterministic=True): the key blocks of one (sequence, query head) add into each query block's dQ rows in a
 // fixed order (FlashAttention-3's ordered dQ accumulation), so float32's non-associative sums come out bitwise the
@@ -37,8 +39,8 @@
 
 namespace rf {
 
-// The backward's tensor maps: q, k, v and dO (head_dim, rows, heads, batch), boxes of BR (q, dO) or BC rows;
-// dq: the float32 dQ rows (head_dim, rows), boxes of 32 columns by BR rows (128-byte swizzle).
+// The backward's tensor maps: q, k, v and dO (head_dim, rows, heads, batch; v and dO at v's head_dim), boxes of BR
+// (q, dO) or BC rows; dq: the float32 dQ rows (head_dim, rows), boxes of 32 columns by BR rows (128-byte swizzle).
 struct TmaBwd {
   TmaDesc q, k, v, dout, dq;
 };
@@ -90,18 +92,20 @@ template <int REGS, int WARP> __device__ __forceinline__ bool bwd_ws_producer_st
 template <typename T, int D, int BR, int BC, int STAGES, class Pol, class Walk, class Sm>
 __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
                                                int k0, const Walk& walk, const Sm& sm) {
-  constexpr int KV = Sm::KV, QB = Sm::QB;  // the bytes of K_j (V_j) and of Q_i (dO_i): BwdWsSmem's
+  // the bytes of K_j, V_j, Q_i and dO_i (BwdWsSmem's); V_j and dO_i have DV columns (MLA's narrower v), the
+  // others D; a panel's bytes are its rows times 128 whatever the columns
+  constexpr int DV = Sm::DV, QB = Sm::QB, DOB = Sm::DOB, KPANEL = Sw128<T, BC, D>::PANEL_BYTES;
+  constexpr int QPANEL = Sw128<T, BR, D>::PANEL_BYTES;
   const int bq = p.cu_seqlens_q ? 0 : bi.b, bk = p.cu_seqlens_k ? 0 : bi.b;
   // ---- [mainloop_bwd_sm90_ws:load_kv] Alg.2 l.6: K_j, V_j, once ----
   if (lane_id() == 0) {
-    mbar_expect_tx(sm.kv_full(), 2 * KV + Sm::KX);
+    mbar_expect_tx(sm.kv_full(), Sm::KB + Sm::VB + Sm::KX);
 #pragma unroll
-    for (int c = 0; c < D; c += 64) {
-      tma_load_4d(tma.k, sm.k().base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0,
-                  bi.hk, bk);
-      tma_load_4d(tma.v, sm.v().base + c / 64 * Sw128<T, BC, D>::PANEL_BYTES, sm.kv_full(), c, bi.k_row0 + k0,
-                  bi.hk, bk);
-    }
+    for (int c = 0; c < D; c += 64)
+      tma_load_4d(tma.k, sm.k().base + c / 64 * KPANEL, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
+#pragma unroll
+    for (int c = 0; c < DV; c += 64)
+      tma_load_4d(tma.v, sm.v().base + c / 64 * KPANEL, sm.kv_full(), c, bi.k_row0 + k0, bi.hk, bk);
     if constexpr (Sm::KX > 0) {  // the partner's key block K_j' (k0 ^ BC), the columns this CTA's dQ_i owns
       using Kx = decltype(sm.kx());
 #pragma unroll
@@ -120,14 +124,14 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd&
     bh.set_head(p, walk.head(it));
     mbar_wait(sm.empty(s), pipe.parity() ^ 1);
     if (lane_id() == 0) {
-      mbar_expect_tx(sm.full(s), Sm::DO_RING ? QB : 2 * QB);
+      mbar_expect_tx(sm.full(s), Sm::DO_RING ? QB : QB + DOB);
 #pragma unroll
-      for (int c = 0; c < D; c += 64) {
-        tma_load_4d(tma.q, sm.q(s).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.full(s), c, bh.q_row0 + q0,
-                    bh.h, bq);
-        if constexpr (!Sm::DO_RING)
-          tma_load_4d(tma.dout, sm.dout(s).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.full(s), c,
-                      bh.q_row0 + q0, bh.h, bq);
+      for (int c = 0; c < D; c += 64)
+        tma_load_4d(tma.q, sm.q(s).base + c / 64 * QPANEL, sm.full(s), c, bh.q_row0 + q0, bh.h, bq);
+      if constexpr (!Sm::DO_RING) {
+#pragma unroll
+        for (int c = 0; c < DV; c += 64)
+          tma_load_4d(tma.dout, sm.dout(s).base + c / 64 * QPANEL, sm.full(s), c, bh.q_row0 + q0, bh.h, bq);
       }
     }
     // rows past the sequence get L = D = 0 (their P and dS are zeroed by the consumers)
@@ -142,44 +146,50 @@ __device__ __forceinline__ void bwd_ws_produce(const BwdParams& p, const TmaBwd&
       const int sd = do_pipe.stage();
       mbar_wait(sm.do_empty(sd), do_pipe.parity() ^ 1);
       if (lane_id() == 0) {
-        mbar_expect_tx(sm.do_full(sd), QB);
+        mbar_expect_tx(sm.do_full(sd), DOB);
 #pragma unroll
-        for (int c = 0; c < D; c += 64)
-          tma_load_4d(tma.dout, sm.dout(sd).base + c / 64 * Sw128<T, BR, D>::PANEL_BYTES, sm.do_full(sd), c,
-                      bh.q_row0 + q0, bh.h, bq);
+        for (int c = 0; c < DV; c += 64)
+          tma_load_4d(tma.dout, sm.dout(sd).base + c / 64 * QPANEL, sm.do_full(sd), c, bh.q_row0 + q0, bh.h, bq);
       }
     }
   }
 }
 
-// The shared-memory map both FA3 backward mainloops share, from a 1024-byte-aligned base: K_j, V_j; STAGES x Q_i
-// and DO_STAGES x dO_i; MID bytes that are the mainloop's own (mid(): dS^T and the dQ_i slices here, P^T and dS^T
-// in the column split); STAGES x (L_i, D_i) as floats; the rings' mbarriers, then EXTRA more of the mainloop's own
-// (extra(i)). A stage is full when the copies' bytes have landed and the producer's 32 lanes have stored L_i, D_i
-// (the first lane's expect_tx counts as one more arrival); empty when every consumer thread (NWG warpgroups) is
-// done with it. DO_STAGES = STAGES: dO_i shares Q_i's stages and barriers; fewer (DO_RING): dO_i is a ring of its
-// own, full when its bytes have landed, empty when every consumer thread is done with it. KX: bytes of the
-// mainloop's copy of another key block's columns, which the producer loads with K_j (kx(): a derived map's).
-template <typename T, int D, int BR, int BC, int STAGES, int NWG, int MID, int DO_STAGES_ = STAGES, int EXTRA = 0>
+// The shared-memory map both FA3 backward mainloops share, from a 1024-byte-aligned base: K_j, V_j; STAGES x Q_i and
+// DO_STAGES x dO_i (V_j and dO_i of DV columns: D, or MLA's narrower head_dim_v in FA3's DV form); MID bytes that are
+// the mainloop's own (mid(): dS^T and the dQ_i slices here, P^T and dS^T in the column split); STAGES x (L_i, D_i) as
+// floats; the rings' mbarriers, then EXTRA more of the mainloop's own (extra(i)). A stage is full when the copies'
+// bytes have landed and the producer's 32 lanes have stored L_i, D_i (the first lane's expect_tx counts as one more
+// arrival); empty when every consumer thread (NWG warpgroups) is done with it. DO_STAGES = STAGES: dO_i shares Q_i's
+// stages and barriers; fewer (DO_RING): dO_i is a ring of its own, full when its bytes have landed, empty when every
+// consumer thread is done with it. KX: bytes of the mainloop's copy of another key block's columns, which the producer
+// loads with K_j (kx(): a derived map's).
+template <typename T, int D, int DV_, int BR, int BC, int STAGES, int NWG, int MID, int DO_STAGES_ = STAGES,
+          int EXTRA = 0>
 struct BwdWsSmem {
-  static constexpr int ALIGN = 1024, KV = BC * D * 2, QB = BR * D * 2, LD = 2 * STAGES * BR * 4, KX = 0;
+  static constexpr int ALIGN = 1024, DV = DV_, LD = 2 * STAGES * BR * 4, KX = 0;
+  static constexpr int KB = BC * D * 2, VB = BC * DV_ * 2, QB = BR * D * 2, DOB = BR * DV_ * 2;  // a tile's bytes
   static constexpr int DO_STAGES = DO_STAGES_;
+  static_assert(DV_ <= D && DV_ % 64 == 0, "V_j and dO_i of whole 64-column panels, at most Q's columns");
   static constexpr bool DO_RING = DO_STAGES != STAGES;
   static_assert(DO_STAGES >= 1 && DO_STAGES <= STAGES, "dO_i's stages: Q_i's, or a ring of fewer");
   // K_j, V_j full; per stage full and empty; dO_i's ring's; the mainloop's own
   static constexpr int BARRIERS = 1 + 2 * STAGES + (DO_RING ? 2 * DO_STAGES : 0) + EXTRA;
-  static constexpr int BYTES = ALIGN + 2 * KV + (STAGES + DO_STAGES) * QB + MID + LD + 8 * BARRIERS;
+  static constexpr int MID0 = KB + VB + STAGES * QB + DO_STAGES * DOB;  // the bytes before mid()
+  static constexpr int BYTES = ALIGN + MID0 + MID + LD + 8 * BARRIERS;
   u32 base;
   float* lsd;  // STAGES x L_i, then STAGES x D_i
   __device__ __forceinline__ explicit BwdWsSmem(char* smem)
       : base(((u32)__cvta_generic_to_shared(smem) + ALIGN - 1) & ~(u32)(ALIGN - 1)) {
-    lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + 2 * KV + (STAGES + DO_STAGES) * QB + MID);
+    lsd = (float*)(smem + (base - (u32)__cvta_generic_to_shared(smem)) + MID0 + MID);
   }
   __device__ __forceinline__ Sw128<T, BC, D> k() const { return {base}; }
-  __device__ __forceinline__ Sw128<T, BC, D> v() const { return {base + KV}; }
-  __device__ __forceinline__ Sw128<T, BR, D> q(int s) const { return {base + 2 * KV + s * QB}; }
-  __device__ __forceinline__ Sw128<T, BR, D> dout(int s) const { return {base + 2 * KV + (STAGES + s) * QB}; }
-  __device__ __forceinline__ u32 mid() const { return base + 2 * KV + (STAGES + DO_STAGES) * QB; }
+  __device__ __forceinline__ Sw128<T, BC, DV_> v() const { return {base + KB}; }
+  __device__ __forceinline__ Sw128<T, BR, D> q(int s) const { return {base + KB + VB + s * QB}; }
+  __device__ __forceinline__ Sw128<T, BR, DV_> dout(int s) const {
+    return {base + KB + VB + STAGES * QB + s * DOB};
+  }
+  __device__ __forceinline__ u32 mid() const { return base + MID0; }
   __device__ __forceinline__ float* lse2(int s) const { return lsd + s * BR; }
   __device__ __forceinline__ float* delta(int s) const { return lsd + (STAGES + s) * BR; }
   __device__ __forceinline__ u32 bar(int i) const { return mid() + MID + LD + 8 * i; }
@@ -206,7 +216,10 @@ struct BwdWsSmem {
   }
 };
 
-template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET_ = false> struct MainloopBwdSm90Ws {
+// DV: the columns of V_j, dO_i and dV_j (D, or MLA's narrower head_dim_v: the DV form, whose dP^T = V_j dO_i^T and
+// dV_j += P^T dO_i run over DV columns while S^T, dK_j and dQ_i keep D).
+template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET_ = false, int DV = D>
+struct MainloopBwdSm90Ws {
   using T = T_;
   using Pol = Pol_;
   static constexpr bool DET = DET_, PAIR = false;  // (PAIR: the column split's clusters, fa3_bwd_sm90.cu)
@@ -226,10 +239,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   static constexpr bool ROW_SPLIT = BR_ == 128, SWAP_DQ = BR_ == 80;
   static constexpr int DQN = ROW_SPLIT ? D : D / NWG, DS_BUFS = ROW_SPLIT ? 1 : 2, DQ_BUFS = SWAP_DQ ? 1 : 2;
   static constexpr int DQ_ROWS = SWAP_DQ ? BR_ : 64;  // the rows of a dQ_i slice (tma.dq_box_rows)
-  static constexpr int NO = D / 8;
+  static constexpr int NO = D / 8, NOV = DV / 8;  // a warp's 8-column fragments of dK_j, of dV_j
   static constexpr int DS = BC_ * BR_ * 2, DQB = DQ_ROWS * DQN * 4, DQ_PANEL = DQ_ROWS * 128;
   // BwdWsSmem's map with DS_BUFS x dS^T (dS) and DQ_BUFS x NWG dQ_i slices as its middle
-  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, DS_BUFS * DS + DQ_BUFS * NWG * DQB>;
+  using Map = BwdWsSmem<T_, D, DV, BR_, BC_, STAGES, NWG, DS_BUFS * DS + DQ_BUFS * NWG * DQB>;
   static constexpr int SMEM_BYTES = Map::BYTES;
   // EARLY_DV: the plain policy at head_dim 128 issues dV_w += P^T dO_i as soon as P^T is formed, so it runs while
   // dS^T is formed (+3 % on H200, bf16, N = 4096; at head_dim 64 the same order costs 4 %; bench/NOTES.md), and
@@ -265,7 +278,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
                 "setmaxnreg moves registers within the launch's pool");
 
   struct State {
-    Acc<1, NO> dk, dv;
+    Acc<1, NO> dk;
+    Acc<1, NOV> dv;
   };
   struct Smem : Map {
     __device__ __forceinline__ explicit Smem(char* smem) : Map(smem) {}
@@ -406,7 +420,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
   __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
                                                  Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
     const int w = uniform_warpgroup_id(), kw = 64 * w, wk = key_row();
-    const auto sK = sm.k(), sV = sm.v();
+    const auto sK = sm.k();
+    const auto sV = sm.v();
     typename Pol::Info bh = bi;
     // ---- [mainloop_bwd_sm90_ws:init] Alg.2 l.7: dK_j = dV_j = 0; K_j, V_j have landed ----
     zero(st.dk);
@@ -419,7 +434,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
       const bool edge = walk.edge(it);
       bh.set_head(p, walk.head(it));
       if constexpr (Pol::GENERAL) pol.set_head(p, bh);
-      const auto sQ = sm.q(s), sdO = sm.dout(s);
+      const auto sQ = sm.q(s);
+      const auto sdO = sm.dout(s);
       const float *sL = sm.lse2(s), *sDelta = sm.delta(s);
       mbar_wait(sm.full(s), pipe.parity());
       // ---- [mainloop_bwd_sm90_ws:scores] Alg.2 l.9-10 and l.12: S^T = K_w Q_i^T and dP^T = V_w dO_i^T ----
@@ -498,7 +514,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, bool DET
 
   __device__ __forceinline__ static void store(const BwdParams& p, const typename Pol::Info& bi, int k0,
                                                const State& st) {
-    store_dkdv<T>(p, bi, st.dk, st.dv, k0 + key_row(), 0);
+    store_dk<T>(p, bi, st.dk, k0 + key_row(), 0);
+    store_dv<T>(p, bi, st.dv, k0 + key_row(), 0);
   }
 };
 

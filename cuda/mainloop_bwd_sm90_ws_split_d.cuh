@@ -20,6 +20,10 @@
 // D = 256 one 128-column slice, at D = 192 a 64-column panel and a 32-column half panel (WIDE, NARROW), warpgroup
 // 0 taking columns 0..63 and 64..95, warpgroup 1 128..191 and 96..127.
 // deterministic=True runs fa2_bwd + fa2_bwd_dq at these head dims (forms.py): this mainloop has no ordered dQ.
+// DV < D (the DV form, MLA's narrower v: configs.VALUE_ROWS, 192 / 128): V_j, dO_i and dV_j have DV columns, so
+// dP^T = V_j dO_w^T reduces over DV columns and each warpgroup accumulates half of dV_j's DV columns (cut like D's:
+// at DV = 128 one 64-column panel each, WIDE_V, no half panel), while S^T, dK_j and dQ_i keep D; V's tile and
+// dO_i's stage hold DV columns.
 //
 // PAIR (D = 192 and 256, every policy; packed sequences cut into pairs of key tiles by KTileScheduler): at these
 // head dims the additions of dQ_i bound the kernel (without them it runs 1.4 - 1.65x faster, bench/NOTES.md;
@@ -53,7 +57,7 @@
 
 namespace rf {
 
-template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct MainloopBwdSm90WsSplitD {
+template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, int DV = D> struct MainloopBwdSm90WsSplitD {
   using T = T_;
   using Pol = Pol_;
   static constexpr bool DET = false;
@@ -73,16 +77,17 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   using Walk = QIter;
   static constexpr int BR = BR_, BC = BC_, NWG = 2, NTHREADS = (NWG + 1) * 128;
   static constexpr int QW = BR_ / NWG, NQ = QW / 8;           // a warpgroup's queries of S^T, dP^T
-  static constexpr int DW = D / NWG, WIDE = DW / 64 * 64, NARROW = DW - WIDE;  // a warpgroup's columns
+  static constexpr int DW = D / NWG, WIDE = DW / 64 * 64, NARROW = DW - WIDE;  // a warpgroup's columns of dK_j
+  static constexpr int DVW = DV / NWG, WIDE_V = DVW / 64 * 64, NARROW_V = DVW - WIDE_V;  // ... and of dV_j
   static constexpr int PS = BC_ * BR_ * 2;
   static constexpr int KX = BC_ * 128 * 2;  // the partner's K_j' columns around this CTA's dQ_i half
   // BwdWsSmem's map with PT_BUFS x P^T, 2 x dS^T, DSX_BUFS x the partner's dS^T, kx() and the dQ_i tiles as its
   // middle, dO_i in one stage of its own, and the barriers xfull, xfree (DSX_BUFS each)
   static constexpr int TILES = PT_BUFS + 2 + DSX_BUFS;  // P^T, dS^T, the partner's dS^T
-  using Map = BwdWsSmem<T_, D, BR_, BC_, STAGES, NWG, TILES * PS + KX + NWG * DQ_TILE, 1, 2 * DSX_BUFS>;
+  using Map = BwdWsSmem<T_, D, DV, BR_, BC_, STAGES, NWG, TILES * PS + KX + NWG * DQ_TILE, 1, 2 * DSX_BUFS>;
   static constexpr int SMEM_BYTES = Map::BYTES;
-  // dK, dV (D floats a thread in all) and dQ_i's half (D / 4) or S^T, dP^T (16 + 16): the consumers take 240,
-  // the producer (one warp issuing copies, 32 lanes storing L_i, D_i) keeps 24, FA3's split for two consumer
+  // dK, dV ((D + DV) / 2 floats a thread in all) and dQ_i's half (D / 4) or S^T, dP^T (16 + 16): the consumers take
+  // 240, the producer (one warp issuing copies, 32 lanes storing L_i, D_i) keeps 24, FA3's split for two consumer
   // warpgroups.
   static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
   static constexpr int PS_BARRIER = 1;  // named barrier of the consumer warpgroups: every P^T, dS^T is in shared memory
@@ -90,16 +95,22 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   static constexpr int PT_FREE = 4;     // TIGHT: + w, warpgroup w's dV_j product has read P^T (d = 128's DS_FREE)
   static_assert(BR_ == 64 && BC_ == 64 && D % 64 == 0, "64 keys shared by two warpgroups; dQ_i is one 64-row wgmma");
   static_assert(NARROW == 0 || NARROW == 32, "a warpgroup's columns: whole panels, or whole panels and a half panel");
+  static_assert(WIDE_V > 0 && (NARROW_V == 0 || NARROW_V == 32), "dV_j's columns likewise, at least a panel each");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NWG <= launch_regs(NTHREADS) * NTHREADS,
                 "setmaxnreg moves registers within the launch's pool");
 
-  // The column slices of warpgroup w: WIDE columns from wide0 (whole panels), NARROW from narrow0 (a half panel).
+  // The column slices of warpgroup w: WIDE columns from wide0 (whole panels), NARROW from narrow0 (a half panel);
+  // dV_j's of DV columns: WIDE_V from wide0v, NARROW_V from narrow0v.
   __device__ __forceinline__ static int wide0(int w) { return w ? D - WIDE : 0; }
   __device__ __forceinline__ static int narrow0(int w) { return w ? DW : WIDE; }
+  __device__ __forceinline__ static int wide0v(int w) { return w ? DV - WIDE_V : 0; }
+  __device__ __forceinline__ static int narrow0v(int w) { return w ? DVW : WIDE_V; }
 
   struct State {
-    Acc<1, WIDE / 8> dk, dv;
-    Acc<1, NARROW ? NARROW / 8 : 1> dk2, dv2;  // (NARROW = 0: never touched, so never allocated)
+    Acc<1, WIDE / 8> dk;
+    Acc<1, WIDE_V / 8> dv;
+    Acc<1, NARROW ? NARROW / 8 : 1> dk2;  // (NARROW = 0: never touched, so never allocated)
+    Acc<1, NARROW_V ? NARROW_V / 8 : 1> dv2;
   };
   struct Smem : Map {
     static constexpr int KX = MainloopBwdSm90WsSplitD::KX;  // (bwd_ws_produce copies kx() with K_j)
@@ -188,20 +199,20 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
                                                  Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
     const int w = uniform_warpgroup_id(), wq = QW * w, wk = key_row(), cw = wide0(w), cn = narrow0(w);
+    const int cwv = wide0v(w), cnv = narrow0v(w);
     const int rank = (int)cluster_rank();
     const u32 other = rank ^ 1;
     const int cq = pair_dq_panel(rank, w), cx = cq - Smem::kx_col0();  // in dQ_i / K_j, and in kx()
     const int jlo = pair_dq_lo(rank, w), jhi = pair_dq_hi(rank, w);
-    const auto sK = sm.k(), sV = sm.v();
+    const auto sK = sm.k();
+    const auto sV = sm.v();
     const auto sKx = sm.kx();
     typename Pol::Info bh = bi;
     // ---- [mainloop_bwd_sm90_ws_split_d:pair_init] dK_j = dV_j = 0; K_j, V_j and kx() have landed ----
     zero(st.dk);
     zero(st.dv);
-    if constexpr (NARROW > 0) {
-      zero(st.dk2);
-      zero(st.dv2);
-    }
+    if constexpr (NARROW > 0) zero(st.dk2);
+    if constexpr (NARROW_V > 0) zero(st.dv2);
     if (walk.total > 0) mbar_wait(sm.kv_full(), 0);
     Acc<1, 4> dqb;      // TIGHT: the second half of the last step's dQ_i panel, added under the next step's scores
     int dqb_row = 0;    // its first row in the float32 dQ rows
@@ -252,8 +263,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       fence_operand(st.dk);
       fence_operand(st.dv);
       wgmma_fence();
-      wg_gemm_ab<BR>(st.dv, sP, 0, sdO, cw, true);
-      if constexpr (NARROW > 0) wg_gemm_ab<BR>(st.dv2, sP, 0, sdO, cn, true);
+      wg_gemm_ab<BR>(st.dv, sP, 0, sdO, cwv, true);
+      if constexpr (NARROW_V > 0) wg_gemm_ab<BR>(st.dv2, sP, 0, sdO, cnv, true);
       wgmma_commit();
       mbar_wait(sm.xfull(it), use);  // the partner's dS^T of this step has landed
       wgmma_fence();
@@ -265,7 +276,7 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
       wgmma_commit();
       wgmma_wait<2>();
       fence_operand(st.dv);
-      if constexpr (NARROW > 0) fence_operand(st.dv2);
+      if constexpr (NARROW_V > 0) fence_operand(st.dv2);
       mbar_arrive(sm.do_empty(0));  // dO_i: read by dP^T's and dV_j's products
       if constexpr (TIGHT)
         if (it + 1 < walk.total) named_arrive(PT_FREE + w, NWG * 128);  // this warpgroup is done with P^T
@@ -312,8 +323,10 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_> struct M
   __device__ __forceinline__ static void store(const BwdParams& p, const typename Pol::Info& bi, int k0,
                                                const State& st) {
     const int w = warpgroup_id();
-    store_dkdv<T>(p, bi, st.dk, st.dv, k0 + key_row(), wide0(w));
-    if constexpr (NARROW > 0) store_dkdv<T>(p, bi, st.dk2, st.dv2, k0 + key_row(), narrow0(w));
+    store_dk<T>(p, bi, st.dk, k0 + key_row(), wide0(w));
+    if constexpr (NARROW > 0) store_dk<T>(p, bi, st.dk2, k0 + key_row(), narrow0(w));
+    store_dv<T>(p, bi, st.dv, k0 + key_row(), wide0v(w));
+    if constexpr (NARROW_V > 0) store_dv<T>(p, bi, st.dv2, k0 + key_row(), narrow0v(w));
   }
 };
 

@@ -93,7 +93,8 @@ struct BwdParams {
                                   // at its own query block (Policy::dq_start; launch.fa3_bwd_dq_rotates), 0 or 1
   int longest_first;              // FA3 backward: key tiles dispatched longest first (KTileScheduler;
                                   // launch.fa3_bwd_longest_first), 0 or 1
-  int pad_;                       // (an even count of 4-byte fields: no padding on either side, tests/test_params.py)
+  int head_dim_v;                 // v's, out's, dout's and dv's head_dim (MLA's head_dim_v in FA3's DV form; else
+                                  // head_dim): the columns D_i sums and dV_j is stored with
 };
 
 }  // namespace rf

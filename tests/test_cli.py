@@ -102,7 +102,7 @@ def test_launch_config_matches_launch_and_iomodel():
 def test_launch_config_deterministic_backward_and_text():
     rows = invoke_json("launch-config", *SMALL, "--direction", "bwd", "--deterministic")["launches"]
     assert [r["kernel"] for r in rows] == ["fa2_bwd_preprocess", "fa3_bwd_sm90", "fa2_bwd_convert_dq"]
-    assert rows[1]["instantiation"].endswith(", true, 199720>"), "FA3's form with DETERMINISTIC = true"
+    assert rows[1]["instantiation"].endswith(", true, 64, 199720>"), "FA3's form with DETERMINISTIC = true (DV = D)"
     rows = invoke_json("launch-config", *SMALL, "--direction", "bwd", "--deterministic", "--gpu", "sm_80")["launches"]
     assert [r["kernel"] for r in rows] == ["fa2_bwd_preprocess", "fa2_bwd", "fa2_bwd_dq"]
     out = invoke("launch-config", "--kernel", "fa1", "--sms", "108").output

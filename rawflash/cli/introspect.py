@@ -170,8 +170,7 @@ def launches(p: Problem, kernel: str, direction: str, deterministic: bool = Fals
     if direction in ("fwd", "both"):
         out += [("fwd", lau) for lau in forms.forward_plan(kp, kernel, settings=env)]
     if direction in ("bwd", "both"):
-        out += [("bwd", lau) for lau in forms.backward_plan(dataclasses.replace(kp, head_dim_v=0), deterministic,
-                                                            env)]
+        out += [("bwd", lau) for lau in forms.backward_plan(kp, deterministic, env)]
     return out
 
 
@@ -609,8 +608,8 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                 if launch.stages_o(lau):
                     add_note(row, "O staged in the Q_i buffer, stored by TMA")
                 if forms.reads_value_head_dim(lau):
-                    add_note(row, f"DV form: V_j, P V and O of {lau.template_args[launch.DV_ARG]} columns (v read at "
-                                  "its own head_dim)")
+                    add_note(row, f"DV form: V_j, P V and O of {lau.template_args[launch.DV_ARG[lau.kernel]]} "
+                                  "columns (v read at its own head_dim)")
                 if lau.kernel == "fa3_fwd_sm90" and p.page_size:
                     rows = tma.paged_box_rows(lau.config.bc, p.page_size)
                     add_note(row, f"paged keys read by TMA in boxes of {rows} rows, one page each")
@@ -641,6 +640,10 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
             if row["kernel"] == "fa3_bwd_sm90" and launch.fa3_bwd_split_d(lau.config):
                 add_note(row, "column split (head_dim > 128): two consumer warpgroups share 64 keys, each with half "
                               "of dK, dV and dQ's columns; dQ by TMA reduce-add of float32 tiles")
+            if row["kernel"] == "fa3_bwd_sm90" and forms.reads_value_head_dim(lau):
+                add_note(row, f"DV form: V_j, dO_i, dP^T's and dV's products and dV of "
+                              f"{lau.template_args[launch.DV_ARG[lau.kernel]]} columns (v, dout and out read at v's "
+                              "own head_dim)")
     report["predicted"] = [_brief_io(io_row(p, kernel if d == "fwd" else "fa2", d, tgt)) for d in dirs]
     report["notes"] = _explain_notes(p, kernel, backend, tgt)
     return report
@@ -714,9 +717,9 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
         notes.append(f"head_dim {p.head_dim} runs on the {configs.padded_head_dim(p.head_dim)} kernel, zero-padded")
     if p.head_dim_v:
         notes.append(f"v's head_dim {p.head_dim_v} (MLA): v (and the backward's dout and out) zero-padded to q's "
-                     f"head_dim, out and dv cut back, except in FA3's DV form (RAWFLASH_DV_FORM=1, a pair in "
-                     f"configs.VALUE_ROWS), which reads v at its own; the predicted bytes and FLOPs count v at the "
-                     f"head_dim the kernels read it at")
+                     f"head_dim, out and dv cut back, except in FA3's DV forms (RAWFLASH_DV_FORM=1, a pair in "
+                     f"configs.VALUE_ROWS, forward and backward apart), which read them at v's own; the predicted "
+                     f"bytes and FLOPs count v at the head_dim the kernels read it at")
     if kernel == "naive":
         notes.append("naive: S = QK^T and O = PV are cuBLAS products, not listed among the launches")
     if backend == "numba":

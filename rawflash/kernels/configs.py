@@ -342,17 +342,26 @@ PAGED_ROWS: dict[tuple[str, int, str], TileConfig] = {
     for d in (96, 128) for dt in _16BIT
 }
 
-# MLA's narrower v in FA3's forward (the DV form, forms.value_form: V_j and O of head_dim_v columns, so P V and V's
-# ring cost head_dim_v's FLOPs and bytes), keyed by (kernel, head_dim, head_dim_v, dtype) as the kernel is compiled
+# MLA's narrower v in FA3's forward and backward (the DV form, forms.value_form: V_j and O of head_dim_v columns,
+# so P V and V's ring cost head_dim_v's FLOPs and bytes; in the backward V_j, dO_i and dV_j, so dP^T and dV_j's
+# products, V's tile and dO's stages), keyed by (kernel, head_dim, head_dim_v, dtype) as the kernel is compiled
 # (whole 64-column panels, launch.tma_head_dim / tma_value_head_dim). Other pairs run v zero-padded to q's
-# head_dim on the table's rows. 192 / 128 (DeepSeek-V3's prefill): the d = 128 row's 128-key blocks, as many as
-# fit beside Q_i of 192 columns; 128 / 64: the d = 128 row.
+# head_dim on the table's rows. Forward: 192 / 128 (DeepSeek-V3's prefill) takes the d = 128 row's 128-key blocks,
+# as many as fit beside Q_i of 192 columns; 128 / 64 the d = 128 row. Backward: each pair its q head_dim's table
+# row (192: the column split in key-block pairs; 128: 64 rows by 128 keys, also for the deterministic form), so
+# the DV form differs from the padded backward in its columns only.
 VALUE_ROWS: dict[tuple[str, int, int, str], TileConfig] = {
     **{("fa3_fwd_sm90", 192, 128, dt): TileConfig(128, 128, 12, stages=2,
                                                   why="192 / 128: 128 keys a block, 2 stages in 214,112 B; not tuned")
        for dt in _16BIT},
     **{("fa3_fwd_sm90", 128, 64, dt): TileConfig(128, 176, 12, stages=2,
                                                  why="128 / 64: the d = 128 row, 169,056 B; not tuned")
+       for dt in _16BIT},
+    **{("fa3_bwd_sm90", 192, 128, dt): TileConfig(64, 64, 12, stages=2,
+                                                  why="192 / 128: the d = 192 row, 206,936 B; not measured")
+       for dt in _16BIT},
+    **{("fa3_bwd_sm90", 128, 64, dt): TileConfig(64, 128, 12, stages=2,
+                                                 why="128 / 64: the d = 128 row, 198,696 B; not measured")
        for dt in _16BIT},
 }
 
@@ -456,7 +465,7 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     # registers and the consumers 240, as 40 / 232 spills 148 B in the consumers' general policy): the plain causal
     # one spills the walk's bounds in the producer warpgroup (its dQ writer warps), outside the consumers' products
     # (SASS). Its other instantiations do not spill.
-    **{(f"fa3_bwd_sm90<{t}, 64, 128, 128, 2, 1, false, true, 199720>", "sm_90"): 40
+    **{(f"fa3_bwd_sm90<{t}, 64, 128, 128, 2, 1, false, true, 64, 199720>", "sm_90"): 40
        for t in ("__half", "__nv_bfloat16")},
     # The FP8 forward under a window (the general policy, dynamic schedule): 4 B in the producer warpgroup's 24
     # registers (the walk's bounds), after its setmaxnreg, outside the consumers' key loop (SASS; WINDOW_ROWS'

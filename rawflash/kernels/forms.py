@@ -202,23 +202,33 @@ def hopper_form_fits(kernel: str, p: Problem) -> bool:
     return p.arch == "sm_90" and p.dtype in form.dtypes and configs.has_row(kernel, p.head_dim, p.dtype)
 
 
-def value_form(p: Problem, settings: Settings = Settings()) -> bool:
-    """Whether FA3's forward reads MLA's narrower v at its own head_dim (the DV form: V_j and O of head_dim_v columns)
-    for ``p``: asked for (``RAWFLASH_DV_FORM=1``), a ``head_dim_v`` whose pair of compiled head dims has a row in
+def value_form(p: Problem, settings: Settings = Settings(), kernel: str = "fa3_fwd_sm90") -> bool:
+    """Whether FA3's forward (``kernel`` fa3_fwd_sm90) or backward (fa3_bwd_sm90) reads MLA's narrower v at its own
+    head_dim (the DV form: V_j and O, in the backward V_j, dO_i and dV_j, of head_dim_v columns) for ``p``: asked
+    for (``RAWFLASH_DV_FORM=1``), a ``head_dim_v`` whose pair of compiled head dims has a row of ``kernel`` in
     configs.VALUE_ROWS, sm_90, 16-bit, keys not paged. Elsewhere v runs zero-padded to q's head_dim."""
     return settings.dv_form and bool(p.head_dim_v) and p.arch == "sm_90" and not p.page_size and \
-        _value_row(p) is not None
+        _value_row(p, kernel) is not None
 
 
-def _value_row(p: Problem) -> TileConfig | None:
-    """configs.VALUE_ROWS' row for ``p``'s head dims as FA3's forward compiles them (None: no DV form)."""
-    return configs.value_row("fa3_fwd_sm90", launch.tma_head_dim(p), launch.tma_value_head_dim(p), p.dtype)
+def _value_row(p: Problem, kernel: str) -> TileConfig | None:
+    """configs.VALUE_ROWS' row of ``kernel`` for ``p``'s head dims as the FA3 forms compile them (None: no DV
+    form)."""
+    return configs.value_row(kernel, launch.tma_head_dim(p), launch.tma_value_head_dim(p), p.dtype)
+
+
+def _value_problem(p: Problem, settings: Settings, kernel: str) -> Problem:
+    """``p`` as ``kernel``'s plan sees it: with its head_dim_v where that kernel's DV form runs it, else without (v
+    zero-padded to q's head_dim: the kernels see one head_dim)."""
+    return dataclasses.replace(p, head_dim_v=0) if p.head_dim_v and not value_form(p, settings, kernel) else p
 
 
 def reads_value_head_dim(lau: Launch) -> bool:
-    """Whether a launch reads v (and writes O) at v's own head_dim: the DV form of FA3's forward. Every other
-    launch of a call with a narrower v reads it zero-padded to q's head_dim (cupy_backend.bind_forward)."""
-    return lau.kernel == "fa3_fwd_sm90" and lau.template_args[launch.DV_ARG] != lau.template_args[launch.D_ARG]
+    """Whether a launch reads v (and O, dO; writes O, dV) at v's own head_dim: the DV form of FA3's forward or
+    backward. Every other launch of a call with a narrower v reads it zero-padded to q's head_dim
+    (cupy_backend.bind_forward, bind_backward)."""
+    pos = launch.DV_ARG.get(lau.kernel)
+    return pos is not None and lau.template_args[pos] != lau.template_args[launch.D_ARG]
 
 
 def _use_wgmma(wgmma: bool | None, eligible: bool, kernel: str, also: str, got: str, settings: Settings) -> bool:
@@ -255,8 +265,7 @@ def fp8_forward(p: Problem, sw: Switches = Switches(), override: Override | None
 def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Settings(),
                 override: Override | None = None) -> Launch:
     """The fa2 forward launch: its wgmma form where the switches and the GPU allow it, else the mma.sync form."""
-    if p.head_dim_v and not value_form(p, settings):  # v zero-padded to q's head_dim: the kernels see one head_dim
-        p = dataclasses.replace(p, head_dim_v=0)
+    p = _value_problem(p, settings, "fa3_fwd_sm90")
     got = (f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={sw.defer_norm}, "
            f"seq_parallel={sw.seq_parallel}, split_q={sw.split_q}")
     fa3 = sw.ideas_on and hopper_form_fits("fa3_fwd_sm90", p)
@@ -270,7 +279,7 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
                   " and every FA2 switch on", got, settings):
         use_fa3 = (fa3 and settings.warp_specialize) if sw.warp_specialize is None else sw.warp_specialize
         if use_fa3:
-            cfg = _value_row(p) if p.head_dim_v else _config("fa3_fwd_sm90", p, override)
+            cfg = _value_row(p, "fa3_fwd_sm90") if p.head_dim_v else _config("fa3_fwd_sm90", p, override)
             return launch.fa3_fwd_sm90(p, cfg, ref=softmax_ref(p),
                                        overlap=sw.overlap, pingpong=sw.pingpong,
                                        persistent=persistent_default(p) if sw.persistent is None else sw.persistent,
@@ -310,14 +319,17 @@ def ordered_dq_config(p: Problem, cfg: TileConfig) -> TileConfig:
 def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, settings: Settings = Settings(),
                       override: Override | None = None, warp_specialize: bool | None = None) -> Launch:
     """The backward's main pass: for the atomic-dQ pass on Hopper FA3's warp-specialised form where it fits (every
-    head_dim; 192 and 256 by its column split), else the cp.async wgmma form, else mma.sync."""
+    head_dim; 192 and 256 by its column split; MLA's narrower v in its DV form where ``value_form`` says so), else
+    the cp.async wgmma form, else mma.sync."""
+    p = _value_problem(p, settings, "fa3_bwd_sm90")
     fa3 = atomic_dq and hopper_form_fits("fa3_bwd_sm90", p)
     if _use_wgmma(wgmma, fa3 or (atomic_dq and hopper_form_fits("fa2_bwd_sm90", p)), "fa2_bwd_sm90",
                   " and the atomic dQ pass", f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, atomic_dq={atomic_dq}",
                   settings):
         use_fa3 = (fa3 and settings.warp_specialize) if warp_specialize is None else warp_specialize
         if use_fa3 and fa3:
-            return launch.fa3_bwd_sm90(p, _config("fa3_bwd_sm90", p, override))
+            cfg = _value_row(p, "fa3_bwd_sm90") if p.head_dim_v else _config("fa3_bwd_sm90", p, override)
+            return launch.fa3_bwd_sm90(p, cfg)
         if use_fa3:
             raise ValueError(f"warp_specialize=True (backward) needs an sm_90 GPU, float16 or bfloat16 and the atomic "
                              f"dQ pass; got arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, atomic_dq={atomic_dq}")
@@ -365,7 +377,9 @@ def backward_plan(p: Problem, deterministic: bool = False, settings: Settings = 
     """Every launch a backward call makes, in order. ``deterministic``: where the default main pass is FA3's form
     with 64 keys per consumer (Hopper, 16-bit, head_dim <= 128), that form with its dQ reduce-adds in a fixed order
     and the same convert pass; elsewhere (its column split at head_dim 192 / 256 included) the main pass without
-    atomic dQ and a separate dQ pass (fa2_bwd_dq)."""
+    atomic dQ and a separate dQ pass (fa2_bwd_dq). MLA's narrower v: the FA3 form's DV form where ``value_form``
+    says so (its launches then read v, dout and out at v's head_dim: ``reads_value_head_dim``)."""
+    p = _value_problem(p, settings, "fa3_bwd_sm90")
     pre = launch.fa2_bwd_preprocess(p)
     if deterministic:
         main = fa2_backward_main(p, True, wgmma, settings, override) if hopper_form_fits("fa3_bwd_sm90", p) else None
@@ -374,6 +388,17 @@ def backward_plan(p: Problem, deterministic: bool = False, settings: Settings = 
                     launch.fa2_bwd_convert_dq(p)]
         return deterministic_without_fa3(p, wgmma, settings, override)
     return [pre, fa2_backward_main(p, True, wgmma, settings, override), launch.fa2_bwd_convert_dq(p)]
+
+
+def backward_plan_without_tma(p: Problem, deterministic: bool = False, settings: Settings = Settings(),
+                              override: Override | None = None) -> list[Launch]:
+    """The plan of the same backward call without FA3's form, for inputs TMA cannot describe (a stride off the
+    16-byte grid): deterministic, the main pass without atomic dQ and fa2_bwd_dq; else the cp.async wgmma form
+    whose threads all copy, or mma.sync."""
+    if deterministic:
+        return deterministic_without_fa3(p, settings=settings, override=override)
+    return [launch.fa2_bwd_preprocess(p), fa2_backward_main(p, True, None, settings, override, warp_specialize=False),
+            launch.fa2_bwd_convert_dq(p)]
 
 
 def deterministic_without_fa3(p: Problem, wgmma: bool | None = None, settings: Settings = Settings(),
@@ -606,10 +631,15 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                     launches += [fa2_forward(p, Switches(wgmma=True, warp_specialize=True),
                                              override={("fa3_fwd_sm90", d, dtype): cfg})
                                  for cfg in FA3_TILE_CANDIDATES.get(d, ())]
-            for dv in (dv for (k, dq, dv, dt) in configs.VALUE_ROWS if (k, dq, dt) == ("fa3_fwd_sm90", d, dtype)):
-                if hopper_form_fits("fa3_fwd_sm90", p):  # the DV form (MLA's narrower v)
-                    launches.append(fa2_forward(dataclasses.replace(p, head_dim_v=dv),
-                                                Switches(wgmma=True, warp_specialize=True), DV_FORM))
+            for k, dv in ((k, dv) for (k, dq, dv, dt) in configs.VALUE_ROWS if (dq, dt) == (d, dtype)):
+                pv = dataclasses.replace(p, head_dim_v=dv)  # the DV form (MLA's narrower v)
+                if k == "fa3_fwd_sm90" and hopper_form_fits(k, p):
+                    launches.append(fa2_forward(pv, Switches(wgmma=True, warp_specialize=True), DV_FORM))
+                if k == "fa3_bwd_sm90" and hopper_form_fits(k, p):
+                    main = fa2_backward_main(pv, True, True, DV_FORM, warp_specialize=True)
+                    launches.append(main)
+                    if not launch.fa3_bwd_split_d(main.config):  # (the column split has no ordered dQ)
+                        launches.append(launch.fa3_bwd_sm90(pv, main.config, deterministic=True))
             if hopper_form_fits("fa2_bwd_sm90", p):
                 launches.append(fa2_backward_main(p, True, wgmma=True, warp_specialize=False))
             if hopper_form_fits("fa3_bwd_sm90", p):

@@ -176,10 +176,10 @@ def fa3_bwd_pair(cfg: TileConfig, d: int) -> bool:
     return fa3_bwd_split_d(cfg) and d in (192, 256)
 
 
-def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
-    """SMEM_BYTES of mainloop_bwd_sm90_ws.cuh: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i);
-    ``fa3_bwd_ds_buffers`` dS^T; ``fa3_bwd_dq_buffers`` float32 dQ_i tiles (all warpgroups' slices, br x d
-    floats each); `stages` x (L_i, D_i) float32;
+def smem_fa3_bwd_sm90(cfg: TileConfig, d: int, dv: int = 0) -> int:
+    """SMEM_BYTES of mainloop_bwd_sm90_ws.cuh: 1024 B of slack; K_j, V_j; `stages` x (Q_i, dO_i) (V_j and dO_i of
+    ``dv`` columns in the DV form, else d); ``fa3_bwd_ds_buffers`` dS^T; ``fa3_bwd_dq_buffers`` float32 dQ_i tiles
+    (all warpgroups' slices, br x d floats each); `stages` x (L_i, D_i) float32;
     1 + 2 stages mbarriers. The column split (``fa3_bwd_split_d``, mainloop_bwd_sm90_ws_split_d.cuh, always in
     pairs: ``fa3_bwd_pair``) has one dO_i stage, two each of P^T, dS^T and the partner's dS^T and no dQ_i tiles
     of that kind, 128 columns of the partner's K_j', 2 + 4 mbarriers more and at d = 192 two 64 x 64 float32 dQ_i
@@ -193,8 +193,8 @@ def smem_fa3_bwd_sm90(cfg: TileConfig, d: int) -> int:
     bulk = 2 * 64 * (32 if tight else 64) * 4 if pair else 0  # (each consumer warpgroup's float32 dQ_i tile)
     mid = tiles + kx + bulk + (0 if pair else fa3_bwd_dq_buffers(cfg) * cfg.br * d * 4)
     barriers = 1 + 2 * cfg.stages + (2 + 2 * dsx if pair else 0)  # (the pair: dO_i's ring, xfull, xfree)
-    return (1024 + (2 * cfg.bc + (cfg.stages + do_stages) * cfg.br) * d * 2 + mid + 2 * cfg.stages * cfg.br * 4
-            + 8 * barriers)
+    tiles_kq = (cfg.bc + cfg.stages * cfg.br) * d + (cfg.bc + do_stages * cfg.br) * (dv or d)  # K, Q; V, dO
+    return 1024 + tiles_kq * 2 + mid + 2 * cfg.stages * cfg.br * 4 + 8 * barriers
 
 
 def smem_fa1_fwd(cfg: TileConfig, d: int, itemsize: int) -> int:
@@ -271,8 +271,8 @@ def tma_head_dim(p: Problem) -> int:
 
 
 def tma_value_head_dim(p: Problem) -> int:
-    """The columns of V and O FA3's forward is compiled for: v's head_dim as :func:`tma_head_dim` rounds q's (the DV
-    form, MLA's narrower v: ``Problem.head_dim_v``), else q's."""
+    """The columns of V and O (the backward's V, dO and dV) the FA3 forms are compiled for: v's head_dim as
+    :func:`tma_head_dim` rounds q's (the DV form, MLA's narrower v: ``Problem.head_dim_v``), else q's."""
     return cdiv(configs.padded_head_dim(p.head_dim_v), 64) * 64 if p.head_dim_v else tma_head_dim(p)
 
 
@@ -288,7 +288,9 @@ def linear_tile_grid(p: Problem, br: int, persistent: bool) -> tuple[int, int, i
 SCHEDULES = {"one tile per CTA": 0, "persistent, static": 1, "persistent, dynamic": 2}
 SCHEDULE_ARG = {"fa3_fwd_sm90": 10, "fa3_fwd_sm90_fp8": 9}  # SCHEDULE's position among the template arguments
 STAGE_O_ARG = 12  # fa3_fwd_sm90's STAGE_O among its template arguments (fa3_fwd_sm90.cu)
-D_ARG, DV_ARG = 1, 13  # fa3_fwd_sm90's D and DV: Q's and K's columns, V's and O's (D unless the DV form)
+D_ARG = 1  # the FA3 forms' D: Q's and K's columns
+# ... and their DV: V's and O's (the backward's dO and dV too) columns, D unless the DV form (MLA's narrower v)
+DV_ARG = {"fa3_fwd_sm90": 13, "fa3_bwd_sm90": 8}
 REF_ARG = 7   # fa3_fwd_sm90's REF (forms.softmax_ref)
 # softmax.cuh's SoftmaxRef: what the FA3 16-bit forward's softmax subtracts in the exponent
 REF_RUNNING, REF_BOUNDED, REF_FIRST = 0, 1, 2
@@ -444,7 +446,8 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
     (``fa3_bwd_split_d``, head_dim 192 / 256, in key-block pairs). ``deterministic`` (not the column split): the
     reduce-adds into each query block's dQ rows in a fixed order (``dq_semaphores`` int32 counters, zeroed before
     the launch); the grid is the same, its key tiles taken last-first under a mask bounded on the right
-    (scheduler.cuh's KTileScheduler)."""
+    (scheduler.cuh's KTileScheduler). A ``p.head_dim_v`` (MLA's narrower v, ``forms.value_form``) compiles the DV
+    form: V_j, dO_i and dV_j of its columns."""
     if deterministic and fa3_bwd_split_d(cfg):
         raise ValueError("fa3_bwd_sm90's column split (head_dim > 128) has no deterministic form")
     rows = (64,) if fa3_bwd_split_d(cfg) else (64, 80, 128)
@@ -459,8 +462,9 @@ def fa3_bwd_sm90(p: Problem, cfg: TileConfig, deterministic: bool = False) -> La
     if cfg.br == FA3_BWD_SWAP_ROWS and (d != 128 or deterministic):
         raise ValueError(f"fa3_bwd_sm90's {cfg.br}-row tile runs head_dim 128 (padded) without deterministic=True; "
                          f"got head_dim {d}, deterministic={deterministic}")
-    smem = smem_fa3_bwd_sm90(cfg, d)
-    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, mask_mode(p), p.general, deterministic, smem)
+    dv = tma_value_head_dim(p)
+    smem = smem_fa3_bwd_sm90(cfg, d, dv)
+    args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, mask_mode(p), p.general, deterministic, dv, smem)
     grid = (pair_key_tile_grid(p, cfg.bc, "fa3_bwd_sm90") if fa3_bwd_pair(cfg, d)
             else key_tile_grid(p, cfg.bc, "fa3_bwd_sm90"))
     return Launch("fa3_bwd_sm90", "fa3_bwd_sm90.cu", args, grid, (cfg.threads, 1, 1), smem, cfg, target="sm_90a",

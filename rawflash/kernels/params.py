@@ -46,7 +46,7 @@ BWD_FIELDS: tuple[tuple[str, str], ...] = (
     ("batch", "i32"), ("seqlen_q", "i32"), ("seqlen_k", "i32"), ("heads", "i32"), ("kv_heads", "i32"),
     ("head_dim", "i32"), ("rows_batch", "i32"), ("rows_seqlen", "i32"), ("window_left", "i32"),
     ("window_right", "i32"), ("scale", "f32"), ("scale_log2", "f32"), ("softcap", "f32"), ("dq_rotate", "i32"),
-    ("longest_first", "i32"), ("pad_", "i32"),
+    ("longest_first", "i32"), ("head_dim_v", "i32"),
 )
 
 
@@ -163,4 +163,5 @@ def bwd_params(p: Problem, q, k, v, out, dout, lse, scale: float, *, dq, dk, dv,
     rec["rows_batch"], rec["rows_seqlen"] = p.rows
     rec["dq_rotate"] = int(dq_rotate)
     rec["longest_first"] = int(longest_first)
+    rec["head_dim_v"] = p.value_head_dim  # v's, out's, dout's and dv's columns (FA3's DV form: MLA's head_dim_v)
     return rec
