@@ -1,7 +1,8 @@
 """MLA on a GPU: v with a head_dim below q's and k's (head_dim_v < head_dim_qk), against the float64 reference by
 flash-attn's rule (forward 2x, gradients 3x the same-precision naive error, plus a floor). Each case runs both
-ways: v zero-padded to q's head_dim (the default) and, with RAWFLASH_DV_FORM=1, FA3's DV form (v read at its own
-head_dim) where configs.VALUE_ROWS has the pair (other pairs, the other forms and the backward pad v either way).
+ways: v zero-padded to q's head_dim (the default) and, with RAWFLASH_DV_FORM=1, FA3's DV forms (v, and in the
+backward dout and out, read at v's own head_dim, dv written at it) where configs.VALUE_ROWS has the pair for the
+forward or the backward (other pairs and the other forms pad v either way).
 
 Covered: DeepSeek-V3's pair (192 / 128) and others down to head_dim_v = 8 and odd ones, every dtype, ragged
 shapes with seqlen_q != seqlen_k both ways, MHA / GQA / MQA, causal both ways, the features alone and combined
@@ -180,3 +181,45 @@ def test_dv_form_where_it_has_a_row(pair, has_row, dtype, dv_form):
     assert forms.reads_value_head_dim(bound.plan[0]) is on
     assert bound.widths[2] == cupy_backend.run_head_dim(dv if on else d)
     check_mla(257, 300, 4, 2, pair, dtype, {"causal": True}, seed=8)
+
+
+@pytest.mark.parametrize("pair, has_row", [((192, 128), True), ((128, 64), True), ((160, 100), True), ((96, 64), True),
+                                           ((256, 128), False)],
+                         ids=["192-128", "128-64", "160-100", "96-64", "256-128"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_dv_backward_where_it_has_a_row(pair, has_row, dtype, deterministic, dv_form):
+    """With RAWFLASH_DV_FORM=1 the backward's plan reads v, dout and out at v's own head_dim (and writes dv at it)
+    where configs.VALUE_ROWS has the pair for fa3_bwd_sm90 (the column split's deterministic plan, fa2_bwd +
+    fa2_bwd_dq, pads them); without it never. A repeated call hits its plan and matches the first; the gradients
+    are right either way."""
+    import cupy
+
+    from rawflash import settings, validation
+    from rawflash.kernels import cupy_backend, forms
+
+    d, dv = pair
+    q, k, v, extra = _narrow(*_inputs(257, 300, 4, 2, d, dtype, {"causal": True}, 9), dv, 9)
+    q, k, v = (cupy.asarray(x) for x in (q, k, v))
+    out, lse = rawflash.forward(q, k, v, causal=True)
+    dout = cupy.asarray(np.random.default_rng(10).standard_normal(out.shape).astype(out.dtype))
+    c = validation.check_backward(dout, q, k, v, out, lse, True, None, deterministic, "cupy", validation.Features())
+    bound = cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, deterministic,
+                                       env=settings.load())
+    on = has_row and dv_form == "dv-form" and not (deterministic and d > 128)
+    assert any(forms.reads_value_head_dim(lau) for lau in bound.plan) is on
+    width_v = cupy_backend.run_head_dim(dv if on else d)
+    assert bound.widths == (width_v, *(cupy_backend.run_head_dim(d),) * 2, width_v, width_v)  # dout, q, k, v, out
+    assert bound.bufs["dv"].shape[-1] == width_v
+    rawflash.clear_cache()
+    first = rawflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
+    hits = api.PLANS.hits
+    again = rawflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
+    assert api.PLANS.hits == hits + 1, "the repeat was served by its plan"
+    for a, b in zip(first, again):
+        assert a.shape == b.shape
+        if deterministic:
+            np.testing.assert_array_equal(a.get(), b.get())
+        else:  # (atomic dQ adds in no fixed order)
+            np.testing.assert_allclose(a.get().astype(np.float32), b.get().astype(np.float32), rtol=1e-2, atol=1e-2)
+    check_mla(257, 300, 4, 2, pair, dtype, {"causal": True}, seed=9, deterministic=deterministic)

@@ -283,3 +283,18 @@ def test_explain_shows_the_backward_dv_form(monkeypatch):
     assert "DV form: V_j, dO_i" in dv_form and ", 128, 206936>" in dv_form
     assert after["GFLOP"] == pytest.approx(before["GFLOP"] * (3 * 192 + 2 * 128) / (5 * 192))  # 0.87x
     assert after["read_MB"] < before["read_MB"] and after["write_MB"] < before["write_MB"]
+
+
+def test_backward_binding_reads_dout_and_out_at_v_s_width(monkeypatch):
+    """cupy_backend.prepare (its device look-ups stubbed): in the DV form every array after q and k (v, and the
+    backward's dout and out) is made ready at v's run head_dim; otherwise every one at q's."""
+    import numpy as np
+
+    from rawflash.kernels import cupy_backend
+
+    monkeypatch.setattr(cupy_backend, "run_problem",
+                        lambda p, env, value_form=False: dataclasses.replace(p, head_dim_v=p.head_dim_v * value_form))
+    monkeypatch.setattr(cupy_backend, "_ready", lambda x, width, chunk: width)
+    arrays = [np.zeros((1, 1, 1, w), np.float16) for w in (192, 192, 128, 128, 128)]  # q, k, v, dout, out
+    assert cupy_backend.prepare(_p(192, 128), {}, DV_ON, *arrays, value_form=True).arrays == (192, 192, 128, 128, 128)
+    assert cupy_backend.prepare(_p(192, 128), {}, DV_ON, *arrays).arrays == (192,) * 5

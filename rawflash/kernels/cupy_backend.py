@@ -109,14 +109,14 @@ def run_problem(p: Problem, env: Settings, value_form: bool = False) -> Problem:
 
 
 def prepare(p: Problem, extras: dict, env: Settings, *arrays, value_form: bool = False) -> Prepared:
-    """The arrays at the kernels' head dims: every array zero-padded to q's run head_dim (v, and in the backward dout
-    and out, of MLA's narrower head_dim_v too: zero columns of V give zero columns of O and dV and add nothing to dP
-    or D, so the padded problem's results, cut back, are the call's), except v (the third array) with
-    ``value_form``, which the DV form reads at its own run head_dim."""
+    """The arrays (q, k, then v and in the backward dout and out) at the kernels' head dims: every array zero-padded
+    to q's run head_dim (v, dout and out of MLA's narrower head_dim_v too: zero columns of V give zero columns of O
+    and dV and add nothing to dP or D, so the padded problem's results, cut back, are the call's), except, with
+    ``value_form``, the arrays after q and k, which the DV form reads at v's own run head_dim."""
     pr = run_problem(p, env, value_form)
     widths = [pr.head_dim] * len(arrays)
     if pr.head_dim_v:
-        widths[2] = pr.head_dim_v
+        widths[2:] = [pr.head_dim_v] * (len(arrays) - 2)
     ready = tuple(_ready(x, w, 16 // np.dtype(x.dtype).itemsize) for x, w in zip(arrays, widths))
     return Prepared(pr, ready, p.head_dim, _feature_arrays(extras), p.value_head_dim)
 
@@ -539,14 +539,29 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
                   extras: dict | None = None, env: Settings = Settings(), override: forms.Override | None = None,
                   grads: tuple = (None, None, None)) -> Bound:
     """Allocate the backward's outputs (or take ``grads``: the caller's dq, dk, dv, each possibly None) and work
-    buffers and bind them."""
-    prep = prepare(p, extras or {}, env, q, k, v, dout, out)  # out too: D reads it at the kernels' head_dim
+    buffers and bind them. The plan comes first: it decides whether v, dout and out are read (and dv written) at
+    v's own head_dim (FA3's DV form) or zero-padded to q's."""
+    extras = extras or {}
+    plan = forms.backward_plan(run_problem(p, env, value_form=True), deterministic, env, override)
+    try:
+        return _bind_backward_plan(p, plan, dout, q, k, v, out, lse, scale, deterministic, extras, env, grads)
+    except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: a form whose threads all copy (v padded)
+        plan = forms.backward_plan_without_tma(run_problem(p, env), deterministic, env, override)
+        return _bind_backward_plan(p, plan, dout, q, k, v, out, lse, scale, deterministic, extras, env, grads)
+
+
+def _bind_backward_plan(p: Problem, plan: list, dout, q, k, v, out, lse, scale: float, deterministic: bool,
+                        extras: dict, env: Settings, grads: tuple) -> Bound:
+    """bind_backward for a chosen plan (TmaUnavailable where FA3's maps cannot describe the arrays). dout and out
+    are read at v's width, as v is (out too: D reads it)."""
+    value_form = any(forms.reads_value_head_dim(lau) for lau in plan)
+    prep = prepare(p, extras, env, q, k, v, dout, out, value_form=value_form)
     pr, (q, k, v, do, out) = prep.problem, prep.arrays
-    plan = forms.backward_plan(pr, deterministic, env, override)
     lse = _lse_f32(lse)
     main = plan[1]
     chunk = 16 // q.dtype.itemsize
-    direct = [g if _writes_in_place(g, pr.head_dim, chunk) else None for g in grads]
+    direct = [g if _writes_in_place(g, w, chunk) else None
+              for g, w in zip(grads, (pr.head_dim, pr.head_dim, pr.value_head_dim))]
     bufs = backward_buffers(pr, main, deterministic, q, k, v, *direct)
     ordered = "dq_semaphore" in bufs
     rec = params.bwd_params(pr, q, k, v, out, do, lse, scale, **bufs,
@@ -559,20 +574,13 @@ def bind_backward(p: Problem, dout, q, k, v, out, lse, scale: float, determinist
     launches = [(lau, (rec,)) for lau in plan]
     reset = [bufs["dq_semaphore"]] if ordered else []
     if main.kernel == "fa3_bwd_sm90":
-        try:
-            maps = tma.bwd_maps(q, k, v, do, bufs.get("dq_ws"), main.config.br, main.config.bc, pr.varlen)
-            launches[1] = (main, (rec, maps))
-        except tma.TmaUnavailable:  # e.g. a stride TMA cannot express: the wgmma form whose threads all copy
-            if ordered:  # ... which has no ordered dQ: the deterministic plan without FA3's form
-                plan = forms.deterministic_without_fa3(pr, settings=env, override=override)
-                launches, reset = [(lau, (rec,)) for lau in plan], []
-            else:
-                plan[1] = forms.fa2_backward_main(pr, True, settings=env, override=override, warp_specialize=False)
-                launches[1] = (plan[1], (rec,))
+        maps = tma.bwd_maps(q, k, v, do, bufs.get("dq_ws"), main.config.br, main.config.bc, pr.varlen)
+        launches[1] = (main, (rec, maps))
     bound = Bound(plan, launches, outputs, env, reset=reset, problem=pr)
     bound.roles = _roles(dict(q=q, k=k, v=v, out=out, dout=do, lse=lse), prep.extras, bufs)
     bound.keep = (q, k, v, do, out, lse, bufs, prep.extras)  # alive while the kernels run
     bound.bufs = bufs
+    bound.widths = tuple(int(x.shape[-1]) for x in (do, q, k, v, out))  # the head dims the kernels read them at
     if pr.sinks:
         bound.sinks = lambda: dsinks(pr, bufs["dsink_ws"])
     return bound
@@ -601,9 +609,10 @@ class BackwardCall:
         self.problem = bound.problem
         q = arrays[1]
         self.dims = _grad_dims(int(q.shape[-1]), int(arrays[3].shape[-1]))
-        self.hd = run_head_dim(self.dims[0])
+        self.widths = bound.widths  # dout's, q's, k's, v's and out's, as the kernels read them
         self.chunk = 16 // np.dtype(q.dtype).itemsize
-        self.as_is = all(_ready(x, self.hd, self.chunk) is x for x in arrays[:5]) and _lse_f32(arrays[5]) is arrays[5]
+        self.as_is = all(_ready(x, w, self.chunk) is x for x, w in zip(arrays[:5], self.widths)) and \
+            _lse_f32(arrays[5]) is arrays[5]
         self.features = _features_as_is(extras)
         self.direct = tuple(g is not None and g is o.x for g, o in zip(grads, bound.outputs))
         # keys past seqused_k are never written by a kernel: their gradients start (and stay) zero
@@ -616,7 +625,7 @@ class BackwardCall:
         import cupy
 
         if not self.as_is:
-            dout, q, k, v, out = (_ready(x, self.hd, self.chunk) for x in (dout, q, k, v, out))
+            dout, q, k, v, out = (_ready(x, w, self.chunk) for x, w in zip((dout, q, k, v, out), self.widths))
             lse = _lse_f32(lse)
         stream = cupy.cuda.get_current_stream()
         ptrs = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "out": out.data.ptr, "dout": dout.data.ptr,
