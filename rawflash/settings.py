@@ -8,8 +8,8 @@ reads them once and hands the object down); no other module reads or writes them
 ``RAWFLASH_FA3=0``        on Hopper, run the wgmma form without warp specialisation (fa2_fwd_sm90) by default
 ``RAWFLASH_TILE_ARCH``    take another architecture's tile rows (``sm_80``) on the GPU at hand
 ``RAWFLASH_TILE_GPU``     take another Hopper GPU's rows and gates (``h100``, ``h200``) on the GPU at hand
-``RAWFLASH_DV_FORM=1``    MLA's narrower v runs FA3's DV form where it has a row (default: v zero-padded to q's
-                          head_dim until the DV form is measured, bench/NOTES.md A9)
+``RAWFLASH_DV_FORM=1``    MLA's narrower v runs FA3's DV forms (forward, backward) where they have a row (default:
+                          v zero-padded to q's head_dim until they are measured, bench/NOTES.md A9)
 ``RAWFLASH_CUDA_DIR``     read the CUDA sources from this folder instead of the installed ones
 ``RAWFLASH_DEBUG=1``      the command line shows tracebacks instead of one-line errors
 ``RAWFLASH_PROGRESS``     ``1``: always announce slow compiles on stderr, ``0``: never (default: on a tty)

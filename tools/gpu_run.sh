@@ -22,7 +22,8 @@
 #     bench-decode-quick              rawflash bench --decode --quick (12 cases, about 2 minutes)
 #     bench-mla  rawflash bench --mla (DeepSeek-V3's prefill: 128 heads, head_dim_qk 192, head_dim_v 128, bf16,
 #                N 4k - 16k, forward and backward, beside SDPA's cuDNN backend; MLA_REPEATS, default 10), twice:
-#                v zero-padded (the default), then RAWFLASH_DV_FORM=1 (FA3's DV form; --tag dv, bench_mla_dv.log)
+#                v zero-padded (the default), then RAWFLASH_DV_FORM=1 (FA3's DV forms, forward and backward; --tag
+#                dv, bench_mla_dv.log)
 #     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES
 #                (default "softcap fp8 plain decode"), d = PROFILE_D (128; decode is always 128),
 #                N = PROFILE_N (4096); one file ncu_<case>.txt per case (decode_fp8: decode on an FP8 cache;

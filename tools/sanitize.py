@@ -4,7 +4,7 @@ an out-of-bounds access, a shared-memory race or a barrier misuse shows there an
 pool is switched off so that out-of-bounds accesses inside a pooled chunk are seen. Every form runs (the Hopper
 forms where the GPU has them, the mma.sync forms through wgmma=False and RAWFLASH_WGMMA=0's backward), with and
 without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k); decode with
-contiguous and paged caches; the paged forward; MLA's narrower v (padded, and FA3's DV form). SANITIZE_ONLY=decode,
+contiguous and paged caches; the paged forward; MLA's narrower v (padded, and FA3's DV forms). SANITIZE_ONLY=decode,
 splitk, fa3, fp8, paged, mla or feature:NAME (e.g. feature:alibi: that feature in every form) runs that part alone
 (racecheck is slow); SANITIZE_SHARD=i/n runs shard i of n of the whole workload (the main loop's cases i, i + n,
 ...; the other parts in shard 0), so that n processes side by side cover it. Example:
@@ -260,8 +260,8 @@ def _fp8(dtype: str) -> None:
 
 
 def _mla(dtype: str) -> None:
-    """MLA's narrower v: the forward (v zero-padded, then with RAWFLASH_DV_FORM=1 FA3's DV form at 192 / 128 and
-    128 / 64 and a pair that rounds to them) and the backward, ragged shapes, GQA, causal both ways, packed
+    """MLA's narrower v: the forward and the backward (v zero-padded, then with RAWFLASH_DV_FORM=1 FA3's DV forms
+    at 192 / 128 and 128 / 64 and a pair that rounds to them), ragged shapes, GQA, causal both ways, packed
     sequences with a window, soft-capping and sinks."""
     rng = np.random.default_rng(5)
     for d, dv, (b, sq, sk, h, hk) in ((192, 128, (1, 203, 330, 4, 2)), (128, 64, (2, 300, 129, 4, 1)),
