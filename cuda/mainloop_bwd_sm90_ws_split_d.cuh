@@ -199,7 +199,9 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, int DV =
   __device__ __forceinline__ static void consume(const BwdParams& p, const TmaBwd& tma, const typename Pol::Info& bi,
                                                  Pol& pol, int k0, const Walk& walk, const Smem& sm, State& st) {
     const int w = uniform_warpgroup_id(), wq = QW * w, wk = key_row(), cw = wide0(w), cn = narrow0(w);
-    const int cwv = wide0v(w), cnv = narrow0v(w);
+    // dV_j's columns (DV = D: cw, cn themselves; computing the same columns again changes ptxas's key loop, as
+    // tools/sass_loops.py shows)
+    const int cwv = DV == D ? cw : wide0v(w), cnv = DV == D ? cn : narrow0v(w);
     const int rank = (int)cluster_rank();
     const u32 other = rank ^ 1;
     const int cq = pair_dq_panel(rank, w), cx = cq - Smem::kx_col0();  // in dQ_i / K_j, and in kx()
@@ -324,8 +326,8 @@ template <typename T_, int D, int BR_, int BC_, int STAGES, class Pol_, int DV =
                                                const State& st) {
     const int w = warpgroup_id();
     store_dk<T>(p, bi, st.dk, k0 + key_row(), wide0(w));
-    if constexpr (NARROW > 0) store_dk<T>(p, bi, st.dk2, k0 + key_row(), narrow0(w));
     store_dv<T>(p, bi, st.dv, k0 + key_row(), wide0v(w));
+    if constexpr (NARROW > 0) store_dk<T>(p, bi, st.dk2, k0 + key_row(), narrow0(w));
     if constexpr (NARROW_V > 0) store_dv<T>(p, bi, st.dv2, k0 + key_row(), narrow0v(w));
   }
 };
