@@ -3,7 +3,8 @@
 //   each row's share of the sink gradient, and zeros in the float32 dQ rows the main pass adds into.
 // fa2_bwd: the bwd.cuh skeleton with mainloop_bwd_sm80: grid (Tc, kv_heads, batch), one CTA per key block; with
 //   ATOMIC_DQ it also accumulates dQ into a float32 buffer that fa2_bwd_convert_dq casts.
-// fa2_bwd_dq: the deterministic dQ (no atomics): one CTA per query block, looping over key blocks.
+// fa2_bwd_dq: the deterministic dQ (no atomics): one CTA per query block, looping over key blocks (WC > 1: warps
+//   also split dQ_i's columns).
 // Rows of the per-row buffers (L, D, dQ's accumulator, the sink terms) follow params.cuh's layout: (rows_batch,
 // heads, rows_seqlen) with rows_batch = 1 for packed sequences.
 #include "mainloop_bwd_sm80.cuh"
@@ -96,16 +97,18 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa2_bwd(const __grid_
 }
 
 // Deterministic dQ: one CTA per query block i (grid (Tr, heads, batch), the forward's query tiles), split-Q warps
-// over the key blocks the policy leaves visible, no atomics.
+// over the key blocks the policy leaves visible, no atomics. With WC > 1 (head_dim 512) WC neighbouring warps share
+// their rows and split dQ_i's columns, D / WC each, every one computing the rows' P and dS itself.
 template <typename T, int D, int BR, int BC, int NWARPS, int MIN_BLOCKS, int KUNROLL, int MASK, bool GENERAL,
-          int SMEM_BYTES>
+          int SMEM_BYTES, int WC = 1>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa2_bwd_dq(const __grid_constant__ rf::BwdParams p) {
   using namespace rf;
   using Pol = Policy<MASK, GENERAL>;
-  constexpr int NTHREADS = NWARPS * 32, MT = BR / (16 * NWARPS), NT = BC / 8;
+  constexpr int NTHREADS = NWARPS * 32, MT = BR / (16 * (NWARPS / WC)), NT = BC / 8, DW = D / WC;
   static_assert((2 * BC + 2 * BR) * D * (int)sizeof(T) + 2 * BR * 4 == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");
-  // ---- [fa2_bwd:dq_setup] query block i of head h; warp w owns rows wq.. ----
+  static_assert(NWARPS % WC == 0 && BR % (16 * (NWARPS / WC)) == 0 && DW % 16 == 0, "warp layout");
+  // ---- [fa2_bwd:dq_setup] query block i of head h; warp w owns rows wq.. (and columns dc.. of dQ_i) ----
   extern __shared__ __align__(16) char smem[];
   const Tile<T, BC, D> sK{(T*)smem}, sV{(T*)(smem + BC * D * sizeof(T))};
   const Tile<T, BR, D> sQ{(T*)(smem + 2 * BC * D * sizeof(T))}, sdO{(T*)(smem + (2 * BC + BR) * D * sizeof(T))};
@@ -114,13 +117,13 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa2_bwd_dq(const __gr
   QTileScheduler<BR, false, GENERAL> tile;
   if (!tile.start(p)) return;
   const typename Pol::Info bi(p, tile.b, tile.h);
-  const int q0 = tile.i * BR, wq = 16 * MT * warp_id();
+  const int q0 = tile.i * BR, wq = 16 * MT * (warp_id() / WC), dc = DW * (warp_id() % WC);
   if (q0 >= bi.seqlen_q) return;
   const Pol pol(p, bi);
   load_query_block<NTHREADS>(sQ, sdO, sL, sDelta, bi.template q<T>(p), p.q_ss,
                              bi.template q_like<const T>(p.dout, p.do_sb, p.do_ss, p.do_sh), p.do_ss, p.lse2 + bi.row0,
                              p.delta + bi.row0, q0, bi.seqlen_q, p.head_dim);
-  Acc<MT, D / 8> acc;
+  Acc<MT, DW / 8> acc;
   zero(acc);
   const BlockRange kv = pol.kv_blocks(q0, min(BR, bi.seqlen_q - q0), BC);
   const T *k = bi.template k<T>(p), *v = bi.template v<T>(p);
@@ -139,7 +142,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa2_bwd_dq(const __gr
     zero(ds);
     gemm_abt<MT, NT, D, KUNROLL>(ds, sdO, wq, sV, 0);
     pol.template backward_tile<T, false>(pp, ds, q0 + wq, k0, sL + wq, sDelta + wq, edge);
-    gemm_rb<MT, D / 8, NT / 2>(acc, ds, sK, 0, 0);
+    gemm_rb<MT, DW / 8, NT / 2>(acc, ds, sK, 0, dc);
     __syncthreads();  // every warp is done with K_j, V_j before the next block overwrites them
   }
   // ---- [fa2_bwd:dq_epilogue] dQ_i = scale * acc ----
@@ -147,7 +150,7 @@ __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) fa2_bwd_dq(const __gr
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) f[r] = p.scale;
   cp_async_wait<0>();
-  store_rows<T>(bi.template q_like<T>(p.dq, p.dq_sb, p.dq_ss, p.dq_sh), p.dq_ss, acc, f, q0 + wq, 0, bi.seqlen_q,
+  store_rows<T>(bi.template q_like<T>(p.dq, p.dq_sb, p.dq_ss, p.dq_sh), p.dq_ss, acc, f, q0 + wq, dc, bi.seqlen_q,
                 p.head_dim);
 }
 

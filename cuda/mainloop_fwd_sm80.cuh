@@ -1,6 +1,9 @@
 // mainloop_fwd_sm80: FA2's forward mainloop on mma.sync (Dao 2023, Alg.1 l.4-11) for one query tile Q_i.
 // Q_i stays in shared memory; each warp owns 16 MT whole rows ("split-Q"), so the softmax needs no exchange
 // between warps; K_j streams in (cp.async) while P_{j-1} V_{j-1} runs and V_j while S_ij = Q_i K_j^T runs.
+// With WC > 1 (head_dim 512, where 16 x D of O would take 256 registers a thread) WC neighbouring warps share
+// their rows and split O's columns, D / WC each: every one of them computes the rows' S and softmax itself (the
+// same values from the same operands, so still no exchange) and multiplies P by its own columns of V_j.
 // The key blocks come from the policy's BlockRange: interior blocks skip the mask, edge blocks apply it.
 // DEFER_NORM = false keeps O divided by l after every block (FA1's normalisation; the ablation of FA2's idea).
 // Works for float16 / bfloat16 (tensor cores) and float32 (the FMA products of sm80.cuh) alike.
@@ -12,18 +15,21 @@
 
 namespace rf {
 
-template <typename T_, int D, int BR_, int BC, int NWARPS, int KUNROLL, bool DEFER_NORM, class Pol_>
+template <typename T_, int D, int BR_, int BC, int NWARPS, int KUNROLL, bool DEFER_NORM, class Pol_, int WC = 1>
 struct MainloopFwdSm80 {
   using T = T_;
   using Pol = Pol_;
-  static constexpr int BR = BR_, NTHREADS = NWARPS * 32, MT = BR_ / (16 * NWARPS), NT = BC / 8, NO = D / 8;
+  static constexpr int BR = BR_, NTHREADS = NWARPS * 32, MT = BR_ / (16 * (NWARPS / WC)), NT = BC / 8;
+  static constexpr int NO = D / (8 * WC);                                    // n8 tiles of O's columns per warp
   static constexpr int SMEM_BYTES = (BR_ + 2 * BC) * D * (int)sizeof(T_);  // Q_i, K_j, V_j
-  static_assert(BR_ % (16 * NWARPS) == 0, "split-Q: every warp owns whole 16-row tiles");
+  static_assert(NWARPS % WC == 0 && BR_ % (16 * (NWARPS / WC)) == 0, "split-Q: every warp owns whole 16-row tiles");
+  static_assert(D % (16 * WC) == 0, "each warp's columns of O are whole pairs of n8 tiles");
   struct State {
     Acc<MT, NO> o;
     OnlineSoftmax<2 * MT> sm;
   };
-  __device__ __forceinline__ static int warp_row() { return 16 * MT * warp_id(); }
+  __device__ __forceinline__ static int warp_row() { return 16 * MT * (warp_id() / WC); }
+  __device__ __forceinline__ static int col0() { return D / WC * (warp_id() % WC); }  // this warp's first O column
 
   __device__ __forceinline__ static void run(const FwdParams& p, const typename Pol::Info& bi, const Pol& pol, int q0,
                                              char* smem, State& st) {
@@ -82,7 +88,7 @@ struct MainloopFwdSm80 {
       if (s + 1 < kv.n()) load(sK, k, p.k_ss, s + 1);
       cp_async_commit();
       // ---- [mainloop_fwd_sm80:pv] Alg.1 l.10: O += P V_j with P as the A operand straight from registers ----
-      gemm_rb<MT, NO, NT / 2>(st.o, sc, sV, 0, 0);
+      gemm_rb<MT, NO, NT / 2>(st.o, sc, sV, 0, col0());
     }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the tiles (with SEQ_PARALLEL off the next query block reuses them)
@@ -90,7 +96,7 @@ struct MainloopFwdSm80 {
 
   __device__ __forceinline__ static void store(const FwdParams& p, const typename Pol::Info& bi, const Pol& pol, int q0,
                                                char*, const State& st) {
-    epilogue_fwd<T, !DEFER_NORM>(p, bi, pol, st.o, st.sm, q0 + warp_row());
+    epilogue_fwd<T, !DEFER_NORM>(p, bi, pol, st.o, st.sm, q0 + warp_row(), 1.f, col0());
   }
 };
 

@@ -10,6 +10,8 @@ reads them once and hands the object down); no other module reads or writes them
 ``RAWFLASH_TILE_GPU``     take another Hopper GPU's rows and gates (``h100``, ``h200``) on the GPU at hand
 ``RAWFLASH_DV_FORM=1``    MLA's narrower v runs FA3's DV forms (forward, backward) where they have a row (default:
                           v zero-padded to q's head_dim until they are measured, bench/NOTES.md A9)
+``RAWFLASH_HEAD_DIM_512=1``  run head dims above 256 on the head_dim 512 forms (16-bit fa2 forward and backward),
+                          which have not yet been verified on a GPU (default: validation refuses them)
 ``RAWFLASH_CUDA_DIR``     read the CUDA sources from this folder instead of the installed ones
 ``RAWFLASH_DEBUG=1``      the command line shows tracebacks instead of one-line errors
 ``RAWFLASH_PROGRESS``     ``1``: always announce slow compiles on stderr, ``0``: never (default: on a tty)
@@ -33,6 +35,7 @@ class Settings:
     tile_arch: str | None = None
     tile_gpu: str | None = None
     dv_form: bool = False
+    head_dim_512: bool = False
     cuda_dir: str | None = None
     debug: bool = False
     progress: str = ""
@@ -46,6 +49,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     return Settings(wgmma=env.get("RAWFLASH_WGMMA", "1") != "0", warp_specialize=env.get("RAWFLASH_FA3", "1") != "0",
                     tile_arch=env.get("RAWFLASH_TILE_ARCH") or None, tile_gpu=env.get("RAWFLASH_TILE_GPU") or None,
                     dv_form=env.get("RAWFLASH_DV_FORM", "0") == "1",
+                    head_dim_512=env.get("RAWFLASH_HEAD_DIM_512", "0") == "1",
                     cuda_dir=env.get("RAWFLASH_CUDA_DIR") or None, debug=bool(env.get("RAWFLASH_DEBUG")),
                     progress=env.get("RAWFLASH_PROGRESS", ""), cache_dir=env.get("RAWFLASH_CACHE_DIR") or None,
                     compile_cache=env.get("RAWFLASH_COMPILE_CACHE", "1") != "0")

@@ -12,8 +12,9 @@ import numbers
 
 import numpy as np
 
+from . import settings
 from .arrays import array_kind, device_of, dtype_name
-from .kernels import configs, registry
+from .kernels import configs, forms, registry
 from .kernels.launch import MAX_GRID_YZ
 from .problem import Problem
 
@@ -337,6 +338,36 @@ def check_values(values: Values | None, facts: Facts) -> tuple:
     return max_q, max_k, q_lengths, key_lengths
 
 
+WIDE_SETTING = "RAWFLASH_HEAD_DIM_512"  # settings.head_dim_512: the gate of the head_dim 512 forms
+
+
+def check_wide_head_dim(d: int, dtype: str, kernel: str, backend: str, paged: bool = False) -> None:
+    """The rules of head dims above configs.COMMON_MAX_HEAD_DIM, which run on the head_dim 512 rows
+    (configs.WIDE_HEAD_DIM): on the cupy and numba backends float16 / bfloat16 with kernel='fa2' or 'naive', keys
+    not paged, and only where the environment admits forms that have not yet run on a GPU (``RAWFLASH_HEAD_DIM_512=1``).
+    The reference backend computes any head_dim."""
+    if d <= configs.COMMON_MAX_HEAD_DIM or backend == "reference":
+        return
+    most = configs.COMMON_MAX_HEAD_DIM
+    if dtype == configs.FP8:
+        raise ValueError(f"float8_e4m3fn inputs run head_dim up to {most}: the FP8 form has no head_dim "
+                         f"{configs.WIDE_HEAD_DIM} row (O of 64 x 512 per warpgroup is 256 registers a thread); got "
+                         f"head_dim {d}")
+    if not forms.runs_head_dim(d, dtype):
+        raise TypeError(f"head_dim above {most} runs in float16 or bfloat16 only (float32's FMA path has no head_dim "
+                        f"{configs.WIDE_HEAD_DIM} row); got {dtype} with head_dim {d}")
+    if not forms.runs_head_dim(d, dtype, kernel):
+        raise ValueError(f"kernel={kernel!r} runs head_dim up to {most} (FA1's split-K slots of every warp's partial "
+                         f"O outgrow shared memory at {configs.WIDE_HEAD_DIM}); got head_dim {d}: use kernel='fa2'")
+    if paged:
+        raise ValueError(f"a paged forward (block_table) runs head_dim up to {most}: FA3's paged form has no head_dim "
+                         f"{configs.WIDE_HEAD_DIM} row and the mma.sync form's page loads are not admitted there; got "
+                         f"head_dim {d}")
+    if not settings.load().head_dim_512:
+        raise ValueError(f"head_dim {d} runs on the head_dim {configs.WIDE_HEAD_DIM} forms, which have not yet been "
+                         f"verified on a GPU; set {WIDE_SETTING}=1 to run them (or use backend='reference')")
+
+
 def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "cupy",
                   features: Features = Features(), fp8: str = "ok") -> Checked:
     """Validate a forward call and describe it; raises before anything is launched. ``fp8``: 'ok' where
@@ -398,6 +429,7 @@ def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "c
                          f"kv_heads {hk}")
     if not 1 <= d <= configs.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be between 1 and {configs.MAX_HEAD_DIM}, got {d}")
+    check_wide_head_dim(d, dtypes["q"], kernel, backend, paged)
     device = devices["q"]
     if paged:
         batch = _paged_layout(features, page, device)
@@ -572,6 +604,10 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
     if h < 1 or hk < 1 or h % hk != 0:
         raise ValueError(f"heads of q must be a multiple of kv_heads of k_cache (kv_heads >= 1), got heads {h}, "
                          f"kv_heads {hk}")
+    if backend != "reference" and d > configs.COMMON_MAX_HEAD_DIM:
+        raise ValueError(f"decode runs head_dim up to {configs.COMMON_MAX_HEAD_DIM}: decode_split has no head_dim "
+                         f"{configs.WIDE_HEAD_DIM} row (a warp's partial O of 16 x 512 is 256 registers a thread); "
+                         f"got head_dim {d}")
     if not 1 <= d <= configs.MAX_HEAD_DIM or d % 8:
         raise ValueError(f"decode needs head_dim a multiple of 8 between 8 and {configs.MAX_HEAD_DIM} (the cache is "
                          f"read and appended in place, never padded), got {d}")

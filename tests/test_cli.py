@@ -329,7 +329,7 @@ def _api_error(**shape):
 
 @pytest.mark.parametrize("options, shape", [
     (["--heads", "6", "--kv-heads", "4"], dict(heads=6, kv_heads=4, head_dim=64)),
-    (["--heads", "2", "--kv-heads", "2", "--head-dim", "300"], dict(heads=2, kv_heads=2, head_dim=300)),
+    (["--heads", "2", "--kv-heads", "2", "--head-dim", "513"], dict(heads=2, kv_heads=2, head_dim=513)),
 ])
 def test_explain_invalid_call_shows_the_exact_api_error(options, shape):
     args = ["--batch", "1", "--seqlen-q", "3", "--dtype", "float16", "--backend", "reference", *options]
@@ -411,7 +411,7 @@ def test_demo_without_gpu_runs_what_it_can():
     (["launch-config", "--dtype", "float64"], "Invalid value for '--dtype'"),
     (["launch-config", "--batch", "0"], "Invalid value for '--batch'"),
     (["launch-config", "--heads", "6", "--kv-heads", "4"], "heads of q must be a multiple of kv_heads"),
-    (["occupancy", "--head-dim", "512"], "head_dim must be between 1 and 256, got 512"),
+    (["occupancy", "--head-dim", "513"], "head_dim must be between 1 and 512, got 513"),
     (["occupancy", "--gpu", "sm_70"], "Invalid value for '--gpu'"),
     (["occupancy", "--arch", "sm_70"], "Invalid value for '--arch'"),
     (["io", "--gpu", "B200"], "Invalid value for '--gpu'"),

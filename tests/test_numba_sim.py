@@ -217,6 +217,33 @@ def test_mla_value_head_dim(shape, head_dim_v, dtype, causal, deterministic):
     _assert_backward_ok(dout, q, k, v, grads, out=out, lse=lse, causal=causal)
 
 
+WIDE_CASES = [  # head_dim 512 and a head_dim that pads to it (validation's gate: RAWFLASH_HEAD_DIM_512)
+    pytest.param((1, 5, 7, 2, 1, 512), "float16", True, id="float16-causal-b1-5x7-h2/1-d512"),
+    pytest.param((1, 40, 17, 2, 1, 300), "bfloat16", True, id="bfloat16-causal-b1-40x17-h2/1-d300"),
+    pytest.param((1, 17, 40, 4, 2, 512), "float16", False, id="float16-full-b1-17x40-h4/2-d512"),
+]
+
+
+@pytest.mark.parametrize("shape, dtype, causal", WIDE_CASES)
+def test_head_dim_512(shape, dtype, causal, monkeypatch):
+    """The twins of the head_dim 512 forms (the CUDA C's warps split the head columns; a twin thread holds its
+    row's whole O, dK, dV or dQ): forward, and both backwards."""
+    monkeypatch.setenv("RAWFLASH_HEAD_DIM_512", "1")
+    q, k, v = _inputs(shape, dtype, seed=11)
+    out, lse = _forward(q, k, v, causal)
+    _assert_forward_ok(q, k, v, out, lse, causal=causal)
+    dout = _dout(q)
+    for deterministic in (False, True):
+        grads = rawflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
+                                  backend="numba")
+        _assert_backward_ok(dout, q, k, v, grads, causal=causal)
+
+
+def test_head_dim_512_packed_sequences(monkeypatch):
+    monkeypatch.setenv("RAWFLASH_HEAD_DIM_512", "1")
+    check_feature((1, 9, 11, 2, 1, 512), "float16", dict(varlen=True, causal=True), deterministic=True)
+
+
 def test_backward_writes_every_element_of_its_uninitialised_buffers(monkeypatch):
     """The backend takes dQ's float32 rows, D, L in log2 units and the gradients from empty(): here empty() fills
     them with NaN, so the result is right only if the preprocess twin zeroes the dQ rows before the main pass adds
@@ -505,10 +532,13 @@ def _planned():
 
     out = {}
     for dtype, d, arch in itertools.product(configs.DTYPES, configs.SPECIALISED_HEAD_DIMS, ("sm_90", "sm_80")):
+        if not forms.runs_head_dim(d, dtype):
+            continue
         base = Problem(1, 100, 100, 2, 1, d, dtype, False, arch)
         for p in (base, dataclasses.replace(base, causal=True), dataclasses.replace(base, window=(8, 0))):
-            plans = [numba_backend.forward_plan(p, "fa1")] if not p.general else []
-            switches = [forms.Switches()] + ([forms.Switches(split_q=False)] if not p.general else [])
+            every = forms.runs_head_dim(d, dtype, "fa1")  # (above 256: neither fa1 nor the ablation)
+            plans = [numba_backend.forward_plan(p, "fa1")] if not p.general and every else []
+            switches = [forms.Switches()] + ([forms.Switches(split_q=False)] if not p.general and every else [])
             plans += [numba_backend.forward_plan(p, "fa2", sw) for sw in switches]
             plans += [numba_backend.backward_plan(p, det) for det in (False, True)]
             for lau in itertools.chain(*plans):

@@ -532,7 +532,9 @@ def io_row(p: Problem, kernel: str, direction: str, tgt: Target) -> dict:
 
 
 def io_rows(p: Problem, tgt: Target, kernels=iomodel.KERNELS, directions=iomodel.DIRECTIONS) -> list[dict]:
-    return [io_row(p, k, d, tgt) for k in kernels for d in directions]
+    """io_row of each kernel and direction; kernels that do not run the call's head_dim (fa1 above
+    configs.COMMON_MAX_HEAD_DIM: its tiles model FA1's rows) are left out."""
+    return [io_row(p, k, d, tgt) for k in kernels if forms.runs_head_dim(p.head_dim, p.dtype, k) for d in directions]
 
 
 # ---------------------------------------------------------------- what fits where
@@ -548,6 +550,8 @@ def fit_rows(arch: str) -> list[dict]:
         for dtype in configs.DTYPES:
             p = Problem(1, 1, 1, 1, 1, d, dtype, False, arch)
             for call, direction, kernel, det in FIT_CALLS:
+                if not forms.runs_head_dim(d, dtype, kernel):
+                    continue
                 lau_list = [lau for _, lau in launches(p, kernel, direction, det)]
                 worst = max(lau_list, key=lambda lau: lau.smem)
                 rows.append({"call": call, "head_dim": d, "dtype": dtype, "kernel": worst.kernel, "smem": worst.smem,
@@ -599,6 +603,9 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
         report["launches"] = [launch_row(p, d, lau) for d, lau in planned]
         for i, (row, (_, lau)) in enumerate(zip(report["launches"], planned)):
             add_note(row, fit_problem(row["smem"], tgt.arch))
+            if lau.config is not None and lau.config.wc > 1 and lau.kernel in ("fa2_fwd", "fa2_bwd_dq"):
+                add_note(row, f"{lau.config.wc} warps share each 16 rows and split the head columns, each computing "
+                              "the rows' scores itself (the FLOPs count them once)")
             grid = launch.schedule_of(lau)
             if grid is not None:
                 add_note(row, f"grid: {grid}" + (" (CTAs take tiles from a counter)" if grid.endswith("dynamic")
@@ -715,6 +722,9 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
                      "time; plain calls run the plain kernels")
     if configs.padded_head_dim(p.head_dim) != p.head_dim:
         notes.append(f"head_dim {p.head_dim} runs on the {configs.padded_head_dim(p.head_dim)} kernel, zero-padded")
+    if p.head_dim > configs.COMMON_MAX_HEAD_DIM:
+        notes.append(f"head_dim {configs.WIDE_HEAD_DIM}'s forms have not yet run on a GPU (RAWFLASH_HEAD_DIM_512=1 "
+                     "admits them)")
     if p.head_dim_v:
         notes.append(f"v's head_dim {p.head_dim_v} (MLA): v (and the backward's dout and out) zero-padded to q's "
                      f"head_dim, out and dv cut back, except in FA3's DV forms (RAWFLASH_DV_FORM=1, a pair in "

@@ -22,8 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 
-SPECIALISED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+SPECIALISED_HEAD_DIMS = (32, 64, 96, 128, 192, 256, 512)
 MAX_HEAD_DIM = SPECIALISED_HEAD_DIMS[-1]
+# The largest head_dim every form, dtype and kind of call runs. Head dims above it (257 - 512, Gemma's global layers)
+# run on the rows at 512 (WIDE_HEAD_DIM) only: float16 / bfloat16 forwards and backwards of kernel='fa2' on the
+# mma.sync forms, whose warps split the head columns (``TileConfig.wc``); no decode, paged keys, FP8, float32,
+# fa1 or ablation switch. None of them has run on a GPU yet: validation admits them only under
+# ``RAWFLASH_HEAD_DIM_512=1`` (``settings.head_dim_512``).
+COMMON_MAX_HEAD_DIM = 256
+WIDE_HEAD_DIM = 512
+COMMON_HEAD_DIMS = tuple(d for d in SPECIALISED_HEAD_DIMS if d <= COMMON_MAX_HEAD_DIM)
 DTYPES = ("float16", "bfloat16", "float32")
 FP8 = "float8_e4m3fn"  # the FP8 forward's inputs and FP8 decode caches (their rows only; not in DTYPES)
 KERNELS = ("fa1_fwd", "fa2_fwd", "fa2_fwd_splitk", "fa2_fwd_sm90", "fa3_fwd_sm90", "fa3_fwd_sm90_fp8", "fa2_bwd",
@@ -45,7 +53,8 @@ class TileConfig:
         CTAs per SM promised to the compiler through ``__launch_bounds__``; it caps registers at
         65536 / (32 * warps * min_blocks).
     wc : int
-        (fa2_bwd) Warps that split the head_dim columns of dK, dV.
+        Warps that split the head_dim columns: of dK, dV (fa2_bwd); of O (fa2_fwd) and dQ (fa2_bwd_dq), where the
+        ``wc`` warps that share rows each compute those rows' scores themselves (head_dim 512).
     kunroll : int
         k-steps of 16 unrolled together in the S = Q K^T style products (ILP against registers).
     stages : int
@@ -104,6 +113,9 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     # only with wgmma=False.
     put("fa2_fwd", (128,), _16BIT, TileConfig(128, 32, 4, why="no spill at 128 x 32; 128 x 64 spills 16-32 B"))
     put("fa2_fwd", (192, 256), _16BIT, TileConfig(64, 64, 4, why="O accumulator of 16 x d per warp fits registers"))
+    # d = 512: O of 16 x 512 per warp would be 256 registers a thread, so two warps share 16 rows and hold 256
+    # columns each (wc = 2), both computing the rows' S; 32 x 32 is 96 KB (the Numba twin's float32 tiles 192 KB).
+    put("fa2_fwd", (512,), _16BIT, TileConfig(32, 32, 4, wc=2, why="O of 16 x 256 per warp (wc 2); 96 KB; not run"))
     # fa2_fwd_sm90 (wgmma, sm_90a): warps = 4 per warpgroup of 64 query rows; registers hold O (d/2), S (bc/2) and
     # P (bc/4) per thread; shared memory Q_i and two stages of K_j, V_j. Several independent CTAs per SM overlap
     # one CTA's softmax with another's products better than two warpgroups of one CTA (which share barriers).
@@ -130,12 +142,12 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_fwd_splitk", (32, 64), _16BIT, TileConfig(32, 128, 2, min_blocks=4, why="64 keys per warp, 53 KB: 4 CTAs"))
     put("fa2_fwd_splitk", (96, 128), _16BIT, TileConfig(32, 64, 2, min_blocks=3, why="32 keys per warp, 73 KB: 3 CTAs"))
     put("fa2_fwd_splitk", (192, 256), _16BIT, TileConfig(16, 32, 2, min_blocks=2, why="O slice of 16 x 128 per warp"))
-    put("fa2_fwd_splitk", SPECIALISED_HEAD_DIMS, ("float32",),
+    put("fa2_fwd_splitk", COMMON_HEAD_DIMS, ("float32",),
         TileConfig(16, 32, 2, why="fp32 FMA path; 112 KB at d 256"))
     put("fa1_fwd", (32, 64), _16BIT, TileConfig(16, 256, 4, min_blocks=2, why="flash-attn 1.x d<=64: 16 x 256 steps"))
     put("fa1_fwd", (96, 128), _16BIT, TileConfig(16, 128, 4, min_blocks=2, why="flash-attn 1.x d=128: 16 x 128 steps"))
     put("fa1_fwd", (192, 256), _16BIT, TileConfig(16, 64, 4, why="16 keys per warp; 145 KB at d = 256"))
-    put("fa1_fwd", SPECIALISED_HEAD_DIMS, ("float32",), TileConfig(16, 32, 2, why="fp32 FMA path; 129 KB at d = 256"))
+    put("fa1_fwd", COMMON_HEAD_DIMS, ("float32",), TileConfig(16, 32, 2, why="fp32 FMA path; 129 KB at d = 256"))
     # fa2_bwd: 8 warps own 16 keys each; K_j, V_j of 128 keys stay in shared memory for the whole query loop.
     put("fa2_bwd", (32, 64), _16BIT, TileConfig(64, 128, 8, why="FA2 sm80 d<=64 shape"))
     put("fa2_bwd", (96,), _16BIT,
@@ -144,6 +156,10 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_bwd", (128,), _16BIT, TileConfig(32, 128, 8, why="no spill at Br = 32; Br = 64 spills 52-112 B"))
     put("fa2_bwd", (192,), _16BIT, TileConfig(32, 64, 8, wc=2, why="warps also split d: 16 x d/2 per warp"))
     put("fa2_bwd", (256,), _16BIT, TileConfig(32, 64, 8, wc=2, why="16 x 128 dK, dV per warp"))
+    # d = 512: 16 keys x 128 columns of dK, dV per warp as at d = 256 (wc = 4: 4 warps on 16 keys); 32 query rows
+    # a step (the fewest dS^T's 16-byte swizzle takes) keep two stages of Q_i, dO_i within sm_80's 163 KB: 161.5 KB
+    # (the twin's float32 tiles 194 KB).
+    put("fa2_bwd", (512,), _16BIT, TileConfig(32, 16, 4, wc=4, why="16 x 128 dK, dV a warp (wc 4); 161.5 KB; not run"))
     # fa3_fwd_sm90 (TMA + warp specialisation, sm_90a): br / 64 consumer warpgroups and one producer warpgroup
     # (warps = 4 * (br / 64 + 1)), `stages` stages of K_j and V_j. A consumer holds O (d / 2 floats), S (bc / 2) and
     # P (bc / 4) of its 64 rows in the registers setmaxnreg gives it (232 with two consumer warpgroups, 160 with
@@ -198,6 +214,7 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa2_bwd", (192, 256), ("float32",), TileConfig(32, 32, 8, wc=4, why="fp32 FMA path; 16 x d/4 dK, dV per warp"))
     put("fa2_bwd_dq", (32, 64, 96, 128), _16BIT, TileConfig(64, 64, 4, why="split-Q, 16 rows per warp"))
     put("fa2_bwd_dq", (192, 256), _16BIT, TileConfig(64, 16, 4, why="dQ of 16 x d per warp leaves room for 16 x 16 S"))
+    put("fa2_bwd_dq", (512,), _16BIT, TileConfig(32, 16, 4, wc=2, why="dQ of 16 x 256 per warp (wc 2); 96 KB; not run"))
     put("fa2_bwd_dq", (32, 64, 96, 128, 192), ("float32",), TileConfig(64, 32, 4, why="fp32 FMA path"))
     put("fa2_bwd_dq", (256,), ("float32",), TileConfig(64, 16, 4, why="fp32 FMA path: dQ of 16 x 256 per warp"))
     # decode_split: a warp streams its split of the cache through a ring of `stages` tiles of bc keys; br packed

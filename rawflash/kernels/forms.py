@@ -186,10 +186,23 @@ def softmax_ref(p: Problem) -> int:
     return launch.REF_FIRST if p_above_one(p) and p.window_bounds[0] < 0 else launch.REF_RUNNING
 
 
+def runs_head_dim(head_dim: int, dtype: str, kernel: str = "fa2") -> bool:
+    """Whether the forms run ``head_dim`` in ``dtype`` for the API's ``kernel``: every one up to
+    configs.COMMON_MAX_HEAD_DIM; above it (the rows at configs.WIDE_HEAD_DIM) float16 / bfloat16 with kernel='fa2' or
+    'naive'."""
+    return head_dim <= configs.COMMON_MAX_HEAD_DIM or (dtype in registry.HALF_DTYPES and kernel in ("fa2", "naive"))
+
+
 def _config(kernel: str, p: Problem, override: Override | None) -> TileConfig:
-    """The row of ``kernel`` for ``p`` on its GPU (decode with an FP8 cache: the cache's dtype keys it)."""
-    return configs.tile_config(kernel, configs.padded_head_dim(p.head_dim), p.kv_dtype or p.dtype, p.arch, override,
-                               p.general, situations(p), p.gpu)
+    """The row of ``kernel`` for ``p`` on its GPU (decode with an FP8 cache: the cache's dtype keys it); ValueError
+    naming the kernel where it has none (validation refuses such calls first: this is the last word)."""
+    dtype = p.kv_dtype or p.dtype
+    if not configs.has_row(kernel, p.head_dim, dtype) and not (override and (
+            kernel, configs.padded_head_dim(p.head_dim), dtype) in override):
+        raise ValueError(f"{kernel} has no tile row for head_dim {p.head_dim} in {dtype} (head dims above "
+                         f"{configs.COMMON_MAX_HEAD_DIM} run the fa2 forward and backward in float16 / bfloat16 only)")
+    return configs.tile_config(kernel, configs.padded_head_dim(p.head_dim), dtype, p.arch, override, p.general,
+                               situations(p), p.gpu)
 
 
 def hopper_form_fits(kernel: str, p: Problem) -> bool:
@@ -266,6 +279,11 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
                 override: Override | None = None) -> Launch:
     """The fa2 forward launch: its wgmma form where the switches and the GPU allow it, else the mma.sync form."""
     p = _value_problem(p, settings, "fa3_fwd_sm90")
+    if p.head_dim > configs.COMMON_MAX_HEAD_DIM and not sw.ideas_on:
+        off = next(n for n in ("defer_norm", "seq_parallel", "split_q") if not getattr(sw, n))
+        raise ValueError(f"{off}=False (the ablation) runs head_dim up to {configs.COMMON_MAX_HEAD_DIM}: the head_dim "
+                         f"{configs.WIDE_HEAD_DIM} forward has the split-Q form with every FA2 idea on only; got "
+                         f"head_dim {p.head_dim}")
     got = (f"arch {p.arch}, {p.dtype}, head_dim {p.head_dim}, defer_norm={sw.defer_norm}, "
            f"seq_parallel={sw.seq_parallel}, split_q={sw.split_q}")
     fa3 = sw.ideas_on and hopper_form_fits("fa3_fwd_sm90", p)
@@ -608,6 +626,9 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
         gpus += tuple(g for g in configs.TUNED_GPUS if g != configs.DEFAULT_GPU
                       and (configs.GPU_ROWS[g] or configs.GPU_SITUATION_ROWS[g]))
     for dtype, d, gpu in itertools.product(configs.DTYPES, configs.SPECIALISED_HEAD_DIMS, gpus):
+        wide = d > configs.COMMON_MAX_HEAD_DIM  # (16-bit fa2 forwards and backwards only: configs.WIDE_HEAD_DIM)
+        if not runs_head_dim(d, dtype):
+            continue
         base = Problem(1, 1, 1, 1, 1, d, dtype, False, arch, gpu=gpu)
         for p in _variants_of(base):
             launches = [fa2_forward(p, Switches(wgmma=False)), fa2_backward_main(p, True, wgmma=False),
@@ -651,12 +672,12 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                 long_p = dataclasses.replace(p, seqlen_q=n, seqlen_k=n)
                 if long_bwd(long_p):  # a long twin takes configs.LONG_BWD_ROWS where it has a row
                     launches.append(fa2_backward_main(long_p, True, wgmma=True, warp_specialize=True))
-            if not p.general:  # the teaching kernels and the ablation run the plain policy only
+            if not p.general and not wide:  # the teaching kernels and the ablation run the plain policy only
                 launches += [*forward_plan(p, "fa1"), *forward_plan(p, "naive")]
                 if d in (64, 128):  # the ablation runs at the head dims of the FA2 paper's figures
                     launches += [fa2_forward(p, sw) for sw in ABLATIONS.values() if not sw.wgmma]
             launches += [launch.fa2_bwd_preprocess(p), launch.fa2_bwd_convert_dq(p)]
-            if not p.general and not p.causal:  # decode has one instantiation per (dtype, head_dim)
+            if not p.general and not p.causal and not wide:  # decode has one instantiation per (dtype, head_dim)
                 dp = dataclasses.replace(p, seqlen_k=4096, new_keys=1)
                 launches += decode_plan(dp, 8).launches  # the fold and the warp combine
                 # MQA with twice MANY_DECODE_ROWS query heads: configs.MANY_ROWS_DECODE's rows

@@ -244,13 +244,19 @@ def smem_fa2_bwd_sm90(cfg: TileConfig, d: int) -> int:
 
 
 # ---------------------------------------------------------------- launches
+def _column_split(cfg: TileConfig) -> tuple:
+    """fa2_fwd's and fa2_bwd_dq's last template argument, WC (warps that share rows and split the head columns),
+    where the row has one: the template's default of 1 is left out of the name expression."""
+    return (cfg.wc,) if cfg.wc > 1 else ()
+
+
 def fa2_fwd(p: Problem, cfg: TileConfig, *, defer_norm: bool = True, seq_parallel: bool = True,
             split_q: bool = True) -> Launch:
     """FA2 forward on mma.sync; the three switches are the FA2 ideas the ablation turns off one by one."""
     d = configs.padded_head_dim(p.head_dim)
     smem = smem_fa2_fwd(cfg, d, p.itemsize, split_q)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, mask_mode(p),
-            p.general, defer_norm, seq_parallel, split_q, cfg.opaque_tile, smem)
+            p.general, defer_norm, seq_parallel, split_q, cfg.opaque_tile, smem) + _column_split(cfg)
     grid = query_tile_grid(p, cfg.br, "fa2_fwd") if seq_parallel else _check_grid((1, p.heads, p.batch), "fa2_fwd")
     return Launch("fa2_fwd", "fa2_fwd.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
 
@@ -507,7 +513,7 @@ def fa2_bwd_dq(p: Problem, cfg: TileConfig) -> Launch:
     d = configs.padded_head_dim(p.head_dim)
     smem = smem_fa2_bwd_dq(cfg, d, p.itemsize)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.warps, cfg.min_blocks, cfg.kunroll, mask_mode(p), p.general,
-            smem)
+            smem) + _column_split(cfg)
     return Launch("fa2_bwd_dq", "fa2_bwd.cu", args, query_tile_grid(p, cfg.br, "fa2_bwd_dq"), (cfg.threads, 1, 1),
                   smem, cfg)
 

@@ -128,7 +128,11 @@ class Variant:
 
 
 FEATURES = ("causal", "window", "softcap", "alibi_slopes", "sinks", "varlen")
-COMMON = ("float16, bfloat16, float32", f"head_dim 1..{configs.MAX_HEAD_DIM}", "causal (bottom-right)", "GQA/MQA")
+COMMON = ("float16, bfloat16, float32", f"head_dim 1..{configs.COMMON_MAX_HEAD_DIM}", "causal (bottom-right)",
+          "GQA/MQA")
+# FA2's forward and backward (and standard attention) also run the head dims up to configs.MAX_HEAD_DIM
+WIDE = (f"head_dim {configs.COMMON_MAX_HEAD_DIM + 1}..{configs.MAX_HEAD_DIM} in float16 / bfloat16 (the mma.sync "
+        f"forms' warps split the head columns; not yet run on a GPU: RAWFLASH_HEAD_DIM_512=1)",)
 _NO_TWIN_SM90 = ("wgmma and the Hopper pipeline have no Numba counterpart; the twin of the variant's mma.sync form "
                  "computes the same results")
 
@@ -137,7 +141,7 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
             "one warp per row of S (softmax); products by cuBLAS",
             (Form("naive_softmax", "naive.cu", "-", "sm_80", ALL_DTYPES, None,
                   "cuBLAS products through CuPy around one softmax kernel: nothing to mirror"),),
-            supports=COMMON + ("window",)),
+            supports=COMMON + WIDE + ("window",)),
     Variant("fa1_fwd", "fwd", "fa1",
             "FlashAttention-1 forward (FA1 paper, Algorithm 1): K/V outer loop, O, l, m in HBM",
             "split-K: warps split the Bc keys of a block and combine through shared memory",
@@ -145,7 +149,8 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
             (Helper("fa1_finalize", "fa1_fwd.cu", "out and lse from the float32 state", "fa1_fwd"),),
             supports=COMMON),
     Variant("fa2_fwd", "fwd", "fa2", "FlashAttention-2 forward (FA2 paper, Algorithm 1)",
-            "split-Q: each warp owns whole query rows, no inter-warp exchange",
+            "split-Q: each warp owns whole query rows, no inter-warp exchange (at head_dim 512 two warps share rows "
+            "and split O's columns, each computing the rows' softmax)",
             (Form("fa2_fwd", "fa2_fwd.cu", "mainloop_fwd_sm80.cuh", "sm_80", ALL_DTYPES, "fa2_fwd",
                   rows=("fa2_fwd", "fa2_fwd_splitk")),
              Form("fa2_fwd_sm90", "fa2_fwd_sm90.cu", "mainloop_fwd_sm90.cuh", "sm_90", HALF_DTYPES, None,
@@ -158,12 +163,12 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
             (Helper("fp8_vt_permute", "fp8_prep.cu", "FP8: V^T with the fragment order of the keys", None),
              Helper("fp8_quantize", "fp8_prep.cu", "FP8: inputs to e4m3 with descales (and the Hadamard rotation)",
                     None)),
-            supports=COMMON + FEATURES[1:] + ("ablation switches: defer_norm, seq_parallel, split_q; wgmma, overlap; "
-                                              "warp_specialize, pingpong, persistent",
-                                              "float8_e4m3fn on sm_90 (FA3's form; causal, windows, varlen, "
-                                              "seqused_k, GQA, sinks)")),
+            supports=COMMON + WIDE + FEATURES[1:] + ("ablation switches: defer_norm, seq_parallel, split_q; wgmma, "
+                                                     "overlap; warp_specialize, pingpong, persistent",
+                                                     "float8_e4m3fn on sm_90 (FA3's form; causal, windows, varlen, "
+                                                     "seqused_k, GQA, sinks)")),
     Variant("fa2_bwd", "bwd", "fa2", "FlashAttention-2 backward (FA2 paper, Algorithm 2)",
-            "warps split the Bc keys (and with wc > 1 the head_dim columns of dK, dV)",
+            "warps split the Bc keys (and with wc > 1 the head_dim columns of dK, dV, and in fa2_bwd_dq of dQ)",
             (Form("fa2_bwd", "fa2_bwd.cu", "mainloop_bwd_sm80.cuh", "sm_80", ALL_DTYPES, "fa2_bwd"),
              Form("fa2_bwd_sm90", "fa2_bwd_sm90.cu", "mainloop_bwd_sm90.cuh", "sm_90", HALF_DTYPES, None,
                   _NO_TWIN_SM90),
@@ -174,8 +179,8 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
              Helper("fa2_bwd_convert_dq", "fa2_bwd.cu", "float32 dQ to the input dtype (atomic dQ)", "fa2_bwd"),
              Helper("fa2_bwd_dq", "fa2_bwd.cu", "dQ without atomics, one CTA per Q block (deterministic=True)",
                     "fa2_bwd")),
-            supports=COMMON + FEATURES[1:] + ("deterministic=True (bitwise repeatable; fa3_bwd_sm90 in order on "
-                                              "Hopper, else the fa2_bwd_dq pass)",)),
+            supports=COMMON + WIDE + FEATURES[1:] + ("deterministic=True (bitwise repeatable; fa3_bwd_sm90 in order "
+                                                     "on Hopper, else the fa2_bwd_dq pass)",)),
     Variant("decode", "decode", "decode", "Flash-Decoding: split-KV attention of a few query rows against a KV cache",
             "one split of the keys per warp; the GQA group's query heads and rows packed into one tile",
             (Form("decode_split", "decode.cu", "mainloop_decode.cuh", "sm_80", ALL_DTYPES, "decode"),),

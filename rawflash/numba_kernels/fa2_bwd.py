@@ -97,9 +97,10 @@ def smem_bytes_dq(D: int, BR: int, BC: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def make_fa2_bwd_dq(T: str, D: int, BR: int, BC: int, NWARPS: int, MIN_BLOCKS: int, KUNROLL: int, MASK: int,
-                    GENERAL: bool, SMEM_BYTES: int) -> Twin:
+                    GENERAL: bool, SMEM_BYTES: int, WC: int = 1) -> Twin:
     """The twin of ``fa2_bwd_dq<...>`` (the deterministic dQ: one CTA per query block, no atomics), taking the CUDA
-    template's arguments in order."""
+    template's arguments in order. WC (warps that share rows and split dQ_i's columns, head_dim 512) shapes the
+    CUDA C's warps only: a twin thread holds its row's whole dQ."""
     EXACT = is_float32(T)
     K_AT, V_AT, Q_AT, DO_AT, L_AT = 0, BC * D, 2 * BC * D, (2 * BC + BR) * D, (2 * BC + 2 * BR) * D
     DELTA_AT = L_AT + BR

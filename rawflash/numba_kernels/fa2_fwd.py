@@ -19,10 +19,11 @@ from .splitk import make_mainloop_fwd_splitk
 @functools.lru_cache(maxsize=None)
 def make_fa2_fwd(T: str, D: int, BR: int, BC: int, NWARPS: int, MIN_BLOCKS: int, KUNROLL: int, MASK: int,
                  GENERAL: bool, DEFER_NORM: bool, SEQ_PARALLEL: bool, SPLIT_Q: bool, OPAQUE_TILE: bool,
-                 SMEM_BYTES: int) -> Twin:
+                 SMEM_BYTES: int, WC: int = 1) -> Twin:
     """The twin of ``fa2_fwd<...>``, taking the CUDA template's arguments in order (``Launch.template_args``).
 
-    MIN_BLOCKS (``__launch_bounds__``) and OPAQUE_TILE (a register switch: the same results) have no counterpart;
+    MIN_BLOCKS (``__launch_bounds__``), OPAQUE_TILE (a register switch: the same results) and WC (warps that share
+    rows and split O's columns, head_dim 512: a twin thread holds its row's whole O) have no counterpart;
     SMEM_BYTES is the CUDA C's size (16-bit tiles where T is), the twin's own (float32 tiles) is the returned
     ``Twin.smem``.
 

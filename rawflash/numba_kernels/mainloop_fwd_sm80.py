@@ -59,7 +59,8 @@ def make_mainloop_fwd_sm80(T: str, D: int, BR: int, BC: int, NWARPS: int, KUNROL
             load_tile(sK, k, k0, min(BC, bi.seqlen_k - k0), p.head_dim)
         # ---- [mainloop_fwd_sm80:init] Alg.1 l.5: O = 0, l = 0, m = -inf ----
         # MIRROR: the row's O lives in st (a thread-local array) and its S in s; the CUDA C keeps 16 * MT rows
-        # per warp in registers as mma accumulators.
+        # per warp in registers as mma accumulators (with WC > 1, D / WC of O's columns per warp, each of the WC
+        # warps forming the rows' S and softmax itself).
         zero(st)
         m = NEG_INF
         l = float32(0.0)

@@ -1,0 +1,79 @@
+"""head_dim 512 (and the head dims 257 - 512 that pad to it) on a GPU against the float64 reference by flash-attn's
+rule (forward 2x, gradients 3x the same-precision naive error, plus a floor): the forward and both backwards
+(atomic dQ and deterministic) in float16 and bfloat16, causal both ways (seqlen_q above and below seqlen_k), MHA /
+GQA / MQA, ragged lengths, packed sequences and the features, and standard attention (kernel='naive').
+
+These forms have not yet run on a GPU, so validation admits them only under RAWFLASH_HEAD_DIM_512=1, which every
+test here sets. On sm_80 and on Hopper alike they are the mma.sync forms whose warps split the head columns
+(configs' rows at 512; tests/test_head_dim_512.py checks the plans without a GPU).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from test_gpu_features import check_feature
+from test_gpu_kernels import check_backward, check_forward
+
+pytestmark = pytest.mark.gpu
+
+SEQLENS = [(1, 1), (17, 17), (64, 128), (113, 203), (203, 113), (127, 129), (300, 300)]
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+HEAD_DIMS = [512, 300, 264]  # 300 and 264 pad to 512 (zero columns loaded, never stored)
+
+
+@pytest.fixture(autouse=True)
+def head_dim_512(monkeypatch):
+    monkeypatch.setenv("RAWFLASH_HEAD_DIM_512", "1")
+
+
+def _grid():
+    cases = []
+    for i, ((sq, sk), dtype, causal) in enumerate(itertools.product(SEQLENS, ("float16", "bfloat16"), (False, True))):
+        d = HEAD_DIMS[i % len(HEAD_DIMS)]
+        h, hk = HEADS[(i // len(HEAD_DIMS)) % len(HEADS)]
+        cases.append(pytest.param(sq, sk, h, hk, d, dtype, causal,
+                                  id=f"{dtype}-{'causal' if causal else 'full'}-{sq}x{sk}-d{d}-h{h}/{hk}"))
+    return cases
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", _grid())
+def test_forward(sq, sk, h, hk, d, dtype, causal):
+    check_forward(2, sq, sk, h, hk, d, dtype, causal, "fa2")
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", _grid())
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward(sq, sk, h, hk, d, dtype, causal, deterministic):
+    check_backward(2, sq, sk, h, hk, d, dtype, causal, deterministic)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_naive(dtype, causal):
+    check_forward(2, 113, 203, 4, 2, 512, dtype, causal, "naive")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_large_logits_no_nan(dtype):
+    check_forward(1, 127, 129, 2, 2, 512, dtype, True, "fa2", scale=8.0)
+
+
+FEATURES = [
+    ("varlen", dict(varlen=True)),
+    ("varlen-causal", dict(varlen=True, causal=True)),
+    ("varlen+seqused-causal", dict(varlen=True, seqused=True, causal=True)),
+    ("window-two-sided", dict(window=(64, 17))),
+    ("window-causal", dict(window=(150, 0), causal=True)),
+    ("softcap-causal", dict(softcap=30.0, causal=True)),
+    ("alibi-causal", dict(alibi="heads", causal=True)),
+    ("sinks", dict(sinks="random")),
+]
+
+
+@pytest.mark.parametrize("name,opts", FEATURES, ids=[n for n, _ in FEATURES])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_feature(name, opts, dtype, deterministic):
+    check_feature(203, 113, 4, 2, 512, dtype, opts, deterministic=deterministic)

@@ -1,0 +1,218 @@
+"""head_dim 512 (head dims 257 - 512) without a GPU: the refusals, one per refused input, the gate
+(RAWFLASH_HEAD_DIM_512), the forms a call lands on and what they need (rows, shared memory, the twins' tiles).
+
+The GPU tests of these forms are tests/test_gpu_hd512.py; the twins at head_dim 512 on the simulator are in
+tests/test_numba_sim.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import rawflash
+from conftest import random_qkv
+from rawflash import reference, signature, validation
+from rawflash.kernels import configs, cupy_backend, forms, launch
+from rawflash.kernels.forms import Switches
+from rawflash.problem import Problem
+
+GATE = "RAWFLASH_HEAD_DIM_512"
+SM80_SMEM, SM90_SMEM = 166912, 232448  # the most dynamic shared memory a CTA may ask for
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel launch was reached")
+
+    for name in ("bind_forward", "bind_forward_fp8", "bind_backward", "bind_decode", "run"):
+        monkeypatch.setattr(cupy_backend, name, refuse)
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    monkeypatch.setenv(GATE, "1")
+
+
+def qkv(d=512, dtype=np.float16, sq=5, sk=7):
+    return random_qkv(1, sq, sk, 4, 2, d, dtype)
+
+
+# ---------------------------------------------------------------- the gate
+@pytest.mark.parametrize("d", [257, 300, 512])
+@pytest.mark.parametrize("backend", ["cupy", "numba"])
+def test_refused_without_the_setting(d, backend, monkeypatch):
+    monkeypatch.delenv(GATE, raising=False)
+    q, k, v = qkv(d)
+    with pytest.raises(ValueError, match=rf"head_dim {d} runs on the head_dim 512 forms, which have not yet been "
+                                         rf"verified on a GPU; set {GATE}=1"):
+        rawflash.forward(q, k, v, backend=backend)
+
+
+def test_backward_refused_without_the_setting(monkeypatch):
+    monkeypatch.delenv(GATE, raising=False)
+    q, k, v = qkv()
+    out, lse = rawflash.forward(q, k, v, backend="reference")
+    with pytest.raises(ValueError, match=f"not yet been verified on a GPU; set {GATE}=1"):
+        rawflash.backward(q, q, k, v, out.astype(q.dtype), lse)
+
+
+def test_the_setting_admits_and_256_needs_none(gate, monkeypatch):
+    q, k, v = qkv()
+    c = validation.check_forward(q, k, v, True, None)
+    assert c.problem.head_dim == 512 and configs.padded_head_dim(300) == 512
+    monkeypatch.setenv(GATE, "0")
+    q, k, v = qkv(256)
+    assert validation.check_forward(q, k, v, True, None).problem.head_dim == 256
+
+
+def test_the_setting_is_in_the_plan_key(monkeypatch):
+    monkeypatch.delenv(GATE, raising=False)
+    off = signature.settings_key()
+    monkeypatch.setenv(GATE, "1")
+    assert signature.settings_key() != off, "a plan made under the setting must not serve a call without it"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_backend_needs_no_setting(causal, monkeypatch):
+    monkeypatch.delenv(GATE, raising=False)
+    q, k, v = qkv(512, np.float32)
+    out, lse = rawflash.forward(q, k, v, causal=causal, backend="reference")
+    ref_out, ref_lse = reference.forward(q, k, v, causal=causal)
+    assert np.allclose(out, ref_out) and np.allclose(lse, ref_lse)
+    grads = rawflash.backward(q, q, k, v, out, lse, causal=causal, backend="reference")
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+# ---------------------------------------------------------------- refused inputs, one each
+def test_float32_refused(gate):
+    q, k, v = qkv(512, np.float32)
+    with pytest.raises(TypeError, match="head_dim above 256 runs in float16 or bfloat16 only .*got float32"):
+        rawflash.forward(q, k, v)
+
+
+def test_fp8_inputs_refused(gate):
+    import ml_dtypes
+
+    q, k, v = (x.astype(ml_dtypes.float8_e4m3fn) for x in qkv(512, np.float32))
+    with pytest.raises(ValueError, match="float8_e4m3fn inputs run head_dim up to 256: the FP8 form has no head_dim "
+                                         "512 row"):
+        rawflash.forward(q, k, v)
+
+
+def test_fp8_quantised_inside_refused(gate):
+    q, k, v = qkv(512, np.float16)
+    with pytest.raises(ValueError, match="float8_e4m3fn inputs run head_dim up to 256"):
+        rawflash.forward(q, k, v, fp8=True)
+
+
+def test_fa1_refused(gate):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="kernel='fa1' runs head_dim up to 256"):
+        rawflash.forward(q, k, v, kernel="fa1")
+
+
+def test_paged_refused(gate):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((9, 4, 512)).astype(np.float16)
+    kp, vp = (rng.standard_normal((4, 16, 2, 512)).astype(np.float16) for _ in range(2))
+    with pytest.raises(ValueError, match="a paged forward .block_table. runs head_dim up to 256"):
+        rawflash.forward(q, kp, vp, cu_seqlens_q=np.array([0, 4, 9], np.int32), seqused_k=np.array([20, 30], np.int32),
+                         block_table=np.array([[0, 1], [2, 3]], np.int32))
+
+
+def test_decode_refused(gate):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 4, 512)).astype(np.float16)
+    kc, vc = (rng.standard_normal((2, 64, 2, 512)).astype(np.float16) for _ in range(2))
+    with pytest.raises(ValueError, match="decode runs head_dim up to 256: decode_split has no head_dim 512 row"):
+        rawflash.decode(q, kc, vc, cache_seqlens=10)
+
+
+@pytest.mark.parametrize("switch", ["defer_norm", "seq_parallel", "split_q"])
+def test_ablation_switches_refused(switch):
+    p = Problem(1, 100, 100, 2, 2, 512, "bfloat16", False, "sm_90")
+    with pytest.raises(ValueError, match=rf"{switch}=False \(the ablation\) runs head_dim up to 256"):
+        forms.forward_plan(p, switches=Switches(**{switch: False}))
+
+
+@pytest.mark.parametrize("switches", [Switches(wgmma=True), Switches(warp_specialize=True)])
+def test_hopper_forms_refused_when_asked_for(switches):
+    p = Problem(1, 100, 100, 2, 2, 512, "bfloat16", False, "sm_90")
+    with pytest.raises(ValueError, match="needs an sm_90 GPU, float16 or bfloat16"):
+        forms.forward_plan(p, switches=switches)
+
+
+def test_backward_wgmma_refused_when_asked_for():
+    p = Problem(1, 100, 100, 2, 2, 512, "float16", False, "sm_90")
+    with pytest.raises(ValueError, match=r"wgmma=True \(backward\) needs"):
+        forms.backward_plan(p, wgmma=True)
+
+
+def test_a_form_without_a_row_names_itself():
+    p = Problem(1, 100, 100, 2, 2, 512, "float32", False, "sm_80")
+    with pytest.raises(ValueError, match="fa2_fwd has no tile row for head_dim 512 in float32"):
+        forms.forward_plan(p)
+
+
+# ---------------------------------------------------------------- the forms a call lands on
+def _problems():
+    for arch, dtype, d in ((a, t, d) for a in ("sm_90", "sm_80") for t in ("float16", "bfloat16") for d in (300, 512)):
+        base = Problem(2, 300, 200, 4, 2, d, dtype, False, arch)
+        for p in (base, dataclasses.replace(base, causal=True), dataclasses.replace(base, window=(40, 0)),
+                  dataclasses.replace(base, alibi=True, causal=True)):
+            yield p
+
+
+@pytest.mark.parametrize("p", list(_problems()), ids=lambda p: f"{p.arch}-{p.dtype}-d{p.head_dim}-{p.general}")
+def test_forms_at_512(p):
+    """Every arch takes the mma.sync forms with their column splits (FA3's and the wgmma forms have no 512 row);
+    each fits the arch's shared memory and names WC as its last template argument."""
+    limit = SM90_SMEM if p.arch == "sm_90" else SM80_SMEM
+    (fwd,) = forms.forward_plan(p)
+    assert fwd.kernel == "fa2_fwd" and fwd.template_args[1] == 512 and fwd.template_args[-1] == fwd.config.wc == 2
+    assert fwd.config.br == 32 and fwd.smem == launch.smem_fa2_fwd(fwd.config, 512, 2) == 98304 <= limit
+    pre, main, post = forms.backward_plan(p)
+    assert (pre.kernel, main.kernel, post.kernel) == ("fa2_bwd_preprocess", "fa2_bwd", "fa2_bwd_convert_dq")
+    assert main.config.wc == 4 and main.template_args[5] == 4 and main.smem == 165376 <= limit
+    pre, main, dq = forms.backward_plan(p, deterministic=True)
+    assert (main.kernel, dq.kernel) == ("fa2_bwd", "fa2_bwd_dq") and main.template_args[10] is False
+    assert dq.template_args[-1] == dq.config.wc == 2 and dq.smem == 98560 <= limit
+
+
+def test_column_split_only_where_a_row_has_one():
+    """WC = 1 is the templates' default and stays out of the name expressions: the other head dims' names are the
+    ones they always had."""
+    for d in configs.SPECIALISED_HEAD_DIMS[:-1]:
+        p = Problem(1, 100, 100, 2, 2, d, "bfloat16", False, "sm_80")
+        (fwd,) = forms.forward_plan(p)
+        assert len(fwd.template_args) == 14 and fwd.config.wc == 1
+        assert len(forms.backward_plan(p, deterministic=True)[2].template_args) == 10
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_instantiations_at_512(arch):
+    """all_instantiations (the compile tests' list) holds the 16-bit fa2 forms at 512 on both archs: plain and
+    causal, the general policy without a mask and with a window; no other kernel."""
+    wide = [lau for lau in forms.all_instantiations(arch) if lau.config and lau.template_args[1] == 512]
+    assert {lau.kernel for lau in wide} == {"fa2_fwd", "fa2_bwd", "fa2_bwd_dq"}
+    assert {lau.template_args[0] for lau in wide} == {"__half", "__nv_bfloat16"}
+    assert len(wide) == 32, "2 dtypes x 4 policies x (forward, 2 backwards, the dQ pass)"
+
+
+def test_runs_head_dim():
+    assert forms.runs_head_dim(256, "float32", "fa1") and forms.runs_head_dim(512, "bfloat16")
+    assert forms.runs_head_dim(512, "float16", "naive")
+    assert not forms.runs_head_dim(512, "float32") and not forms.runs_head_dim(300, "bfloat16", "fa1")
+
+
+def test_rows_at_512():
+    """The table's rows at 512 are the three mma.sync kernels' in 16-bit, each splitting the head columns; no
+    architecture, situation or tuned GPU has another."""
+    wide = {(k, dt) for (k, d, dt) in configs.TABLE if d == configs.WIDE_HEAD_DIM}
+    assert wide == {(k, dt) for k in ("fa2_fwd", "fa2_bwd", "fa2_bwd_dq") for dt in ("float16", "bfloat16")}
+    assert all(configs.TABLE[(k, 512, dt)].wc > 1 for k, dt in wide)
+    others = [*configs.ARCH_ROWS.values(), *configs.SITUATION_ROWS.values(), *configs.GPU_ROWS.values()]
+    assert not [key for rows in others for key in rows if key[1] == 512]
