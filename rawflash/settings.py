@@ -8,8 +8,9 @@ reads them once and hands the object down); no other module reads or writes them
 ``RAWFLASH_FA3=0``        on Hopper, run the wgmma form without warp specialisation (fa2_fwd_sm90) by default
 ``RAWFLASH_TILE_ARCH``    take another architecture's tile rows (``sm_80``) on the GPU at hand
 ``RAWFLASH_TILE_GPU``     take another Hopper GPU's rows and gates (``h100``, ``h200``) on the GPU at hand
-``RAWFLASH_DV_FORM=1``    MLA's narrower v runs FA3's DV forms (forward, backward) where they have a row (default:
-                          v zero-padded to q's head_dim until they are measured, bench/NOTES.md A9)
+``RAWFLASH_DV_FORM``      which of FA3's DV forms MLA's narrower v runs where they have a row: ``fwd`` (default: the
+                          forward; the backward runs v zero-padded), ``1`` (the forward and the backward, whose DV
+                          form has not yet run under compute-sanitizer), ``0`` (neither: v zero-padded everywhere)
 ``RAWFLASH_HEAD_DIM_512=1``  run head dims above 256 on the head_dim 512 forms (16-bit fa2 forward and backward),
                           which have not yet been verified on a GPU (default: validation refuses them)
 ``RAWFLASH_CUDA_DIR``     read the CUDA sources from this folder instead of the installed ones
@@ -26,6 +27,20 @@ import os
 from collections.abc import Mapping
 
 
+# The kernels whose DV form (MLA's v read at its own head_dim) runs, by RAWFLASH_DV_FORM's value.
+DV_FORWARD = ("fa3_fwd_sm90",)
+DV_BOTH = ("fa3_fwd_sm90", "fa3_bwd_sm90")
+DV_FORMS = {"0": (), "fwd": DV_FORWARD, "1": DV_BOTH}
+
+
+def _dv_form(env: Mapping[str, str]) -> tuple[str, ...]:
+    """RAWFLASH_DV_FORM's kernels (ValueError naming the variable for a value it does not take)."""
+    value = env.get("RAWFLASH_DV_FORM", "fwd")
+    if value not in DV_FORMS:
+        raise ValueError(f"RAWFLASH_DV_FORM must be one of {', '.join(DV_FORMS)}; got {value!r}")
+    return DV_FORMS[value]
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What the environment asks of rawflash (defaults: everything on, nothing overridden)."""
@@ -34,7 +49,7 @@ class Settings:
     warp_specialize: bool = True
     tile_arch: str | None = None
     tile_gpu: str | None = None
-    dv_form: bool = False
+    dv_form: tuple[str, ...] = DV_FORWARD
     head_dim_512: bool = False
     cuda_dir: str | None = None
     debug: bool = False
@@ -48,7 +63,7 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     return Settings(wgmma=env.get("RAWFLASH_WGMMA", "1") != "0", warp_specialize=env.get("RAWFLASH_FA3", "1") != "0",
                     tile_arch=env.get("RAWFLASH_TILE_ARCH") or None, tile_gpu=env.get("RAWFLASH_TILE_GPU") or None,
-                    dv_form=env.get("RAWFLASH_DV_FORM", "0") == "1",
+                    dv_form=_dv_form(env),
                     head_dim_512=env.get("RAWFLASH_HEAD_DIM_512", "0") == "1",
                     cuda_dir=env.get("RAWFLASH_CUDA_DIR") or None, debug=bool(env.get("RAWFLASH_DEBUG")),
                     progress=env.get("RAWFLASH_PROGRESS", ""), cache_dir=env.get("RAWFLASH_CACHE_DIR") or None,

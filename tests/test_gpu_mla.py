@@ -1,8 +1,9 @@
 """MLA on a GPU: v with a head_dim below q's and k's (head_dim_v < head_dim_qk), against the float64 reference by
 flash-attn's rule (forward 2x, gradients 3x the same-precision naive error, plus a floor). Each case runs both
-ways: v zero-padded to q's head_dim (the default) and, with RAWFLASH_DV_FORM=1, FA3's DV forms (v, and in the
-backward dout and out, read at v's own head_dim, dv written at it) where configs.VALUE_ROWS has the pair for the
-forward or the backward (other pairs and the other forms pad v either way).
+ways: with RAWFLASH_DV_FORM=0, v zero-padded to q's head_dim, and with RAWFLASH_DV_FORM=1, FA3's DV forms (v, and
+in the backward dout and out, read at v's own head_dim, dv written at it) where configs.VALUE_ROWS has the pair for
+the forward or the backward (other pairs and the other forms pad v either way). The default, the forward's DV form
+and the padded backward, is the two halves of these.
 
 Covered: DeepSeek-V3's pair (192 / 128) and others down to head_dim_v = 8 and odd ones, every dtype, ragged
 shapes with seqlen_q != seqlen_k both ways, MHA / GQA / MQA, causal both ways, the features alone and combined
@@ -26,12 +27,18 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(params=["padded", "dv-form"], autouse=True)
 def dv_form(request, monkeypatch):
-    """Every case with v zero-padded (the default) and with FA3's DV form asked for."""
-    if request.param == "dv-form":
-        monkeypatch.setenv("RAWFLASH_DV_FORM", "1")
-    else:
-        monkeypatch.delenv("RAWFLASH_DV_FORM", raising=False)
+    """Every case with v zero-padded and with FA3's DV forms, forward and backward."""
+    monkeypatch.setenv("RAWFLASH_DV_FORM", "1" if request.param == "dv-form" else "0")
     return request.param
+
+
+def _fa3_on() -> bool:
+    """Whether the environment leaves FA3's forms on (RAWFLASH_WGMMA=0 or RAWFLASH_FA3=0 turn them off, and with
+    them the DV forms)."""
+    from rawflash import settings
+
+    env = settings.load()
+    return env.wgmma and env.warp_specialize
 
 # (head_dim_qk, head_dim_v): the DV form at (192, 128), (128, 64), (96, 64), (160, 100), (128, 32) (compiled as
 # 192 / 128 and 128 / 64, the extra columns zero), v zero-padded at the rest
@@ -166,8 +173,9 @@ def test_mla_planned_calls_repeat_the_first(pair):
                                            ((256, 128), False)], ids=["192-128", "128-64", "160-100", "256-128"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_dv_form_where_it_has_a_row(pair, has_row, dtype, dv_form):
-    """With RAWFLASH_DV_FORM=1 the plan reads v at its own head_dim where configs.VALUE_ROWS has the pair (the
-    kernels' v is then the caller's width, not padded); without it never; the result is right either way."""
+    """With RAWFLASH_DV_FORM=1 the plan reads v at its own head_dim where configs.VALUE_ROWS has the pair and FA3's
+    forms are on (the kernels' v is then the caller's width, not padded); with =0 never; the result is right either
+    way."""
     import cupy
 
     from rawflash import settings, validation
@@ -177,7 +185,7 @@ def test_dv_form_where_it_has_a_row(pair, has_row, dtype, dv_form):
     q, k, v, extra = _narrow(*_inputs(257, 300, 4, 2, d, dtype, {"causal": True}, 8), dv, 8)
     c = validation.check_forward(q, k, v, True, None, "fa2", "cupy", validation.Features())
     bound = cupy_backend.bind_forward(c.problem, *(cupy.asarray(x) for x in (q, k, v)), c.scale, env=settings.load())
-    on = has_row and dv_form == "dv-form"
+    on = has_row and dv_form == "dv-form" and _fa3_on()
     assert forms.reads_value_head_dim(bound.plan[0]) is on
     assert bound.widths[2] == cupy_backend.run_head_dim(dv if on else d)
     check_mla(257, 300, 4, 2, pair, dtype, {"causal": True}, seed=8)
@@ -206,7 +214,7 @@ def test_dv_backward_where_it_has_a_row(pair, has_row, dtype, deterministic, dv_
     c = validation.check_backward(dout, q, k, v, out, lse, True, None, deterministic, "cupy", validation.Features())
     bound = cupy_backend.bind_backward(c.problem, dout, q, k, v, out, lse, c.scale, deterministic,
                                        env=settings.load())
-    on = has_row and dv_form == "dv-form" and not (deterministic and d > 128)
+    on = has_row and dv_form == "dv-form" and not (deterministic and d > 128) and _fa3_on()
     assert any(forms.reads_value_head_dim(lau) for lau in bound.plan) is on
     width_v = cupy_backend.run_head_dim(dv if on else d)
     assert bound.widths == (width_v, *(cupy_backend.run_head_dim(d),) * 2, width_v, width_v)  # dout, q, k, v, out

@@ -1,5 +1,6 @@
 """FA3's DV forms (MLA's narrower v read at its own head_dim, forward and backward) without a GPU: which calls take
-them (with RAWFLASH_DV_FORM=1; by default v runs zero-padded), their launches' template arguments and shared memory,
+them (the forward's by default, the backward's with RAWFLASH_DV_FORM=1, neither with =0; elsewhere v runs
+zero-padded), their launches' template arguments and shared memory,
 and that every DV instantiation is compiled by the offline compile test.
 
 The kernels' results are tests/test_gpu_mla.py's (GPU: every case both ways).
@@ -15,9 +16,10 @@ import pytest
 from rawflash.cli.commands import main
 from rawflash.kernels import configs, forms, launch
 from rawflash.problem import Problem
-from rawflash.settings import Settings
+from rawflash.settings import DV_BOTH, Settings
 
-DV_ON = Settings(dv_form=True)
+DV_ON = Settings(dv_form=DV_BOTH)
+DV_OFF = Settings(dv_form=())
 
 
 def _p(d, dv, dtype="bfloat16", causal=True, arch="sm_90", **kw):
@@ -28,7 +30,8 @@ def _p(d, dv, dtype="bfloat16", causal=True, arch="sm_90", **kw):
                                           (128, 32, 128, 64), (120, 40, 128, 64)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_pairs_with_a_row_run_the_dv_form(d, dv, D, DV, dtype):
-    assert not forms.reads_value_head_dim(forms.forward_plan(_p(d, dv, dtype))[0]), "off by default"
+    assert not forms.reads_value_head_dim(forms.forward_plan(_p(d, dv, dtype), settings=DV_OFF)[0])
+    assert forms.forward_plan(_p(d, dv, dtype)) == forms.forward_plan(_p(d, dv, dtype), settings=DV_ON), "the default"
     plan = forms.forward_plan(_p(d, dv, dtype), settings=DV_ON)
     assert all(forms.reads_value_head_dim(lau) for lau in plan)  # (REF_FIRST's way back too)
     lau = plan[0]
@@ -97,7 +100,11 @@ def test_the_setting_is_part_of_the_signature():
     assert "RAWFLASH_DV_FORM" in signature._SETTINGS
     from rawflash import settings
 
-    assert settings.load({"RAWFLASH_DV_FORM": "1"}).dv_form and not settings.load({}).dv_form
+    assert settings.load({}).dv_form == settings.DV_FORWARD == Settings().dv_form
+    assert settings.load({"RAWFLASH_DV_FORM": "1"}).dv_form == DV_BOTH
+    assert settings.load({"RAWFLASH_DV_FORM": "0"}).dv_form == ()
+    with pytest.raises(ValueError, match="RAWFLASH_DV_FORM must be one of 0, fwd, 1; got 'yes'"):
+        settings.load({"RAWFLASH_DV_FORM": "yes"})
 
 
 EXPLAIN = ["explain", "--batch", "1", "--seqlen-q", "4096", "--heads", "128", "--head-dim", "192", "--head-dim-v",
@@ -105,16 +112,13 @@ EXPLAIN = ["explain", "--batch", "1", "--seqlen-q", "4096", "--heads", "128", "-
 
 
 def _explain_both_ways(monkeypatch, *extra) -> tuple:
-    """``rawflash explain`` of DeepSeek-V3's shape without and with RAWFLASH_DV_FORM=1: for each, (its text, its
-    first predicted row)."""
+    """``rawflash explain`` of DeepSeek-V3's shape with RAWFLASH_DV_FORM=0 and =1: for each, (its text, its first
+    predicted row)."""
     from click.testing import CliRunner
 
     runs = []
-    for dv_form in (False, True):
-        if dv_form:
-            monkeypatch.setenv("RAWFLASH_DV_FORM", "1")
-        else:
-            monkeypatch.delenv("RAWFLASH_DV_FORM", raising=False)
+    for dv_form in ("0", "1"):
+        monkeypatch.setenv("RAWFLASH_DV_FORM", dv_form)
         text, js = (CliRunner().invoke(main, [*EXPLAIN, *extra, *json_arg]) for json_arg in ([], ["--json"]))
         assert text.exit_code == 0, text.output
         runs.append((text.output, json.loads(js.output)["predicted"][0]))
@@ -207,7 +211,7 @@ def test_backward_other_calls_read_v_padded(case):
 
 def test_backward_switches_off_fa3_read_v_padded():
     p = _p(128, 64)
-    for wgmma, env in ((False, DV_ON), (None, Settings(dv_form=True, warp_specialize=False))):
+    for wgmma, env in ((False, DV_ON), (None, Settings(dv_form=DV_BOTH, warp_specialize=False))):
         plan = forms.backward_plan(p, settings=env, wgmma=wgmma)
         assert plan[1].kernel != "fa3_bwd_sm90" and not any(forms.reads_value_head_dim(lau) for lau in plan)
     without_tma = forms.backward_plan_without_tma(p, settings=DV_ON)

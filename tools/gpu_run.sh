@@ -22,8 +22,8 @@
 #     bench-decode-quick              rawflash bench --decode --quick (12 cases, about 2 minutes)
 #     bench-mla  rawflash bench --mla (DeepSeek-V3's prefill: 128 heads, head_dim_qk 192, head_dim_v 128, bf16,
 #                N 4k - 16k, forward and backward, beside SDPA's cuDNN backend; MLA_REPEATS, default 10), twice:
-#                v zero-padded (the default), then RAWFLASH_DV_FORM=1 (FA3's DV forms, forward and backward; --tag
-#                dv, bench_mla_dv.log)
+#                RAWFLASH_DV_FORM=0 (v zero-padded), then =1 (FA3's DV forms, forward and backward; --tag dv,
+#                bench_mla_dv.log)
 #     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES
 #                (default "softcap fp8 plain decode"), d = PROFILE_D (128; decode is always 128),
 #                N = PROFILE_N (4096); one file ncu_<case>.txt per case (decode_fp8: decode on an FP8 cache;
@@ -154,8 +154,8 @@ while [ $i -lt ${#steps[@]} ]; do
       python3 -m rawflash.cli bench --decode --quick --repeats ${DECODE_REPEATS:-10} --out "$OUT" --tag quick 2>&1 \
         | tee "$OUT/bench_decode_quick.log" | tail -40 || status=1 ;;
     bench-mla)
-      python3 -m rawflash.cli bench --mla --repeats ${MLA_REPEATS:-10} --out "$OUT" 2>&1 | tee "$OUT/bench_mla.log" \
-        | tail -20 || status=1
+      RAWFLASH_DV_FORM=0 python3 -m rawflash.cli bench --mla --repeats ${MLA_REPEATS:-10} --out "$OUT" 2>&1 \
+        | tee "$OUT/bench_mla.log" | tail -20 || status=1
       RAWFLASH_DV_FORM=1 python3 -m rawflash.cli bench --mla --repeats ${MLA_REPEATS:-10} --out "$OUT" --tag dv 2>&1 \
         | tee "$OUT/bench_mla_dv.log" | tail -20 || status=1 ;;
     bench-features)

@@ -260,9 +260,9 @@ def _fp8(dtype: str) -> None:
 
 
 def _mla(dtype: str) -> None:
-    """MLA's narrower v: the forward and the backward (v zero-padded, then with RAWFLASH_DV_FORM=1 FA3's DV forms
-    at 192 / 128 and 128 / 64 and a pair that rounds to them), ragged shapes, GQA, causal both ways, packed
-    sequences with a window, soft-capping and sinks."""
+    """MLA's narrower v: the forward and the backward (v zero-padded with RAWFLASH_DV_FORM=0, then with =1 FA3's
+    DV forms at 192 / 128 and 128 / 64 and a pair that rounds to them), ragged shapes, GQA, causal both ways,
+    packed sequences with a window, soft-capping and sinks."""
     rng = np.random.default_rng(5)
     for d, dv, (b, sq, sk, h, hk) in ((192, 128, (1, 203, 330, 4, 2)), (128, 64, (2, 300, 129, 4, 1)),
                                       (160, 100, (1, 77, 257, 2, 2))):

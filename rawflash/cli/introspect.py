@@ -727,9 +727,10 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
                      "admits them)")
     if p.head_dim_v:
         notes.append(f"v's head_dim {p.head_dim_v} (MLA): v (and the backward's dout and out) zero-padded to q's "
-                     f"head_dim, out and dv cut back, except in FA3's DV forms (RAWFLASH_DV_FORM=1, a pair in "
-                     f"configs.VALUE_ROWS, forward and backward apart), which read them at v's own; the predicted "
-                     f"bytes and FLOPs count v at the head_dim the kernels read it at")
+                     f"head_dim, out and dv cut back, except in FA3's DV forms (a pair in configs.VALUE_ROWS, forward "
+                     f"and backward apart; RAWFLASH_DV_FORM: the forward's by default, =1 both, =0 neither), which "
+                     f"read them at v's own; the predicted bytes and FLOPs count v at the head_dim the kernels read "
+                     f"it at")
     if kernel == "naive":
         notes.append("naive: S = QK^T and O = PV are cuBLAS products, not listed among the launches")
     if backend == "numba":

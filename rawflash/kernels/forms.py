@@ -11,7 +11,7 @@ import functools
 import itertools
 
 from ..problem import Problem, cdiv
-from ..settings import Settings
+from ..settings import DV_BOTH, Settings
 from . import configs, launch, registry, tma
 from .configs import TileConfig
 from .launch import Launch
@@ -217,10 +217,11 @@ def hopper_form_fits(kernel: str, p: Problem) -> bool:
 
 def value_form(p: Problem, settings: Settings = Settings(), kernel: str = "fa3_fwd_sm90") -> bool:
     """Whether FA3's forward (``kernel`` fa3_fwd_sm90) or backward (fa3_bwd_sm90) reads MLA's narrower v at its own
-    head_dim (the DV form: V_j and O, in the backward V_j, dO_i and dV_j, of head_dim_v columns) for ``p``: asked
-    for (``RAWFLASH_DV_FORM=1``), a ``head_dim_v`` whose pair of compiled head dims has a row of ``kernel`` in
-    configs.VALUE_ROWS, sm_90, 16-bit, keys not paged. Elsewhere v runs zero-padded to q's head_dim."""
-    return settings.dv_form and bool(p.head_dim_v) and p.arch == "sm_90" and not p.page_size and \
+    head_dim (the DV form: V_j and O, in the backward V_j, dO_i and dV_j, of head_dim_v columns) for ``p``: the
+    settings take ``kernel``'s DV form (RAWFLASH_DV_FORM: the forward's by default), a ``head_dim_v`` whose pair
+    of compiled head dims has a row of ``kernel`` in configs.VALUE_ROWS, sm_90, 16-bit, keys not paged. Elsewhere
+    v runs zero-padded to q's head_dim."""
+    return kernel in settings.dv_form and bool(p.head_dim_v) and p.arch == "sm_90" and not p.page_size and \
         _value_row(p, kernel) is not None
 
 
@@ -600,7 +601,7 @@ def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
     return _decode_plan(dataclasses.replace(p, lengths=()), num_splits, sms)
 
 
-DV_FORM = Settings(dv_form=True)  # all_instantiations compiles the DV form whatever the environment asks
+DV_FORM = Settings(dv_form=DV_BOTH)  # all_instantiations compiles the DV form whatever the environment asks
 
 
 def _variants_of(p: Problem) -> list[Problem]:
