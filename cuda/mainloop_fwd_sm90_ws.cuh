@@ -9,13 +9,13 @@
 //     visible key block, into a ring of STAGES stages, each stage guarded by a "full" mbarrier (the copies'
 //     bytes complete it) and an "empty" one (every consumer thread arrives when it is done reading the stage);
 //     it gives its registers back (setmaxnreg) so the consumers can hold S, P and O of 64 rows each;
-//   - consumer warpgroup w owns query rows 64w..64w+63 of the tile and runs FA2's loop on wgmma exactly as
+//   - consumer warpgroup w owns query rows 64v..64v+63 of the tile (v = w / WC) and runs FA2's loop on wgmma as
 //     mainloop_fwd_sm90 does (S = Q K^T from shared memory, P from registers into O += P V, the online softmax,
 //     FA3's intra-warpgroup OVERLAP of the softmax of block j with P_{j-1} V_{j-1});
 //   - with the column split (WC = 2, head_dim 512, where O of 64 x 512 would be 256 registers a thread) two
 //     consumer warpgroups share the tile's 64 rows: each forms all of S = Q K^T and the rows' softmax itself (the
-//     same values; P stays in registers, nothing is exchanged) and holds O's columns DV / 2 w.. of them, so the
-//     tensor cores do 1.5x the algorithm's work (bench/NOTES.md A10's design (a));
+//     same values; P stays in registers, nothing is exchanged) and holds DV / 2 of O's columns (from DV / 2 * w),
+//     so the tensor cores do 1.5x the algorithm's work (bench/NOTES.md A10's design (a));
 //   - the 16-bit form's epilogue (O_VIA_Q) stages each warpgroup's O in its own 64 rows of the tile's Q_i buffer
 //     (stmatrix; no other warpgroup reads those rows, so no barrier between warpgroups), and one thread per
 //     warpgroup stores them with TMA; the buffer goes back to the producer once the store has read it. With two
