@@ -6,7 +6,8 @@
 // attention, checked, with the REF_RUNNING launch after it as the way back), OVERLAP is FA3's intra-warpgroup
 // overlap, PINGPONG its inter-warpgroup schedule, QSTAGES the Q_i buffers (2: the next tile's Q_i is copied during
 // this one), STAGE_O the epilogue through shared memory and a TMA store, DV the columns of V and O (D, or MLA's
-// narrower head_dim_v: the DV form).
+// narrower head_dim_v: the DV form), WC the consumer warpgroups that share a tile's 64 rows and split O's columns
+// (2 at head_dim 512: the column split; 1 elsewhere, the default, left out of the launch's name expression).
 // fa3_fwd_sm90_fp8 is the same skeleton with the FP8 mainloop (mainloop_fwd_sm90_fp8.cuh, on the same pipeline):
 // e4m3 inputs, the output in OutT (bfloat16 or float16), the plain policy or the general one without its score
 // transforms (windows, packed sequences, seqused_k).
@@ -68,12 +69,12 @@ using Fa3Scheduler =
 }  // namespace rf
 
 template <typename T, int D, int BR, int BC, int STAGES, int MASK, bool GENERAL, int REF, bool OVERLAP,
-          bool PINGPONG, int SCHEDULE, int QSTAGES, bool STAGE_O, int DV, int SMEM_BYTES>
-__global__ void __launch_bounds__((BR / 64 + 1) * 128, 1)
+          bool PINGPONG, int SCHEDULE, int QSTAGES, bool STAGE_O, int DV, int SMEM_BYTES, int WC = 1>
+__global__ void __launch_bounds__((BR / 64 * WC + 1) * 128, 1)
     fa3_fwd_sm90(const __grid_constant__ rf::FwdParams p, const __grid_constant__ rf::TmaFwd tma) {
   using namespace rf;
-  using Mainloop =
-      MainloopFwdSm90Ws<T, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>, QSTAGES, STAGE_O, REF, DV>;
+  using Mainloop = MainloopFwdSm90Ws<T, D, BR, BC, STAGES, OVERLAP, PINGPONG, Policy<MASK, GENERAL>, QSTAGES, STAGE_O,
+                                     REF, DV, WC>;
   // The way back from REF_FIRST: launched after it with p.ref_flag set, a REF_RUNNING kernel runs only where that
   // launch flagged this call (every thread reads the same word, so the whole grid returns or none of it).
   if constexpr (REF == REF_RUNNING)

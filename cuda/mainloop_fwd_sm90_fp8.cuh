@@ -99,7 +99,9 @@ struct MainloopFwdSm90Fp8
 #pragma unroll
     for (int k = 0; k < D; k += 32) WgmmaE4m3<BC>::ss(s.v[0], sq.desc_k(r0, k), sk.desc_k(0, k), k > 0 ? 1 : 0);
   }
-  template <class SV> __device__ __forceinline__ static void gemm_pv(Acc<1, D / 8>& o, const PA& pa, const SV& svt) {
+  // (n0: the warpgroup's first column of O, 0: the FP8 form has no column split)
+  template <class SV>
+  __device__ __forceinline__ static void gemm_pv(Acc<1, D / 8>& o, const PA& pa, const SV& svt, int) {
 #pragma unroll
     for (int kk = 0; kk < BC / 32; ++kk) WgmmaE4m3<D>::rs(o.v[0], pa[kk], svt.desc_k(0, 32 * kk), 1);
   }

@@ -3,15 +3,19 @@
 // (MainloopFwdSm90Ws); mainloop_fwd_sm90_fp8.cuh is its FP8 form. No Numba twin: TMA, mbarriers and warp
 // specialisation have no counterpart there; the twin of mainloop_fwd_sm80 computes the same results.
 //
-// A CTA has NC = BR / 64 consumer warpgroups and one producer warpgroup (the last one):
+// A CTA has NC = WC * BR / 64 consumer warpgroups and one producer warpgroup (the last one):
 //   - the producer's first warp issues TMA copies (tma.cuh): Q_i once per tile (into a ring of QSTAGES buffers:
 //     with 2, a persistent CTA's next Q_i is copied while this tile runs), then K_j and V_j of every
 //     visible key block, into a ring of STAGES stages, each stage guarded by a "full" mbarrier (the copies'
 //     bytes complete it) and an "empty" one (every consumer thread arrives when it is done reading the stage);
 //     it gives its registers back (setmaxnreg) so the consumers can hold S, P and O of 64 rows each;
-//   - consumer warpgroup w owns query rows 64w..64w+63 of the tile and runs FA2's loop on wgmma exactly as
+//   - consumer warpgroup w owns query rows 64v..64v+63 of the tile (v = w / WC) and runs FA2's loop on wgmma as
 //     mainloop_fwd_sm90 does (S = Q K^T from shared memory, P from registers into O += P V, the online softmax,
 //     FA3's intra-warpgroup OVERLAP of the softmax of block j with P_{j-1} V_{j-1});
+//   - with the column split (WC = 2, head_dim 512, where O of 64 x 512 would be 256 registers a thread) two
+//     consumer warpgroups share the tile's 64 rows: each forms all of S = Q K^T and the rows' softmax itself (the
+//     same values; P stays in registers, nothing is exchanged) and holds DV / 2 of O's columns (from DV / 2 * w),
+//     so the tensor cores do 1.5x the algorithm's work (bench/NOTES.md A10's design (a));
 //   - the 16-bit form's epilogue (O_VIA_Q) stages each warpgroup's O in its own 64 rows of the tile's Q_i buffer
 //     (stmatrix; no other warpgroup reads those rows, so no barrier between warpgroups), and one thread per
 //     warpgroup stores them with TMA; the buffer goes back to the producer once the store has read it. With two
@@ -45,13 +49,16 @@ namespace rf {
 //   - consume (walk plus what surrounds it) and store (the epilogue).
 // PRODUCER_REGS / CONSUMER_REGS: registers per thread after the hand-over (launch bounds give every thread
 // 65536 / NTHREADS rounded down to 8 before it). QSTAGES: Q_i buffers (1 or 2). DV: O's columns (V's head_dim).
+// WC: consumer warpgroups that share 64 rows and split O's columns (1, or 2 with BR = 64); gemm_pv then takes the
+// warpgroup's first column of V_j.
 template <class Derived, typename T_, class TQ, class TK, class TV, int D, int DV, int BR_, int BC, int STAGES,
-          bool OVERLAP, bool PINGPONG, class Pol_, int PRODUCER_REGS, int CONSUMER_REGS, int QSTAGES>
+          bool OVERLAP, bool PINGPONG, class Pol_, int PRODUCER_REGS, int CONSUMER_REGS, int QSTAGES, int WC = 1>
 struct Fa3FwdPipeline {
   using T = T_;  // what the softmax's exp2 and the epilogue's stores are instantiated for
   using Pol = Pol_;
   using Info = typename Pol_::Info;
-  static constexpr int BR = BR_, NC = BR_ / 64, NTHREADS = (NC + 1) * 128, NT = BC / 8, NO = DV / 8;
+  // NO: the 8-column tiles of O a consumer warpgroup holds (DV / WC columns)
+  static constexpr int BR = BR_, NC = BR_ / 64 * WC, NTHREADS = (NC + 1) * 128, NT = BC / 8, NO = DV / WC / 8;
   static constexpr int ALIGN = 1024, Q_BYTES = TQ::BYTES, K_BYTES = TK::BYTES, V_BYTES = TV::BYTES;
   // Q full / empty per Q_i buffer; K full / empty and V full / empty per stage
   static constexpr int BARRIERS = 2 * QSTAGES + 4 * STAGES;
@@ -60,7 +67,8 @@ struct Fa3FwdPipeline {
   static constexpr int SMEM_BYTES = ALIGN + QSTAGES * Q_BYTES + STAGES * (K_BYTES + V_BYTES) + 8 * BARRIERS + 16;
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
   static_assert(QSTAGES == 1 || QSTAGES == 2, "one or two Q_i buffers (tile-index slots of 4 bytes before V landed)");
-  static_assert(DV <= D && DV % 64 == 0, "O of whole 64-column panels, at most Q's columns");
+  static_assert(DV <= D && DV % (64 * WC) == 0, "O of whole 64-column panels (each warpgroup's), at most Q's columns");
+  static_assert(WC == 1 || (WC == 2 && BR_ == 64), "the column split: two warpgroups on one tile of 64 rows");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * NC <= launch_regs(NTHREADS) * NTHREADS,
                 "setmaxnreg moves registers within the launch's pool");
 
@@ -108,7 +116,16 @@ struct Fa3FwdPipeline {
   };
 
   __device__ __forceinline__ static bool is_producer() { return warpgroup_id() == NC; }
-  __device__ __forceinline__ static int warp_row() { return 16 * warp_id(); }  // consumers: 64 w + 16 * warp in it
+  // consumers: the warp's first row of the tile, 64 (w / WC) + 16 * its warp in the warpgroup
+  __device__ __forceinline__ static int warp_row() {
+    if constexpr (WC == 1) return 16 * warp_id();
+    else return 64 * (warpgroup_id() / WC) + 16 * warp_in_group();
+  }
+  // consumers: the first of the DV / WC columns of O the warpgroup holds (0 without the column split)
+  __device__ __forceinline__ static int warpgroup_col() {
+    if constexpr (WC == 1) return 0;
+    else return DV / WC * (uniform_warpgroup_id() % WC);
+  }
 
   // ---------------------------------------------------------------- producer
   __device__ __forceinline__ static bool producer_start(const TmaFwd& tma) {
@@ -257,7 +274,8 @@ struct Fa3FwdPipeline {
   // Alg.1 l.5-11 for one tile: every visible key block through the ring, O and the softmax state left in st.
   __device__ __forceinline__ static void walk(const Info& bi, const Pol& pol, int q0, const Smem& sm, Pipes& pipes,
                                               State& st) {
-    const int nrows = min(BR, bi.seqlen_q - q0), wg_row = 64 * uniform_warpgroup_id(), wq = warp_row();
+    const int nrows = min(BR, bi.seqlen_q - q0), wg_row = 64 * (uniform_warpgroup_id() / WC), wq = warp_row();
+    const int wg_col = warpgroup_col();  // V_j's first column this warpgroup multiplies P by
     const BlockRange kv = pol.kv_blocks(q0, nrows, BC);
     const int n = kv.n();
     const int qs = pipes.q.stage();
@@ -320,7 +338,7 @@ struct Fa3FwdPipeline {
         Derived::gemm_qk(s, sQ, wg_row, sm.k(sj));
         wgmma_commit();
       }
-      Derived::gemm_pv(st.o, pa, sm.v(prev));
+      Derived::gemm_pv(st.o, pa, sm.v(prev), wg_col);
       wgmma_commit();
       if (!OVERLAP) {
         Derived::gemm_qk(s, sQ, wg_row, sm.k(sj));
@@ -352,7 +370,7 @@ struct Fa3FwdPipeline {
       turn_wait();
       fence_operand(st.o);
       wgmma_fence();
-      Derived::gemm_pv(st.o, pa, sm.v(prev));
+      Derived::gemm_pv(st.o, pa, sm.v(prev), wg_col);
       wgmma_commit();
       turn_pass();
       wgmma_wait<0>();
@@ -366,13 +384,14 @@ struct Fa3FwdPipeline {
 // Tiles of 64-column panels (Sw128); V_j is read MN-major as it lies, so O += P V needs no transpose; P goes
 // into the A operand as pairs of 16-bit values (to_a_operand). Registers after the hand-over: the producer keeps
 // what its loop needs, the consumers the rest of the 64K. DV < D is the DV form (MLA's narrower v): V_j tiles and
-// O of DV columns, so P V costs DV's FLOPs and V's ring DV's bytes; O leaves with v's head_dim (NARROW_V).
+// O of DV columns, so P V costs DV's FLOPs and V's ring DV's bytes; O leaves with v's head_dim (NARROW_V). WC = 2
+// is the column split (Base's note): each of the two consumer warpgroups multiplies P by its DV / 2 columns of V_j.
 template <typename T_, int D, int BR_, int BC, int STAGES, bool OVERLAP, bool PINGPONG, class Pol_, int QSTAGES = 1,
-          bool STAGE_O = false, int REF_ = REF_RUNNING, int DV = D>
+          bool STAGE_O = false, int REF_ = REF_RUNNING, int DV = D, int WC = 1>
 struct MainloopFwdSm90Ws
-    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES, STAGE_O, REF_, DV>,
+    : Fa3FwdPipeline<MainloopFwdSm90Ws<T_, D, BR_, BC, STAGES, OVERLAP, PINGPONG, Pol_, QSTAGES, STAGE_O, REF_, DV, WC>,
                      T_, Sw128<T_, BR_, D>, Sw128<T_, BC, D>, Sw128<T_, BC, DV>, D, DV, BR_, BC, STAGES, OVERLAP,
-                     PINGPONG, Pol_, BR_ / 64 == 2 ? 40 : 32, BR_ / 64 == 2 ? 232 : 160, QSTAGES> {
+                     PINGPONG, Pol_, BR_ / 64 * WC == 2 ? 40 : 32, BR_ / 64 * WC == 2 ? 232 : 160, QSTAGES, WC> {
   using Base = typename MainloopFwdSm90Ws::Fa3FwdPipeline;
   using typename Base::Info, typename Base::Smem, typename Base::Pipes, typename Base::State;
   static_assert(BC % 16 == 0 && BC <= 256 && D % 64 == 0, "a wgmma N of at most 256; panels of 64 columns");
@@ -407,6 +426,8 @@ struct MainloopFwdSm90Ws
   // (rawflash/kernels/launch.py's fa3_fwd_stage_o, with its measurements). With one Q_i buffer the next tile's Q_i
   // waits for the store to have read the buffer.
   static constexpr bool O_VIA_Q = STAGE_O;
+  // (With the column split the other warpgroup may still read Q_i's columns while one stages its O there.)
+  static_assert(!STAGE_O || WC == 1, "the column split's epilogue stores from registers");
   static constexpr int EPILOGUE_BARRIER = 1 + Base::NC;  // named barriers 1 + NC + w (ping-pong has 1..NC)
   // FA4's lazy rescale (OnlineSoftmax::update's stale_log2) at head_dim 256, where O's rescale is 2 - 4
   // multiplies per score: +3 - 6 % (H200, bf16, N = 16384; bench/NOTES.md); at 64 and 128 the warp's vote
@@ -423,8 +444,10 @@ struct MainloopFwdSm90Ws
   __device__ __forceinline__ static void gemm_qk(Acc<1, BC / 8>& s, const SQ& sq, int r0, const SK& sk) {
     wg_gemm_abt(s, sq, r0, sk, 0, false);
   }
-  template <class SV> __device__ __forceinline__ static void gemm_pv(Acc<1, DV / 8>& o, const PA& pa, const SV& sv) {
-    wg_gemm_rb(o, pa, sv, 0, 0);
+  // O += P V_j's columns n0.. (the warpgroup's: Base::warpgroup_col)
+  template <class SV>
+  __device__ __forceinline__ static void gemm_pv(Acc<1, DV / WC / 8>& o, const PA& pa, const SV& sv, int n0) {
+    wg_gemm_rb(o, pa, sv, 0, n0);
   }
   __device__ __forceinline__ static void pack_p(PA& pa, const Acc<1, BC / 8>& s) { to_a_operand<T_>(pa, s); }
 
@@ -443,7 +466,7 @@ struct MainloopFwdSm90Ws
   __device__ __forceinline__ static void store(const FwdParams& p, const TmaFwd& tma, const Info& bi, const Pol_& pol,
                                                int q0, const Smem& sm, const Pipes& pipes, const State& st) {
     if constexpr (!O_VIA_Q) {
-      epilogue_fwd<T_, false, NARROW_V>(p, bi, pol, st.o, st.sm, q0 + Base::warp_row());
+      epilogue_fwd<T_, false, NARROW_V>(p, bi, pol, st.o, st.sm, q0 + Base::warp_row(), 1.f, Base::warpgroup_col());
     } else {
       using TO = Sw128<T_, BR_, DV>;  // O's DV columns in the first panels of the Q_i buffer (same panel stride)
       const int wg = warpgroup_id(), r_wg = 64 * wg, rows = bi.seqlen_q - q0 - r_wg;

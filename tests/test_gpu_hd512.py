@@ -4,8 +4,11 @@ rule (forward 2x, gradients 3x the same-precision naive error, plus a floor): th
 GQA / MQA, ragged lengths, packed sequences and the features, and standard attention (kernel='naive').
 
 These forms have not yet run on a GPU, so validation admits them only under RAWFLASH_HEAD_DIM_512=1, which every
-test here sets. On sm_80 and on Hopper alike they are the mma.sync forms whose warps split the head columns
-(configs' rows at 512; tests/test_head_dim_512.py checks the plans without a GPU).
+test here sets. The forward on Hopper is FA3's column split (two consumer warpgroups on 64 rows, each holding half
+of O's columns), elsewhere and with wgmma=False the mma.sync form whose warps split the head columns; the backwards
+are the mma.sync forms everywhere (configs' rows at 512; tests/test_head_dim_512.py checks the plans without a GPU).
+test_forward and the features reach FA3's form on Hopper by default; test_forward_mma_sync runs the mma.sync form
+there too, and test_forward_fa3_switches FA3's switches and grids with more tiles than SMs.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import itertools
 
 import pytest
 
+from conftest import skip_unless_sm90
 from test_gpu_features import check_feature
 from test_gpu_kernels import check_backward, check_forward
 
@@ -41,6 +45,31 @@ def _grid():
 @pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", _grid())
 def test_forward(sq, sk, h, hk, d, dtype, causal):
     check_forward(2, sq, sk, h, hk, d, dtype, causal, "fa2")
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", _grid()[::3])
+def test_forward_mma_sync(sq, sk, h, hk, d, dtype, causal):
+    """The mma.sync form (its warps split the head columns), which Hopper runs only when asked (wgmma=False)."""
+    check_forward(2, sq, sk, h, hk, d, dtype, causal, "fa2", wgmma=False)
+
+
+SWITCHES = {"no-pingpong": {"pingpong": False}, "no-overlap": {"overlap": False},
+            "not-persistent": {"persistent": False}, "static": {"persistent": True, "dynamic": False}}
+
+
+@pytest.mark.parametrize("sw", list(SWITCHES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_fa3_switches(sw, causal):
+    """FA3's column split with each switch off in turn; 3 x 4 heads x 6 query tiles of 64 rows = 72 tiles."""
+    skip_unless_sm90("FA3's form")
+    check_forward(3, 350, 333, 4, 2, 512, "bfloat16", causal, "fa2", warp_specialize=True, **SWITCHES[sw])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_fa3_more_tiles_than_sms(causal):
+    """2 x 8 heads x 17 query tiles = 272 tiles: each persistent CTA walks several."""
+    skip_unless_sm90("FA3's form")
+    check_forward(2, 1050, 1050, 8, 2, 512, "float16", causal, "fa2", warp_specialize=True)
 
 
 @pytest.mark.parametrize("sq,sk,h,hk,d,dtype,causal", _grid())

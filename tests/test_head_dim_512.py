@@ -13,7 +13,7 @@ import pytest
 
 import rawflash
 from conftest import random_qkv
-from rawflash import reference, signature, validation
+from rawflash import reference, settings, signature, validation
 from rawflash.kernels import configs, cupy_backend, forms, launch
 from rawflash.kernels.forms import Switches
 from rawflash.problem import Problem
@@ -140,9 +140,20 @@ def test_ablation_switches_refused(switch):
 
 @pytest.mark.parametrize("switches", [Switches(wgmma=True), Switches(warp_specialize=True)])
 def test_hopper_forms_refused_when_asked_for(switches):
-    p = Problem(1, 100, 100, 2, 2, 512, "bfloat16", False, "sm_90")
+    """sm_80 has no wgmma form at any head_dim; on sm_90 both switches take FA3's column split."""
+    p = Problem(1, 100, 100, 2, 2, 512, "bfloat16", False, "sm_80")
     with pytest.raises(ValueError, match="needs an sm_90 GPU, float16 or bfloat16"):
         forms.forward_plan(p, switches=switches)
+    (fwd,) = forms.forward_plan(dataclasses.replace(p, arch="sm_90"), switches=switches)
+    assert fwd.kernel == "fa3_fwd_sm90" and fwd.config.wc == 2
+
+
+def test_cp_async_wgmma_form_refused_at_512():
+    """The cp.async wgmma form (warp_specialize=False) has no row at 512: asked for, it is refused by name."""
+    p = Problem(1, 100, 100, 2, 2, 512, "bfloat16", False, "sm_90")
+    with pytest.raises(ValueError, match=r"cp.async wgmma form, which needs a head_dim that pads to one of "
+                                         r"\[64, 128, 192, 256\]; got arch sm_90, bfloat16, head_dim 512"):
+        forms.forward_plan(p, switches=Switches(warp_specialize=False))
 
 
 def test_backward_wgmma_refused_when_asked_for():
@@ -168,12 +179,17 @@ def _problems():
 
 @pytest.mark.parametrize("p", list(_problems()), ids=lambda p: f"{p.arch}-{p.dtype}-d{p.head_dim}-{p.general}")
 def test_forms_at_512(p):
-    """Every arch takes the mma.sync forms with their column splits (FA3's and the wgmma forms have no 512 row);
-    each fits the arch's shared memory and names WC as its last template argument."""
+    """The forward takes FA3's column split on sm_90 and the mma.sync form elsewhere (and on sm_90 with
+    wgmma=False); the backwards take the mma.sync forms with their column splits everywhere. Each fits the arch's
+    shared memory and names WC as its last template argument."""
     limit = SM90_SMEM if p.arch == "sm_90" else SM80_SMEM
-    (fwd,) = forms.forward_plan(p)
+    (fwd,) = forms.forward_plan(p, switches=Switches(wgmma=False)) if p.arch == "sm_90" else forms.forward_plan(p)
     assert fwd.kernel == "fa2_fwd" and fwd.template_args[1] == 512 and fwd.template_args[-1] == fwd.config.wc == 2
     assert fwd.config.br == 32 and fwd.smem == launch.smem_fa2_fwd(fwd.config, 512, 2) == 98304 <= limit
+    if p.arch == "sm_90":
+        (fa3,) = forms.forward_plan(p)
+        assert fa3.kernel == "fa3_fwd_sm90" and fa3.template_args[1] == 512 and fa3.template_args[-1] == 2
+        assert fa3.smem == launch.smem_fa3_fwd_sm90(fa3.config, 512) == 197728 <= limit
     pre, main, post = forms.backward_plan(p)
     assert (pre.kernel, main.kernel, post.kernel) == ("fa2_bwd_preprocess", "fa2_bwd", "fa2_bwd_convert_dq")
     assert main.config.wc == 4 and main.template_args[5] == 4 and main.smem == 165376 <= limit
@@ -184,22 +200,76 @@ def test_forms_at_512(p):
 
 def test_column_split_only_where_a_row_has_one():
     """WC = 1 is the templates' default and stays out of the name expressions: the other head dims' names are the
-    ones they always had."""
+    ones they always had (FA3's forward: 15 arguments, SMEM_BYTES last)."""
     for d in configs.SPECIALISED_HEAD_DIMS[:-1]:
         p = Problem(1, 100, 100, 2, 2, d, "bfloat16", False, "sm_80")
         (fwd,) = forms.forward_plan(p)
         assert len(fwd.template_args) == 14 and fwd.config.wc == 1
         assert len(forms.backward_plan(p, deterministic=True)[2].template_args) == 10
+        fa3 = forms.forward_plan(dataclasses.replace(p, arch="sm_90"))[0]  # (REF_FIRST: its way back after it)
+        assert fa3.kernel == "fa3_fwd_sm90" and fa3.config.wc == 1
+        assert len(fa3.template_args) == 15 and fa3.template_args[-1] == fa3.smem
+
+
+# ---------------------------------------------------------------- FA3's forward at 512 (sm_90)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [300, 512])
+def test_fa3_plan_at_512(dtype, d):
+    """A 512 forward on sm_90: FA3's column split, 64 x 32 with two stages of K_j, V_j, two consumer warpgroups
+    and a producer (384 threads), the running max (no P above 1 at this head_dim), O from registers (the two
+    warpgroups share Q_i's buffer), the dynamic persistent grid; 197,728 B of shared memory."""
+    p = Problem(2, 8192, 8192, 16, 8, d, dtype, False, "sm_90", sms=132)
+    (fwd,) = forms.forward_plan(p)
+    cfg = fwd.config
+    assert fwd.kernel == "fa3_fwd_sm90" and fwd.target == "sm_90a"
+    assert (cfg.br, cfg.bc, cfg.warps, cfg.wc, cfg.stages, cfg.q_stages) == (64, 32, 12, 2, 2, 1)
+    ct = "__half" if dtype == "float16" else "__nv_bfloat16"
+    assert fwd.template_args == (ct, 512, 64, 32, 2, launch.NO_MASK, False, launch.REF_RUNNING, True, True,
+                                 launch.SCHEDULES["persistent, dynamic"], 1, False, 512, 197728, 2)
+    assert fwd.smem == 1024 + 64 * 512 * 2 + 2 * 32 * 1024 * 2 + 8 * (2 + 8) + 16 == 197728 <= SM90_SMEM
+    assert fwd.block == (384, 1, 1) and fwd.grid == (132, 1, 1) and launch.register_cap(cfg) == 168
+    assert not launch.stages_o(fwd)
+
+
+def test_fa3_grid_and_schedules_at_512():
+    """seqused_k (the general policy, causal as a window) runs one tile per CTA as at every head_dim, a query tile
+    of 64 rows."""
+    p = Problem(2, 300, 200, 4, 2, 512, "bfloat16", True, "sm_90", seqused_k=True)
+    (fwd,) = forms.forward_plan(p)
+    assert fwd.kernel == "fa3_fwd_sm90" and launch.schedule_of(fwd) == "one tile per CTA"
+    assert fwd.grid == (2 * 4 * 5, 1, 1) and fwd.template_args[5:7] == (launch.WINDOW, True)  # the general policy
+
+
+def test_fa3_falls_back_at_512(monkeypatch):
+    """Without FA3 (RAWFLASH_FA3=0) or wgmma (RAWFLASH_WGMMA=0) a 512 forward on sm_90 runs the mma.sync form, as
+    other head dims without a cp.async wgmma row do; so does an input TMA cannot describe."""
+    p = Problem(1, 100, 100, 2, 2, 512, "float16", True, "sm_90")
+    for env in ("RAWFLASH_FA3", "RAWFLASH_WGMMA"):
+        (fwd,) = forms.forward_plan(p, settings=settings.load({env: "0"}))
+        assert fwd.kernel == "fa2_fwd" and fwd.config.wc == 2
+    (fwd,) = forms.forward_plan_without_tma(p)
+    assert fwd.kernel == "fa2_fwd"
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_instantiations_at_512(arch):
     """all_instantiations (the compile tests' list) holds the 16-bit fa2 forms at 512 on both archs: plain and
-    causal, the general policy without a mask and with a window; no other kernel."""
+    causal, the general policy without a mask and with a window; on sm_90 also FA3's forward, each policy on its
+    persistent grid and the general ones one tile per CTA (packed sequences, seqused_k); no other kernel."""
     wide = [lau for lau in forms.all_instantiations(arch) if lau.config and lau.template_args[1] == 512]
-    assert {lau.kernel for lau in wide} == {"fa2_fwd", "fa2_bwd", "fa2_bwd_dq"}
+    fa3 = [lau for lau in wide if lau.kernel == "fa3_fwd_sm90"]
+    assert {lau.kernel for lau in wide} == {"fa2_fwd", "fa2_bwd", "fa2_bwd_dq"} | ({"fa3_fwd_sm90"} if fa3 else set())
     assert {lau.template_args[0] for lau in wide} == {"__half", "__nv_bfloat16"}
-    assert len(wide) == 32, "2 dtypes x 4 policies x (forward, 2 backwards, the dQ pass)"
+    assert len(wide) - len(fa3) == 32, "2 dtypes x 4 policies x (forward, 2 backwards, the dQ pass)"
+    if arch == "sm_80":
+        assert not fa3
+        return
+    candidates = [lau for lau in fa3 if lau.config.bc == 64]  # forms.FA3_TILE_CANDIDATES: bfloat16, plain policy
+    assert len(fa3) == 14 and len(candidates) == 2, "2 dtypes x (4 policies persistent + 2 general a tile per CTA)"
+    assert all(lau.template_args[-1] == lau.config.wc == 2 and lau.smem <= 197728 for lau in fa3)
+    assert {lau.smem for lau in candidates} == {197696} and {lau.config.stages for lau in candidates} == {1}
+    assert {launch.schedule_of(lau) for lau in fa3 if lau.template_args[6]} == {"persistent, dynamic",
+                                                                              "one tile per CTA"}
 
 
 def test_runs_head_dim():
@@ -209,10 +279,11 @@ def test_runs_head_dim():
 
 
 def test_rows_at_512():
-    """The table's rows at 512 are the three mma.sync kernels' in 16-bit, each splitting the head columns; no
-    architecture, situation or tuned GPU has another."""
+    """The table's rows at 512 are the three mma.sync kernels' and FA3's forward in 16-bit, each splitting the head
+    columns; no architecture, situation or tuned GPU has another."""
     wide = {(k, dt) for (k, d, dt) in configs.TABLE if d == configs.WIDE_HEAD_DIM}
-    assert wide == {(k, dt) for k in ("fa2_fwd", "fa2_bwd", "fa2_bwd_dq") for dt in ("float16", "bfloat16")}
+    kernels = ("fa2_fwd", "fa2_bwd", "fa2_bwd_dq", "fa3_fwd_sm90")
+    assert wide == {(k, dt) for k in kernels for dt in ("float16", "bfloat16")}
     assert all(configs.TABLE[(k, 512, dt)].wc > 1 for k, dt in wide)
     others = [*configs.ARCH_ROWS.values(), *configs.SITUATION_ROWS.values(), *configs.GPU_ROWS.values()]
     assert not [key for rows in others for key in rows if key[1] == 512]

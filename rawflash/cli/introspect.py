@@ -644,6 +644,10 @@ def explain(spec: ShapeSpec, *, kernel: str, backend: str, scale, direction: str
                 add_note(row, "key tiles longest first: tile 0 of every (batch, kv head), then tile 1, ... (a mask "
                               f"bounded on the right, pairs x {configs.gates(p.gpu).longest_first_ctas} <= SMs on "
                               f"the {p.gpu})")
+            if row["kernel"] == "fa3_fwd_sm90" and lau.config.wc > 1:
+                add_note(row, f"column split (head_dim {configs.WIDE_HEAD_DIM}): two consumer warpgroups share 64 "
+                              "query rows, each forming all of S and the softmax and holding half of O's columns "
+                              "(1.5x the tensor work); O stored from registers")
             if row["kernel"] == "fa3_bwd_sm90" and launch.fa3_bwd_split_d(lau.config):
                 add_note(row, "column split (head_dim > 128): two consumer warpgroups share 64 keys, each with half "
                               "of dK, dV and dQ's columns; dQ by TMA reduce-add of float32 tiles")

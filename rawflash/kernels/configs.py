@@ -26,8 +26,9 @@ SPECIALISED_HEAD_DIMS = (32, 64, 96, 128, 192, 256, 512)
 MAX_HEAD_DIM = SPECIALISED_HEAD_DIMS[-1]
 # The largest head_dim every form, dtype and kind of call runs. Head dims above it (257 - 512, Gemma's global layers)
 # run on the rows at 512 (WIDE_HEAD_DIM) only: float16 / bfloat16 forwards and backwards of kernel='fa2' on the
-# mma.sync forms, whose warps split the head columns (``TileConfig.wc``); no decode, paged keys, FP8, float32,
-# fa1 or ablation switch. None of them has run on a GPU yet: validation admits them only under
+# mma.sync forms, whose warps split the head columns (``TileConfig.wc``), and on Hopper FA3's forward, whose consumer
+# warpgroups split them; no decode, paged keys, FP8, float32, fa1 or ablation switch. None of them has run on a
+# GPU yet: validation admits them only under
 # ``RAWFLASH_HEAD_DIM_512=1`` (``settings.head_dim_512``).
 COMMON_MAX_HEAD_DIM = 256
 WIDE_HEAD_DIM = 512
@@ -54,7 +55,8 @@ class TileConfig:
         65536 / (32 * warps * min_blocks).
     wc : int
         Warps that split the head_dim columns: of dK, dV (fa2_bwd); of O (fa2_fwd) and dQ (fa2_bwd_dq), where the
-        ``wc`` warps that share rows each compute those rows' scores themselves (head_dim 512).
+        ``wc`` warps that share rows each compute those rows' scores themselves (head_dim 512); (fa3_fwd_sm90)
+        consumer warpgroups that share the tile's 64 rows the same way, each holding O's d / wc columns.
     kunroll : int
         k-steps of 16 unrolled together in the S = Q K^T style products (ILP against registers).
     stages : int
@@ -160,13 +162,13 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     # a step (the fewest dS^T's 16-byte swizzle takes) keep two stages of Q_i, dO_i within sm_80's 163 KB: 161.5 KB
     # (the twin's float32 tiles 194 KB).
     put("fa2_bwd", (512,), _16BIT, TileConfig(32, 16, 4, wc=4, why="16 x 128 dK, dV a warp (wc 4); 161.5 KB; not run"))
-    # fa3_fwd_sm90 (TMA + warp specialisation, sm_90a): br / 64 consumer warpgroups and one producer warpgroup
-    # (warps = 4 * (br / 64 + 1)), `stages` stages of K_j and V_j. A consumer holds O (d / 2 floats), S (bc / 2) and
-    # P (bc / 4) of its 64 rows in the registers setmaxnreg gives it (232 with two consumer warpgroups, 160 with
-    # three). The rows come from tools/tune.py --which fwd_fa3 (H200 bf16, N = 2048 / 8192, full and causal).
-    # Two Q_i buffers (q_stages) copy a persistent CTA's next Q_i while its tile runs; they fit beside 2 stages of
-    # 128 keys at d <= 64 (115 KB), where they add up to 4 % at N = 1024 and are even at 4096, not beside d = 128's
-    # 176 keys.
+    # fa3_fwd_sm90 (TMA + warp specialisation, sm_90a): wc * br / 64 consumer warpgroups and one producer warpgroup
+    # (warps = 4 * (wc * br / 64 + 1)), `stages` stages of K_j and V_j. A consumer holds O (d / 2 / wc floats), S
+    # (bc / 2) and P (bc / 4) of its 64 rows in the registers setmaxnreg gives it (232 with two consumer
+    # warpgroups, 160 with three). The rows come from tools/tune.py --which fwd_fa3 (H200 bf16, N = 2048 / 8192,
+    # full and causal). Two Q_i buffers (q_stages) copy a persistent CTA's next Q_i while its tile runs; they fit
+    # beside 2 stages of 128 keys at d <= 64 (115 KB), where they add up to 4 % at N = 1024 and are even at 4096,
+    # not beside d = 128's 176 keys.
     put("fa3_fwd_sm90", (32, 64), _16BIT,
         TileConfig(192, 128, 16, stages=2, q_stages=2, why="fastest of 128x128 / 128x176 / 192x128 at N 2k/8k (H200)"))
     put("fa3_fwd_sm90", (96, 128), _16BIT,
@@ -174,6 +176,13 @@ def _rows() -> dict[tuple[str, int, str], TileConfig]:
     put("fa3_fwd_sm90", (192,), _16BIT, TileConfig(128, 96, 12, stages=2, why="FA3's shape at d = 192; not tuned"))
     put("fa3_fwd_sm90", (256,), _16BIT, TileConfig(128, 80, 12, stages=2,
                                                    why="3-7 % over 128x64 at N 2k/8k (H200 bf16); 226 KB"))
+    # d = 512, the column split (wc = 2; mainloop_fwd_sm90_ws.cuh): two consumer warpgroups share 64 query rows, each
+    # forming all of S and holding O's 64 x 256 (128 registers, as at d = 256). Q_i is 64 KB and K_j, V_j 1 KB a
+    # key each, so 227 KB holds 64 keys in one stage or 32 keys in two (both 193 KB): two stages keep a block's
+    # copy from L2 in flight while the other is read (one stage of 64 waits for V_j's copy every step), at the
+    # price of S's products at N = 32 (3 KB of shared memory per 16 k of a wgmma, 1.5x 128 B a cycle).
+    put("fa3_fwd_sm90", (512,), _16BIT, TileConfig(64, 32, 12, wc=2, stages=2,
+                                                   why="64 rows, O's columns split (wc 2); 193 KB; not run"))
     # fa3_fwd_sm90_fp8 (FA3's form on e4m3 inputs): tiles are bytes in 128-column panels, so head_dim runs as 128
     # or 256 (d <= 128 computes 128 columns: d = 64 pays for 128), and a key block is whole panels of V^T. Two
     # consumer warpgroups at 240 registers hold O (d / 2), S (bc / 2) and P (32 registers of e4m3 at 128 keys);

@@ -306,8 +306,9 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
         if hopper_form_fits("fa2_fwd_sm90", p):
             return launch.fa2_fwd_sm90(p, _config("fa2_fwd_sm90", p, override), overlap=sw.overlap)
         if sw.warp_specialize is False or sw.wgmma:  # asked for by the call: refused, not replaced
+            dims = sorted(d for (k, d, dt) in configs.TABLE if k == "fa2_fwd_sm90" and dt == p.dtype)
             raise ValueError(f"warp_specialize=False on Hopper runs the cp.async wgmma form, which needs a head_dim "
-                             f"that pads to a multiple of 64; got {got}, wgmma={sw.wgmma}")
+                             f"that pads to one of {dims}; got {got}, wgmma={sw.wgmma}")
         # the settings' RAWFLASH_FA3=0 at a head_dim the cp.async form has no row for: the mma.sync form
     row = "fa2_fwd" if sw.split_q else "fa2_fwd_splitk"
     return launch.fa2_fwd(p, _config(row, p, override), defer_norm=sw.defer_norm, seq_parallel=sw.seq_parallel,
@@ -704,10 +705,12 @@ FP8_TILE_CANDIDATES = (configs.TileConfig(128, 128, 12, stages=2), configs.TileC
                        configs.TileConfig(128, 128, 12, stages=2, q_stages=2))
 # 16-bit FA3 forward rows not in configs.TABLE that tools/tune.py times (compiled by all_instantiations for
 # bfloat16's plain policy, so CI keeps them compiling): one Q_i buffer where the table has two and two where it
-# has one (they fit in shared memory at d = 128 with 160 or 128 keys, not with the table's 176).
+# has one (they fit in shared memory at d = 128 with 160 or 128 keys, not with the table's 176); at d = 512 the
+# column split's other shape within 227 KB, one stage of 64 keys against the table's two of 32.
 FA3_TILE_CANDIDATES = {64: (configs.TileConfig(192, 128, 16, stages=2),),
                        128: (configs.TileConfig(128, 160, 12, stages=2, q_stages=2),
-                             configs.TileConfig(128, 128, 12, stages=2, q_stages=2))}
+                             configs.TileConfig(128, 128, 12, stages=2, q_stages=2)),
+                       512: (configs.TileConfig(64, 64, 12, wc=2, stages=1),)}
 
 
 def fp8_instantiations(gpu: str = configs.DEFAULT_GPU) -> list[Launch]:

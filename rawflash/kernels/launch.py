@@ -245,8 +245,9 @@ def smem_fa2_bwd_sm90(cfg: TileConfig, d: int) -> int:
 
 # ---------------------------------------------------------------- launches
 def _column_split(cfg: TileConfig) -> tuple:
-    """fa2_fwd's and fa2_bwd_dq's last template argument, WC (warps that share rows and split the head columns),
-    where the row has one: the template's default of 1 is left out of the name expression."""
+    """fa2_fwd's, fa2_bwd_dq's and fa3_fwd_sm90's last template argument, WC (warps, or FA3's consumer warpgroups,
+    that share rows and split the head columns), where the row has one: the template's default of 1 is left out of
+    the name expression."""
     return (cfg.wc,) if cfg.wc > 1 else ()
 
 
@@ -324,13 +325,15 @@ def fa3_fwd_stage_o(p: Problem, cfg: TileConfig, d: int) -> bool:
     enough for that). H200, bf16, kernels alone, against the registers' epilogue (bench/NOTES.md): d = 256 +15 % at N =
     512, +9 - 11 % at 1024, +2 % at 4096, even at 16384; d = 64's
     short causal row (one buffer) -7 - 9 %; d = 128's 128 x 176 even (+-1 %). The general policy at d = 256 keeps
-    the registers (staging spills 8 B there); d = 192 is unmeasured and keeps them too."""
-    return cfg.q_stages == 2 or (d == 256 and not p.general)
+    the registers (staging spills 8 B there); d = 192 is unmeasured and keeps them too; so does the column split
+    (d = 512, ``cfg.wc`` 2), whose warpgroups share Q_i's buffer while either may still be reading it."""
+    return cfg.wc == 1 and (cfg.q_stages == 2 or (d == 256 and not p.general))
 
 
 def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, ref: int, overlap: bool = True, pingpong: bool = True,
                  persistent: bool = True, dynamic: bool = True) -> Launch:
-    """FA3 forward (sm_90a): TMA copies by a producer warpgroup, br / 64 consumer warpgroups; ``overlap`` inside a
+    """FA3 forward (sm_90a): TMA copies by a producer warpgroup, wc * br / 64 consumer warpgroups (the column
+    split, wc = 2 at head_dim 512: two on 64 rows, each holding half of O's columns); ``overlap`` inside a
     warpgroup, ``pingpong`` between them, ``persistent`` a grid of one CTA per SM walking the tiles (``dynamic``:
     each CTA takes the next tile from a counter; else the static schedule). ``ref``: what the softmax subtracts
     (SoftmaxRef: REF_RUNNING, REF_BOUNDED or REF_FIRST; ``forms.softmax_ref`` chooses it). A ``p.head_dim_v``
@@ -338,7 +341,8 @@ def fa3_fwd_sm90(p: Problem, cfg: TileConfig, *, ref: int, overlap: bool = True,
     d, dv = tma_head_dim(p), tma_value_head_dim(p)
     smem = smem_fa3_fwd_sm90(cfg, d, dv=dv)
     args = (CUDA_TYPES[p.dtype], d, cfg.br, cfg.bc, cfg.stages, mask_mode(p), p.general, ref, overlap,
-            pingpong, fa3_schedule(persistent, dynamic), cfg.q_stages, fa3_fwd_stage_o(p, cfg, d), dv, smem)
+            pingpong, fa3_schedule(persistent, dynamic), cfg.q_stages, fa3_fwd_stage_o(p, cfg, d), dv,
+            smem) + _column_split(cfg)
     return Launch("fa3_fwd_sm90", "fa3_fwd_sm90.cu", args, linear_tile_grid(p, cfg.br, persistent),
                   (cfg.threads, 1, 1), smem, cfg, target="sm_90a")
 
