@@ -613,7 +613,7 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
                          f"read and appended in place, never padded), got {d}")
     if kv_dtype == configs.FP8 and (d % 16 or not configs.has_row("decode_split", d, kv_dtype)):
         raise ValueError(f"a float8_e4m3fn cache needs head_dim a multiple of 16 in 48 - 64 or 112 - "
-                         f"{configs.MAX_HEAD_DIM} (its tiles' rows are whole 16-byte chunks, 4, 8k or 8k + 4 of "
+                         f"{configs.COMMON_MAX_HEAD_DIM} (its tiles' rows are whole 16-byte chunks, 4, 8k or 8k + 4 of "
                          f"them), got {d}")
     if sq < 1 or batch < 1:
         raise ValueError(f"q must have at least one sequence and one query row, got shape {shapes['q']}")

@@ -262,7 +262,8 @@ def fp8_forward(p: Problem, sw: Switches = Switches(), override: Override | None
     """The FP8 forward's launches: the V^T pre-pass, then FA3's form on e4m3 (sm_90 only, every FA3 switch but
     warp_specialize=False and wgmma=False, which have no FP8 form)."""
     if p.arch != "sm_90" or not configs.has_row("fa3_fwd_sm90_fp8", p.head_dim, p.dtype):
-        raise ValueError(f"float8_e4m3fn inputs need an sm_90 GPU (Hopper) and head_dim <= {configs.MAX_HEAD_DIM}; "
+        raise ValueError(f"float8_e4m3fn inputs need an sm_90 GPU (Hopper) and head_dim <= "
+                         f"{configs.COMMON_MAX_HEAD_DIM}; "
                          f"got arch {p.arch}, head_dim {p.head_dim}")
     off = [name for name in ("wgmma", "warp_specialize", "defer_norm", "seq_parallel", "split_q")
            if getattr(sw, name) is False]
