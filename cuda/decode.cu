@@ -77,10 +77,11 @@ template <typename T, typename C> __device__ __forceinline__ void store_cache8(C
   }
 }
 
-// Columns [c, c + 8) of new key t (K and V) of sequence bi.b, kv head bi.hk, into the cache as key len + t
-// (len = cache_seqlens[b], checked by the caller with decode_len_ok); nothing is written where that key's page
-// lies outside the cache. decode_append's threads and decode_split's warps both append through here.
-template <typename T, typename C>
+// Columns [c, c + 8) of new key t (K and V; K alone without VALUES: the latent cache, whose values are its keys'
+// first columns) of sequence bi.b, kv head bi.hk, into the cache as key len + t (len = cache_seqlens[b], checked by
+// the caller with decode_len_ok); nothing is written where that key's page lies outside the cache. decode_append's
+// threads and decode_split's warps both append through here.
+template <typename T, typename C, bool VALUES = true>
 __device__ __forceinline__ void append_chunk(const FwdParams& p, const BlockInfo<true>& bi, int len, int t, int c) {
   const BlockInfo<true>::PagePos pos = bi.page_pos(p, len + t);
   if (!BlockInfo<true>::slot_inside(p, bi.page_slot(p, pos.page))) return;  // the page lies outside the cache
@@ -89,6 +90,7 @@ __device__ __forceinline__ void append_chunk(const FwdParams& p, const BlockInfo
   float kv[8];
   load8(kv, (const T*)p.k_new + bi.b * p.kn_sb + t * p.kn_ss + bi.hk * p.kn_sh + c);
   store_cache8<T>((C*)p.k + ko + c, kv, cache_descale(p, p.k_descale, bi.b, bi.hk));
+  if constexpr (!VALUES) return;
   load8(kv, (const T*)p.v_new + bi.b * p.vn_sb + t * p.vn_ss + bi.hk * p.vn_sh + c);
   store_cache8<T>((C*)p.v + vo + c, kv, cache_descale(p, p.v_descale, bi.b, bi.hk));
 }
@@ -119,13 +121,13 @@ template <int D, int ROWS, int WARPS> struct DecodeMerge {
 // sum_c e^(lse_c - lse) O_c summed in partial order, a NaN lse making the row NaN. One warp per row for the lse
 // (lanes over the partials), then each thread 4 columns of a row, BATCH loads in flight. wts: rows x parts
 // weights, then each row's lse (DecodeMerge::combine_weights). The partials are other CTAs' stores: read through
-// L2 (ld.global.cg), after the caller's fence.
+// L2 (ld.global.cg), after the caller's fence. cols: out's columns (head_dim, or the latent form's head_dim_v).
 template <typename T, int THREADS>
 __device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* wts, int b, int hk, int group, int r0,
-                                                    int nrows, int parts) {
+                                                    int nrows, int parts, int cols) {
   constexpr unsigned FULL = 0xffffffffu;
   constexpr int BATCH = 8;
-  const long long lse_split = p.ws_split / p.head_dim;
+  const long long lse_split = p.ws_split / cols;
   float* row_lse = wts + nrows * parts;
   for (int row = warp_id(); row < nrows; row += THREADS / 32) {
     const int r = r0 + row, i = r / group, h = hk * group + r % group;
@@ -157,10 +159,10 @@ __device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* w
     }
   }
   __syncthreads();  // every row's weights and lse
-  const int c4s = p.head_dim / 4;
+  const int c4s = cols / 4;
   for (int x = threadIdx.x; x < nrows * c4s; x += THREADS) {
     const int row = x / c4s, c = 4 * (x % c4s), r = r0 + row, i = r / group, h = hk * group + r % group;
-    const float* src = p.o_ws + (((long long)b * p.seqlen_q + i) * p.heads + h) * p.head_dim + c;
+    const float* src = p.o_ws + (((long long)b * p.seqlen_q + i) * p.heads + h) * cols + c;
     const float* wr = wts + row * parts;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int c0 = 0; c0 < parts; c0 += BATCH) {
@@ -185,9 +187,11 @@ __device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* w
 
 }  // namespace rf
 
-template <typename T, typename C> __global__ void decode_append(const __grid_constant__ rf::FwdParams p) {
+template <typename T, typename C, bool VALUES = true>
+__global__ void decode_append(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
   // ---- [decode:append] one thread per 8 columns of one new key (K and V): into its row (or page) of the cache ----
+  // (VALUES false: K alone, the latent cache)
   const int c8 = p.head_dim / 8;
   const long long n = (long long)p.batch * p.new_keys * p.kv_heads * c8;
   for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n; x += (long long)gridDim.x * blockDim.x) {
@@ -195,25 +199,29 @@ template <typename T, typename C> __global__ void decode_append(const __grid_con
     const int b = x / ((long long)c8 * p.kv_heads * p.new_keys);
     const int len = decode_cache_len(p, b);
     if (!decode_len_ok(p, len)) continue;  // out of the cache: nothing written (decode_split makes b's rows NaN)
-    append_chunk<T, C>(p, BlockInfo<true>(p, b, hk * (p.heads / p.kv_heads)), len, t, c);
+    append_chunk<T, C, VALUES>(p, BlockInfo<true>(p, b, hk * (p.heads / p.kv_heads)), len, t, c);
   }
 }
 
-template <typename T, typename C, int D, int MT, int BCW, int STAGES, int WARPS, int SMEM_BYTES>
+// DV: the latent cache's value columns (MLA: K of D = 576 columns, V its first DV = 512), the CTA's warps sharing
+// one split (MainloopDecodeLatent); DV = D (the default): separate K and V caches, a split per warp.
+template <typename T, typename C, int D, int MT, int BCW, int STAGES, int WARPS, int SMEM_BYTES, int DV = D>
 __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
-  using Mainloop = MainloopDecode<T, C, D, MT, BCW, STAGES, WARPS>;
+  using Mainloop = typename Select<DV == D, MainloopDecode<T, C, D, MT, BCW, STAGES, WARPS>,
+                                   MainloopDecodeLatent<T, C, D, DV, MT, BCW, STAGES, WARPS>>::type;
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");
-  constexpr int ROWS = Mainloop::ROWS;
-  using Merge = DecodeMerge<D, ROWS, WARPS>;
+  constexpr int ROWS = Mainloop::ROWS, WC = Mainloop::WC, SPLITS = Mainloop::SPLITS;  // WC warps a split
+  using Merge = DecodeMerge<DV, ROWS, SPLITS>;
   static_assert(Merge::BYTES <= SMEM_BYTES, "the merge and the fused combine reuse the tiles' shared memory");
   extern __shared__ __align__(16) char smem[];
   // ---- [decode:schedule] split s of kv head hk's packed rows [r0, r0 + ROWS) of sequence b ----
   const int group = p.heads / p.kv_heads, m_rows = group * p.seqlen_q, row_groups = cdiv(m_rows, ROWS);
   const int hk = blockIdx.y / row_groups, r0 = (blockIdx.y % row_groups) * ROWS, b = blockIdx.z;
-  const int s = blockIdx.x * Mainloop::WARPS + warp_id(), nrows = min(ROWS, m_rows - r0);
-  const bool active = s < p.num_splits;  // the last CTA's warps past num_splits run no split (and stay for the merge)
+  const int split = warp_id() / WC, s = blockIdx.x * SPLITS + split, nrows = min(ROWS, m_rows - r0);
+  const int vcols = DV == D ? p.head_dim : p.head_dim_v;  // O's columns
+  const bool active = s < p.num_splits;  // the last CTA's splits past num_splits run nothing (and stay for the merge)
   // ---- [decode:setup] the sequence (its keys after the append, checked against the cache) and the policy ----
   BlockInfo<true> bi(p, b, hk * group);
   const int len = decode_cache_len(p, b);
@@ -289,16 +297,19 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   const int k_begin = active ? s * per : 0, k_end = active ? min(bi.seqlen_k, k_begin + per) : 0;
   if (p.split_appends && len_ok) {
     const int j0 = max(k_begin, len), j1 = min(k_end, len + p.new_keys);
-    if (j1 > j0) {  // uniform over the warp
+    if (j1 > j0) {  // uniform over the split's warps
       const int c8 = p.head_dim / 8;
-      for (int x = lane_id(); x < (j1 - j0) * c8; x += 32)
-        append_chunk<T, C>(p, bi, len, j0 - len + x / c8, x % c8 * 8);
+      for (int x = WC == 1 ? lane_id() : (int)threadIdx.x; x < (j1 - j0) * c8; x += 32 * WC)
+        append_chunk<T, C, Mainloop::VALUES>(p, bi, len, j0 - len + x / c8, x % c8 * 8);
       __threadfence();
     }
   }
-  __syncwarp();  // the split's new keys are in the cache before its first tile is read
+  if constexpr (WC == 1)
+    __syncwarp();  // the split's new keys are in the cache before its first tile is read
+  else
+    __syncthreads();  // (the latent form: the CTA's warps are the split's)
   // ---- [decode:mainloop] this warp's split: its key tiles through the ring (mainloop_decode.cuh) ----
-  Acc<MT, D / 8> o;
+  Acc<MT, Mainloop::NO> o;  // (the latent form: the warp's columns of O)
   OnlineSoftmax<2 * MT> sm;
   const bool bad = !len_ok || !bi.pages_inside(p, k_begin, k_end);  // the split's pages, once (the warp's lanes)
   float k_mul[2 * MT];  // (FP8) what multiplies a row's scores: 2^-a of its float16 copy, then k_descale
@@ -307,9 +318,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   for (int rr = 0; rr < 2 * MT; ++rr)
     k_mul[rr] = Mainloop::FP8 ? pow2f(-q_half_exp(qmax[16 * (rr / 2) + (lane_id() >> 2) + 8 * (rr % 2)])) * kd : 1.f;
   const int tiles = Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, bad ? k_begin : k_end, sQ,
-                                  smem + Mainloop::Q_BYTES + Mainloop::QMAX_BYTES +
-                                      warp_id() * STAGES * 2 * Mainloop::KV_BYTES,
-                                  k_mul, o, sm);
+                                  Mainloop::warp_smem(smem), k_mul, o, sm);
   // ---- [decode:merge] the CTA's splits into one partial O (divided by its l) and lse, float32 ----
   // Each warp's O (divided by its own l) and lse go to shared memory (the tiles' bytes: every warp is past its
   // key loop), then each thread merges 4 columns of a row over the WARPS splits by their lse, as the combine
@@ -326,26 +335,26 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   }
   __syncthreads();  // every warp is done with the Q tile and its ring
   const Merge mg(smem);
-  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const int g = lane_id() >> 2, t = lane_id() & 3, c0 = (warp_id() % WC) * 8 * Mainloop::NO;  // the warp's columns
   if (active && tiles > 0 && !bad)
     for_each(o, [&](float& x, int row, int col) {
-      mg.o(warp_id(), row)[Mainloop::FP8 ? o_col_e4m3(col) : col] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
+      mg.o(split, row)[Mainloop::FP8 ? o_col_e4m3(col) : c0 + col] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
     });
 #pragma unroll
   for (int rr = 0; rr < 2 * MT; ++rr)
-    if (t == 0)
-      mg.lse[warp_id() * ROWS + 16 * (rr / 2) + g + 8 * (rr % 2)] = !active ? -INFINITY : bad ? nan_f() : lse[rr];
+    if (t == 0 && warp_id() % WC == 0)  // (the split's warps hold the same lse)
+      mg.lse[split * ROWS + 16 * (rr / 2) + g + 8 * (rr % 2)] = !active ? -INFINITY : bad ? nan_f() : lse[rr];
   __syncthreads();  // every split's O and lse are in shared memory
-  const long long lse_split = p.ws_split / p.head_dim;
+  const long long lse_split = p.ws_split / vcols;
   float* ows = p.o_ws + blockIdx.x * p.ws_split;
   float* lws = p.m_ws + blockIdx.x * lse_split;
-  const int c4s = p.head_dim / 4;
+  const int c4s = vcols / 4;
   for (int x = threadIdx.x; x < nrows * c4s; x += WARPS * 32) {
     const int row = x / c4s, c = 4 * (x % c4s), r = r0 + row, i = r / group, h = hk * group + r % group;
     float m = -INFINITY;
     bool nan = false;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
+    for (int w = 0; w < SPLITS; ++w) {
       const float y = mg.lse[w * ROWS + row];
       nan |= y != y;
       m = fmaxf(m, y);
@@ -353,20 +362,20 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
     const float m_use = m == -INFINITY ? 0.f : m;
     float denom = 0.f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) denom += exp_lse<T>(mg.lse[w * ROWS + row] - m_use);
+    for (int w = 0; w < SPLITS; ++w) denom += exp_lse<T>(mg.lse[w * ROWS + row] - m_use);
     const float l = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
     if (c == 0) lws[((long long)b * p.heads + h) * p.seqlen_q + i] = l;
     if (nan || l == -INFINITY) continue;  // the combine reads no O of this partial's row
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
+    for (int w = 0; w < SPLITS; ++w) {
       const float y = mg.lse[w * ROWS + row];
       if (y == -INFINITY) continue;  // no O is written for it
       const float wt = exp_lse<T>(y - l);
       const float4 v = *reinterpret_cast<const float4*>(mg.o(w, row) + c);
       acc.x += wt * v.x, acc.y += wt * v.y, acc.z += wt * v.z, acc.w += wt * v.w;
     }
-    *reinterpret_cast<float4*>(ows + (((long long)b * p.seqlen_q + i) * p.heads + h) * p.head_dim + c) = acc;
+    *reinterpret_cast<float4*>(ows + (((long long)b * p.seqlen_q + i) * p.heads + h) * vcols + c) = acc;
   }
   if (!p.decode_counters) return;  // decode_combine merges the partials in a launch of its own
   // ---- [decode:fused_combine] the last CTA of (b, hk, row group) to finish merges every CTA's partial ----
@@ -385,10 +394,11 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   __syncthreads();
   if (!mg.flag[0]) return;
   __threadfence();  // the other CTAs' partials, counted before this CTA's atomic, are read after it
-  decode_combine_rows<T, WARPS * 32>(p, mg.combine_weights(), b, hk, group, r0, nrows, gridDim.x);
+  decode_combine_rows<T, WARPS * 32>(p, mg.combine_weights(), b, hk, group, r0, nrows, gridDim.x, vcols);
 }
 
-template <typename T, int THREADS, int MAX_SPLITS, int SMEM_BYTES>
+// NARROW_V (both combines): out has head_dim_v columns (the latent cache's values), else head_dim.
+template <typename T, int THREADS, int MAX_SPLITS, int SMEM_BYTES, bool NARROW_V = false>
 __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
   static_assert(THREADS % 32 == 0 && THREADS >= 64, "whole warps");
@@ -404,7 +414,8 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
   // row NaN.
   const long long row = blockIdx.x;  // (b * seqlen_q + i) * heads + h
   const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
-  const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / p.head_dim;
+  const int cols = NARROW_V ? p.head_dim_v : p.head_dim;
+  const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / cols;
   const int splits = min(p.num_partials, MAX_SPLITS);  // (the CTAs' partials: see decode_split's merge)
   float m = -INFINITY;
   int nan = 0;
@@ -426,11 +437,11 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
   for (int s = threadIdx.x; s < splits; s += THREADS)
     w[s] = w[s] == -INFINITY || nan ? 0.f : exp_lse<T>(w[s] - lse);
   __syncthreads();  // every weight is visible
-  const int chunks = p.head_dim / 4, groups = THREADS / chunks;  // head_dim is a multiple of 8 and at most 4 * THREADS
+  const int chunks = cols / 4, groups = THREADS / chunks;  // cols is a multiple of 8 and at most 4 * THREADS
   const int c4 = threadIdx.x % chunks, sg = threadIdx.x / chunks;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (sg < groups) {
-    const float* src = p.o_ws + row * p.head_dim + 4 * c4;
+    const float* src = p.o_ws + row * cols + 4 * c4;
 #pragma unroll 4
     for (int s = sg; s < splits; s += groups) {
       const float wt = w[s];
@@ -455,8 +466,8 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
   if (threadIdx.x == 0 && p.lse) p.lse[lse_row] = lse;
 }
 
-template <typename T, int WARPS> __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) decode_combine_warp(
-    const __grid_constant__ rf::FwdParams p) {
+template <typename T, int WARPS, bool NARROW_V = false>
+__global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) decode_combine_warp(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
   constexpr unsigned FULL = 0xffffffffu;
   constexpr int BATCH = 16;  // independent loads per lane before their sums (12 - 32 splits: one or two round trips)
@@ -473,7 +484,8 @@ template <typename T, int WARPS> __global__ void __launch_bounds__(WARPS * 32, 1
   const long long row = (long long)blockIdx.x * WARPS + warp_id();  // (b * seqlen_q + i) * heads + h
   if (row >= (long long)p.batch * p.seqlen_q * p.heads) return;      // the whole warp
   const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
-  const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / p.head_dim;
+  const int cols = NARROW_V ? p.head_dim_v : p.head_dim;
+  const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / cols;
   const int lane = lane_id(), splits = min(p.num_partials, 32);
   const float x = lane < splits ? p.m_ws[lane * lse_split + lse_row] : -INFINITY;
   const bool nan = __any_sync(FULL, x != x);
@@ -488,12 +500,12 @@ template <typename T, int WARPS> __global__ void __launch_bounds__(WARPS * 32, 1
   if (p.sinks) denom += exp_lse<T>(p.sinks[h] - m_use);
   const float lse = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
   const float wt = lane >= splits || x == -INFINITY || nan ? 0.f : exp_lse<T>(x - lse);
-  // head_dim is a multiple of 8 and at most 256: 2 .. 64 chunks of 4 columns
-  const int chunks = p.head_dim / 4, groups = chunks >= 32 ? 1 : 32 / chunks;
+  // cols is a multiple of 8 and at most 512: 2 .. 128 chunks of 4 columns
+  const int chunks = cols / 4, groups = chunks >= 32 ? 1 : 32 / chunks;
   const int sg = lane / chunks, c = lane % chunks;
-  const float* src = p.o_ws + row * p.head_dim;
+  const float* src = p.o_ws + row * cols;
   T* out = (T*)p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh;
-  for (int c0 = 0; c0 < chunks; c0 += 32) {  // uniform: one pass up to 128 columns, two at 192 and 256
+  for (int c0 = 0; c0 < chunks; c0 += 32) {  // uniform: one pass up to 128 columns, two at 192 and 256, 4 at 512
     const int c4 = c0 + c;
     const bool mine = sg < groups && c4 < chunks;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);

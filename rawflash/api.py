@@ -539,12 +539,13 @@ def _on(x, fn, *args):
         return fn(*args)
 
 
-def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Array, k_new: Array | None = None,
-           v_new: Array | None = None, block_table: Array | None = None, causal: bool = True,
-           scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+def decode(q: Array, k_cache: Array, v_cache: Array | None = None, *, cache_seqlens: int | Array,
+           k_new: Array | None = None, v_new: Array | None = None, block_table: Array | None = None,
+           causal: bool = True, scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
            alibi_slopes: Array | None = None, sinks: Array | None = None, k_descale: Array | None = None,
            v_descale: Array | None = None, num_splits: int | None = None, return_lse: bool = False,
-           backend: str = "cupy", out: Array | None = None, lse: Array | None = None) -> Array | tuple[Array, Array]:
+           head_dim_v: int | None = None, backend: str = "cupy", out: Array | None = None,
+           lse: Array | None = None) -> Array | tuple[Array, Array]:
     """Attention of a few new query rows against a KV cache, for inference (flash-attn's ``flash_attn_with_kvcache``).
 
     Sequence b attends to the first ``cache_seqlens[b]`` keys of its cache followed by its ``seqlen_new`` new keys,
@@ -558,7 +559,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
         seqlen_q is usually 1 (one generated token); more rows serve speculative decoding or chunked prefill.
     k_cache, v_cache : arrays, q's dtype or float8_e4m3fn, read and appended in place
         Contiguous: (batch, capacity, kv_heads, head_dim). Paged (with ``block_table``): (num_pages, page_size,
-        kv_heads, head_dim), any page_size >= 1. An FP8 cache (float8_e4m3fn, with float16 or bfloat16 q, head_dim
+        kv_heads, head_dim), any page_size >= 1. v_cache is None for a latent cache (``head_dim_v``). An FP8 cache (float8_e4m3fn, with float16 or bfloat16 q, head_dim
         a multiple of 16 in 48 - 64 or 112 - 256) holds ``K / k_descale`` and ``V / v_descale``: attention reads
         ``K8 * k_descale`` and ``V8 * v_descale``, and k_new / v_new (q's dtype) are divided by the descales and
         rounded to e4m3 as they are appended (saturating at +-448: ``reference.cache_quantize``).
@@ -570,7 +571,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
         cache_seqlens + seqlen_new is outside [0, capacity] (or whose used block_table entries are outside the
         cache's pages) gets NaN out and lse and no append, and nothing outside the cache is read or written.
     k_new, v_new : arrays (batch, seqlen_new, kv_heads, head_dim), optional
-        Keys and values appended before attending (both or neither).
+        Keys and values appended before attending (both or neither; a latent cache takes k_new alone).
     block_table : int32 array (batch, max_pages), optional
         Paged cache: key j of sequence b is row ``j % page_size`` of page ``block_table[b, j // page_size]``;
         entries past a sequence's keys are never read. Checked like cache_seqlens (on the host when both are host
@@ -593,6 +594,15 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
         --decode`` shows its choice.
     return_lse : bool
         Also return lse (batch, heads, seqlen_q) float32.
+    head_dim_v : int, optional
+        A latent cache (MLA's absorbed decode, DeepSeek-V3 / R1; FlashMLA's ``kcache`` with ``head_dim_v``):
+        k_cache alone holds the keys, and its first head_dim_v columns are the values; v_cache and v_new are None,
+        k_new (appended once) holds the new keys and so the new values, and out has head_dim_v columns. Typically
+        q (batch, 1 - 4, 16 - 128 heads, 576) against k_cache (..., 1, 576) with head_dim_v=512 (MQA: one kv head).
+        The cupy and numba backends run float16 / bfloat16 at head_dim 576 / head_dim_v 512 (sm_90: the kernel's
+        CTA takes 231 KB of shared memory), the cupy backend only with ``RAWFLASH_MLA_DECODE=1`` (its kernel has
+        not yet been verified on a GPU); the reference backend any head_dim_v in 8 .. head_dim. FP8 latent caches
+        are refused.
     backend : {'cupy', 'numba', 'reference'}
         'numba': the Numba twins of the kernels (on a GPU, or Numba's CPU simulator; not FP8 caches).
     out, lse : arrays, optional
@@ -601,14 +611,15 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
 
     Returns
     -------
-    out : array like q, and lse when ``return_lse``.
+    out : array like q (head_dim_v columns for a latent cache), and lse when ``return_lse``.
     """
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new),
              ("block_table", block_table))
     key = None
     if backend == "cupy":
         ins = _import(named)
-        key = signature.decode(ins, cache_seqlens, (causal, scale, window, softcap, num_splits, return_lse),
+        key = signature.decode(ins, cache_seqlens, (causal, scale, window, softcap, num_splits, head_dim_v,
+                                                    return_lse),
                                (alibi_slopes, sinks, k_descale, v_descale), (out, lse))
         call = PLANS.get(key) if key is not None else None
         if call is not None and call.takes_cache_len(cache_seqlens):
@@ -621,7 +632,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
     env = settings.load()
     (q, k_cache, v_cache, k_new, v_new, block_table), c, feats, given = _checked_decode(
         named, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks, num_splits, return_lse, backend,
-        out, lse, k_descale, v_descale)
+        out, lse, k_descale, v_descale, head_dim_v)
     p, to_numpy = c.problem, c.kind == "numpy"
     lens = c.extras.get("seqused_k", c.extras.get("cache_len"))  # an array, or the int of every sequence
     if backend == "reference":
@@ -629,7 +640,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
         res = reference.decode(q, k_cache, v_cache, host_lens, k_new=k_new, v_new=v_new, block_table=block_table,
                                causal=p.causal, scale=c.scale, window=p.window, softcap=p.softcap,
                                alibi_slopes=feats.alibi_slopes, sinks=feats.sinks, k_descale=k_descale,
-                               v_descale=v_descale)
+                               v_descale=v_descale, head_dim_v=p.head_dim_v or None)
         res = _host_result(res[0].astype(q.dtype), to_numpy), _host_result(res[1].astype(np.float32), to_numpy)
         _append_in_place(k_cache, v_cache, host_lens, k_new, v_new, block_table, k_descale, v_descale)
     else:
@@ -639,6 +650,7 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Arr
                 from .kernels import numba_backend
 
                 res = numba_backend.decode(p, q, k_cache, v_cache, k_new, v_new, c.scale, num_splits, c.extras)
+                # (a latent cache: v_cache and v_new are None, the twins read k_cache's first head_dim_v columns)
                 if p.new_keys and numba_backend.copies_caches(k_cache):  # the twins appended to copies (16-bit)
                     _append_in_place(k_cache, v_cache,
                                      np.broadcast_to(np.asarray(reference._host(lens)), (p.batch,)), k_new, v_new,
@@ -672,7 +684,7 @@ def _decode_features(features: dict, block_table, cache_seqlens) -> dict:
 
 
 def _checked_decode(named: tuple, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks, num_splits,
-                    return_lse, backend: str, out, lse, k_descale=None, v_descale=None):
+                    return_lse, backend: str, out, lse, k_descale=None, v_descale=None, head_dim_v=None):
     """decode's arrays imported and every argument checked (raises before anything is launched or appended)."""
     q, k_cache, v_cache, k_new, v_new, block_table = _import(named)
     if not isinstance(cache_seqlens, (int, np.integer)):
@@ -680,13 +692,14 @@ def _checked_decode(named: tuple, cache_seqlens, causal, scale, window, softcap,
     descales = _given(k_descale=k_descale, v_descale=v_descale)
     feats = _features(window, softcap, alibi_slopes, sinks, None, None, None, None, None)
     c = validation.check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend,
-                                feats, descales.get("k_descale"), descales.get("v_descale"))
+                                feats, descales.get("k_descale"), descales.get("v_descale"), head_dim_v)
     validation.check_flag(return_lse, "return_lse")
     if num_splits is not None and (isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= forms.MAX_SPLITS):
         raise ValueError(f"num_splits must be None or an int between 1 and {forms.MAX_SPLITS}, got {num_splits!r}")
     p = c.problem
-    given = validation.check_outputs(c, (("out", out, tuple(q.shape), p.dtype, False),
+    out_shape = (*tuple(q.shape)[:3], p.value_head_dim)
+    given = validation.check_outputs(c, (("out", out, out_shape, p.dtype, False),
                                          ("lse", lse, (p.batch, p.heads, p.seqlen_q), "float32", True)))
     return (q, k_cache, v_cache, k_new, v_new, block_table), c, feats, given
 
@@ -694,9 +707,12 @@ def _checked_decode(named: tuple, cache_seqlens, causal, scale, window, softcap,
 def _append_in_place(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, k_descale=None,
                      v_descale=None) -> None:
     """k_new / v_new written into the caller's caches (NumPy or CuPy, like k_new) as decode's kernel does on the
-    device (an FP8 cache's through ``reference.cache_quantize``); the destinations are reference.append_slots'."""
+    device (an FP8 cache's through ``reference.cache_quantize``); the destinations are reference.append_slots'. A
+    latent cache (v_cache None) receives k_new alone."""
     if k_new is None:
         return
+    if v_cache is None:
+        v_cache, v_new = k_cache, k_new  # (the same rows written twice)
     slots, rows = reference.append_slots(cache_seqlens, int(k_new.shape[1]), int(k_cache.shape[1]), block_table)
     if quantisation.is_fp8(k_cache.dtype):  # written as bytes: e4m3(x / descale)
         k_new, v_new = (reference.cache_quantize(x, d).view(np.uint8) for x, d in ((k_new, k_descale),
@@ -740,7 +756,7 @@ class ForwardPlan(Plan):
 
 class DecodePlan(Plan):
     def run(self, q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, out=None,
-            lse=None):
+            lse=None):  # (v_cache, v_new None for a latent cache, as planned)
         """``rawflash.decode``'s result for one step: arrays of the planned layouts (CuPy), ``cache_seqlens`` an
         int (checked against the cache here) or the planned int32 device array (checked by the kernels)."""
         ins = (q, k_cache, v_cache, k_new, v_new, block_table)
@@ -786,22 +802,23 @@ def plan_forward(q: Array, k: Array, v: Array, *, causal: bool = False, scale: f
                        (None,) * 5)
 
 
-def plan_decode(q: Array, k_cache: Array, v_cache: Array, *, cache_seqlens: int | Array, k_new: Array | None = None,
-                v_new: Array | None = None, block_table: Array | None = None, causal: bool = True,
-                scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                alibi_slopes: Array | None = None, sinks: Array | None = None, k_descale: Array | None = None,
-                v_descale: Array | None = None, num_splits: int | None = None, return_lse: bool = False,
-                out: Array | None = None, lse: Array | None = None) -> DecodePlan:
+def plan_decode(q: Array, k_cache: Array, v_cache: Array | None = None, *, cache_seqlens: int | Array,
+                k_new: Array | None = None, v_new: Array | None = None, block_table: Array | None = None,
+                causal: bool = True, scale: float | None = None, window: tuple[int, int] = (-1, -1),
+                softcap: float = 0.0, alibi_slopes: Array | None = None, sinks: Array | None = None,
+                k_descale: Array | None = None, v_descale: Array | None = None, num_splits: int | None = None,
+                return_lse: bool = False, head_dim_v: int | None = None, out: Array | None = None,
+                lse: Array | None = None) -> DecodePlan:
     """A :class:`Plan` of :func:`decode` (CuPy arrays, the cupy backend) for one step laid out as the arrays given
     (``cache_seqlens`` an int, or an int32 device array whose values runs may change on the device). Every
     argument is checked here, as ``decode`` checks it; nothing is launched or appended."""
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new),
              ("block_table", block_table))
-    opts = (causal, scale, window, softcap, num_splits, return_lse)
+    opts = (causal, scale, window, softcap, num_splits, head_dim_v, return_lse)
     raw = (alibi_slopes, sinks, k_descale, v_descale)
     env = settings.load()
     ins, c, _, _ = _checked_decode(named, cache_seqlens, causal, scale, window, softcap, alibi_slopes, sinks,
-                                   num_splits, return_lse, "cupy", out, lse, k_descale, v_descale)
+                                   num_splits, return_lse, "cupy", out, lse, k_descale, v_descale, head_dim_v)
     key = signature.decode(ins, cache_seqlens, opts, raw, (out, lse))
     if key is None:
         raise ValueError("a plan takes CuPy arrays (q, the caches, the new keys and values, block_table, "

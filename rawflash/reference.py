@@ -651,13 +651,17 @@ def cache_quantize(x, descale) -> np.ndarray:
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, causal=True,
            scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, k_descale=None, v_descale=None,
-           upcast=True):
+           upcast=True, head_dim_v=None):
     """Attention of q (batch, seqlen_q, heads, head_dim) against a KV cache after appending k_new / v_new: what
     ``rawflash.decode`` computes (sequence b has ``cache_seqlens[b] + seqlen_new`` keys, causal aligned to its
     last key). A float8_e4m3fn cache holds K / k_descale and V / v_descale: the appends are quantised so
     (:func:`cache_quantize`) and the attention reads ``K8 * k_descale``, ``V8 * v_descale`` (in float64, or rounded
-    to q's dtype with ``upcast=False``: what a plain implementation dequantises to). The caches are not modified;
-    returns (out, lse) as :func:`forward` does."""
+    to q's dtype with ``upcast=False``: what a plain implementation dequantises to). ``head_dim_v`` (the latent
+    cache, MLA's absorbed decode; v_cache and v_new None): the values are the first head_dim_v columns of the keys
+    (k_cache after k_new's append), and out has head_dim_v columns. The caches are not modified; returns (out, lse)
+    as :func:`forward` does."""
+    if head_dim_v is not None:
+        v_cache, v_new = k_cache, k_new
     lens = np.asarray(_host(cache_seqlens)).astype(np.int64).reshape(-1)
     lens = np.broadcast_to(lens, (_host(q).shape[0],))
     fp8 = _host(k_cache).dtype == E4M3
@@ -666,6 +670,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_
     kc, vc = append_kv(k_cache, v_cache, lens, k_new, v_new, block_table)
     used = lens + (0 if k_new is None else _host(k_new).shape[1])
     k, v = gather_kv(kc, vc, used, block_table)
+    if head_dim_v is not None:
+        v = v[..., :head_dim_v]
     if k.shape[1] == 0:  # no sequence has a key: keep one zero key, used by none
         k, v = np.zeros((k.shape[0], 1) + k.shape[2:], k.dtype), np.zeros((v.shape[0], 1) + v.shape[2:], v.dtype)
     if fp8:

@@ -19,7 +19,7 @@ import os
 from .arrays import is_cupy_array
 
 _SETTINGS = ("RAWFLASH_WGMMA", "RAWFLASH_FA3", "RAWFLASH_TILE_ARCH", "RAWFLASH_TILE_GPU", "RAWFLASH_CUDA_DIR",
-             "RAWFLASH_DV_FORM", "RAWFLASH_HEAD_DIM_512")
+             "RAWFLASH_DV_FORM", "RAWFLASH_HEAD_DIM_512", "RAWFLASH_MLA_DECODE")
 # os.environ's own dict of encoded names and values (POSIX CPython): a lookup there skips os.environ's per-call
 # encoding of the name, a few microseconds a call over the names
 _ENVIRON = getattr(os.environ, "_data", None)
@@ -103,7 +103,7 @@ def decode(arrays: tuple, cache_seqlens, opts: tuple, features: tuple, outputs: 
     q, k_cache, v_cache, k_new, v_new, table = arrays
     try:
         lens = ("int", type(cache_seqlens)) if isinstance(cache_seqlens, int) else array(cache_seqlens)
-        return _hashable(("decode", array(q), array(k_cache), array(v_cache), optional(k_new), optional(v_new),
+        return _hashable(("decode", array(q), array(k_cache), optional(v_cache), optional(k_new), optional(v_new),
                            optional(table), lens, options(opts), *[optional(f) for f in features],
                            *[optional(o) for o in outputs], settings_key()))
     except (NoSignature, TypeError):

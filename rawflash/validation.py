@@ -550,9 +550,55 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device) -> tuple[object, np.
     return cache_seqlens, (np.asarray(cache_seqlens).astype(np.int64) if kind == "numpy" else None)
 
 
+MLA_SETTING = "RAWFLASH_MLA_DECODE"  # settings.mla_decode: the gate of decode's latent cache on the cupy backend
+
+
+def _check_latent(q, k_cache, v_cache, v_new, head_dim_v, backend: str, k_descale, v_descale) -> int:
+    """The rules of decode's latent cache (``head_dim_v`` given: values are k_cache's first head_dim_v columns), one
+    ValueError naming the argument per refused input; its head_dim_v. The reference backend computes any head_dim_v
+    in 8 .. head_dim (multiples of 8); the Numba twins and the cupy backend run float16 / bfloat16 caches of q's
+    dtype at configs.LATENT_HEAD_DIM / LATENT_HEAD_DIM_V, the cupy backend only where ``RAWFLASH_MLA_DECODE=1``
+    admits its kernel, which has not yet run on a GPU."""
+    if isinstance(head_dim_v, (bool, np.bool_)) or not isinstance(head_dim_v, numbers.Integral):
+        raise ValueError(f"head_dim_v must be None or an int (the latent cache's value columns), got {head_dim_v!r}")
+    head_dim_v = int(head_dim_v)
+    if v_cache is not None:
+        raise ValueError("v_cache must be None with head_dim_v: the values are k_cache's first head_dim_v columns "
+                         "(one latent cache, as FlashMLA takes it)")
+    if v_new is not None:
+        raise ValueError("v_new must be None with head_dim_v: k_new is appended once and its first head_dim_v "
+                         "columns are the new values")
+    d = int(q.shape[-1]) if len(q.shape) == 4 else 0
+    if not 8 <= head_dim_v <= d or head_dim_v % 8:
+        raise ValueError(f"head_dim_v must be a multiple of 8 between 8 and q's head_dim ({d}), got {head_dim_v}")
+    if backend == "reference":
+        return head_dim_v
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is not None:
+            raise ValueError(f"{name}: the latent cache runs 16-bit caches only (a float8_e4m3fn latent cache has no "
+                             f"form yet; backend='reference' computes it)")
+    if dtype_name(k_cache.dtype) == configs.FP8:
+        raise ValueError("k_cache: a float8_e4m3fn latent cache has no form yet (16-bit caches only; "
+                         "backend='reference' computes it)")
+    if dtype_name(q.dtype) not in OUT_DTYPES:
+        raise ValueError(f"q: the latent cache runs float16 or bfloat16, got {dtype_name(q.dtype)} (backend='reference' "
+                         f"computes it)")
+    pair = (configs.LATENT_HEAD_DIM, configs.LATENT_HEAD_DIM_V)
+    if (d, head_dim_v) != pair:
+        raise ValueError(f"head_dim_v: the latent cache's form runs head_dim {pair[0]} with head_dim_v {pair[1]} "
+                         f"(DeepSeek-V3's 512 latent + 64 rotary columns), got head_dim {d}, head_dim_v {head_dim_v}")
+    if backend == "cupy" and not settings.load().mla_decode:
+        raise ValueError(f"head_dim_v: decode's latent cache form has not yet been verified on a GPU; set "
+                         f"{MLA_SETTING}=1 to run it (or use backend='reference' or 'numba')")
+    return head_dim_v
+
+
 def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, backend: str,
-                 features: Features, k_descale=None, v_descale=None) -> Checked:
+                 features: Features, k_descale=None, v_descale=None, head_dim_v=None) -> Checked:
     """Validate a decode call (``rawflash.decode``); raises before anything is launched or appended.
+
+    With ``head_dim_v`` (the latent cache: ``_check_latent``) v_cache and v_new are None and the values are
+    k_cache's (and k_new's) first head_dim_v columns; the problem's head_dim_v is it.
 
     The problem's seqlen_k is the cache's capacity per sequence (what the launch is planned from), new_keys the
     appended rows, page_size the paged cache's page (0: contiguous), kv_dtype the cache's dtype where it is FP8;
@@ -565,9 +611,19 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
     causal = check_flag(causal, "causal")
     window = check_window(features.window)
     softcap = check_softcap(features.softcap)
+    latent = head_dim_v is not None
+    if not latent and v_cache is None:
+        raise ValueError("v_cache must be an array, or None with head_dim_v (a latent cache whose first head_dim_v "
+                         "columns are the values)")
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
-    kinds = {n: array_kind(x, n) for n, x in named}
-    shapes = {n: _shape(x, n) for n, x in named}
+    kinds = {n: array_kind(x, n) for n, x in named[:2]}
+    shapes = {n: _shape(x, n) for n, x in named[:2]}
+    if latent:
+        head_dim_v = _check_latent(q, k_cache, v_cache, v_new, head_dim_v, backend, k_descale, v_descale)
+        named = named[:2]
+        shapes["v_cache"] = shapes["k_cache"]
+    else:
+        kinds["v_cache"], shapes["v_cache"] = array_kind(v_cache, "v_cache"), _shape(v_cache, "v_cache")
     dtype = _dtype(q, "q")
     device = device_of(q, kinds["q"])
     kv_dtype = _dtype(k_cache, "k_cache", "ok")
@@ -604,11 +660,11 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
     if h < 1 or hk < 1 or h % hk != 0:
         raise ValueError(f"heads of q must be a multiple of kv_heads of k_cache (kv_heads >= 1), got heads {h}, "
                          f"kv_heads {hk}")
-    if backend != "reference" and d > configs.COMMON_MAX_HEAD_DIM:
+    if backend != "reference" and d > configs.COMMON_MAX_HEAD_DIM and not latent:
         raise ValueError(f"decode runs head_dim up to {configs.COMMON_MAX_HEAD_DIM}: decode_split has no head_dim "
                          f"{configs.WIDE_HEAD_DIM} row (a warp's partial O of 16 x 512 is 256 registers a thread); "
                          f"got head_dim {d}")
-    if not 1 <= d <= configs.MAX_HEAD_DIM or d % 8:
+    if not 1 <= d <= (configs.LATENT_HEAD_DIM if latent else configs.MAX_HEAD_DIM) or d % 8:
         raise ValueError(f"decode needs head_dim a multiple of 8 between 8 and {configs.MAX_HEAD_DIM} (the cache is "
                          f"read and appended in place, never padded), got {d}")
     if kv_dtype == configs.FP8 and (d % 16 or not configs.has_row("decode_split", d, kv_dtype)):
@@ -617,18 +673,18 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
                          f"them), got {d}")
     if sq < 1 or batch < 1:
         raise ValueError(f"q must have at least one sequence and one query row, got shape {shapes['q']}")
-    if (k_new is None) != (v_new is None):
+    if (k_new is None) != (v_new is None) and not latent:
         raise ValueError("k_new and v_new must be given together, got "
                          f"{'k_new without v_new' if v_new is None else 'v_new without k_new'}")
     new = 0
     if k_new is not None:
-        for n, x in (("k_new", k_new), ("v_new", v_new)):
+        for n, x in (("k_new", k_new), ("v_new", v_new))[:1 if latent else 2]:
             shape = _shape(x, n)
             _same(x, n, dtype, device)
             if shape[0] != batch or shape[2:] != (hk, d):
                 raise ValueError(f"{n} must have shape (batch, seqlen_new, kv_heads, head_dim) = ({batch}, "
                                  f"seqlen_new, {hk}, {d}), got {shape}")
-        if tuple(k_new.shape) != tuple(v_new.shape):
+        if not latent and tuple(k_new.shape) != tuple(v_new.shape):
             raise ValueError(f"k_new and v_new must have the same shape, got {tuple(k_new.shape)} and "
                              f"{tuple(v_new.shape)}")
         new = int(k_new.shape[1])
@@ -684,7 +740,8 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, 
                          f"{tuple(k_descale.shape)} and {tuple(v_descale.shape)}")
     problem = Problem(batch, sq, capacity, h, hk, d, dtype, causal, window=window, softcap=softcap,
                       alibi="alibi_slopes" in extras, sinks="sinks" in extras, seqused_k=True, new_keys=new,
-                      page_size=page, kv_dtype=kv_dtype if kv_dtype == configs.FP8 else "")
+                      page_size=page, kv_dtype=kv_dtype if kv_dtype == configs.FP8 else "",
+                      head_dim_v=head_dim_v if latent else 0)
     return Checked(problem, check_scale(scale, d), kinds["q"], device, extras)
 
 

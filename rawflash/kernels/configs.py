@@ -32,6 +32,9 @@ MAX_HEAD_DIM = SPECIALISED_HEAD_DIMS[-1]
 # ``RAWFLASH_HEAD_DIM_512=1`` (``settings.head_dim_512``).
 COMMON_MAX_HEAD_DIM = 256
 WIDE_HEAD_DIM = 512
+# decode's latent cache (MLA's absorbed decode, DeepSeek-V3 / R1): keys of 576 columns (512 latent + 64 rotary),
+# values their first 512; the one pair of head dims decode_split's latent form compiles (VALUE_ROWS' row).
+LATENT_HEAD_DIM, LATENT_HEAD_DIM_V = 576, 512
 COMMON_HEAD_DIMS = tuple(d for d in SPECIALISED_HEAD_DIMS if d <= COMMON_MAX_HEAD_DIM)
 DTYPES = ("float16", "bfloat16", "float32")
 FP8 = "float8_e4m3fn"  # the FP8 forward's inputs and FP8 decode caches (their rows only; not in DTYPES)
@@ -388,6 +391,13 @@ VALUE_ROWS: dict[tuple[str, int, int, str], TileConfig] = {
        for dt in _16BIT},
     **{("fa3_bwd_sm90", 128, 64, dt): TileConfig(64, 128, 12, stages=2,
                                                  why="128 / 64: the d = 128 row, 198,696 B; not measured")
+       for dt in _16BIT},
+    # decode's latent cache (MLA's absorbed decode: keys of 576 columns, values their first 512; MQA, 16 - 128
+    # heads): 64 packed rows a CTA, whose 8 warps share one split and its ring of 64-key tiles, S split by keys (8
+    # each), O by columns (64 each: 128 registers), P through shared memory (mainloop_decode.cuh's
+    # MainloopDecodeLatent). 231,424 B: Q, 2 stages of K, P, the row maxima; one CTA per SM.
+    **{("decode_split", LATENT_HEAD_DIM, LATENT_HEAD_DIM_V, dt): TileConfig(
+        64, 64, 8, wc=8, stages=2, why="576 / 512: 64 rows, 8 warps on one split, 64 keys, 2 deep; not run")
        for dt in _16BIT},
 }
 

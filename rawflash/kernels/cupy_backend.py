@@ -736,18 +736,26 @@ def decode_buffers(pr: Problem, plan: forms.DecodePlan, q, out=None, lse=None) -
     (``bind_decode``) makes them here; its planned calls replay their layout (:class:`CallBuffers`)."""
     import cupy
 
-    lse_shape = (pr.batch, pr.heads, pr.seqlen_q)
-    o_ws, m_ws, counters = decode_workspace(plan.partials, q.shape, lse_shape, plan.row_groups if plan.fused else 0)
-    bufs = {"o": cupy.empty(q.shape, dtype=q.dtype) if out is None else out,
+    lse_shape, out_shape = (pr.batch, pr.heads, pr.seqlen_q), decode_out_shape(pr, q)
+    o_ws, m_ws, counters = decode_workspace(plan.partials, out_shape, lse_shape, plan.row_groups if plan.fused else 0)
+    bufs = {"o": cupy.empty(out_shape, dtype=q.dtype) if out is None else out,
             "lse": cupy.empty(lse_shape, dtype=cupy.float32) if lse is None else lse, "o_ws": o_ws, "m_ws": m_ws}
     if plan.fused:
         bufs["decode_counters"] = counters
     return bufs
 
 
+def decode_out_shape(pr: Problem, q) -> tuple:
+    """decode's out: q's shape with the values' head_dim (a latent cache's head_dim_v)."""
+    return (*q.shape[:3], pr.value_head_dim)
+
+
 def _decode_inputs(q, k_cache, v_cache, k_new, v_new, hd: int):
     """decode's arrays as its kernels read them: q kernel-ready, the caches in place (or read-only copies), the new
-    keys and values kernel-ready (or None)."""
+    keys and values kernel-ready (or None). A latent cache (v_cache None) stands in v's place too (its kernels
+    never read v), and k_new in v_new's."""
+    if v_cache is None:
+        v_cache, v_new = k_cache, k_new
     import cupy
 
     chunk = 16 // q.dtype.itemsize
@@ -757,8 +765,9 @@ def _decode_inputs(q, k_cache, v_cache, k_new, v_new, hd: int):
         k_cache, v_cache = (cupy.asarray(x.view(np.uint8)) for x in (k_cache, v_cache))
     k_cache, v_cache = cupy.asarray(k_cache), cupy.asarray(v_cache)
     kv_chunk = 16 // k_cache.dtype.itemsize  # (an FP8 cache: 16 elements)
+    same = v_cache is k_cache
     k_cache = _cache_ready(k_cache, "k_cache", kv_chunk, appends)
-    v_cache = _cache_ready(v_cache, "v_cache", kv_chunk, appends)
+    v_cache = k_cache if same else _cache_ready(v_cache, "v_cache", kv_chunk, appends)
     new = tuple(kernel_ready(cupy.asarray(x), chunk) for x in (k_new, v_new)) if appends else (None, None)
     return q, k_cache, v_cache, *new
 
@@ -773,11 +782,12 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
     own. Nothing here reads a device value: the plan comes from the shapes (``forms.decode_plan``)."""
     extras = dict(extras or {})
     cache_len = extras.pop("cache_len", 0)
-    prep = prepare(p, extras, env)  # head_dim is a multiple of 8 (checked): nothing is padded
+    # head_dim is a multiple of 8 (checked): nothing is padded; a latent cache keeps its head_dim_v (its values)
+    prep = prepare(p, extras, env, value_form=launch.latent_decode(p))
     pr = prep.problem
     q, k_cache, v_cache, k_new, v_new = _decode_inputs(q, k_cache, v_cache, k_new, v_new, pr.head_dim)
     plan = forms.decode_plan(pr, num_splits, _sms(), override)
-    direct = _writes_in_place(out, pr.head_dim, 16 // q.dtype.itemsize)
+    direct = _writes_in_place(out, pr.value_head_dim, 16 // q.dtype.itemsize)
     bufs = decode_buffers(pr, plan, q, out if direct else None, lse)
     rec = params.fwd_params(pr, q, k_cache, v_cache, bufs["o"], bufs["lse"], scale, o_ws=bufs["o_ws"],
                             m_ws=bufs["m_ws"], num_splits=plan.num_splits, k_new=k_new, v_new=v_new, decode=True,
@@ -801,7 +811,7 @@ class DecodeCall:
         self.problem, self.decode_plan = bound.problem, bound.plan_info
         hd = self.problem.head_dim
         ready = _decode_inputs(*arrays, hd)
-        self.as_is = all(r is x for r, x in zip(ready, arrays))
+        self.as_is = all(r is x or x is None for r, x in zip(ready, arrays))  # (a latent cache's None v stands)
         self.features = _features_as_is({n: x for n, x in extras.items() if n != "cache_len"})
         self.out_direct = out is not None and bound.outputs[0] is out
         plan, q = self.decode_plan, arrays[0]
@@ -809,7 +819,7 @@ class DecodeCall:
         rows = plan.row_groups if plan.fused else 0
 
         def per_stream():
-            o_ws, m_ws, counters = decode_workspace(plan.partials, q.shape, lse_shape, rows)
+            o_ws, m_ws, counters = decode_workspace(plan.partials, decode_out_shape(self.problem, q), lse_shape, rows)
             return {"o_ws": o_ws, "m_ws": m_ws, **({"decode_counters": counters} if plan.fused else {})}
 
         self.buffers = CallBuffers(bound.bufs, ("o", "lse"), per_stream)
@@ -824,7 +834,7 @@ class DecodeCall:
     def run(self, q, k_cache, v_cache, k_new, v_new, extras: dict, out=None, lse=None):
         import cupy
 
-        if not self.as_is:
+        if not self.as_is or v_cache is None:
             q, k_cache, v_cache, k_new, v_new = _decode_inputs(q, k_cache, v_cache, k_new, v_new,
                                                                self.problem.head_dim)
         cache_len = extras.get("cache_len")

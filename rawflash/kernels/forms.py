@@ -464,7 +464,8 @@ DECODE_TILE_WAIT_US = 2.0
 def decode_ctas_per_sm(p: Problem, cfg: TileConfig) -> int:
     """CTAs of decode_split one SM holds: by shared memory (227 KB per SM, 1 KB reserved per CTA), threads (2048)
     and registers (assumed <= 128 per thread, which ptxas reports for the 16-bit rows), at most 32."""
-    smem = launch.smem_decode_split(cfg, configs.padded_head_dim(p.head_dim), p.itemsize, p.kv_itemsize)
+    d, dv = launch.decode_head_dims(p)
+    smem = launch.smem_decode_split(cfg, d, p.itemsize, p.kv_itemsize, dv)
     return max(1, min(32, 233472 // (smem + 1024), 2048 // cfg.threads, 65536 // (cfg.threads * 128)))
 
 
@@ -482,9 +483,10 @@ def decode_split_cost(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) 
     pairs = p.batch * p.kv_heads * groups
     tiles = cdiv(max(1, p.seqlen_k), cfg.bc)
     per_split = cdiv(tiles, splits)
-    per_pair = cdiv(splits, cfg.warps)
+    per_pair = launch.decode_partials(cfg, splits)
     ctas, slots = pairs * per_pair, sms * decode_ctas_per_sm(p, cfg)
-    tile_bytes = 2 * cfg.bc * configs.padded_head_dim(p.head_dim) * p.kv_itemsize
+    d, dv = launch.decode_head_dims(p)
+    tile_bytes = (1 if dv != d else 2) * cfg.bc * d * p.kv_itemsize  # (the latent cache: one tile holds K and V)
     cta_bytes = splits / per_pair * per_split * tile_bytes
     chain = per_split * DECODE_TILE_WAIT_US / max(1, cfg.stages - 1)
     full, rest = divmod(ctas, slots)
@@ -493,8 +495,8 @@ def decode_split_cost(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) 
         t += max(chain, rest * cta_bytes / DECODE_BYTES_PER_US)
     if splits > 1:
         out_rows = p.batch * p.seqlen_q * p.heads
-        t += 2 * out_rows * splits * (p.head_dim + 1) * 4 / DECODE_BYTES_PER_US
-        split_groups = max(1, launch.DECODE_COMBINE_THREADS // max(1, p.head_dim // 4))
+        t += 2 * out_rows * splits * (p.value_head_dim + 1) * 4 / DECODE_BYTES_PER_US
+        split_groups = max(1, launch.DECODE_COMBINE_THREADS // max(1, p.value_head_dim // 4))
         t += DECODE_TILE_WAIT_US * cdiv(cdiv(splits, split_groups), 4)
     return t
 
@@ -503,9 +505,9 @@ def decode_occupancy(p: Problem, cfg: TileConfig, splits: int, sms: int = 132) -
     """The share of the warp slots of decode_split's waves (whole waves of ``sms`` x CTAs per SM) that hold a split:
     1 for full waves of full CTAs (the heuristic's tie-break)."""
     pairs = p.batch * p.kv_heads * launch.decode_rows(p, cfg)[1]
-    per_pair = cdiv(splits, cfg.warps)
+    per_pair = launch.decode_partials(cfg, splits)
     ctas, slots = pairs * per_pair, sms * decode_ctas_per_sm(p, cfg)
-    return ctas / (cdiv(ctas, slots) * slots) * splits / (per_pair * cfg.warps)
+    return ctas / (cdiv(ctas, slots) * slots) * splits / (per_pair * launch.decode_splits_per_cta(cfg))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -535,8 +537,20 @@ def decode_splits(p: Problem, cfg: TileConfig, sms: int = 132) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _decode_plan(p: Problem, num_splits: int | None, sms: int) -> DecodePlan:
-    cfg = _config("decode_split", p, None)
-    return _make_decode_plan(p, cfg, num_splits, sms)
+    return _make_decode_plan(p, _decode_config(p, None), num_splits, sms)
+
+
+def _decode_config(p: Problem, override: Override | None) -> TileConfig:
+    """decode_split's row for ``p``: the latent cache's in configs.VALUE_ROWS (keyed by its head dims as given),
+    else the table's (``_config``)."""
+    if not launch.latent_decode(p):
+        return _config("decode_split", p, override)
+    row = configs.value_row("decode_split", p.head_dim, p.head_dim_v, p.dtype)
+    if row is None:
+        raise ValueError(f"decode_split's latent form has no row for head_dim {p.head_dim} / head_dim_v "
+                         f"{p.head_dim_v} in {p.dtype} (it runs {configs.LATENT_HEAD_DIM} / {configs.LATENT_HEAD_DIM_V} "
+                         f"in float16 / bfloat16)")
+    return row
 
 
 def decode_split_appends(p: Problem, cfg: TileConfig) -> bool:
@@ -574,7 +588,7 @@ def decode_fuses_combine(p: Problem, cfg: TileConfig, partials: int) -> bool:
     trips (``DECODE_FUSE_ROUND_TRIPS``): the GQA groups and speculative rows of one row group at any split count
     the model picks, not MQA's 32 packed rows over many partials."""
     rows = min(cfg.br, launch.decode_rows(p, cfg)[0])
-    chunks = cdiv(rows * cdiv(p.head_dim, 4), cfg.threads)
+    chunks = cdiv(rows * cdiv(p.value_head_dim, 4), cfg.threads)
     return chunks * cdiv(partials, DECODE_COMBINE_BATCH) <= DECODE_FUSE_ROUND_TRIPS
 
 
@@ -598,8 +612,11 @@ def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
     needs sm_90: its rows are Hopper's (e4m3 conversions exist from sm_89; no smaller GPU's rows are measured)."""
     if p.kv_dtype == configs.FP8 and p.arch != "sm_90":
         raise ValueError(f"float8_e4m3fn caches (k_cache, v_cache) need an sm_90 GPU (Hopper), got {p.arch}")
+    if launch.latent_decode(p) and p.arch != "sm_90":
+        raise ValueError(f"the latent cache (head_dim_v) needs an sm_90 GPU (Hopper): its CTA takes 231,424 B of shared "
+                         f"memory, got {p.arch}")
     if override:
-        return _make_decode_plan(p, _config("decode_split", p, override), num_splits, sms)
+        return _make_decode_plan(p, _decode_config(p, override), num_splits, sms)
     return _decode_plan(dataclasses.replace(p, lengths=()), num_splits, sms)
 
 
@@ -694,9 +711,22 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
                 for x in with_way_back(lau):  # (a REF_FIRST forward's REF_RUNNING twin)
                     out.setdefault(x.name_expression, x)
     if arch == "sm_90":
-        for lau in (lau for gpu in gpus for lau in fp8_instantiations(gpu)):
+        for lau in (lau for gpu in gpus for lau in fp8_instantiations(gpu) + latent_decode_instantiations(gpu)):
             out.setdefault(lau.name_expression, lau)
     return list(out.values())
+
+
+def latent_decode_instantiations(gpu: str = configs.DEFAULT_GPU) -> list[Launch]:
+    """The latent cache's decode launches (sm_90, float16 / bfloat16): 16 heads (one row group: the split pass
+    appends and merges the partials itself) and 128 (two row groups: decode_append first, the warp combine), and
+    the CTA combine."""
+    out = []
+    for dtype in registry.HALF_DTYPES:
+        p = Problem(1, 1, 4096, 16, 1, configs.LATENT_HEAD_DIM, dtype, False, "sm_90", seqused_k=True, new_keys=1,
+                    head_dim_v=configs.LATENT_HEAD_DIM_V, gpu=gpu)
+        out += [*decode_plan(p, 8).launches, *decode_plan(dataclasses.replace(p, heads=128), 8).launches,
+                launch.decode_append(p), launch.decode_combine(p)]
+    return out
 
 
 # FP8 tile rows not in configs.TABLE that tools/tune.py times at d = 128 (compiled by fp8_instantiations, so CI

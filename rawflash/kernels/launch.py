@@ -528,34 +528,67 @@ def decode_rows(p: Problem, cfg: TileConfig) -> tuple[int, int]:
     return rows, cdiv(rows, cfg.br)
 
 
-def smem_decode_split(cfg: TileConfig, d: int, itemsize: int, kv_itemsize: int | None = None) -> int:
+def latent_decode(p: Problem) -> bool:
+    """Whether a decode problem reads the latent cache (MLA's absorbed decode): one cache whose first head_dim_v
+    columns are the values (a decode ``Problem`` has a head_dim_v only then)."""
+    return bool(p.head_dim_v)
+
+
+def decode_head_dims(p: Problem) -> tuple[int, int]:
+    """(D, DV) of decode_split: the specialised head_dim twice, or the latent cache's head_dim and head_dim_v as
+    given (576 and 512: validation admits no other pair on the GPU backends)."""
+    if latent_decode(p):
+        return p.head_dim, p.head_dim_v
+    d = configs.padded_head_dim(p.head_dim)
+    return d, d
+
+
+def smem_decode_split(cfg: TileConfig, d: int, itemsize: int, kv_itemsize: int | None = None, dv: int = 0) -> int:
     """The packed Q tile, for an FP8 cache (``kv_itemsize`` below ``itemsize``) its rows' largest |q| (whole
-    128-byte lines), and per warp `stages` tiles of K_j and V_j of the cache's elements."""
+    128-byte lines), and per warp `stages` tiles of K_j and V_j of the cache's elements. The latent cache (``dv``
+    below ``d``): the Q tile, the CTA's `stages` K tiles (V is their first dv columns), P (br x bc) and a float per
+    warp and row (mainloop_decode.cuh's MainloopDecodeLatent)."""
     kv = itemsize if kv_itemsize is None else kv_itemsize
+    if dv and dv != d:
+        return cfg.br * d * itemsize + cfg.stages * cfg.bc * d * kv + cfg.br * cfg.bc * itemsize + cfg.warps * cfg.br * 4
     qmax = 128 * cdiv(cfg.br * 4, 128) if kv < itemsize else 0
     return cfg.br * d * itemsize + qmax + cfg.warps * cfg.stages * 2 * cfg.bc * d * kv
 
 
+def decode_splits_per_cta(cfg: TileConfig) -> int:
+    """Splits one CTA of decode_split runs: one per warp, or one per ``wc`` warps (the latent form's row: all)."""
+    return cfg.warps // cfg.wc
+
+
 def decode_split(p: Problem, cfg: TileConfig, num_splits: int) -> Launch:
-    """Split-KV decode: grid (cdiv(num_splits, warps), kv_heads x row groups, batch), one split per warp, one
-    partial result per CTA (``decode_partials``)."""
-    d = configs.padded_head_dim(p.head_dim)
-    smem = smem_decode_split(cfg, d, p.itemsize, p.kv_itemsize)
+    """Split-KV decode: grid (cdiv(num_splits, splits per CTA), kv_heads x row groups, batch), one split per warp
+    (the latent cache: per CTA), one partial result per CTA (``decode_partials``). The latent form's DV is the last
+    template argument (the default, D, is left out of the name expression)."""
+    d, dv = decode_head_dims(p)
+    smem = smem_decode_split(cfg, d, p.itemsize, p.kv_itemsize, dv)
     args = (CUDA_TYPES[p.dtype], CUDA_TYPES[p.kv_dtype or p.dtype], d, cfg.br // 16, cfg.bc, cfg.stages, cfg.warps,
-            smem)
-    grid = _check_grid((cdiv(num_splits, cfg.warps), p.kv_heads * decode_rows(p, cfg)[1], p.batch), "decode_split")
+            smem) + ((dv,) if dv != d else ())
+    grid = _check_grid((decode_partials(cfg, num_splits), p.kv_heads * decode_rows(p, cfg)[1], p.batch),
+                       "decode_split")
     return Launch("decode_split", "decode.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
 
 
 def decode_partials(cfg: TileConfig, num_splits: int) -> int:
-    """Partial results per output row: decode_split merges its CTA's warps' splits into one."""
-    return cdiv(num_splits, cfg.warps)
+    """Partial results per output row: decode_split merges its CTA's splits into one."""
+    return cdiv(num_splits, decode_splits_per_cta(cfg))
+
+
+def _latent_arg(p: Problem, value: bool) -> tuple:
+    """The last template argument of decode_append (VALUES, False) and of the combines (NARROW_V, True) for the
+    latent cache; elsewhere their defaults, left out of the name expression."""
+    return (value,) if latent_decode(p) else ()
 
 
 def decode_append(p: Problem) -> Launch:
-    """8 columns of one appended key (K and V) per thread."""
+    """8 columns of one appended key (K and V; the latent cache's K alone) per thread."""
     lau = _elementwise("decode_append", "decode.cu", p.dtype, p.batch * p.new_keys * p.kv_heads * cdiv(p.head_dim, 8))
-    return dataclasses.replace(lau, template_args=(*lau.template_args, CUDA_TYPES[p.kv_dtype or p.dtype]))
+    args = (*lau.template_args, CUDA_TYPES[p.kv_dtype or p.dtype], *_latent_arg(p, False))
+    return dataclasses.replace(lau, template_args=args)
 
 
 DECODE_COMBINE_THREADS = 256  # one CTA per (batch, query, head) row; lanes over splits, then 4-column chunks
@@ -567,7 +600,7 @@ def decode_combine(p: Problem) -> Launch:
     then each thread sums 4 columns over every (threads / (head_dim / 4))-th split."""
     rows = p.batch * p.seqlen_q * p.heads
     smem = smem_decode_combine(DECODE_COMBINE_THREADS, DECODE_MAX_SPLITS)
-    args = (CUDA_TYPES[p.dtype], DECODE_COMBINE_THREADS, DECODE_MAX_SPLITS, smem)
+    args = (CUDA_TYPES[p.dtype], DECODE_COMBINE_THREADS, DECODE_MAX_SPLITS, smem, *_latent_arg(p, True))
     return Launch("decode_combine", "decode.cu", args, (max(1, rows), 1, 1), (DECODE_COMBINE_THREADS, 1, 1), smem)
 
 
@@ -585,7 +618,7 @@ def decode_combine_warp(p: Problem) -> Launch:
     """One warp per (batch, query, head) row, DECODE_COMBINE_WARP_ROWS rows per CTA (num_splits <= 32): a lane per
     split for the lse, 4-column chunks per lane for out; no shared memory."""
     rows = p.batch * p.seqlen_q * p.heads
-    args = (CUDA_TYPES[p.dtype], DECODE_COMBINE_WARP_ROWS)
+    args = (CUDA_TYPES[p.dtype], DECODE_COMBINE_WARP_ROWS, *_latent_arg(p, True))
     return Launch("decode_combine_warp", "decode.cu", args, (max(1, cdiv(rows, DECODE_COMBINE_WARP_ROWS)), 1, 1),
                   (32 * DECODE_COMBINE_WARP_ROWS, 1, 1), 0)
 

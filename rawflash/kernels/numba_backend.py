@@ -343,31 +343,36 @@ def _sm_count() -> int:
 
 def decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_splits: int | None = None,
            extras: dict | None = None):
-    """out like q and lse (batch, heads, seqlen_q) float32 through the decode twins (the semantics of
-    ``rawflash.decode`` on the CUDA C kernels; the caches receive the append unless ``copies_caches``)."""
+    """out like q (a latent cache's: head_dim_v columns) and lse (batch, heads, seqlen_q) float32 through the decode
+    twins (the semantics of ``rawflash.decode`` on the CUDA C kernels; the caches receive the append unless
+    ``copies_caches``). A latent cache (``p.head_dim_v``; v_cache and v_new None): the twins get k_cache (and
+    k_new) in v's place too, and read its first head_dim_v columns as the values."""
     extras = dict(extras or {})
     cache_len = int(extras.pop("cache_len", 0))
     table = extras.pop("block_table", None)
-    pr = run_problem(p)
+    pr = dataclasses.replace(run_problem(p), head_dim_v=p.head_dim_v)  # (decode's head_dim_v: the latent cache)
     plan = forms.decode_plan(pr, num_splits, _sm_count())
     resolved = _resolve(list(plan.launches), "decode")
     xp = _xp()
-    prep = prepare(p, extras, q, k_cache, v_cache)
-    q, kc, vc = prep.arrays
+    prep = prepare(p, extras, q, k_cache)
+    q, kc = prep.arrays
+    vc = kc if v_cache is None else prepare(p, {}, v_cache).arrays[0]
     if p.new_keys:
-        kn, vn = (_kernel_dtype(_on_device(x)) for x in (k_new, v_new))
+        kn = _kernel_dtype(_on_device(k_new))
+        vn = kn if v_new is None else _kernel_dtype(_on_device(v_new))
     else:
         kn = vn = xp.zeros((1, 1, 1, 1), kc.dtype)
     tab = xp.ascontiguousarray(_on_device(table).astype(np.int32)) if table is not None else xp.zeros((1, 1), np.int32)
-    out = xp.empty(q.shape, dtype=q.dtype)
+    out = xp.empty((*q.shape[:3], pr.value_head_dim), dtype=q.dtype)
     lse = xp.empty((pr.batch, pr.heads, pr.seqlen_q), dtype=np.float32)
-    o_ws = xp.zeros((plan.partials,) + q.shape, np.float32)
+    o_ws = xp.zeros((plan.partials,) + out.shape, np.float32)
     m_ws = xp.zeros((plan.partials, pr.batch, pr.heads, pr.seqlen_q), np.float32)
     counters = xp.zeros(plan.row_groups, np.int32)  # (zeroed per call: the twins cache nothing)
     params = _params(DecodeParams, pr, scale, extras, has_table=table is not None, page_size=pr.page_size,
                      num_splits=plan.num_splits, new_keys=pr.new_keys, cache_capacity=pr.seqlen_k,
                      num_pages=int(kc.shape[0]) if table is not None else 0, cache_len=cache_len,
-                     split_appends=plan.split_appends, num_partials=plan.partials, has_counters=plan.fused)
+                     split_appends=plan.split_appends, num_partials=plan.partials, has_counters=plan.fused,
+                     head_dim_v=pr.value_head_dim)
     cu_q, cu_k, used_k, slopes, sinks = prep.features
     _run_plan(resolved, (params, q, kc, vc, kn, vn, out, lse, cu_q, cu_k, used_k, slopes, sinks, tab, o_ws, m_ws,
                          counters))

@@ -45,16 +45,18 @@ def len_ok(p, n):
 
 
 @cuda.jit(device=True)
-def append_chunk(p, g, bi, length, t, c):
-    """Columns [c, c + 8) of new key t (K and V) of sequence bi.b, kv head bi.hk, into the cache as key length + t;
-    nothing where that key's page lies outside the cache (length was checked with len_ok)."""
+def append_chunk(p, g, bi, length, t, c, values):
+    """Columns [c, c + 8) of new key t (K and V; K alone without ``values``: the latent cache) of sequence bi.b, kv
+    head bi.hk, into the cache as key length + t; nothing where that key's page lies outside the cache (length was
+    checked with len_ok)."""
     page, row = page_pos(p, bi, length + t)
     if not slot_inside(p, page_slot(p, g, bi, page)):
         return  # the page lies outside the cache
     slot, at = key_index(p, g, bi, page, row, 0)
     for e in range(8):
         g.k[slot, at, bi.hk, c + e] = g.k_new[bi.b, t, bi.hk, c + e]
-        g.v[slot, at, bi.hk, c + e] = g.v_new[bi.b, t, bi.hk, c + e]
+        if values:
+            g.v[slot, at, bi.hk, c + e] = g.v_new[bi.b, t, bi.hk, c + e]
 
 
 @cuda.jit(device=True)
@@ -67,7 +69,7 @@ def packed_item(x, width, r0, hk, group):
 
 
 @cuda.jit(device=True)
-def combine_rows(p, g, smem, b, hk, group, r0, nrows, parts):
+def combine_rows(p, g, smem, b, hk, group, r0, nrows, parts, cols):
     """decode_combine_rows: rows [r0, r0 + nrows) of kv head hk's packed rows of sequence b from the ``parts`` CTA
     partials, decode_combine's math (the sink added, a NaN lse making the row NaN), out and lse written; smem holds
     the rows' weights (rows x parts) and then their lse. math.exp for every dtype, as the combine twins."""
@@ -100,8 +102,8 @@ def combine_rows(p, g, smem, b, hk, group, r0, nrows, parts):
         smem[rl + rr] = row_lse
         g.lse[b, h, i] = row_lse
     cuda.syncthreads()  # every row's weights and lse
-    for x in range(cuda.threadIdx.x, nrows * p.head_dim, cuda.blockDim.x):
-        rr, c, i, h = packed_item(x, p.head_dim, r0, hk, group)
+    for x in range(cuda.threadIdx.x, nrows * cols, cuda.blockDim.x):
+        rr, c, i, h = packed_item(x, cols, r0, hk, group)
         acc = ZERO
         for cc in range(parts):
             wt = smem[rr * parts + cc]
@@ -118,9 +120,9 @@ def _cache_is_t(T: str, C: str) -> None:
                                   "caches run on the CUDA C kernels only)")
 
 
-def make_decode_append(T: str, C: str) -> Twin:
-    """The twin of ``decode_append<T, C>`` (C = T): one thread per 8 columns of one new key, with the Launch's grid
-    and block."""
+def make_decode_append(T: str, C: str, VALUES: bool = True) -> Twin:
+    """The twin of ``decode_append<T, C, VALUES>`` (C = T): one thread per 8 columns of one new key, with the
+    Launch's grid and block."""
     _cache_is_t(T, C)
 
     @cuda.jit
@@ -138,21 +140,26 @@ def make_decode_append(T: str, C: str) -> Twin:
             length = cache_len(p, g, b)
             if not len_ok(p, length):
                 continue  # out of the cache: nothing written (decode_split makes b's rows NaN)
-            append_chunk(p, g, block_info(True, p, g, b, hk * (p.heads // p.kv_heads)), length, t, c)
+            append_chunk(p, g, block_info(True, p, g, b, hk * (p.heads // p.kv_heads)), length, t, c, VALUES)
 
     return Twin(decode_append, None, 0)
 
 
 @functools.lru_cache(maxsize=None)
-def make_decode_split(T: str, C: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int, SMEM_BYTES: int) -> Twin:
+def make_decode_split(T: str, C: str, D: int, MT: int, BCW: int, STAGES: int, WARPS: int, SMEM_BYTES: int,
+                      DV: int = 0) -> Twin:
     """The twin of ``decode_split<...>``, taking the CUDA template's arguments in order (``Launch.template_args``;
     the cache's type C is T: FP8 caches have no twin); launched with the Launch's grid, ``Twin.threads`` threads
-    (WARPS splits of 16 MT packed rows) and ``Twin.smem`` bytes (float32 tiles, one stage)."""
+    (SPLITS splits of 16 MT packed rows: WARPS, or one with DV, the latent cache's value columns) and ``Twin.smem``
+    bytes (float32 tiles, one stage)."""
     _cache_is_t(T, C)
     ROWS = 16 * MT
-    STATE = D + 2  # the row's O, m, l (the CUDA C's accumulator fragments and OnlineSoftmax)
+    LATENT = 0 < DV < D
+    DV = DV if LATENT else D
+    SPLITS = 1 if LATENT else WARPS  # (the CUDA C: WARPS / WC)
+    STATE = DV + 2  # the row's O, m, l (the CUDA C's accumulator fragments and OnlineSoftmax)
     EXACT = is_float32(T)
-    run = make_mainloop_decode(T, D, MT, BCW, STAGES, WARPS)
+    run = make_mainloop_decode(T, D, MT, BCW, STAGES, WARPS, DV if LATENT else 0)
 
     @cuda.jit
     def decode_split(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws, m_ws, counters):
@@ -169,10 +176,11 @@ def make_decode_split(T: str, C: str, D: int, MT: int, BCW: int, STAGES: int, WA
         hk = cuda.blockIdx.y // row_groups
         r0 = (cuda.blockIdx.y % row_groups) * ROWS
         b = cuda.blockIdx.z
-        w = cuda.threadIdx.x // ROWS
+        w = cuda.threadIdx.x // ROWS  # the thread's split in the CTA
         row = cuda.threadIdx.x % ROWS
-        s = cuda.blockIdx.x * WARPS + w
+        s = cuda.blockIdx.x * SPLITS + w
         nrows = min(ROWS, m_rows - r0)
+        vcols = p.head_dim_v if LATENT else p.head_dim  # O's columns
         # ---- [decode:setup] the sequence (its keys after the append, checked against the cache) and the policy ----
         length = cache_len(p, g, b)
         ok = len_ok(p, length)
@@ -205,13 +213,13 @@ def make_decode_split(T: str, C: str, D: int, MT: int, BCW: int, STAGES: int, WA
             j1 = min(k_end, length + p.new_keys)
             c8 = p.head_dim // 8
             for x in range(row, max(0, j1 - j0) * c8, ROWS):
-                append_chunk(p, g, bi, length, j0 - length + x // c8, (x % c8) * 8)
+                append_chunk(p, g, bi, length, j0 - length + x // c8, (x % c8) * 8, not LATENT)
         cuda.syncthreads()  # the split's new keys are in the cache before any tile is read
         # ---- [decode:mainloop] this warp's split: its key tiles through the ring (mainloop_decode.py) ----
         # MIRROR: every thread finds the CTA's longest split: the twin's barriers are the whole CTA's.
         steps = 0
-        for ww in range(WARPS):
-            sw = cuda.blockIdx.x * WARPS + ww
+        for ww in range(SPLITS):
+            sw = cuda.blockIdx.x * SPLITS + ww
             sb = sw * per
             se = min(bi.seqlen_k, sb + per)
             if sw < p.num_splits and pages_inside(p, g, bi, sb, se):
@@ -226,32 +234,32 @@ def make_decode_split(T: str, C: str, D: int, MT: int, BCW: int, STAGES: int, WA
         # MIRROR: the scratch is the twin's float32 tiles (rows D + 1 long: O, then the lse) where the CUDA C carves
         # DecodeMerge's; the merge's items are single columns where the CUDA C's are 4-column chunks.
         cuda.syncthreads()  # every split is done with the tiles
-        f, row_lse = finalize_row(st[D], st[D + 1], NEG_INF, False)
-        scratch = smem[0:WARPS * ROWS * (D + 1)].reshape((WARPS, ROWS, D + 1))
-        for c in range(D):
+        f, row_lse = finalize_row(st[DV], st[DV + 1], NEG_INF, False)
+        scratch = smem[0:SPLITS * ROWS * (DV + 1)].reshape((SPLITS, ROWS, DV + 1))
+        for c in range(DV):
             scratch[w, row, c] = st[c] * f if active and tiles > 0 and not wrong else ZERO
-        scratch[w, row, D] = NEG_INF if not active else (NAN if wrong else row_lse)
+        scratch[w, row, DV] = NEG_INF if not active else (NAN if wrong else row_lse)
         cuda.syncthreads()  # every split's O and lse are in shared memory
         cta = cuda.blockIdx.x
-        for x in range(cuda.threadIdx.x, nrows * p.head_dim, cuda.blockDim.x):
-            rr, c, i, h = packed_item(x, p.head_dim, r0, hk, group)
+        for x in range(cuda.threadIdx.x, nrows * vcols, cuda.blockDim.x):
+            rr, c, i, h = packed_item(x, vcols, r0, hk, group)
             m = NEG_INF
             nan = False
-            for ww in range(WARPS):
-                nan = nan or math.isnan(scratch[ww, rr, D])
-                m = max(m, scratch[ww, rr, D])
+            for ww in range(SPLITS):
+                nan = nan or math.isnan(scratch[ww, rr, DV])
+                m = max(m, scratch[ww, rr, DV])
             m_use = ZERO if m == NEG_INF else m
             denom = ZERO
-            for ww in range(WARPS):
-                denom += float32(math.exp(scratch[ww, rr, D] - m_use))
+            for ww in range(SPLITS):
+                denom += float32(math.exp(scratch[ww, rr, DV] - m_use))
             lw = NAN if nan else (m_use + float32(math.log(denom)) if denom > ZERO else NEG_INF)
             if c == 0:
                 g.m_ws[cta, b, h, i] = lw
             if not nan and lw != NEG_INF:
                 acc = ZERO
-                for ww in range(WARPS):
-                    if scratch[ww, rr, D] != NEG_INF:  # no O was written for it
-                        acc += float32(math.exp(scratch[ww, rr, D] - lw)) * scratch[ww, rr, c]
+                for ww in range(SPLITS):
+                    if scratch[ww, rr, DV] != NEG_INF:  # no O was written for it
+                        acc += float32(math.exp(scratch[ww, rr, DV] - lw)) * scratch[ww, rr, c]
                 g.o_ws[cta, b, i, h, c] = acc
         if not p.has_counters:
             return  # decode_combine merges the partials in a launch of its own
@@ -271,14 +279,14 @@ def make_decode_split(T: str, C: str, D: int, MT: int, BCW: int, STAGES: int, WA
         if last[0] == 0:
             return
         cuda.threadfence()
-        combine_rows(p, g, smem, b, hk, group, r0, nrows, cuda.gridDim.x)
+        combine_rows(p, g, smem, b, hk, group, r0, nrows, cuda.gridDim.x, vcols)
 
-    return Twin(decode_split, threads(ROWS, WARPS), smem_bytes(D, ROWS, BCW, WARPS))
+    return Twin(decode_split, threads(ROWS, SPLITS), smem_bytes(D, ROWS, BCW, SPLITS, LATENT))
 
 
 @functools.lru_cache(maxsize=None)
-def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int, SMEM_BYTES: int) -> Twin:
-    """The twin of ``decode_combine<T, THREADS, MAX_SPLITS, SMEM_BYTES>``: one CTA per (b, i, h) row,
+def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int, SMEM_BYTES: int, NARROW_V: bool = False) -> Twin:
+    """The twin of ``decode_combine<T, THREADS, MAX_SPLITS, SMEM_BYTES, NARROW_V>``: one CTA per (b, i, h) row,
     COMBINE_THREADS threads."""
 
     @cuda.jit
@@ -314,7 +322,7 @@ def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int, SMEM_BYTES: int) 
         cuda.syncthreads()
         row_lse = red[0]
         nan = red[1] != ZERO
-        for c in range(cuda.threadIdx.x, p.head_dim, cuda.blockDim.x):
+        for c in range(cuda.threadIdx.x, p.head_dim_v if NARROW_V else p.head_dim, cuda.blockDim.x):
             acc = ZERO
             for s in range(splits):
                 if w[s] != NEG_INF and not nan:
@@ -327,9 +335,9 @@ def make_decode_combine(T: str, THREADS: int, MAX_SPLITS: int, SMEM_BYTES: int) 
 
 
 @functools.lru_cache(maxsize=None)
-def make_decode_combine_warp(T: str, WARPS: int) -> Twin:
-    """The twin of ``decode_combine_warp<T, WARPS>``: WARPS (b, i, h) rows per CTA (num_splits <= 32), one thread
-    per row."""
+def make_decode_combine_warp(T: str, WARPS: int, NARROW_V: bool = False) -> Twin:
+    """The twin of ``decode_combine_warp<T, WARPS, NARROW_V>``: WARPS (b, i, h) rows per CTA (num_splits <= 32), one
+    thread per row."""
 
     @cuda.jit
     def decode_combine_warp(p, q, k, v, k_new, v_new, o, lse, cu_q, cu_k, used_k, slopes, sinks, table, o_ws,
@@ -365,7 +373,7 @@ def make_decode_combine_warp(T: str, WARPS: int) -> Twin:
         row_lse = NAN if nan else (m_use + float32(math.log(denom)) if denom > ZERO else NEG_INF)
         for s in range(splits):
             w[s] = ZERO if w[s] == NEG_INF or nan else float32(math.exp(w[s] - row_lse))
-        for c in range(p.head_dim):
+        for c in range(p.head_dim_v if NARROW_V else p.head_dim):
             acc = ZERO
             for s in range(splits):
                 if w[s] != ZERO:  # empty splits wrote no O

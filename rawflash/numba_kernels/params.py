@@ -24,12 +24,13 @@ _FLAGS = ("has_cu", "has_seqused", "has_alibi", "has_sinks")
 # makes the arrays' batch index 0 (the CUDA C's batch stride 0 of packed tensors).
 FwdParams = collections.namedtuple("FwdParams", (*_SHARED, "window_left", "window_right", "scale", "scale_log2",
                                                  "softcap", "alibi_sb", *_FLAGS))
-# decode (cuda/decode.cu): the forward's scalars plus the cache's (has_table stands for block_table's null test).
+# decode (cuda/decode.cu): the forward's scalars plus the cache's (has_table stands for block_table's null test;
+# head_dim_v: out's columns where the latent cache's values set them, read by its twins only; 0 by default).
 DecodeParams = collections.namedtuple("DecodeParams", (*_SHARED, "window_left", "window_right", "scale", "scale_log2",
                                                        "softcap", "alibi_sb", *_FLAGS, "has_table", "page_size",
                                                        "num_splits", "new_keys", "cache_capacity", "num_pages",
                                                        "cache_len", "split_appends", "num_partials",
-                                                       "has_counters"))
+                                                       "has_counters", "head_dim_v"), defaults=(0,))
 BwdParams = collections.namedtuple("BwdParams", (*_SHARED, "rows_batch", "rows_seqlen", "window_left",
                                                  "window_right", "scale", "scale_log2", "softcap", "alibi_sb",
                                                  *_FLAGS))
