@@ -7,6 +7,8 @@
 //   decode_combine_warp / decode_combine do it.
 //   With one row group (p.split_appends, forms.decode_split_appends) each warp first writes the new keys that fall
 //   in its own range of keys into the cache ([decode:split_append]), so no launch of its own appends them.
+//   The latent cache (DV < D: MLA's absorbed decode, K of 576 columns whose first 512 are V): the CTA's warps share
+//   one split (MainloopDecodeLatent), so grid x counts splits; K alone is appended, out has head_dim_v columns.
 // decode_append: k_new / v_new written into the cache (contiguous or paged) at cache_seqlens[b] + t, before
 //   decode_split, where several row groups read the same keys (their CTAs cannot wait for one another).
 // decode_combine_warp (num_partials <= 32): one warp per (b, query, head) row, several rows per CTA: a lane per

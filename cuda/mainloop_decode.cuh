@@ -268,7 +268,8 @@ template <typename T_, typename C_, int D, int MT, int BCW, int STAGES, int WARP
 // floats) and P (ROWS x BCW, 16-bit): every warp then holds the same running max, and its own share of the row
 // sums l, added over the warps once after the last tile. Three CTA barriers a tile: the tile has landed (and
 // the previous one, its P and maxima, are free), the maxima are written, P is written. 16-bit caches only.
-template <typename T_, typename C_, int D, int DV, int MT, int BCW, int STAGES, int WARPS_> struct MainloopDecodeLatent {
+template <typename T_, typename C_, int D, int DV, int MT, int BCW, int STAGES, int WARPS_>
+struct MainloopDecodeLatent {
   using T = T_;
   using C = C_;
   using Pol = Policy<WINDOW, true>;

@@ -559,7 +559,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array | None = None, *, cache_seql
         seqlen_q is usually 1 (one generated token); more rows serve speculative decoding or chunked prefill.
     k_cache, v_cache : arrays, q's dtype or float8_e4m3fn, read and appended in place
         Contiguous: (batch, capacity, kv_heads, head_dim). Paged (with ``block_table``): (num_pages, page_size,
-        kv_heads, head_dim), any page_size >= 1. v_cache is None for a latent cache (``head_dim_v``). An FP8 cache (float8_e4m3fn, with float16 or bfloat16 q, head_dim
+        kv_heads, head_dim), any page_size >= 1. v_cache is None for a latent cache (``head_dim_v``).
+        An FP8 cache (float8_e4m3fn, with float16 or bfloat16 q, head_dim
         a multiple of 16 in 48 - 64 or 112 - 256) holds ``K / k_descale`` and ``V / v_descale``: attention reads
         ``K8 * k_descale`` and ``V8 * v_descale``, and k_new / v_new (q's dtype) are divided by the descales and
         rounded to e4m3 as they are appended (saturating at +-448: ``reference.cache_quantize``).

@@ -581,8 +581,8 @@ def _check_latent(q, k_cache, v_cache, v_new, head_dim_v, backend: str, k_descal
         raise ValueError("k_cache: a float8_e4m3fn latent cache has no form yet (16-bit caches only; "
                          "backend='reference' computes it)")
     if dtype_name(q.dtype) not in OUT_DTYPES:
-        raise ValueError(f"q: the latent cache runs float16 or bfloat16, got {dtype_name(q.dtype)} (backend='reference' "
-                         f"computes it)")
+        raise ValueError(f"q: the latent cache runs float16 or bfloat16, got {dtype_name(q.dtype)} "
+                         f"(backend='reference' computes it)")
     pair = (configs.LATENT_HEAD_DIM, configs.LATENT_HEAD_DIM_V)
     if (d, head_dim_v) != pair:
         raise ValueError(f"head_dim_v: the latent cache's form runs head_dim {pair[0]} with head_dim_v {pair[1]} "

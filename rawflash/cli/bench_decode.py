@@ -15,7 +15,12 @@ shape. Its largest cache, b64 x 128k x 8 kv heads, is 34 GB (K and V), which fit
 float32 fill buffer; a case whose cache does not fit the free memory is reported as skipped. ``quick_cases`` is a
 subset of 12 cases (about 2 minutes of an H200 with 10 repeats). ``fp8_cases`` times float8_e4m3fn caches (per
 (sequence, kv head) descales, ``fp8.quantize_cache``) each beside the same step on its bf16 cache; the peers read
-no FP8 cache and are timed on the bf16 twin, and an FP8 row's bandwidth counts its e4m3 bytes.
+no FP8 cache and are timed on the bf16 twin, and an FP8 row's bandwidth counts its e4m3 bytes. ``latent_cases``
+times the latent cache (MLA's absorbed decode, DeepSeek-V3: one cache of 576 columns whose first 512 are the
+values, ``head_dim_v``) at batch 32 - 128 with 4k - 32k keys, 16 - 128 heads on one kv head, contiguous and in
+pages of 64, 1 and 4 query rows; a row's bandwidth counts each key's 1152 bytes once. It has no peer: SDPA's flash
+and cuDNN backends take head dims up to 256, and reading the same bytes would need v as a strided view of k's first
+512 columns, which the memory-efficient backend copies (more bytes than the step reads), so the copy is its roof.
 """
 from __future__ import annotations
 
@@ -42,12 +47,19 @@ class DecodeCase:
     sq: int = 1           # query rows per sequence (more: speculative decoding, causal)
     new: int = 1          # keys appended per step (rawflash only)
     kv_dtype: str = ""    # "float8_e4m3fn": an FP8 cache (rawflash only); "": dtype
+    head_dim_v: int = 0   # the latent cache (rawflash only): values are k_cache's first head_dim_v columns
 
     @property
     def name(self) -> str:
         layout = f"paged {self.page}" if self.page else "contiguous"
-        return (f"b{self.batch} N{self.cache} h{self.heads}/{self.kv_heads} d{self.head_dim} sq{self.sq} "
+        return (f"b{self.batch} N{self.cache} h{self.heads}/{self.kv_heads} d{self.head_dim}"
+                f"{f'/{self.head_dim_v} latent' if self.head_dim_v else ''} sq{self.sq} "
                 f"{layout}" + (" fp8 cache" if self.kv_dtype else ""))
+
+    @property
+    def caches(self) -> int:
+        """Caches read: K and V, or the latent cache alone."""
+        return 1 if self.head_dim_v else 2
 
     @property
     def itemsize(self) -> int:
@@ -58,16 +70,18 @@ class DecodeCase:
         return 1 if self.kv_dtype else self.itemsize
 
     def bytes_moved(self) -> int:
-        """K and V of every used key read once (in the cache's dtype), q read and out written once."""
+        """K and V of every used key read once (in the cache's dtype; the latent cache's once: its K holds V), q read
+        and out written once."""
         keys = self.cache + self.new
-        return (self.kv_itemsize * 2 * self.batch * keys * self.kv_heads * self.head_dim
-                + self.itemsize * 2 * self.batch * self.sq * self.heads * self.head_dim)
+        return (self.kv_itemsize * self.caches * self.batch * keys * self.kv_heads * self.head_dim
+                + self.itemsize * self.batch * self.sq * self.heads
+                * (self.head_dim + (self.head_dim_v or self.head_dim)))
 
     def cache_bytes(self) -> int:
         """Device memory of the two caches (whole pages when paged)."""
         cap = self.cache + self.new
         rows = -(-cap // self.page) * self.page if self.page else cap
-        return 2 * self.batch * rows * self.kv_heads * self.head_dim * self.kv_itemsize
+        return self.caches * self.batch * rows * self.kv_heads * self.head_dim * self.kv_itemsize
 
     @property
     def contiguous(self) -> "DecodeCase":
@@ -101,6 +115,17 @@ def fp8_cases() -> list[DecodeCase]:
     shapes = [DecodeCase(8, 8192), DecodeCase(8, 32768), DecodeCase(64, 8192), DecodeCase(1, 131072),
               DecodeCase(8, 32768, 32, 1), DecodeCase(8, 32768, page=64)]
     return [c for s in shapes for c in (s, dataclasses.replace(s, kv_dtype="float8_e4m3fn"))]
+
+
+def latent_cases() -> list[DecodeCase]:
+    """The latent cache (MLA's absorbed decode, DeepSeek-V3 / R1 serving): 128 heads at batch 32 / 64 / 128 with 4k -
+    32k keys in pages of 64, then contiguous, 4 query rows, 16 and 64 heads, float16, one shape each."""
+    mla = dict(heads=128, kv_heads=1, head_dim=576, head_dim_v=512, page=64)
+    out = [DecodeCase(b, n, **mla) for b in (32, 64, 128) for n in (4096, 8192, 32768)]
+    out += [DecodeCase(64, 8192, **{**mla, "page": 0}), DecodeCase(64, 8192, sq=4, **mla),
+            DecodeCase(64, 8192, **{**mla, "heads": 16}), DecodeCase(64, 8192, **{**mla, "heads": 64}),
+            DecodeCase(64, 8192, dtype="float16", **mla)]
+    return out
 
 
 def decode_cases() -> list[DecodeCase]:
@@ -140,12 +165,15 @@ def _inputs(case: DecodeCase, seed: int = 0):
     table = None
     if case.page:
         per = -(-cap // case.page)
-        kc, vc = (rand(case.batch * per, case.page, case.kv_heads, case.head_dim) for _ in range(2))
+        kc, vc = [rand(case.batch * per, case.page, case.kv_heads, case.head_dim) for _ in range(case.caches)] + \
+            [None] * (2 - case.caches)
         order = np.random.default_rng(seed).permutation(case.batch * per).astype(np.int32)
         table = cupy.asarray(order.reshape(case.batch, per))
     else:
-        kc, vc = (rand(case.batch, cap, case.kv_heads, case.head_dim) for _ in range(2))
-    kn, vn = (rand(case.batch, case.new, case.kv_heads, case.head_dim) for _ in range(2))
+        kc, vc = [rand(case.batch, cap, case.kv_heads, case.head_dim) for _ in range(case.caches)] + \
+            [None] * (2 - case.caches)
+    kn, vn = [rand(case.batch, case.new, case.kv_heads, case.head_dim) for _ in range(case.caches)] + \
+        [None] * (2 - case.caches)  # (the latent cache: k_cache and k_new alone)
     lens = cupy.full(case.batch, case.cache, dtype=cupy.int32)
     return q, kc, vc, kn, vn, lens, table
 
@@ -172,11 +200,12 @@ def _rawflash(case: DecodeCase, q, kc, vc, kn, vn, lens, table, override=None, d
 
     causal = case.sq > 1
     descales = descales or {}
+    latent = {"head_dim_v": case.head_dim_v} if case.head_dim_v else {}
     c = validation.check_decode(q, kc, vc, lens, kn, vn, table, causal, None, "cupy", validation.Features(),
-                                **descales)
+                                **descales, **latent)
     bound = cupy_backend.bind_decode(c.problem, q, kc, vc, kn, vn, c.scale, None, c.extras, settings.load(), override)
     public = lambda: rawflash.decode(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn, block_table=table,  # noqa
-                                     causal=causal, **descales)
+                                     causal=causal, **descales, **latent)
     return bound, public
 
 
@@ -211,8 +240,8 @@ def validate(impl: str, case: DecodeCase, override=None) -> tuple[bool, str]:
     import cupy
 
     small = dataclasses.replace(case, batch=2, cache=min(case.cache, 3000) - 7)
-    if impl != "rawflash" and (small.page or small.kv_dtype):
-        return False, "no paged cache" if small.page else "no FP8 cache"
+    if impl != "rawflash" and (small.page or small.kv_dtype or small.head_dim_v):
+        return False, "no paged cache" if small.page else "no FP8 cache" if small.kv_dtype else "no latent cache"
     q, kc, vc, kn, vn, lens, table = _inputs(small, seed=3)
     kc, vc, descales = _quantized(small, kc, vc)
     host = [None if x is None else _host(x) for x in (q, kc, vc, kn, vn, lens, table)]
@@ -231,7 +260,8 @@ def validate(impl: str, case: DecodeCase, override=None) -> tuple[bool, str]:
         host[3] = host[4] = None
         host[5] = host[5] + small.new
         got = _torch_call(impl, small, q, kc, vc)().transpose(1, 2).float().cpu().numpy()
-    args = dict(k_new=host[3], v_new=host[4], block_table=host[6], causal=causal, **host_descales)
+    args = dict(k_new=host[3], v_new=host[4], block_table=host[6], causal=causal, **host_descales,
+                head_dim_v=small.head_dim_v or None)
     ref, _ = reference.decode(host[0], host[1], host[2], host[5], **args)
     base, _ = reference.decode(host[0], host[1], host[2], host[5], upcast=False, **args)
     ok, err, _, bound = reference.error_ratio_ok(np.asarray(got, np.float64), ref, base, host[0].dtype, 2.0)
@@ -288,6 +318,8 @@ def run_decode(repeats: int = 20, impls: tuple[str, ...] = IMPLS, cases: list[De
         skip = _fits(case)
         for impl in impls:
             row = {"case": case.name, "impl": impl}
+            if impl != "rawflash" and case.head_dim_v:
+                continue  # no peer reads the latent cache's bytes (the module's docstring)
             if impl != "rawflash" and (case.page or case.kv_dtype):
                 continue  # SDPA reads no pages and no FP8 cache: compared on the contiguous bf16 twin below
             if skip:

@@ -753,7 +753,8 @@ def demo(ctx, gpu, arch, sms, as_json):
 @click.option("--decode", is_flag=True,
               help="Time decode instead (a KV-cache step: bandwidth beside a device copy and PyTorch's SDPA): "
                    "batch 1/8/64 x context 1k-128k x GQA 32/8, 64/8, MQA x contiguous and paged 16/64/256; "
-                   "--dtype float8_e4m3fn: FP8 caches, each beside its bf16 cache.")
+                   "--dtype float8_e4m3fn: FP8 caches, each beside its bf16 cache; --mla: the latent cache "
+                   "(MLA's absorbed decode, 576 / 512, 128 heads on one kv head).")
 @click.option("--quick", is_flag=True, help="With --decode: a subset of 12 cases (about 2 minutes on an H200).")
 @click.option("--paged", is_flag=True,
               help="Time a paged prefill instead (forward with block_table: 16 sequences of 256 - 8192 tokens, pages "
@@ -797,7 +798,7 @@ def bench(ctx, impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, 
             raise click.UsageError(f"--jax times its own sweep; it does not go with {', '.join(given)}")
         if set(dtypes) != {"bfloat16"}:
             raise click.UsageError("--jax times bfloat16 only")
-    if mla:
+    if mla and not decode:  # (--decode --mla: decode's latent cache, below)
         given = [f"--{n}" for n, on in (("impl", impls), ("features", features), ("decode", decode),
                                          ("paged", paged), ("deterministic", deterministic), ("host", host),
                                          ("jax", use_jax)) if on]
@@ -839,6 +840,8 @@ def bench(ctx, impls, directions, dtypes, head_dims, seqlens, causal, kv_ratio, 
                 raise click.UsageError("--decode --dtype float8_e4m3fn times its own cases (FP8 caches beside bf16 "
                                        "ones): give it alone, without --quick")
             cases = bench_decode.fp8_cases()
+        elif decode and mla:
+            cases = bench_decode.latent_cases()
         else:
             cases = bench_decode.quick_cases() if quick else None
         name, result = ("decode", bench_decode.run_decode(repeats, cases=cases)) if decode else \

@@ -548,8 +548,8 @@ def _decode_config(p: Problem, override: Override | None) -> TileConfig:
     row = configs.value_row("decode_split", p.head_dim, p.head_dim_v, p.dtype)
     if row is None:
         raise ValueError(f"decode_split's latent form has no row for head_dim {p.head_dim} / head_dim_v "
-                         f"{p.head_dim_v} in {p.dtype} (it runs {configs.LATENT_HEAD_DIM} / {configs.LATENT_HEAD_DIM_V} "
-                         f"in float16 / bfloat16)")
+                         f"{p.head_dim_v} in {p.dtype} (it runs {configs.LATENT_HEAD_DIM} / "
+                         f"{configs.LATENT_HEAD_DIM_V} in float16 / bfloat16)")
     return row
 
 
@@ -613,8 +613,8 @@ def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
     if p.kv_dtype == configs.FP8 and p.arch != "sm_90":
         raise ValueError(f"float8_e4m3fn caches (k_cache, v_cache) need an sm_90 GPU (Hopper), got {p.arch}")
     if launch.latent_decode(p) and p.arch != "sm_90":
-        raise ValueError(f"the latent cache (head_dim_v) needs an sm_90 GPU (Hopper): its CTA takes 231,424 B of shared "
-                         f"memory, got {p.arch}")
+        raise ValueError(f"the latent cache (head_dim_v) needs an sm_90 GPU (Hopper): its CTA takes 231,424 B of "
+                         f"shared memory, got {p.arch}")
     if override:
         return _make_decode_plan(p, _decode_config(p, override), num_splits, sms)
     return _decode_plan(dataclasses.replace(p, lengths=()), num_splits, sms)

@@ -550,7 +550,8 @@ def smem_decode_split(cfg: TileConfig, d: int, itemsize: int, kv_itemsize: int |
     warp and row (mainloop_decode.cuh's MainloopDecodeLatent)."""
     kv = itemsize if kv_itemsize is None else kv_itemsize
     if dv and dv != d:
-        return cfg.br * d * itemsize + cfg.stages * cfg.bc * d * kv + cfg.br * cfg.bc * itemsize + cfg.warps * cfg.br * 4
+        return (cfg.br * d * itemsize + cfg.stages * cfg.bc * d * kv + cfg.br * cfg.bc * itemsize
+                + cfg.warps * cfg.br * 4)
     qmax = 128 * cdiv(cfg.br * 4, 128) if kv < itemsize else 0
     return cfg.br * d * itemsize + qmax + cfg.warps * cfg.stages * 2 * cfg.bc * d * kv
 

@@ -193,7 +193,9 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
                     "output row (more than 32 splits)", "decode")),
             supports=COMMON + ("window", "softcap", "alibi_slopes", "sinks", "paged KV cache", "in-place append",
                                "float8_e4m3fn cache with k_descale / v_descale (no Numba twin: the twins read "
-                               "16-bit and float32 caches)")),
+                               "16-bit and float32 caches)",
+                               "latent cache (MLA: head_dim 576, head_dim_v 512, float16 / bfloat16, sm_90; its "
+                               "8 warps share a split; not yet run on a GPU: RAWFLASH_MLA_DECODE=1)")),
 )}
 
 
