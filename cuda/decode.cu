@@ -118,18 +118,27 @@ template <int D, int ROWS, int WARPS> struct DecodeMerge {
   __device__ __forceinline__ float* combine_weights() const { return base; }
 };
 
+// O's columns (out's, and a partial's in o_ws): head_dim, or the latent cache's head_dim_v (NARROW_V). Read
+// where each use is, as p.head_dim is read there without NARROW_V.
+template <bool NARROW_V> __device__ __forceinline__ int out_cols(const FwdParams& p) {
+  if constexpr (NARROW_V)
+    return p.head_dim_v;
+  else
+    return p.head_dim;
+}
+
 // The fused combine of decode_split's last CTA: rows [r0, r0 + nrows) of kv head hk's packed rows of sequence b
 // from the `parts` CTA partials in o_ws / m_ws, decode_combine's math: lse = log(sum_c e^lse_c + e^sink), out =
 // sum_c e^(lse_c - lse) O_c summed in partial order, a NaN lse making the row NaN. One warp per row for the lse
 // (lanes over the partials), then each thread 4 columns of a row, BATCH loads in flight. wts: rows x parts
 // weights, then each row's lse (DecodeMerge::combine_weights). The partials are other CTAs' stores: read through
-// L2 (ld.global.cg), after the caller's fence. cols: out's columns (head_dim, or the latent form's head_dim_v).
-template <typename T, int THREADS>
+// L2 (ld.global.cg), after the caller's fence. NARROW_V: out has head_dim_v columns (out_cols).
+template <typename T, int THREADS, bool NARROW_V = false>
 __device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* wts, int b, int hk, int group, int r0,
-                                                    int nrows, int parts, int cols) {
+                                                    int nrows, int parts) {
   constexpr unsigned FULL = 0xffffffffu;
   constexpr int BATCH = 8;
-  const long long lse_split = p.ws_split / cols;
+  const long long lse_split = p.ws_split / out_cols<NARROW_V>(p);
   float* row_lse = wts + nrows * parts;
   for (int row = warp_id(); row < nrows; row += THREADS / 32) {
     const int r = r0 + row, i = r / group, h = hk * group + r % group;
@@ -161,10 +170,10 @@ __device__ __forceinline__ void decode_combine_rows(const FwdParams& p, float* w
     }
   }
   __syncthreads();  // every row's weights and lse
-  const int c4s = cols / 4;
+  const int c4s = out_cols<NARROW_V>(p) / 4;
   for (int x = threadIdx.x; x < nrows * c4s; x += THREADS) {
     const int row = x / c4s, c = 4 * (x % c4s), r = r0 + row, i = r / group, h = hk * group + r % group;
-    const float* src = p.o_ws + (((long long)b * p.seqlen_q + i) * p.heads + h) * cols + c;
+    const float* src = p.o_ws + (((long long)b * p.seqlen_q + i) * p.heads + h) * out_cols<NARROW_V>(p) + c;
     const float* wr = wts + row * parts;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int c0 = 0; c0 < parts; c0 += BATCH) {
@@ -222,7 +231,6 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   const int group = p.heads / p.kv_heads, m_rows = group * p.seqlen_q, row_groups = cdiv(m_rows, ROWS);
   const int hk = blockIdx.y / row_groups, r0 = (blockIdx.y % row_groups) * ROWS, b = blockIdx.z;
   const int split = warp_id() / WC, s = blockIdx.x * SPLITS + split, nrows = min(ROWS, m_rows - r0);
-  const int vcols = DV == D ? p.head_dim : p.head_dim_v;  // O's columns
   const bool active = s < p.num_splits;  // the last CTA's splits past num_splits run nothing (and stay for the merge)
   // ---- [decode:setup] the sequence (its keys after the append, checked against the cache) and the policy ----
   BlockInfo<true> bi(p, b, hk * group);
@@ -320,7 +328,10 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   for (int rr = 0; rr < 2 * MT; ++rr)
     k_mul[rr] = Mainloop::FP8 ? pow2f(-q_half_exp(qmax[16 * (rr / 2) + (lane_id() >> 2) + 8 * (rr % 2)])) * kd : 1.f;
   const int tiles = Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, bad ? k_begin : k_end, sQ,
-                                  Mainloop::warp_smem(smem), k_mul, o, sm);
+                                  WC == 1 ? smem + Mainloop::Q_BYTES + Mainloop::QMAX_BYTES +
+                                                warp_id() * STAGES * 2 * Mainloop::KV_BYTES
+                                          : smem + Mainloop::Q_BYTES,  // (the latent form: the CTA's one ring)
+                                  k_mul, o, sm);
   // ---- [decode:merge] the CTA's splits into one partial O (divided by its l) and lse, float32 ----
   // Each warp's O (divided by its own l) and lse go to shared memory (the tiles' bytes: every warp is past its
   // key loop), then each thread merges 4 columns of a row over the WARPS splits by their lse, as the combine
@@ -347,10 +358,10 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
     if (t == 0 && warp_id() % WC == 0)  // (the split's warps hold the same lse)
       mg.lse[split * ROWS + 16 * (rr / 2) + g + 8 * (rr % 2)] = !active ? -INFINITY : bad ? nan_f() : lse[rr];
   __syncthreads();  // every split's O and lse are in shared memory
-  const long long lse_split = p.ws_split / vcols;
+  const long long lse_split = p.ws_split / out_cols<DV != D>(p);
   float* ows = p.o_ws + blockIdx.x * p.ws_split;
   float* lws = p.m_ws + blockIdx.x * lse_split;
-  const int c4s = vcols / 4;
+  const int c4s = out_cols<DV != D>(p) / 4;
   for (int x = threadIdx.x; x < nrows * c4s; x += WARPS * 32) {
     const int row = x / c4s, c = 4 * (x % c4s), r = r0 + row, i = r / group, h = hk * group + r % group;
     float m = -INFINITY;
@@ -377,7 +388,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
       const float4 v = *reinterpret_cast<const float4*>(mg.o(w, row) + c);
       acc.x += wt * v.x, acc.y += wt * v.y, acc.z += wt * v.z, acc.w += wt * v.w;
     }
-    *reinterpret_cast<float4*>(ows + (((long long)b * p.seqlen_q + i) * p.heads + h) * vcols + c) = acc;
+    *reinterpret_cast<float4*>(ows + (((long long)b * p.seqlen_q + i) * p.heads + h) * out_cols<DV != D>(p) + c) = acc;
   }
   if (!p.decode_counters) return;  // decode_combine merges the partials in a launch of its own
   // ---- [decode:fused_combine] the last CTA of (b, hk, row group) to finish merges every CTA's partial ----
@@ -396,7 +407,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   __syncthreads();
   if (!mg.flag[0]) return;
   __threadfence();  // the other CTAs' partials, counted before this CTA's atomic, are read after it
-  decode_combine_rows<T, WARPS * 32>(p, mg.combine_weights(), b, hk, group, r0, nrows, gridDim.x, vcols);
+  decode_combine_rows<T, WARPS * 32, DV != D>(p, mg.combine_weights(), b, hk, group, r0, nrows, gridDim.x);
 }
 
 // NARROW_V (both combines): out has head_dim_v columns (the latent cache's values), else head_dim.
@@ -416,8 +427,8 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
   // row NaN.
   const long long row = blockIdx.x;  // (b * seqlen_q + i) * heads + h
   const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
-  const int cols = NARROW_V ? p.head_dim_v : p.head_dim;
-  const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / cols;
+  const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i,
+                  lse_split = p.ws_split / out_cols<NARROW_V>(p);
   const int splits = min(p.num_partials, MAX_SPLITS);  // (the CTAs' partials: see decode_split's merge)
   float m = -INFINITY;
   int nan = 0;
@@ -439,11 +450,12 @@ __global__ void __launch_bounds__(THREADS) decode_combine(const __grid_constant_
   for (int s = threadIdx.x; s < splits; s += THREADS)
     w[s] = w[s] == -INFINITY || nan ? 0.f : exp_lse<T>(w[s] - lse);
   __syncthreads();  // every weight is visible
-  const int chunks = cols / 4, groups = THREADS / chunks;  // cols is a multiple of 8 and at most 4 * THREADS
+  // out_cols is a multiple of 8 and at most 4 * THREADS
+  const int chunks = out_cols<NARROW_V>(p) / 4, groups = THREADS / chunks;
   const int c4 = threadIdx.x % chunks, sg = threadIdx.x / chunks;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (sg < groups) {
-    const float* src = p.o_ws + row * cols + 4 * c4;
+    const float* src = p.o_ws + row * out_cols<NARROW_V>(p) + 4 * c4;
 #pragma unroll 4
     for (int s = sg; s < splits; s += groups) {
       const float wt = w[s];
@@ -486,8 +498,8 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) decode_combine_warp(co
   const long long row = (long long)blockIdx.x * WARPS + warp_id();  // (b * seqlen_q + i) * heads + h
   if (row >= (long long)p.batch * p.seqlen_q * p.heads) return;      // the whole warp
   const int h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / ((long long)p.heads * p.seqlen_q);
-  const int cols = NARROW_V ? p.head_dim_v : p.head_dim;
-  const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i, lse_split = p.ws_split / cols;
+  const long long lse_row = ((long long)b * p.heads + h) * p.seqlen_q + i,
+                  lse_split = p.ws_split / out_cols<NARROW_V>(p);
   const int lane = lane_id(), splits = min(p.num_partials, 32);
   const float x = lane < splits ? p.m_ws[lane * lse_split + lse_row] : -INFINITY;
   const bool nan = __any_sync(FULL, x != x);
@@ -502,10 +514,10 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) decode_combine_warp(co
   if (p.sinks) denom += exp_lse<T>(p.sinks[h] - m_use);
   const float lse = nan ? nan_f() : denom > 0.f ? m_use + logf(denom) : -INFINITY;
   const float wt = lane >= splits || x == -INFINITY || nan ? 0.f : exp_lse<T>(x - lse);
-  // cols is a multiple of 8 and at most 512: 2 .. 128 chunks of 4 columns
-  const int chunks = cols / 4, groups = chunks >= 32 ? 1 : 32 / chunks;
+  // out_cols is a multiple of 8 and at most 512: 2 .. 128 chunks of 4 columns
+  const int chunks = out_cols<NARROW_V>(p) / 4, groups = chunks >= 32 ? 1 : 32 / chunks;
   const int sg = lane / chunks, c = lane % chunks;
-  const float* src = p.o_ws + row * cols;
+  const float* src = p.o_ws + row * out_cols<NARROW_V>(p);
   T* out = (T*)p.o + b * p.o_sb + i * p.o_ss + h * p.o_sh;
   for (int c0 = 0; c0 < chunks; c0 += 32) {  // uniform: one pass up to 128 columns, two at 192 and 256, 4 at 512
     const int c4 = c0 + c;

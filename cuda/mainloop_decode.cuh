@@ -78,7 +78,7 @@ __device__ __forceinline__ int q_half_exp(unsigned m) {
 }
 __device__ __forceinline__ float pow2f(int a) { return __int_as_float((a + 127) << 23); }  // a in [-126, 127]
 
-// What both decode mainloops know of a split before its first tile: the key tiles it visits and the thread's 2 MT
+// What the latent mainloop knows of a split before its first tile: the key tiles it visits and the thread's 2 MT
 // packed rows (query index, ALiBi slope, visible keys [lo, hi); padding rows past nrows see nothing), computed
 // once, so the tile loop has no division; and the step of a tile's scores through the policy.
 template <int MT, int BCW> struct DecodeSplitRows {
@@ -127,6 +127,28 @@ template <int MT, int BCW> struct DecodeSplitRows {
   }
 };
 
+// One key block whose row maxima mx (log2 units, the scores' own) were taken over more scores than this warp's
+// (the latent form splits a tile's keys between warps that share the rows): OnlineSoftmax::update's running-max step
+// with the lazy rescale (stale_log2 > 0) from that max, so every warp sharing the rows keeps the same m and fo. P =
+// exp2(S - m) in place; l gathers this warp's share of the row sums (mx is overwritten).
+template <typename T, int MT, int NT, int ROWS>
+__device__ __forceinline__ void latent_update_max(OnlineSoftmax<ROWS>& sm, Acc<MT, NT>& s, float (&mx)[ROWS],
+                                                  float (&fo)[ROWS], float stale_log2) {
+  float rs[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const float cand = fmaxf(sm.m[r], mx[r]);
+    const bool keep = cand - sm.m[r] <= stale_log2;  // (false while the row has seen nothing: NaN)
+    mx[r] = keep ? sm.m[r] : cand == -INFINITY ? 0.f : cand;
+    fo[r] = keep ? 1.f : exp2_<T>(sm.m[r] - mx[r]);
+    sm.m[r] = keep ? sm.m[r] : cand;
+  }
+  for_each_row(s, [&](float& x, int r) { x = exp2_<T>(x - mx[r]); });
+  row_sum(rs, s);
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) sm.l[r] = fo[r] * sm.l[r] + rs[r];
+}
+
 // The start of a split: O = 0, the softmax state's m = -inf and l = 0, and the ring's first STAGES - 1 tiles
 // (of n) streaming, one cp.async group each (empty past n).
 template <int STAGES, int MT, int NO, class Load>
@@ -158,10 +180,6 @@ template <typename T_, typename C_, int D, int MT, int BCW, int STAGES, int WARP
   // decode_split's view: every warp a split of its own (WC = 1 warp per split, SPLITS per CTA), reading K and V
   static constexpr int WC = 1, SPLITS = WARPS;
   static constexpr bool VALUES = true;
-  // The warp's ring: STAGES x (K_j, V_j) after the Q tile and the row maxima.
-  __device__ __forceinline__ static char* warp_smem(char* smem) {
-    return smem + Q_BYTES + QMAX_BYTES + warp_id() * STAGES * 2 * KV_BYTES;
-  }
 
   // (FP8) S = Q K8^T: sQ's float16 rows (their columns permuted as load_b4_nk_e4m3 asks) against the e4m3 tile.
   __device__ __forceinline__ static void scores_e4m3(Acc<MT, NT>& s, const Tile<T, ROWS, D>& sQ,
@@ -218,14 +236,38 @@ template <typename T_, typename C_, int D, int MT, int BCW, int STAGES, int WARP
                                             OnlineSoftmax<2 * MT>& sm) {
     auto sK = [&](int t) { return Tile<C, BCW, D>{(C*)(warp_smem + (t % STAGES) * 2 * KV_BYTES)}; };
     auto sV = [&](int t) { return Tile<C, BCW, D>{(C*)(warp_smem + (t % STAGES) * 2 * KV_BYTES + KV_BYTES)}; };
-    // ---- [mainloop_decode:init] O = 0, l = 0, m = -inf; the first STAGES - 1 key tiles start streaming ----
-    const DecodeSplitRows<MT, BCW> rows(p, bi, pol, group, r0, nrows, k_begin, k_end);
-    const int lo = rows.first, hi = rows.end, n = rows.tiles;
+    // Packed rows r0 + r: query (r0 + r) / group of head hk * group + (r0 + r) % group.
+    const int i_first = r0 / group, i_last = (r0 + nrows - 1) / group;
+    // Tiles start on multiples of BCW (split boundaries are), so a tile never reaches into the next split: keys
+    // before row_start or past row_end / seqlen_k inside a tile are masked, and a split ends on a tile edge.
+    const int lo = max(k_begin, pol.row_start(i_first)) / BCW * BCW, hi = min(k_end, pol.row_end(i_last));
+    const int n = hi > lo ? cdiv(hi - lo, BCW) : 0;
+    const int interior_end = min(hi, pol.row_end(i_first)), interior_start = max(lo, pol.row_start(i_last));
     auto load = [&](int t) {
       const int k0 = lo + t * BCW;
       load_kv_tile(sK(t), sV(t), p, bi, k0, min(BCW, hi - k0));
     };
-    start_split<STAGES>(o, sm, n, load);
+    // ---- [mainloop_decode:init] O = 0, l = 0, m = -inf; the first STAGES - 1 key tiles start streaming ----
+    // The thread's 2 MT packed rows, fixed for the split: query index, ALiBi slope, visible keys [row_lo, row_hi)
+    // (padding rows past nrows see nothing). Computed once, so the tile loop has no division.
+    const int g = lane_id() >> 2, tq = lane_id() & 3;
+    int qi[2 * MT], row_lo[2 * MT], row_hi[2 * MT];
+    float slope[2 * MT];
+#pragma unroll
+    for (int rr = 0; rr < 2 * MT; ++rr) {
+      const int row = 16 * (rr / 2) + g + 8 * (rr % 2), r = r0 + row;
+      qi[rr] = r / group;
+      slope[rr] = pol.head_slope(p, bi, r % group);
+      row_lo[rr] = row < nrows ? pol.row_start(qi[rr]) : 0x7fffffff;
+      row_hi[rr] = row < nrows ? pol.row_end(qi[rr]) : 0;
+    }
+    zero(o);
+    sm.init();
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+      if (t < n) load(t);
+      cp_async_commit();
+    }
     for (int t = 0; t < n; ++t) {
       const int k0 = lo + t * BCW;
       // ---- [mainloop_decode:wait] tile t has landed; tile t + STAGES - 1 starts streaming ----
@@ -240,7 +282,18 @@ template <typename T_, typename C_, int D, int MT, int BCW, int STAGES, int WARP
         scores_e4m3(s, sQ, sK(t));
       else
         gemm_abt<MT, NT, D, 1>(s, sQ, 0, sK(t), 0);
-      rows.template scores<T, FP8>(s, pol, k0, rows.edge(k0), k_mul);
+      const bool edge = k0 < interior_start || k0 + BCW > interior_end;
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int nj = 0; nj < NT; ++nj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int rr = 2 * mi + (e >> 1), j = k0 + 8 * nj + 2 * tq + (e & 1);
+            float& x = s.v[mi][nj][e];
+            x = pol.template score<T>(FP8 ? x * k_mul[rr] : x, qi[rr], j, nullptr, slope[rr]);
+            if (edge && (j < row_lo[rr] || j >= row_hi[rr])) x = -INFINITY;
+          }
       // ---- [mainloop_decode:softmax] online softmax of the block; O rescaled unless no row's max moved ----
       // (FA4's lazy rescale: the max is kept while a tile's exceeds it by at most STALE_LOG2, so P <= 2^8; O's
       // rescale is D / 2 multiplies a thread against 2 BCW / 8 scores, and after the first tiles it is rare)
@@ -286,8 +339,6 @@ struct MainloopDecodeLatent {
   static_assert(NT == 1 && D % 32 == 0, "8 keys of S a warp (one n-tile), D in 32-column steps");
   static_assert(DV <= D && NO % 2 == 0 && BCW % 16 == 0 && STAGES >= 2, "O's columns in pairs of n-tiles");
 
-  __device__ __forceinline__ static char* warp_smem(char* smem) { return smem + Q_BYTES; }  // the CTA's ring
-
   // S (ROWS x 8 keys: rows n0.. of sK) = Q K^T over D columns: each 32 columns one ldmatrix.x4 of the 8 keys
   // (two k-steps of B) against the MT m-tiles of Q.
   __device__ __forceinline__ static void scores(Acc<MT, 1>& s, const Tile<T, ROWS, D>& sQ, const Tile<C, BCW, D>& sK,
@@ -312,7 +363,7 @@ struct MainloopDecodeLatent {
 
   // The CTA's split: keys [k_begin, k_end), rows [r0, r0 + nrows), every warp its DV / WARPS columns of O (o) and
   // the rows' softmax state (m the same in every warp; l, after the last tile, the sum over the warps). ring:
-  // warp_smem's. k_mul is unused (no FP8 form). Returns the key tiles read (0: an empty split).
+  // smem + Q_BYTES. k_mul is unused (no FP8 form). Returns the key tiles read (0: an empty split).
   __device__ __forceinline__ static int run(const FwdParams& p, const Info& bi, const Pol& pol, int group, int r0,
                                             int nrows, int k_begin, int k_end, const Tile<T, ROWS, D>& sQ,
                                             char* ring, const float (&k_mul)[2 * MT], Acc<MT, NO>& o,
@@ -354,7 +405,7 @@ struct MainloopDecodeLatent {
 #pragma unroll
         for (int v = 0; v < WARPS; ++v) mx[rr] = fmaxf(mx[rr], xrow[v * ROWS + 16 * (rr / 2) + g + 8 * (rr % 2)]);
       }
-      sm.template update_max<T>(s, mx, fo, STALE_LOG2);
+      latent_update_max<T>(sm, s, mx, fo, STALE_LOG2);
       store_acc(sP, s, 0, 8 * w);
       __syncthreads();  // every warp's P
       sm.template rescale<true, true>(o, fo);  // (the same fo in every warp; padding rows see no key at all)

@@ -100,27 +100,6 @@ template <int ROWS> struct OnlineSoftmax {
     if (NORMALIZE) scale_rows(s, mx);
   }
 
-  // One key block whose row maxima mx (log2 units, the scores' own) were taken over more scores than this warp's
-  // (decode's latent form splits a tile's keys between warps that share the rows): update's running-max step with
-  // the lazy rescale (stale_log2 > 0) from that max, so every warp sharing the rows keeps the same m and fo. P =
-  // exp2(S - m) in place; l gathers this warp's share of the row sums (mx is overwritten).
-  template <typename T, int MT, int NT>
-  __device__ __forceinline__ void update_max(Acc<MT, NT>& s, float (&mx)[ROWS], float (&fo)[ROWS], float stale_log2) {
-    float rs[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const float cand = fmaxf(m[r], mx[r]);
-      const bool keep = cand - m[r] <= stale_log2;  // (false while the row has seen nothing: NaN)
-      mx[r] = keep ? m[r] : cand == -INFINITY ? 0.f : cand;
-      fo[r] = keep ? 1.f : exp2_<T>(m[r] - mx[r]);
-      m[r] = keep ? m[r] : cand;
-    }
-    for_each_row(s, [&](float& x, int r) { x = exp2_<T>(x - mx[r]); });
-    row_sum(rs, s);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) l[r] = fo[r] * l[r] + rs[r];
-  }
-
   // Alg.1 l.10: O = diag(fo) O. LAZY (a stale_log2 update): skipped when no row of the warp moved its max (every
   // fo exactly 1), decided by one vote so the warp stays converged. EMPTY_ROWS: rows that see nothing for many
   // blocks (decode's padding rows) do not count (m = -inf: their O is 0 whatever fo); the FA3 forwards count
