@@ -13,8 +13,8 @@ reads them once and hands the object down); no other module reads or writes them
                           form has not yet run under compute-sanitizer), ``0`` (neither: v zero-padded everywhere)
 ``RAWFLASH_HEAD_DIM_512=1``  run head dims above 256 on the head_dim 512 forms (16-bit fa2 forward and backward),
                           which have not yet been verified on a GPU (default: validation refuses them)
-``RAWFLASH_MLA_DECODE=1``  run decode's latent cache (MLA, head_dim 576 / head_dim_v 512) on the cupy backend,
-                          whose kernel has not yet been verified on a GPU (default: validation refuses it)
+``RAWFLASH_MLA_DECODE=1``  run decode's latent cache (MLA, head_dim 576 / head_dim_v 512) on the cupy and numba
+                          backends, whose kernel has not yet been verified on a GPU (default: validation refuses it)
 ``RAWFLASH_CUDA_DIR``     read the CUDA sources from this folder instead of the installed ones
 ``RAWFLASH_DEBUG=1``      the command line shows tracebacks instead of one-line errors
 ``RAWFLASH_PROGRESS``     ``1``: always announce slow compiles on stderr, ``0``: never (default: on a tty)

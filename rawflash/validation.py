@@ -550,15 +550,15 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device) -> tuple[object, np.
     return cache_seqlens, (np.asarray(cache_seqlens).astype(np.int64) if kind == "numpy" else None)
 
 
-MLA_SETTING = "RAWFLASH_MLA_DECODE"  # settings.mla_decode: the gate of decode's latent cache on the cupy backend
+MLA_SETTING = "RAWFLASH_MLA_DECODE"  # settings.mla_decode: the gate of decode's latent cache (cupy and numba)
 
 
 def _check_latent(q, k_cache, v_cache, v_new, head_dim_v, backend: str, k_descale, v_descale) -> int:
     """The rules of decode's latent cache (``head_dim_v`` given: values are k_cache's first head_dim_v columns), one
     ValueError naming the argument per refused input; its head_dim_v. The reference backend computes any head_dim_v
     in 8 .. head_dim (multiples of 8); the Numba twins and the cupy backend run float16 / bfloat16 caches of q's
-    dtype at configs.LATENT_HEAD_DIM / LATENT_HEAD_DIM_V, the cupy backend only where ``RAWFLASH_MLA_DECODE=1``
-    admits its kernel, which has not yet run on a GPU."""
+    dtype at configs.LATENT_HEAD_DIM / LATENT_HEAD_DIM_V, both only where ``RAWFLASH_MLA_DECODE=1`` admits the
+    form, which has not yet run on a GPU."""
     if isinstance(head_dim_v, (bool, np.bool_)) or not isinstance(head_dim_v, numbers.Integral):
         raise ValueError(f"head_dim_v must be None or an int (the latent cache's value columns), got {head_dim_v!r}")
     head_dim_v = int(head_dim_v)
@@ -587,9 +587,9 @@ def _check_latent(q, k_cache, v_cache, v_new, head_dim_v, backend: str, k_descal
     if (d, head_dim_v) != pair:
         raise ValueError(f"head_dim_v: the latent cache's form runs head_dim {pair[0]} with head_dim_v {pair[1]} "
                          f"(DeepSeek-V3's 512 latent + 64 rotary columns), got head_dim {d}, head_dim_v {head_dim_v}")
-    if backend == "cupy" and not settings.load().mla_decode:
+    if backend in ("cupy", "numba") and not settings.load().mla_decode:
         raise ValueError(f"head_dim_v: decode's latent cache form has not yet been verified on a GPU; set "
-                         f"{MLA_SETTING}=1 to run it (or use backend='reference' or 'numba')")
+                         f"{MLA_SETTING}=1 to run it on the {backend} backend (or use backend='reference')")
     return head_dim_v
 
 

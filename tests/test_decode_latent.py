@@ -75,7 +75,8 @@ REFUSALS = [
     ("head_dim_v-pair", dict(head_dim_v=256), "head_dim_v: the latent cache's form runs head_dim 576"),
     ("q-float32", dict(q="f32"), "q: the latent cache runs float16 or bfloat16"),
     ("k_descale", dict(k_descale=np.ones(1, np.float32)), "k_descale: the latent cache runs 16-bit caches only"),
-    ("gate", dict(backend="cupy"), "RAWFLASH_MLA_DECODE=1"),
+    ("gate", dict(backend="cupy"), "RAWFLASH_MLA_DECODE=1 to run it on the cupy backend"),
+    ("gate-numba", dict(backend="numba"), "RAWFLASH_MLA_DECODE=1 to run it on the numba backend"),
 ]
 
 
@@ -163,7 +164,8 @@ SIM_CASES = [
 
 @pytest.mark.parametrize("name,kw,extra", SIM_CASES, ids=[c[0] for c in SIM_CASES])
 @pytest.mark.parametrize("", [pytest.param(marks=sim)])
-def test_latent_twin_matches_the_reference(name, kw, extra):
+def test_latent_twin_matches_the_reference(name, kw, extra, monkeypatch):
+    monkeypatch.setenv("RAWFLASH_MLA_DECODE", "1")
     q, kc, lens, kn, table = _case(cap=130, **kw)
     opts = dict(k_new=kn, block_table=table, causal=True, head_dim_v=DV)
     ref_out, ref_lse = reference.decode(q, kc, None, lens, **opts)
