@@ -37,8 +37,9 @@
 # SANITIZE_DTYPES (float16 bfloat16 float32) the sanitizer step (SANITIZE_JOBS=N > 1: every tool x dtype as its
 # own process, side by side, each split further into SANITIZE_SHARDS processes (default 1; tools/sanitize.py's
 # SANITIZE_SHARD: float32's racecheck alone takes more than 420 s on an H100); SANITIZE_ONLY=decode, splitk, fa3,
-# fp8, paged, mla or feature:NAME, e.g. feature:alibi (that feature in every form): that part of its workload
-# alone); TAR_TO=path packs every log into one archive at the end (for machines that return only a few files).
+# fp8, paged, mla, wide (head_dim 512), latent (decode's latent cache) or feature:NAME, e.g. feature:alibi (that
+# feature in every form): that part of its workload alone); TAR_TO=path packs every log into one archive at the
+# end (for machines that return only a few files).
 set -uo pipefail
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then  # the comment above, as usage
   awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"

@@ -4,10 +4,11 @@ an out-of-bounds access, a shared-memory race or a barrier misuse shows there an
 pool is switched off so that out-of-bounds accesses inside a pooled chunk are seen. Every form runs (the Hopper
 forms where the GPU has them, the mma.sync forms through wgmma=False and RAWFLASH_WGMMA=0's backward), with and
 without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k); decode with
-contiguous and paged caches; the paged forward; MLA's narrower v (padded, and FA3's DV forms). SANITIZE_ONLY=decode,
-splitk, fa3, fp8, paged, mla or feature:NAME (e.g. feature:alibi: that feature in every form) runs that part alone
-(racecheck is slow); SANITIZE_SHARD=i/n runs shard i of n of the whole workload (the main loop's cases i, i + n,
-...; the other parts in shard 0), so that n processes side by side cover it. Example:
+contiguous and paged caches; the paged forward; MLA's narrower v (padded, and FA3's DV forms); head_dim 512 (the
+``wide`` part) and decode's latent cache (``latent``), which set the settings that admit them. SANITIZE_ONLY=decode,
+splitk, fa3, fp8, paged, mla, wide, latent or feature:NAME (e.g. feature:alibi: that feature in every form) runs that
+part alone (racecheck is slow); SANITIZE_SHARD=i/n runs shard i of n of the whole workload (the main loop's cases
+i, i + n, ...; the other parts in shard 0), so that n processes side by side cover it. Example:
 
     SANITIZE_ONLY=fa3 compute-sanitizer --tool racecheck python3 tools/sanitize.py bfloat16
 """
@@ -259,6 +260,14 @@ def _fp8(dtype: str) -> None:
                              v_descale=ds, seqused_k=None if used is None else cupy.asarray(used, cupy.int32))
 
 
+def _packed_with_features(q, k, v, left: int) -> None:
+    """q, k, v packed (variable lengths), forward and backward with a (left, 0) window, soft-capping and sinks."""
+    qq, kk, vv, packed = _varlen(q, k, v)
+    feats = dict(window=(left, 0), softcap=10.0, sinks=cupy.linspace(-1, 1, q.shape[2], dtype=cupy.float32), **packed)
+    o, l = rawflash.forward(qq, kk, vv, **feats)
+    rawflash.backward(cupy.ones_like(o), qq, kk, vv, o, l, **feats)
+
+
 def _mla(dtype: str) -> None:
     """MLA's narrower v: the forward and the backward (v zero-padded with RAWFLASH_DV_FORM=0, then with =1 FA3's
     DV forms at 192 / 128 and 128 / 64 and a pair that rounds to them), ragged shapes, GQA, causal both ways,
@@ -273,11 +282,57 @@ def _mla(dtype: str) -> None:
             for causal in (False, True):
                 out, lse = rawflash.forward(q, k, v, causal=causal)
                 rawflash.backward(cupy.ones_like(out), q, k, v, out, lse, causal=causal)
-            qq, kk, vv, packed = _varlen(q, k, v)
-            feats = dict(window=(50, 0), softcap=10.0, sinks=cupy.linspace(-1, 1, h, dtype=cupy.float32), **packed)
-            o, l = rawflash.forward(qq, kk, vv, **feats)
-            rawflash.backward(cupy.ones_like(o), qq, kk, vv, o, l, **feats)
+            _packed_with_features(q, k, v, 50)
     os.environ.pop("RAWFLASH_DV_FORM", None)
+
+
+def _wide(dtype: str) -> None:
+    """head_dim 512's forms (RAWFLASH_HEAD_DIM_512=1, 16-bit): FA3's forward with its column split and the mma.sync
+    forward (wgmma=False), the backward atomic and deterministic, at 512 and at 300 (zero-filled columns past it),
+    ragged shapes, GQA, causal both ways, and packed sequences with a window, soft-capping and sinks."""
+    if dtype == "float32":  # (float32 has no head_dim 512 row)
+        return
+    os.environ["RAWFLASH_HEAD_DIM_512"] = "1"
+    for d, (b, sq, sk, h, hk) in ((512, (1, 77, 130, 2, 1)), (300, (2, 33, 65, 2, 2))):
+        q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
+        dout = cupy.asarray(np.random.default_rng(2).standard_normal(q.shape).astype(q.dtype))
+        for causal in (False, True):
+            for wgmma in (None, False):
+                out, lse = rawflash.forward(q, k, v, causal=causal, wgmma=wgmma)
+            for det in (False, True):
+                rawflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+        _packed_with_features(q, k, v, 20)
+    os.environ.pop("RAWFLASH_HEAD_DIM_512", None)
+
+
+def _latent(dtype: str) -> None:
+    """decode's latent cache (MLA's absorbed decode, 576 / 512; RAWFLASH_MLA_DECODE=1, 16-bit): contiguous and in
+    pages of 64, 16 and 128 query heads (one row group and two, the latter with decode_append first), 1 and 3 query
+    rows, appends across a page edge, an empty sequence, one and many splits, and device lengths past the capacity."""
+    if dtype == "float32":  # (the latent form is 16-bit)
+        return
+    from rawflash.kernels import configs
+
+    os.environ["RAWFLASH_MLA_DECODE"] = "1"
+    d, dv = configs.LATENT_HEAD_DIM, configs.LATENT_HEAD_DIM_V
+    rng = np.random.default_rng(3)
+    dt = random_qkv(1, 1, 1, 1, 1, 8, dtype)[0].dtype
+    lens, cap = np.array([0, 61, 100], np.int32), 130
+    for h, sq, page in ((16, 1, 64), (128, 3, 0), (16, 2, 0), (128, 1, 64)):
+        if page:
+            per = -(-cap // page)
+            kc = cupy.asarray(rng.standard_normal((3 * per, page, 1, d)).astype(dt))
+            table = cupy.asarray(rng.permutation(3 * per).reshape(3, per).astype(np.int32))
+        else:
+            kc, table = cupy.asarray(rng.standard_normal((3, cap, 1, d)).astype(dt)), None
+        q = cupy.asarray(rng.standard_normal((3, sq, h, d)).astype(dt))
+        kn = cupy.asarray(rng.standard_normal((3, 4, 1, d)).astype(dt))
+        for splits in (None, 1, 3, 40):
+            rawflash.decode(q, kc, cache_seqlens=cupy.asarray(lens), k_new=kn, block_table=table, head_dim_v=dv,
+                            num_splits=splits)
+        bad = cupy.asarray(np.array([cap + 50, -2, 61], np.int32))
+        rawflash.decode(q, kc, cache_seqlens=bad, k_new=kn, block_table=table, head_dim_v=dv, num_splits=3)
+    os.environ.pop("RAWFLASH_MLA_DECODE", None)
 
 
 def main() -> None:
@@ -286,7 +341,8 @@ def main() -> None:
     dtypes = ap.parse_args().dtypes or list(DTYPES)
     if set(dtypes) - set(DTYPES):
         ap.error(f"DTYPE is one of {', '.join(DTYPES)}, not {', '.join(sorted(set(dtypes) - set(DTYPES)))}")
-    # 'decode', 'splitk', 'fa3', 'fp8', 'paged', 'mla' or 'feature:NAME' (e.g. feature:alibi): that part alone
+    # 'decode', 'splitk', 'fa3', 'fp8', 'paged', 'mla', 'wide', 'latent' or 'feature:NAME' (e.g. feature:alibi):
+    # that part alone
     # (racecheck is slow)
     only = os.environ.get("SANITIZE_ONLY")
     if only:
@@ -295,7 +351,7 @@ def main() -> None:
                 _feature(only.split(":", 1)[1], dtype)
             else:
                 {"decode": _decode, "splitk": _splitk, "fa3": _fa3, "fp8": _fp8, "paged": _paged,
-                 "mla": _mla}[only](dtype)
+                 "mla": _mla, "wide": _wide, "latent": _latent}[only](dtype)
             cupy.cuda.Device().synchronize()
             print(f"sanitize workload done: {only} {dtype}", flush=True)
         return
@@ -325,6 +381,8 @@ def main() -> None:
                 _paged(dtype)
             _fp8(dtype)
             _mla(dtype)
+            _wide(dtype)
+            _latent(dtype)
         print(f"sanitize workload done: {dtype}", flush=True)
     if shard != 0:
         return
