@@ -8,6 +8,14 @@ on the FA2 paper's shape (B = 16384 / N, H = 2048 / d), causal off and on. The r
 GPU that measures (its name, arch, L2 size and the tuned GPU configs.gpu_name makes of them); the last lines give,
 where a candidate beats today's row on every case's geometric mean, the configs.GPU_ROWS (or GPU_SITUATION_ROWS)
 entry to paste, with the figures as its ``why``. ``--out FILE`` writes it all as JSON (tools/tune_record.py).
+
+``--head-dim-v DV`` times the DV form's rows instead (configs.VALUE_ROWS: MLA's narrower v, read at its own
+width): for each --head-dims value d, FA3's forward (fwd_fa3) or backward (bwd_sm90: Hopper's backward, whose DV
+form is fa3_bwd_sm90) on DeepSeek-V3-like shapes, the FA2 sweep's B = 16384 / N and H = 2048 / d with v of DV
+columns, under RAWFLASH_DV_FORM=1 (both DV forms). The candidates are VALUE_ROWS' row for the pair of head dims as
+the kernel is compiled, marked "(current)", and VALUE_CANDIDATES' rows that fit sm_90's 232,448 B of shared memory
+with v at its width, each validated as above and checked to run the DV form; where one beats the current row, the
+last lines give the configs.VALUE_ROWS entry to paste (DV a multiple of 8, at most each d; --features is refused).
 Example:
 
     python3 tools/tune.py --which fwd_fa3 --head-dims 128 --seqlen 2048,8192
@@ -16,20 +24,24 @@ Example:
     python3 tools/tune.py --which fwd_fa3 --head-dims 128 --features window,dense   # bench --features' cases
     python3 tools/tune.py --which fwd_fp8 --head-dims 128 --features window,dense   # (the FP8 forward's ones)
     python3 tools/tune.py --which fwd_fa3 --head-dims 64,128,256 --seqlen 2048,8192 --out tune-fa3-h100.json
+    python3 tools/tune.py --which fwd_fa3,bwd_sm90 --head-dims 192 --head-dim-v 128 --seqlen 4096,8192  # MLA
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tune_record as rec  # noqa: E402  (tools/, this script's folder)
-from rawflash.cli import bench  # noqa: E402
-from rawflash.kernels import configs, forms  # noqa: E402
+from rawflash.cli import bench, occupancy  # noqa: E402
+from rawflash.kernels import configs, forms, launch  # noqa: E402
 from rawflash.kernels.configs import TileConfig  # noqa: E402
+from rawflash.problem import Problem  # noqa: E402
 
 CANDIDATES = {
     ("fa2_fwd", 64): [TileConfig(128, 64, 4, kunroll=k) for k in (1, 2, 4)]
@@ -72,12 +84,89 @@ WHICH = {"fwd": ("fa2_fwd", "rawflash-fa2-mma"), "bwd": ("fa2_bwd", "rawflash-fa
          "bwd_sm90": ("fa2_bwd_sm90", "rawflash-fa2"), "fwd_fp8": ("fa3_fwd_sm90_fp8", "rawflash-fa2")}
 DTYPE_OF = {"fwd_fp8": configs.FP8}  # the rows' dtype where it is not --dtype
 
+# --head-dim-v: --which value -> the kernel whose DV form's rows (configs.VALUE_ROWS) it times
+VALUE_WHICH = {"fwd_fa3": "fa3_fwd_sm90", "bwd_sm90": "fa3_bwd_sm90"}
+SMEM_LIMIT = occupancy.ARCHS["sm_90"].smem_per_block_optin  # 232,448 B: a CTA's shared memory on sm_90
+# The DV form's candidate rows beside VALUE_ROWS' own, keyed (kernel, head_dim, head_dim_v) as the kernel is compiled;
+# the bytes (launch.smem_fa3_fwd_sm90 / smem_fa3_bwd_sm90 with v at its width) follow each row. Each compiles
+# offline (NVRTC 13.0, sm_90a, bfloat16, plain policy, full and causal) at 168 registers without a spill. Forward
+# 192 / 128: 128 rows by 96 or 112 keys in 2 stages, and 96 keys with 2 Q_i buffers; 160 keys (255,072 B), 128 keys
+# with 2 Q_i buffers (263,280 B) and 96 keys in 3 stages (234,624 B) do not fit. Forward 128 / 64: 128, 160 and
+# 192 keys, and 160 or 176 with 2 Q_i buffers. Backward 192 / 128, the column split: 64 x 64 is its one tile (its
+# static_assert) and `stages` counts its Q_i stages (dO_i has one of its own): 3 fit. Backward 128 / 64: 3 stages
+# of Q_i and dO_i, and the 80-row tile (SWAP_DQ; the deterministic form keeps 64 rows: forms.ordered_dq_config).
+VALUE_CANDIDATES: dict[tuple[str, int, int], list[TileConfig]] = {
+    ("fa3_fwd_sm90", 192, 128): [TileConfig(128, 96, 12, stages=2),  # 173,152 B
+                                 TileConfig(128, 112, 12, stages=2),  # 193,632 B
+                                 TileConfig(128, 96, 12, stages=2, q_stages=2)],  # 222,320 B
+    ("fa3_fwd_sm90", 128, 64): [TileConfig(128, 128, 12, stages=2),  # 132,192 B
+                                TileConfig(128, 160, 12, stages=2),  # 156,768 B
+                                TileConfig(128, 192, 12, stages=2),  # 181,344 B
+                                TileConfig(128, 160, 12, stages=2, q_stages=2),  # 189,552 B
+                                TileConfig(128, 176, 12, stages=2, q_stages=2)],  # 201,840 B
+    ("fa3_bwd_sm90", 192, 128): [TileConfig(64, 64, 12, stages=3)],  # 232,040 B
+    ("fa3_bwd_sm90", 128, 64): [TileConfig(64, 128, 12, stages=3),  # 223,800 B
+                                TileConfig(80, 128, 12, stages=2)],  # 194,856 B
+}
+
+
+def value_key(kernel: str, head_dim: int, head_dim_v: int, dtype: str) -> tuple[str, int, int, str]:
+    """configs.VALUE_ROWS' key for a call's head dims: the pair as the FA3 forms compile them (launch.tma_head_dim,
+    tma_value_head_dim)."""
+    p = Problem(1, 1, 1, 1, 1, head_dim, dtype, False, "sm_90", head_dim_v=head_dim_v)
+    return kernel, launch.tma_head_dim(p), launch.tma_value_head_dim(p), dtype
+
+
+def value_smem(kernel: str, cfg: TileConfig, head_dim: int, head_dim_v: int) -> int:
+    """The shared memory of ``kernel``'s DV form with row ``cfg`` (compiled head dims)."""
+    if kernel == "fa3_fwd_sm90":
+        return launch.smem_fa3_fwd_sm90(cfg, head_dim, dv=head_dim_v)
+    return launch.smem_fa3_bwd_sm90(cfg, head_dim, head_dim_v)
+
+
+def value_candidates(key: tuple[str, int, int, str]) -> list[TileConfig]:
+    """The rows --head-dim-v times for ``key`` (``value_key``'s): VALUE_ROWS' row first, then VALUE_CANDIDATES'
+    others that fit ``SMEM_LIMIT``."""
+    kernel, d, dv, _ = key
+    current = configs.value_row(*key)
+    return [current] + [c for c in VALUE_CANDIDATES.get((kernel, d, dv), [])
+                        if not rec.same_tile(c, current) and value_smem(kernel, c, d, dv) <= SMEM_LIMIT]
+
+
+def value_args_error(which: list[str], dims: list[int], head_dim_v: int, dtype: str, features: str) -> str:
+    """What is wrong with --head-dim-v's arguments ('' if nothing): v's columns a multiple of 8 and at most each
+    head_dim, --which of VALUE_WHICH, no --features, and a configs.VALUE_ROWS row for every kernel and pair."""
+    if head_dim_v <= 0 or head_dim_v % 8 or any(head_dim_v > d for d in dims):
+        return (f"--head-dim-v must be a positive multiple of 8 and at most each --head-dims value; got {head_dim_v} "
+                f"with --head-dims {','.join(map(str, dims))}")
+    if any(w not in VALUE_WHICH for w in which):
+        return f"--head-dim-v times the DV rows of --which {', '.join(VALUE_WHICH)} only; got {','.join(which)}"
+    if features:
+        return "--head-dim-v times the FA2 sweep's shapes; it takes no --features"
+    for w, d in itertools.product(which, dims):
+        try:
+            key = value_key(VALUE_WHICH[w], d, head_dim_v, dtype)
+        except ValueError as err:  # (a head_dim past the largest specialised one)
+            return str(err)
+        if configs.value_row(*key) is None:
+            pairs = sorted({(k[1], k[2]) for k in configs.VALUE_ROWS if k[0] == key[0]}, reverse=True)
+            dtypes = sorted({k[3] for k in configs.VALUE_ROWS if k[0] == key[0]})
+            return (f"configs.VALUE_ROWS has no {key[0]} row for head_dim {d} / head_dim_v {head_dim_v} in {dtype} "
+                    f"(compiled {key[1]} / {key[2]}); it has {', '.join(f'{a} / {b}' for a, b in pairs)} "
+                    f"({', '.join(dtypes)})")
+    return ""
+
 
 def valid(case: bench.Case, override: dict) -> str:
-    """flash-attn's rule on a small problem run with the candidate."""
-    small = bench.Case(case.impl, case.direction, case.dtype, 1, 2, 2, 381, case.head_dim, case.causal)
+    """flash-attn's rule on a small problem run with the candidate; for a DV form's row (a key of VALUE_ROWS' four
+    parts) also that the call ran that kernel's DV form with it."""
+    small = dataclasses.replace(case, batch=1, heads=2, kv_heads=2, seqlen=381)
     q, k, v, dout = bench.make_inputs(small, seed=3)
     bound = bench.bound_call(small, q, k, v, dout, override)
+    for (kernel, *_), row in ((key, row) for key, row in override.items() if len(key) == 4):
+        if not any(lau.kernel == kernel and forms.reads_value_head_dim(lau) and rec.same_tile(lau.config, row)
+                   for lau, _ in bound.launches):
+            return f"invalid: the call did not run {kernel}'s DV form with this row"
     bound.launch()
     got = bound.result()
     if case.dtype == configs.FP8:  # the FP8 bounds against the reference of the dequantised inputs
@@ -178,23 +267,64 @@ def main() -> None:
     ap.add_argument("--seqlen", default="4096", help="one or more, comma-separated")
     ap.add_argument("--dtype", default="bfloat16", help="the rows' dtype (fwd_fp8 always times FP8 rows)")
     ap.add_argument("--head-dims", default="64,128", help="comma-separated head dims")
+    ap.add_argument("--head-dim-v", type=int, help="v's head_dim (MLA; a multiple of 8, at most each "
+                    "head dim): time the DV form's rows (configs.VALUE_ROWS) of --which fwd_fa3,bwd_sm90")
     ap.add_argument("--which", default="fwd,bwd", help=f"comma-separated, of {', '.join(WHICH)}")
     ap.add_argument("--features", default="", help="comma-separated prefixes of bench --features' case names "
                     "(e.g. window,dense): time the candidates on those cases instead of the FA2 sweep's shapes")
     ap.add_argument("--out", help="also write the GPU, the date, every measurement and the entries as JSON here")
     args = ap.parse_args()
     dims = [int(x) for x in args.head_dims.split(",")]
+    if args.head_dim_v is not None:
+        why = value_args_error(args.which.split(","), dims, args.head_dim_v, args.dtype, args.features)
+        if why:
+            ap.error(why)
+        os.environ["RAWFLASH_DV_FORM"] = "1"  # (both DV forms; the forward's alone by default)
     gpu_rec = rec.device_record()
     gpu = gpu_rec["gpu"]
     print(rec.header(gpu_rec), flush=True)
     rows: list[dict] = []
     entries: list[dict] = []
-    if args.features:
+    if args.head_dim_v is not None:
+        tune_values(args, dims, gpu, rows, entries)
+    elif args.features:
         for which in args.which.split(","):
             tune_features(WHICH[which][0], dims, args.features.split(","), which.split("_")[0], gpu, rows, entries)
     else:
         tune_sweep(args, dims, gpu, rows, entries)
-    rec.finish(gpu_rec, "tools/tune.py", sys.argv[1:], args.out, rows, entries)
+    rec.finish(gpu_rec, "tools/tune.py", sys.argv[1:], args.out, rows, entries,
+               "" if args.head_dim_v is None else "configs.VALUE_ROWS")
+
+
+def time_rows(key: tuple, cands: list[TileConfig], current: TileConfig, lengths: list[int], case_of,
+              rows: list[dict]) -> dict:
+    """Each of ``cands`` (as the override {key: candidate}) on ``case_of(n, causal)`` for each n of ``lengths``,
+    full and causal, validated first, then its kernels alone timed (bench.run_case); measurements go to ``rows``.
+    Returns candidate -> case -> TFLOP/s (None: did not run)."""
+    kernel, d, dtype, dv = key[0], key[1], key[-1], key[2] if len(key) == 4 else 0
+    times: dict = {}
+    for cand in cands:
+        override = {key: cand}
+        for n, causal in itertools.product(lengths, (False, True)):
+            case = case_of(n, causal)
+            try:
+                status = valid(case, override)
+                run = bench.run_case(case, 10, {}, override, check=lambda _: (True, "ok")) \
+                    if status == "ok" else None  # (valid() checked the candidate)
+                tf = run.kernel_tflops if run else None
+                status = run.status if run else status
+            except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
+                tf, status = None, _failure(err)
+            is_current = rec.same_tile(cand, current)
+            times.setdefault(cand, {})[f"N={n} causal={causal}"] = tf
+            rows.append(rec.measurement(kernel, d, dtype, f"N={n} causal={causal}", cand, "ok" if tf else status, tf,
+                                        "TFLOP/s", is_current, dv))
+            dims = f"d={case.head_dim}{f' dv={case.dv}' if dv else ''}"
+            print(f"{case.direction} {dims} N={n} causal={causal!s:5} Br={cand.br} "
+                  f"Bc={cand.bc} warps={cand.warps} minB={cand.min_blocks} ku={cand.kunroll} st={cand.stages} "
+                  f"qst={cand.q_stages}: {'%.0f TFLOP/s' % tf if tf else status}{'  (current)' if is_current else ''}",
+                  flush=True)
+    return times
 
 
 def tune_sweep(args, dims: list[int], gpu: str, rows: list[dict], entries: list[dict]) -> None:
@@ -213,27 +343,26 @@ def tune_sweep(args, dims: list[int], gpu: str, rows: list[dict], entries: list[
             cands = CANDIDATES.get((kernel, d, dtype), CANDIDATES.get((kernel, d), []))
             if not any(rec.same_tile(c, current) for c in cands):
                 cands = [current, *cands]
-            times: dict = {}
-            for cand in cands:
-                override = {key: cand}
-                for n, causal in itertools.product(lengths, (False, True)):
-                    case = bench.Case(impl, direction, dtype, 16384 // n, 2048 // d, 2048 // d, n, d, causal)
-                    try:
-                        status = valid(case, override)
-                        run = bench.run_case(case, 10, {}, override, check=lambda _: (True, "ok")) \
-                            if status == "ok" else None  # (valid() checked the candidate)
-                        tf = run.kernel_tflops if run else None
-                        status = run.status if run else status
-                    except Exception as err:  # a candidate that does not compile or fit is reported, not fatal
-                        tf, status = None, _failure(err)
-                    is_current = rec.same_tile(cand, current)
-                    times.setdefault(cand, {})[f"N={n} causal={causal}"] = tf
-                    rows.append(rec.measurement(kernel, d, dtype, f"N={n} causal={causal}", cand,
-                                                "ok" if tf else status, tf, "TFLOP/s", is_current))
-                    print(f"{direction} d={d} N={n} causal={causal!s:5} Br={cand.br} Bc={cand.bc} warps={cand.warps} "
-                          f"minB={cand.min_blocks} ku={cand.kunroll} st={cand.stages} qst={cand.q_stages}: "
-                          f"{'%.0f TFLOP/s' % tf if tf else status}{'  (current)' if is_current else ''}",
-                          flush=True)
+            times = time_rows(key, cands, current, lengths, lambda n, causal: bench.Case(
+                impl, direction, dtype, 16384 // n, 2048 // d, 2048 // d, n, d, causal), rows)
+            cases = f"N {'/'.join(map(_n, lengths))} full/causal"
+            entries.append(rec.suggestion(key, times, today_of, "TFLOP/s", gpu, cases))
+
+
+def tune_values(args, dims: list[int], gpu: str, rows: list[dict], entries: list[dict]) -> None:
+    """The DV form's rows (``value_candidates``, VALUE_ROWS' row marked current) on DeepSeek-V3-like shapes at
+    ``args.seqlen``: the FA2 sweep's B = 16384 / N and H = 2048 / d, v of ``args.head_dim_v`` columns, full and
+    causal, validated first; measurements go to ``rows``, a VALUE_ROWS entry that beats the current row to
+    ``entries``."""
+    lengths, dv = [int(x) for x in args.seqlen.split(",")], args.head_dim_v
+    for which in args.which.split(","):
+        kernel, direction = VALUE_WHICH[which], which.split("_")[0]
+        for d in dims:
+            key = value_key(kernel, d, dv, args.dtype)
+            today_of = rec.value_today(key)
+            times = time_rows(key, value_candidates(key), today_of["row"], lengths, lambda n, causal: bench.Case(
+                "rawflash-fa2", direction, args.dtype, 16384 // n, 2048 // d, 2048 // d, n, d, causal,
+                head_dim_v=dv), rows)
             cases = f"N {'/'.join(map(_n, lengths))} full/causal"
             entries.append(rec.suggestion(key, times, today_of, "TFLOP/s", gpu, cases))
 

@@ -1,7 +1,8 @@
 """What tools/tune.py and tools/tune_decode.py record of a run: the GPU that measured (its name, arch, L2 size and the
 tuned GPU configs.gpu_name makes of them), each candidate row's verdict and time, the row each case takes today on
 that GPU, and, where a candidate beats it, the configs.GPU_ROWS (or GPU_SITUATION_ROWS) entry to paste, with a
-``why`` of the measured figures. Everything but ``device_record`` runs without a GPU (tests/test_tune_record.py).
+``why`` of the measured figures; for the DV form's rows (tools/tune.py --head-dim-v) the configs.VALUE_ROWS entry.
+Everything but ``device_record`` runs without a GPU (tests/test_tune_record.py).
 """
 from __future__ import annotations
 
@@ -67,11 +68,19 @@ def today(kernel: str, head_dim: int, dtype: str, situations: tuple[str, ...], g
     return {"row": row, "source": source, "situation": situation, "entry": where}
 
 
+def value_today(key: tuple[str, int, int, str]) -> dict:
+    """``today``'s dict for the DV form's row of ``key`` (kernel, head_dim, head_dim_v, dtype as the kernel is
+    compiled): configs.VALUE_ROWS' row, which every GPU takes, and the entry a faster row replaces."""
+    return {"row": configs.value_row(*key), "source": "VALUE_ROWS", "situation": "", "entry": "VALUE_ROWS"}
+
+
 def measurement(kernel: str, head_dim: int, dtype: str, case: str, cfg: TileConfig, verdict: str,
-                value: float | None, unit: str, today_row: bool) -> dict:
-    """One candidate on one case, as the JSON keeps it (``value`` None where the candidate did not run)."""
-    return {"kernel": kernel, "head_dim": head_dim, "dtype": dtype, "case": case, "row": tile_label(cfg),
-            "verdict": verdict, "value": value, "unit": unit, "today": today_row}
+                value: float | None, unit: str, today_row: bool, head_dim_v: int = 0) -> dict:
+    """One candidate on one case, as the JSON keeps it (``value`` None where the candidate did not run;
+    ``head_dim_v`` only for a DV form's row)."""
+    return {"kernel": kernel, "head_dim": head_dim, **({"head_dim_v": head_dim_v} if head_dim_v else {}),
+            "dtype": dtype, "case": case, "row": tile_label(cfg), "verdict": verdict, "value": value, "unit": unit,
+            "today": today_row}
 
 
 def _speedups(cand: dict, base: dict, unit: str) -> list[float] | None:
@@ -113,10 +122,10 @@ def figures_why(cand: dict, base: dict, unit: str, gpu: str, dtype: str, cases: 
     return f"{_geomean(ups):.2f}x today's row ({min(ups):.2f} - {max(ups):.2f}x) on {len(ups)} cases {tag}"
 
 
-def entry(key: tuple[str, int, str], cfg: TileConfig, why: str, where: str) -> str:
-    """The lines to paste into configs' ``where`` (e.g. GPU_ROWS['h100']), why wrapped to fit 120 columns."""
-    kernel, d, dtype = key
-    head = f"    ({json.dumps(kernel)}, {d}, {json.dumps(dtype)}): TileConfig({tile_label(cfg)},"
+def entry(key: tuple, cfg: TileConfig, why: str, where: str) -> str:
+    """The lines to paste into configs' ``where`` (e.g. GPU_ROWS['h100'], or VALUE_ROWS for a key of (kernel,
+    head_dim, head_dim_v, dtype)), why wrapped to fit 120 columns."""
+    head = f"    ({', '.join(map(json.dumps, key))}): TileConfig({tile_label(cfg)},"
     pieces = textwrap.wrap(why, 90, drop_whitespace=False) or [""]
     lines = [f"# configs.{where}:", head, f"        why={json.dumps(pieces[0])}"]
     lines += [f"            {json.dumps(p)}" for p in pieces[1:]]
@@ -124,14 +133,15 @@ def entry(key: tuple[str, int, str], cfg: TileConfig, why: str, where: str) -> s
     return "\n".join(lines)
 
 
-def suggestion(key: tuple[str, int, str], times: dict, today_of: dict, unit: str, gpu: str, cases: str = "") -> dict:
-    """The entry for the fastest candidate of ``key`` that differs from the row it takes today (``today_of``:
-    ``today``'s dict) and beats it, as {'entry', 'where', 'row', 'why'}; {} where none does."""
+def suggestion(key: tuple, times: dict, today_of: dict, unit: str, gpu: str, cases: str = "") -> dict:
+    """The entry for the fastest candidate of ``key`` (configs' key, its dtype last) that differs from the row it
+    takes today (``today_of``: ``today``'s or ``value_today``'s dict) and beats it, as {'entry', 'where', 'row',
+    'why'}; {} where none does."""
     best = best_change(times, today_of["row"], unit)
     if best is None:
         return {}
     base = next(t for c, t in times.items() if same_tile(c, today_of["row"]))
-    why = figures_why(times[best], base, unit, gpu, key[2], cases)
+    why = figures_why(times[best], base, unit, gpu, key[-1], cases)
     return {"where": today_of["entry"], "row": tile_label(best), "why": why,
             "entry": entry(key, best, why, today_of["entry"])}
 
@@ -146,14 +156,16 @@ def write(path: str, record: dict) -> None:
     Path(path).write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
-def finish(gpu: dict, tool: str, argv: list[str], out: str | None, rows: list[dict], entries: list[dict]) -> None:
+def finish(gpu: dict, tool: str, argv: list[str], out: str | None, rows: list[dict], entries: list[dict],
+           rows_of: str = "") -> None:
     """A tool's last lines: each entry to paste (``suggestion``'s, empty ones left out), or that none beats today's
-    rows; and with ``out``, the JSON (``report``)."""
+    rows and the configs table (``rows_of``: the GPU's GPU_ROWS unless given) keeps what it has; and with ``out``,
+    the JSON (``report``)."""
     entries = [e for e in entries if e]
     for e in entries:
         print(e["entry"])
     if not entries:
-        print(f"no candidate beats the rows the {gpu['gpu']} takes today: configs.GPU_ROWS['{gpu['gpu']}'] keeps "
-              "what it has")
+        print(f"no candidate beats the rows the {gpu['gpu']} takes today: "
+              f"{rows_of or 'configs.GPU_ROWS[' + repr(gpu['gpu']) + ']'} keeps what it has")
     if out:
         write(out, report(gpu, tool, argv, rows, entries))

@@ -16,7 +16,9 @@ from . import configs, launch, registry, tma
 from .configs import TileConfig
 from .launch import Launch
 
-Override = dict[tuple[str, int, str], TileConfig]
+# Tile rows that replace configs' (tools/tune.py's candidates): keyed like configs.TABLE, (kernel, head_dim, dtype), or
+# like configs.VALUE_ROWS, (kernel, head_dim, head_dim_v, dtype), for a DV form's row.
+Override = dict[tuple, TileConfig]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,10 +227,12 @@ def value_form(p: Problem, settings: Settings = Settings(), kernel: str = "fa3_f
         _value_row(p, kernel) is not None
 
 
-def _value_row(p: Problem, kernel: str) -> TileConfig | None:
+def _value_row(p: Problem, kernel: str, override: Override | None = None) -> TileConfig | None:
     """configs.VALUE_ROWS' row of ``kernel`` for ``p``'s head dims as the FA3 forms compile them (None: no DV
-    form)."""
-    return configs.value_row(kernel, launch.tma_head_dim(p), launch.tma_value_head_dim(p), p.dtype)
+    form), or ``override``'s row under the same key where it has one and configs.VALUE_ROWS has the pair."""
+    key = (kernel, launch.tma_head_dim(p), launch.tma_value_head_dim(p), p.dtype)
+    row = configs.value_row(*key)
+    return override[key] if row is not None and override and key in override else row
 
 
 def _value_problem(p: Problem, settings: Settings, kernel: str) -> Problem:
@@ -299,7 +303,7 @@ def fa2_forward(p: Problem, sw: Switches = Switches(), settings: Settings = Sett
                   " and every FA2 switch on", got, settings):
         use_fa3 = (fa3 and settings.warp_specialize) if sw.warp_specialize is None else sw.warp_specialize
         if use_fa3:
-            cfg = _value_row(p, "fa3_fwd_sm90") if p.head_dim_v else _config("fa3_fwd_sm90", p, override)
+            cfg = _value_row(p, "fa3_fwd_sm90", override) if p.head_dim_v else _config("fa3_fwd_sm90", p, override)
             return launch.fa3_fwd_sm90(p, cfg, ref=softmax_ref(p),
                                        overlap=sw.overlap, pingpong=sw.pingpong,
                                        persistent=persistent_default(p) if sw.persistent is None else sw.persistent,
@@ -349,7 +353,7 @@ def fa2_backward_main(p: Problem, atomic_dq: bool, wgmma: bool | None = None, se
                   settings):
         use_fa3 = (fa3 and settings.warp_specialize) if warp_specialize is None else warp_specialize
         if use_fa3 and fa3:
-            cfg = _value_row(p, "fa3_bwd_sm90") if p.head_dim_v else _config("fa3_bwd_sm90", p, override)
+            cfg = _value_row(p, "fa3_bwd_sm90", override) if p.head_dim_v else _config("fa3_bwd_sm90", p, override)
             return launch.fa3_bwd_sm90(p, cfg)
         if use_fa3:
             raise ValueError(f"warp_specialize=True (backward) needs an sm_90 GPU, float16 or bfloat16 and the atomic "
