@@ -19,7 +19,10 @@ run() {
   if [ $rc -eq 5 ]; then echo "error: pytest collected no tests for: $*" >&2; return 1; fi  # 5 = nothing ran
   return $rc
 }
-sim() { NUMBA_ENABLE_CUDASIM=1 run python -m pytest -q -m sim tests/test_numba_sim.py tests/test_decode.py; }
+sim() {
+  NUMBA_ENABLE_CUDASIM=1 run python -m pytest -q -m sim tests/test_numba_sim.py tests/test_decode.py \
+    tests/test_decode_latent.py
+}
 status=0
 if [ "${RAWFLASH_TEST_SERIAL:-0}" = 1 ]; then
   run python -m pytest -q "$@" || status=1
