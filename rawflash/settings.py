@@ -8,9 +8,9 @@ reads them once and hands the object down); no other module reads or writes them
 ``RAWFLASH_FA3=0``        on Hopper, run the wgmma form without warp specialisation (fa2_fwd_sm90) by default
 ``RAWFLASH_TILE_ARCH``    take another architecture's tile rows (``sm_80``) on the GPU at hand
 ``RAWFLASH_TILE_GPU``     take another Hopper GPU's rows and gates (``h100``, ``h200``) on the GPU at hand
-``RAWFLASH_DV_FORM``      which of FA3's DV forms MLA's narrower v runs where they have a row: ``fwd`` (default: the
-                          forward; the backward runs v zero-padded), ``1`` (the forward and the backward, whose DV
-                          form has not yet run under compute-sanitizer), ``0`` (neither: v zero-padded everywhere)
+``RAWFLASH_DV_FORM``      which of FA3's DV forms MLA's narrower v runs where they have a row: ``1`` (default: the
+                          forward and the backward), ``fwd`` (the forward; the backward runs v zero-padded), ``0``
+                          (neither: v zero-padded everywhere)
 ``RAWFLASH_HEAD_DIM_512=1``  run head dims above 256 on the head_dim 512 forms (16-bit fa2 forward and backward),
                           which have not yet been verified on a GPU (default: validation refuses them)
 ``RAWFLASH_MLA_DECODE=1``  run decode's latent cache (MLA, head_dim 576 / head_dim_v 512) on the cupy and numba
@@ -37,7 +37,7 @@ DV_FORMS = {"0": (), "fwd": DV_FORWARD, "1": DV_BOTH}
 
 def _dv_form(env: Mapping[str, str]) -> tuple[str, ...]:
     """RAWFLASH_DV_FORM's kernels (ValueError naming the variable for a value it does not take)."""
-    value = env.get("RAWFLASH_DV_FORM", "fwd")
+    value = env.get("RAWFLASH_DV_FORM", "1")
     if value not in DV_FORMS:
         raise ValueError(f"RAWFLASH_DV_FORM must be one of {', '.join(DV_FORMS)}; got {value!r}")
     return DV_FORMS[value]
@@ -51,7 +51,7 @@ class Settings:
     warp_specialize: bool = True
     tile_arch: str | None = None
     tile_gpu: str | None = None
-    dv_form: tuple[str, ...] = DV_FORWARD
+    dv_form: tuple[str, ...] = DV_BOTH
     head_dim_512: bool = False
     mla_decode: bool = False
     cuda_dir: str | None = None

@@ -520,7 +520,7 @@ def test_a_gpu_situation_row_replaces_the_situation_row_on_its_gpu_only(monkeypa
     assert configs.tile_source(*FA3_KEY, situations=("short_causal",)) == ("SITUATION_ROWS", "short_causal")
     assert forms.fa2_forward(dataclasses.replace(short, gpu="h200")).config == configs.SHORT_CAUSAL_ROWS[FA3_KEY]
     assert forms.fa2_forward(dataclasses.replace(short, seqlen_q=4096, seqlen_k=4096)).config == \
-        configs.TABLE[FA3_KEY]
+        configs.tile_config(*FA3_KEY, gpu="h100")
     key = ("fa2_fwd_sm90", 64, "bfloat16")
     monkeypatch.setitem(configs.GPU_ROWS, "h100", {key: dataclasses.replace(configs.TABLE[key], why="")})
     assert configs.tile_config(*key, general=True, gpu="h100").min_blocks == configs.TABLE[key].general_min_blocks

@@ -1,5 +1,5 @@
 """FA3's DV forms (MLA's narrower v read at its own head_dim, forward and backward) without a GPU: which calls take
-them (the forward's by default, the backward's with RAWFLASH_DV_FORM=1, neither with =0; elsewhere v runs
+them (both by default, the forward's alone with RAWFLASH_DV_FORM=fwd, neither with =0; elsewhere v runs
 zero-padded), their launches' template arguments and shared memory,
 and that every DV instantiation is compiled by the offline compile test.
 
@@ -16,10 +16,11 @@ import pytest
 from rawflash.cli.commands import main
 from rawflash.kernels import configs, forms, launch
 from rawflash.problem import Problem
-from rawflash.settings import DV_BOTH, Settings
+from rawflash.settings import DV_BOTH, DV_FORWARD, Settings
 
 DV_ON = Settings(dv_form=DV_BOTH)
 DV_OFF = Settings(dv_form=())
+DV_FWD = Settings(dv_form=DV_FORWARD)  # RAWFLASH_DV_FORM=fwd: the forward's DV form alone
 
 
 def _p(d, dv, dtype="bfloat16", causal=True, arch="sm_90", **kw):
@@ -102,7 +103,8 @@ def test_the_setting_is_part_of_the_signature():
     assert "RAWFLASH_DV_FORM" in signature._SETTINGS
     from rawflash import settings
 
-    assert settings.load({}).dv_form == settings.DV_FORWARD == Settings().dv_form
+    assert settings.load({}).dv_form == DV_BOTH == Settings().dv_form
+    assert settings.load({"RAWFLASH_DV_FORM": "fwd"}).dv_form == settings.DV_FORWARD
     assert settings.load({"RAWFLASH_DV_FORM": "1"}).dv_form == DV_BOTH
     assert settings.load({"RAWFLASH_DV_FORM": "0"}).dv_form == ()
     with pytest.raises(ValueError, match="RAWFLASH_DV_FORM must be one of 0, fwd, 1; got 'yes'"):
@@ -151,9 +153,10 @@ BWD_PAIRS = [(192, 128, 192, 128), (128, 64, 128, 64), (160, 100, 192, 128), (96
 @pytest.mark.parametrize("d, dv, D, DV", BWD_PAIRS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_backward_pairs_with_a_row_run_the_dv_form(d, dv, D, DV, dtype):
-    padded = forms.backward_plan(_p(d, dv, dtype))
-    assert not any(forms.reads_value_head_dim(lau) for lau in padded), "off by default"
+    padded = forms.backward_plan(_p(d, dv, dtype), settings=DV_FWD)
+    assert not any(forms.reads_value_head_dim(lau) for lau in padded), "off with RAWFLASH_DV_FORM=fwd"
     plan = forms.backward_plan(_p(d, dv, dtype), settings=DV_ON)
+    assert forms.backward_plan(_p(d, dv, dtype)) == plan, "on by default"
     pre, main, convert = plan
     assert [lau.kernel for lau in plan] == ["fa2_bwd_preprocess", "fa3_bwd_sm90", "fa2_bwd_convert_dq"]
     assert forms.reads_value_head_dim(main) and not forms.reads_value_head_dim(pre)
@@ -234,7 +237,7 @@ def test_backward_features_take_the_dv_form_general_policy():
 def test_long_backward_dv_form_keeps_its_row():
     """A long plain backward at 128 / 64 takes the DV form's row (64 query rows), not LONG_BWD_ROWS' 80."""
     long_p = dataclasses.replace(_p(128, 64, causal=False), seqlen_q=32768, seqlen_k=32768)
-    assert forms.backward_plan(long_p)[1].config.br == launch.FA3_BWD_SWAP_ROWS  # (padded: the 80-row tile)
+    assert forms.backward_plan(long_p, settings=DV_FWD)[1].config.br == launch.FA3_BWD_SWAP_ROWS  # (padded: 80 rows)
     assert forms.backward_plan(long_p, settings=DV_ON)[1].config == configs.value_row("fa3_bwd_sm90", 128, 64,
                                                                                        "bfloat16")
 

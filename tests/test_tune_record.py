@@ -68,7 +68,8 @@ def _parse(entry: str) -> dict:
     return eval("{\n" + body + "\n}", {"TileConfig": TileConfig})
 
 
-def test_the_entry_is_the_configs_row_with_the_measured_figures():
+def test_the_entry_is_the_configs_row_with_the_measured_figures(monkeypatch):
+    monkeypatch.setitem(configs.GPU_ROWS, "h100", {})  # the entry against the table's row
     times = {TODAY: {"N=2048 causal=False": 500.0, "N=2048 causal=True": 400.0},
              FAST: {"N=2048 causal=False": 540.0, "N=2048 causal=True": 410.0}}
     today = rec.today(*KEY, (), "h100")
@@ -94,6 +95,7 @@ def test_more_than_four_cases_give_the_range_of_speed_ups():
 def test_today_names_the_entry_a_gpu_row_would_replace(monkeypatch):
     """A call without a situation takes the GPU's row, else the table's (entry: GPU_ROWS); a short window's call
     WINDOW_ROWS' (entry: GPU_SITUATION_ROWS[gpu]['short_window'])."""
+    monkeypatch.setitem(configs.GPU_ROWS, "h100", {})
     assert rec.today(*KEY, (), "h100")["row"] == configs.TABLE[KEY]
     own = TileConfig(128, 160, 12, stages=2, why="measured")
     monkeypatch.setitem(configs.GPU_ROWS, "h100", {KEY: own})

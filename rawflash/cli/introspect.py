@@ -732,7 +732,7 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
     if p.head_dim_v:
         notes.append(f"v's head_dim {p.head_dim_v} (MLA): v (and the backward's dout and out) zero-padded to q's "
                      f"head_dim, out and dv cut back, except in FA3's DV forms (a pair in configs.VALUE_ROWS, forward "
-                     f"and backward apart; RAWFLASH_DV_FORM: the forward's by default, =1 both, =0 neither), which "
+                     f"and backward apart; RAWFLASH_DV_FORM: both by default, =fwd the forward's, =0 neither), which "
                      f"read them at v's own; the predicted bytes and FLOPs count v at the head_dim the kernels read "
                      f"it at")
     if kernel == "naive":

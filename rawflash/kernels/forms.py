@@ -220,7 +220,7 @@ def hopper_form_fits(kernel: str, p: Problem) -> bool:
 def value_form(p: Problem, settings: Settings = Settings(), kernel: str = "fa3_fwd_sm90") -> bool:
     """Whether FA3's forward (``kernel`` fa3_fwd_sm90) or backward (fa3_bwd_sm90) reads MLA's narrower v at its own
     head_dim (the DV form: V_j and O, in the backward V_j, dO_i and dV_j, of head_dim_v columns) for ``p``: the
-    settings take ``kernel``'s DV form (RAWFLASH_DV_FORM: the forward's by default), a ``head_dim_v`` whose pair
+    settings take ``kernel``'s DV form (RAWFLASH_DV_FORM: both by default), a ``head_dim_v`` whose pair
     of compiled head dims has a row of ``kernel`` in configs.VALUE_ROWS, sm_90, 16-bit, keys not paged. Elsewhere
     v runs zero-padded to q's head_dim."""
     return kernel in settings.dv_form and bool(p.head_dim_v) and p.arch == "sm_90" and not p.page_size and \
