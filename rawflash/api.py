@@ -601,9 +601,8 @@ def decode(q: Array, k_cache: Array, v_cache: Array | None = None, *, cache_seql
         k_new (appended once) holds the new keys and so the new values, and out has head_dim_v columns. Typically
         q (batch, 1 - 4, 16 - 128 heads, 576) against k_cache (..., 1, 576) with head_dim_v=512 (MQA: one kv head).
         The cupy and numba backends run float16 / bfloat16 at head_dim 576 / head_dim_v 512 (sm_90: the kernel's
-        CTA takes 231 KB of shared memory), both only with ``RAWFLASH_MLA_DECODE=1`` (the kernel has not yet
-        been verified on a GPU); the reference backend any head_dim_v in 8 .. head_dim. FP8 latent caches
-        are refused.
+        CTA takes 231 KB of shared memory); the reference backend any head_dim_v in 8 .. head_dim. FP8 latent
+        caches are refused.
     backend : {'cupy', 'numba', 'reference'}
         'numba': the Numba twins of the kernels (on a GPU, or Numba's CPU simulator; not FP8 caches).
     out, lse : arrays, optional

@@ -11,10 +11,6 @@ reads them once and hands the object down); no other module reads or writes them
 ``RAWFLASH_DV_FORM``      which of FA3's DV forms MLA's narrower v runs where they have a row: ``1`` (default: the
                           forward and the backward), ``fwd`` (the forward; the backward runs v zero-padded), ``0``
                           (neither: v zero-padded everywhere)
-``RAWFLASH_HEAD_DIM_512=1``  run head dims above 256 on the head_dim 512 forms (16-bit fa2 forward and backward),
-                          which have not yet been verified on a GPU (default: validation refuses them)
-``RAWFLASH_MLA_DECODE=1``  run decode's latent cache (MLA, head_dim 576 / head_dim_v 512) on the cupy and numba
-                          backends, whose kernel has not yet been verified on a GPU (default: validation refuses it)
 ``RAWFLASH_CUDA_DIR``     read the CUDA sources from this folder instead of the installed ones
 ``RAWFLASH_DEBUG=1``      the command line shows tracebacks instead of one-line errors
 ``RAWFLASH_PROGRESS``     ``1``: always announce slow compiles on stderr, ``0``: never (default: on a tty)
@@ -52,8 +48,6 @@ class Settings:
     tile_arch: str | None = None
     tile_gpu: str | None = None
     dv_form: tuple[str, ...] = DV_BOTH
-    head_dim_512: bool = False
-    mla_decode: bool = False
     cuda_dir: str | None = None
     debug: bool = False
     progress: str = ""
@@ -67,8 +61,6 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
     return Settings(wgmma=env.get("RAWFLASH_WGMMA", "1") != "0", warp_specialize=env.get("RAWFLASH_FA3", "1") != "0",
                     tile_arch=env.get("RAWFLASH_TILE_ARCH") or None, tile_gpu=env.get("RAWFLASH_TILE_GPU") or None,
                     dv_form=_dv_form(env),
-                    head_dim_512=env.get("RAWFLASH_HEAD_DIM_512", "0") == "1",
-                    mla_decode=env.get("RAWFLASH_MLA_DECODE", "0") == "1",
                     cuda_dir=env.get("RAWFLASH_CUDA_DIR") or None, debug=bool(env.get("RAWFLASH_DEBUG")),
                     progress=env.get("RAWFLASH_PROGRESS", ""), cache_dir=env.get("RAWFLASH_CACHE_DIR") or None,
                     compile_cache=env.get("RAWFLASH_COMPILE_CACHE", "1") != "0")

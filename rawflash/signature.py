@@ -19,7 +19,7 @@ import os
 from .arrays import is_cupy_array
 
 _SETTINGS = ("RAWFLASH_WGMMA", "RAWFLASH_FA3", "RAWFLASH_TILE_ARCH", "RAWFLASH_TILE_GPU", "RAWFLASH_CUDA_DIR",
-             "RAWFLASH_DV_FORM", "RAWFLASH_HEAD_DIM_512", "RAWFLASH_MLA_DECODE")
+             "RAWFLASH_DV_FORM")
 # os.environ's own dict of encoded names and values (POSIX CPython): a lookup there skips os.environ's per-call
 # encoding of the name, a few microseconds a call over the names
 _ENVIRON = getattr(os.environ, "_data", None)

@@ -12,7 +12,6 @@ import numbers
 
 import numpy as np
 
-from . import settings
 from .arrays import array_kind, device_of, dtype_name
 from .kernels import configs, forms, registry
 from .kernels.launch import MAX_GRID_YZ
@@ -338,14 +337,10 @@ def check_values(values: Values | None, facts: Facts) -> tuple:
     return max_q, max_k, q_lengths, key_lengths
 
 
-WIDE_SETTING = "RAWFLASH_HEAD_DIM_512"  # settings.head_dim_512: the gate of the head_dim 512 forms
-
-
 def check_wide_head_dim(d: int, dtype: str, kernel: str, backend: str, paged: bool = False) -> None:
     """The rules of head dims above configs.COMMON_MAX_HEAD_DIM, which run on the head_dim 512 rows
     (configs.WIDE_HEAD_DIM): on the cupy and numba backends float16 / bfloat16 with kernel='fa2' or 'naive', keys
-    not paged, and only where the environment admits forms that have not yet run on a GPU (``RAWFLASH_HEAD_DIM_512=1``).
-    The reference backend computes any head_dim."""
+    not paged. The reference backend computes any head_dim."""
     if d <= configs.COMMON_MAX_HEAD_DIM or backend == "reference":
         return
     most = configs.COMMON_MAX_HEAD_DIM
@@ -363,9 +358,6 @@ def check_wide_head_dim(d: int, dtype: str, kernel: str, backend: str, paged: bo
         raise ValueError(f"a paged forward (block_table) runs head_dim up to {most}: FA3's paged form has no head_dim "
                          f"{configs.WIDE_HEAD_DIM} row and the mma.sync form's page loads are not admitted there; got "
                          f"head_dim {d}")
-    if not settings.load().head_dim_512:
-        raise ValueError(f"head_dim {d} runs on the head_dim {configs.WIDE_HEAD_DIM} forms, which have not yet been "
-                         f"verified on a GPU; set {WIDE_SETTING}=1 to run them (or use backend='reference')")
 
 
 def check_forward(q, k, v, causal, scale, kernel: str = "fa2", backend: str = "cupy",
@@ -550,15 +542,11 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device) -> tuple[object, np.
     return cache_seqlens, (np.asarray(cache_seqlens).astype(np.int64) if kind == "numpy" else None)
 
 
-MLA_SETTING = "RAWFLASH_MLA_DECODE"  # settings.mla_decode: the gate of decode's latent cache (cupy and numba)
-
-
 def _check_latent(q, k_cache, v_cache, v_new, head_dim_v, backend: str, k_descale, v_descale) -> int:
     """The rules of decode's latent cache (``head_dim_v`` given: values are k_cache's first head_dim_v columns), one
     ValueError naming the argument per refused input; its head_dim_v. The reference backend computes any head_dim_v
     in 8 .. head_dim (multiples of 8); the Numba twins and the cupy backend run float16 / bfloat16 caches of q's
-    dtype at configs.LATENT_HEAD_DIM / LATENT_HEAD_DIM_V, both only where ``RAWFLASH_MLA_DECODE=1`` admits the
-    form, which has not yet run on a GPU."""
+    dtype at configs.LATENT_HEAD_DIM / LATENT_HEAD_DIM_V."""
     if isinstance(head_dim_v, (bool, np.bool_)) or not isinstance(head_dim_v, numbers.Integral):
         raise ValueError(f"head_dim_v must be None or an int (the latent cache's value columns), got {head_dim_v!r}")
     head_dim_v = int(head_dim_v)
@@ -587,9 +575,6 @@ def _check_latent(q, k_cache, v_cache, v_new, head_dim_v, backend: str, k_descal
     if (d, head_dim_v) != pair:
         raise ValueError(f"head_dim_v: the latent cache's form runs head_dim {pair[0]} with head_dim_v {pair[1]} "
                          f"(DeepSeek-V3's 512 latent + 64 rotary columns), got head_dim {d}, head_dim_v {head_dim_v}")
-    if backend in ("cupy", "numba") and not settings.load().mla_decode:
-        raise ValueError(f"head_dim_v: decode's latent cache form has not yet been verified on a GPU; set "
-                         f"{MLA_SETTING}=1 to run it on the {backend} backend (or use backend='reference')")
     return head_dim_v
 
 

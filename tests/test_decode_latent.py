@@ -75,14 +75,11 @@ REFUSALS = [
     ("head_dim_v-pair", dict(head_dim_v=256), "head_dim_v: the latent cache's form runs head_dim 576"),
     ("q-float32", dict(q="f32"), "q: the latent cache runs float16 or bfloat16"),
     ("k_descale", dict(k_descale=np.ones(1, np.float32)), "k_descale: the latent cache runs 16-bit caches only"),
-    ("gate", dict(backend="cupy"), "RAWFLASH_MLA_DECODE=1 to run it on the cupy backend"),
-    ("gate-numba", dict(backend="numba"), "RAWFLASH_MLA_DECODE=1 to run it on the numba backend"),
 ]
 
 
 @pytest.mark.parametrize("name,change,message", REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_latent_refusals_name_their_argument(name, change, message, monkeypatch):
-    monkeypatch.delenv("RAWFLASH_MLA_DECODE", raising=False)
+def test_latent_refusals_name_their_argument(name, change, message):
     args = _refused()
     for k, v in change.items():
         args[k] = {"k": args["k_cache"], "kn": args["k_new"], "f32": args["q"].astype(np.float32)}.get(v, v) \
@@ -101,12 +98,19 @@ def test_v_cache_none_needs_head_dim_v():
         rawflash.decode(q, kc, cache_seqlens=lens, backend="reference")
 
 
-def test_gate_admits_the_cupy_backend(monkeypatch):
-    monkeypatch.setenv("RAWFLASH_MLA_DECODE", "1")
-    args = _refused(backend="cupy")
-    c = validation.check_decode(args["q"], args["k_cache"], None, args["cache_seqlens"], args["k_new"], None, None,
-                                True, None, "cupy", validation.Features(), None, None, DV)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("backend", ["cupy", "numba"])
+def test_admitted_on_the_gpu_backends_with_no_setting(backend, dtype, monkeypatch):
+    """With no RAWFLASH_* variable set, a 16-bit latent cache at 576 / 512 passes validation on the cupy and numba
+    backends, and its problem plans on sm_90 onto the latent form (DV as the last template argument)."""
+    for name in [n for n in os.environ if n.startswith("RAWFLASH_")]:
+        monkeypatch.delenv(name)
+    q, kc, lens, kn, _ = _case(dtype=dtype)
+    c = validation.check_decode(q, kc, None, lens, kn, None, None, True, None, backend, validation.Features(), None,
+                                None, DV)
     assert (c.problem.head_dim, c.problem.head_dim_v, c.problem.value_head_dim) == (D, DV, DV)
+    split = forms.decode_plan(dataclasses.replace(c.problem, arch="sm_90")).split
+    assert split.kernel == "decode_split" and split.template_args[2] == D and split.template_args[-1] == DV
 
 
 def _problem(heads=128, sq=1, new=1, page=64, cap=32768, batch=64, dtype="bfloat16"):
@@ -164,8 +168,7 @@ SIM_CASES = [
 
 @pytest.mark.parametrize("name,kw,extra", SIM_CASES, ids=[c[0] for c in SIM_CASES])
 @pytest.mark.parametrize("", [pytest.param(marks=sim)])
-def test_latent_twin_matches_the_reference(name, kw, extra, monkeypatch):
-    monkeypatch.setenv("RAWFLASH_MLA_DECODE", "1")
+def test_latent_twin_matches_the_reference(name, kw, extra):
     q, kc, lens, kn, table = _case(cap=130, **kw)
     opts = dict(k_new=kn, block_table=table, causal=True, head_dim_v=DV)
     ref_out, ref_lse = reference.decode(q, kc, None, lens, **opts)

@@ -1,9 +1,7 @@
 """decode's latent cache (MLA's absorbed decode: k_cache of 576 columns, the values its first 512; head_dim_v) on a
 GPU against the float64 reference by flash-attn's rule: 16 - 128 query heads on one kv head, contiguous and paged
 (pages of 64), 1 - 4 query rows, appends (across a page edge), float16 and bfloat16, the split counts and combines
-each way, a planned step. Its kernel has not yet run on a GPU, so validation admits it only under
-RAWFLASH_MLA_DECODE=1, which every test here sets; tests/test_decode_latent.py checks the plans and the twin
-without a GPU."""
+each way, a planned step; tests/test_decode_latent.py checks the plans and the twin without a GPU."""
 from __future__ import annotations
 
 import itertools
@@ -21,10 +19,9 @@ D, DV = configs.LATENT_HEAD_DIM, configs.LATENT_HEAD_DIM_V
 
 
 @pytest.fixture(autouse=True)
-def mla_decode(monkeypatch):
+def needs_a_gpu():
     if not cupy.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("RAWFLASH_MLA_DECODE", "1")
 
 
 def _inputs(batch, sq, h, cap, lens, new, page, dtype, seed=0):

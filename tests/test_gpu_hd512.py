@@ -3,12 +3,11 @@ rule (forward 2x, gradients 3x the same-precision naive error, plus a floor): th
 (atomic dQ and deterministic) in float16 and bfloat16, causal both ways (seqlen_q above and below seqlen_k), MHA /
 GQA / MQA, ragged lengths, packed sequences and the features, and standard attention (kernel='naive').
 
-These forms have not yet run on a GPU, so validation admits them only under RAWFLASH_HEAD_DIM_512=1, which every
-test here sets. The forward on Hopper is FA3's column split (two consumer warpgroups on 64 rows, each holding half
-of O's columns), elsewhere and with wgmma=False the mma.sync form whose warps split the head columns; the backwards
-are the mma.sync forms everywhere (configs' rows at 512; tests/test_head_dim_512.py checks the plans without a GPU).
-test_forward and the features reach FA3's form on Hopper by default; test_forward_mma_sync runs the mma.sync form
-there too, and test_forward_fa3_switches FA3's switches and grids with more tiles than SMs.
+The forward on Hopper is FA3's column split (two consumer warpgroups on 64 rows, each holding half of O's columns),
+elsewhere and with wgmma=False the mma.sync form whose warps split the head columns; the backwards are the mma.sync
+forms everywhere (configs' rows at 512; tests/test_head_dim_512.py checks the plans without a GPU). test_forward and
+the features reach FA3's form on Hopper by default; test_forward_mma_sync runs the mma.sync form there too, and
+test_forward_fa3_switches FA3's switches and grids with more tiles than SMs.
 """
 from __future__ import annotations
 
@@ -25,11 +24,6 @@ pytestmark = pytest.mark.gpu
 SEQLENS = [(1, 1), (17, 17), (64, 128), (113, 203), (203, 113), (127, 129), (300, 300)]
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
 HEAD_DIMS = [512, 300, 264]  # 300 and 264 pad to 512 (zero columns loaded, never stored)
-
-
-@pytest.fixture(autouse=True)
-def head_dim_512(monkeypatch):
-    monkeypatch.setenv("RAWFLASH_HEAD_DIM_512", "1")
 
 
 def _grid():

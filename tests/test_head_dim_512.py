@@ -1,5 +1,5 @@
-"""head_dim 512 (head dims 257 - 512) without a GPU: the refusals, one per refused input, the gate
-(RAWFLASH_HEAD_DIM_512), the forms a call lands on and what they need (rows, shared memory, the twins' tiles).
+"""head_dim 512 (head dims 257 - 512) without a GPU: the calls admitted with no setting, the refusals, one per
+refused input, the forms a call lands on and what they need (rows, shared memory, the twins' tiles).
 
 The GPU tests of these forms are tests/test_gpu_hd512.py; the twins at head_dim 512 on the simulator are in
 tests/test_numba_sim.py.
@@ -7,6 +7,7 @@ tests/test_numba_sim.py.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -18,7 +19,6 @@ from rawflash.kernels import configs, cupy_backend, forms, launch
 from rawflash.kernels.forms import Switches
 from rawflash.problem import Problem
 
-GATE = "RAWFLASH_HEAD_DIM_512"
 SM80_SMEM, SM90_SMEM = 166912, 232448  # the most dynamic shared memory a CTA may ask for
 
 
@@ -31,53 +31,52 @@ def no_launch(monkeypatch):
         monkeypatch.setattr(cupy_backend, name, refuse)
 
 
-@pytest.fixture
-def gate(monkeypatch):
-    monkeypatch.setenv(GATE, "1")
-
-
 def qkv(d=512, dtype=np.float16, sq=5, sk=7):
     return random_qkv(1, sq, sk, 4, 2, d, dtype)
 
 
-# ---------------------------------------------------------------- the gate
+# ---------------------------------------------------------------- admitted with no setting
+def _clean_env(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("RAWFLASH_")]:
+        monkeypatch.delenv(name)
+
+
 @pytest.mark.parametrize("d", [257, 300, 512])
 @pytest.mark.parametrize("backend", ["cupy", "numba"])
-def test_refused_without_the_setting(d, backend, monkeypatch):
-    monkeypatch.delenv(GATE, raising=False)
-    q, k, v = qkv(d)
-    with pytest.raises(ValueError, match=rf"head_dim {d} runs on the head_dim 512 forms, which have not yet been "
-                                         rf"verified on a GPU; set {GATE}=1"):
-        rawflash.forward(q, k, v, backend=backend)
+def test_admitted_with_no_setting(d, backend, monkeypatch):
+    """A 16-bit forward and backward above 256 pass validation on the GPU backends with no RAWFLASH_* variable set,
+    and plan onto the 512 rows (FA3's column split on sm_90, the mma.sync backward)."""
+    _clean_env(monkeypatch)
+    q, k, v = qkv(d, np.float16)
+    c = validation.check_forward(q, k, v, True, None, backend=backend)
+    assert c.problem.head_dim == d and configs.padded_head_dim(d) == 512
+    out = np.zeros(q.shape, q.dtype)
+    lse = np.zeros((1, 4, 5), np.float32)
+    assert validation.check_backward(out, q, k, v, out, lse, True, None, False, backend).problem.head_dim == d
+    p = dataclasses.replace(c.problem, arch="sm_90")
+    assert forms.forward_plan(p)[0].kernel == "fa3_fwd_sm90"
+    assert forms.backward_plan(p)[1].kernel == "fa2_bwd"
 
 
-def test_backward_refused_without_the_setting(monkeypatch):
-    monkeypatch.delenv(GATE, raising=False)
-    q, k, v = qkv()
-    out, lse = rawflash.forward(q, k, v, backend="reference")
-    with pytest.raises(ValueError, match=f"not yet been verified on a GPU; set {GATE}=1"):
-        rawflash.backward(q, q, k, v, out.astype(q.dtype), lse)
-
-
-def test_the_setting_admits_and_256_needs_none(gate, monkeypatch):
-    q, k, v = qkv()
-    c = validation.check_forward(q, k, v, True, None)
-    assert c.problem.head_dim == 512 and configs.padded_head_dim(300) == 512
-    monkeypatch.setenv(GATE, "0")
+def test_256_and_below_unchanged(monkeypatch):
+    _clean_env(monkeypatch)
     q, k, v = qkv(256)
     assert validation.check_forward(q, k, v, True, None).problem.head_dim == 256
 
 
-def test_the_setting_is_in_the_plan_key(monkeypatch):
-    monkeypatch.delenv(GATE, raising=False)
+def test_plan_key_reads_no_head_dim_512_setting(monkeypatch):
+    """The plan key holds only the settings that change a plan: a head_dim 512 call plans the same way under any
+    environment, so no RAWFLASH_HEAD_DIM_512 or RAWFLASH_MLA_DECODE is read."""
+    _clean_env(monkeypatch)
     off = signature.settings_key()
-    monkeypatch.setenv(GATE, "1")
-    assert signature.settings_key() != off, "a plan made under the setting must not serve a call without it"
+    monkeypatch.setenv("RAWFLASH_HEAD_DIM_512", "1")
+    monkeypatch.setenv("RAWFLASH_MLA_DECODE", "1")
+    assert signature.settings_key() == off
+    assert not {"head_dim_512", "mla_decode"} & {f.name for f in dataclasses.fields(settings.Settings)}
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_reference_backend_needs_no_setting(causal, monkeypatch):
-    monkeypatch.delenv(GATE, raising=False)
+def test_reference_backend_at_512(causal):
     q, k, v = qkv(512, np.float32)
     out, lse = rawflash.forward(q, k, v, causal=causal, backend="reference")
     ref_out, ref_lse = reference.forward(q, k, v, causal=causal)
@@ -87,13 +86,13 @@ def test_reference_backend_needs_no_setting(causal, monkeypatch):
 
 
 # ---------------------------------------------------------------- refused inputs, one each
-def test_float32_refused(gate):
+def test_float32_refused():
     q, k, v = qkv(512, np.float32)
     with pytest.raises(TypeError, match="head_dim above 256 runs in float16 or bfloat16 only .*got float32"):
         rawflash.forward(q, k, v)
 
 
-def test_fp8_inputs_refused(gate):
+def test_fp8_inputs_refused():
     import ml_dtypes
 
     q, k, v = (x.astype(ml_dtypes.float8_e4m3fn) for x in qkv(512, np.float32))
@@ -102,19 +101,19 @@ def test_fp8_inputs_refused(gate):
         rawflash.forward(q, k, v)
 
 
-def test_fp8_quantised_inside_refused(gate):
+def test_fp8_quantised_inside_refused():
     q, k, v = qkv(512, np.float16)
     with pytest.raises(ValueError, match="float8_e4m3fn inputs run head_dim up to 256"):
         rawflash.forward(q, k, v, fp8=True)
 
 
-def test_fa1_refused(gate):
+def test_fa1_refused():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="kernel='fa1' runs head_dim up to 256"):
         rawflash.forward(q, k, v, kernel="fa1")
 
 
-def test_paged_refused(gate):
+def test_paged_refused():
     rng = np.random.default_rng(0)
     q = rng.standard_normal((9, 4, 512)).astype(np.float16)
     kp, vp = (rng.standard_normal((4, 16, 2, 512)).astype(np.float16) for _ in range(2))
@@ -123,7 +122,7 @@ def test_paged_refused(gate):
                          block_table=np.array([[0, 1], [2, 3]], np.int32))
 
 
-def test_decode_refused(gate):
+def test_decode_refused():
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, 1, 4, 512)).astype(np.float16)
     kc, vc = (rng.standard_normal((2, 64, 2, 512)).astype(np.float16) for _ in range(2))

@@ -217,7 +217,7 @@ def test_mla_value_head_dim(shape, head_dim_v, dtype, causal, deterministic):
     _assert_backward_ok(dout, q, k, v, grads, out=out, lse=lse, causal=causal)
 
 
-WIDE_CASES = [  # head_dim 512 and a head_dim that pads to it (validation's gate: RAWFLASH_HEAD_DIM_512)
+WIDE_CASES = [  # head_dim 512 and a head_dim that pads to it
     pytest.param((1, 5, 7, 2, 1, 512), "float16", True, id="float16-causal-b1-5x7-h2/1-d512"),
     pytest.param((1, 40, 17, 2, 1, 300), "bfloat16", True, id="bfloat16-causal-b1-40x17-h2/1-d300"),
     pytest.param((1, 17, 40, 4, 2, 512), "float16", False, id="float16-full-b1-17x40-h4/2-d512"),
@@ -225,10 +225,9 @@ WIDE_CASES = [  # head_dim 512 and a head_dim that pads to it (validation's gate
 
 
 @pytest.mark.parametrize("shape, dtype, causal", WIDE_CASES)
-def test_head_dim_512(shape, dtype, causal, monkeypatch):
+def test_head_dim_512(shape, dtype, causal):
     """The twins of the head_dim 512 forms (the CUDA C's warps split the head columns; a twin thread holds its
     row's whole O, dK, dV or dQ): forward, and both backwards."""
-    monkeypatch.setenv("RAWFLASH_HEAD_DIM_512", "1")
     q, k, v = _inputs(shape, dtype, seed=11)
     out, lse = _forward(q, k, v, causal)
     _assert_forward_ok(q, k, v, out, lse, causal=causal)
@@ -239,8 +238,7 @@ def test_head_dim_512(shape, dtype, causal, monkeypatch):
         _assert_backward_ok(dout, q, k, v, grads, causal=causal)
 
 
-def test_head_dim_512_packed_sequences(monkeypatch):
-    monkeypatch.setenv("RAWFLASH_HEAD_DIM_512", "1")
+def test_head_dim_512_packed_sequences():
     check_feature((1, 9, 11, 2, 1, 512), "float16", dict(varlen=True, causal=True), deterministic=True)
 
 

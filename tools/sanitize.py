@@ -5,10 +5,10 @@ pool is switched off so that out-of-bounds accesses inside a pooled chunk are se
 forms where the GPU has them, the mma.sync forms through wgmma=False and RAWFLASH_WGMMA=0's backward), with and
 without the features (windows, soft-capping, ALiBi, sinks, packed variable lengths, seqused_k); decode with
 contiguous and paged caches; the paged forward; MLA's narrower v (padded, and FA3's DV forms); head_dim 512 (the
-``wide`` part) and decode's latent cache (``latent``), which set the settings that admit them. SANITIZE_ONLY=decode,
-splitk, fa3, fp8, paged, mla, wide, latent or feature:NAME (e.g. feature:alibi: that feature in every form) runs that
-part alone (racecheck is slow); SANITIZE_SHARD=i/n runs shard i of n of the whole workload (the main loop's cases
-i, i + n, ...; the other parts in shard 0), so that n processes side by side cover it. Example:
+``wide`` part) and decode's latent cache (``latent``). SANITIZE_ONLY=decode, splitk, fa3, fp8, paged, mla, wide,
+latent or feature:NAME (e.g. feature:alibi: that feature in every form) runs that part alone (racecheck is slow);
+SANITIZE_SHARD=i/n runs shard i of n of the whole workload (the main loop's cases i, i + n, ...; the other parts in
+shard 0), so that n processes side by side cover it. Example:
 
     SANITIZE_ONLY=fa3 compute-sanitizer --tool racecheck python3 tools/sanitize.py bfloat16
 """
@@ -287,12 +287,11 @@ def _mla(dtype: str) -> None:
 
 
 def _wide(dtype: str) -> None:
-    """head_dim 512's forms (RAWFLASH_HEAD_DIM_512=1, 16-bit): FA3's forward with its column split and the mma.sync
+    """head_dim 512's forms (16-bit): FA3's forward with its column split and the mma.sync
     forward (wgmma=False), the backward atomic and deterministic, at 512 and at 300 (zero-filled columns past it),
     ragged shapes, GQA, causal both ways, and packed sequences with a window, soft-capping and sinks."""
     if dtype == "float32":  # (float32 has no head_dim 512 row)
         return
-    os.environ["RAWFLASH_HEAD_DIM_512"] = "1"
     for d, (b, sq, sk, h, hk) in ((512, (1, 77, 130, 2, 1)), (300, (2, 33, 65, 2, 2))):
         q, k, v = (cupy.asarray(x) for x in random_qkv(b, sq, sk, h, hk, d, dtype))
         dout = cupy.asarray(np.random.default_rng(2).standard_normal(q.shape).astype(q.dtype))
@@ -302,18 +301,16 @@ def _wide(dtype: str) -> None:
             for det in (False, True):
                 rawflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det)
         _packed_with_features(q, k, v, 20)
-    os.environ.pop("RAWFLASH_HEAD_DIM_512", None)
 
 
 def _latent(dtype: str) -> None:
-    """decode's latent cache (MLA's absorbed decode, 576 / 512; RAWFLASH_MLA_DECODE=1, 16-bit): contiguous and in
+    """decode's latent cache (MLA's absorbed decode, 576 / 512, 16-bit): contiguous and in
     pages of 64, 16 and 128 query heads (one row group and two, the latter with decode_append first), 1 and 3 query
     rows, appends across a page edge, an empty sequence, one and many splits, and device lengths past the capacity."""
     if dtype == "float32":  # (the latent form is 16-bit)
         return
     from rawflash.kernels import configs
 
-    os.environ["RAWFLASH_MLA_DECODE"] = "1"
     d, dv = configs.LATENT_HEAD_DIM, configs.LATENT_HEAD_DIM_V
     rng = np.random.default_rng(3)
     dt = random_qkv(1, 1, 1, 1, 1, 8, dtype)[0].dtype
@@ -332,7 +329,6 @@ def _latent(dtype: str) -> None:
                             num_splits=splits)
         bad = cupy.asarray(np.array([cap + 50, -2, 61], np.int32))
         rawflash.decode(q, kc, cache_seqlens=bad, k_new=kn, block_table=table, head_dim_v=dv, num_splits=3)
-    os.environ.pop("RAWFLASH_MLA_DECODE", None)
 
 
 def main() -> None:

@@ -727,8 +727,10 @@ def _explain_notes(p: Problem, kernel: str, backend: str, tgt: Target) -> list[s
     if configs.padded_head_dim(p.head_dim) != p.head_dim:
         notes.append(f"head_dim {p.head_dim} runs on the {configs.padded_head_dim(p.head_dim)} kernel, zero-padded")
     if p.head_dim > configs.COMMON_MAX_HEAD_DIM:
-        notes.append(f"head_dim {configs.WIDE_HEAD_DIM}'s forms have not yet run on a GPU (RAWFLASH_HEAD_DIM_512=1 "
-                     "admits them)")
+        notes.append(f"head_dim {p.head_dim} runs on the head_dim {configs.WIDE_HEAD_DIM} forms: on Hopper FA3's "
+                     "forward, whose two consumer warpgroups split the head columns; elsewhere, under wgmma=False and "
+                     "for every backward, the mma.sync forms, whose warps split them (the backward: one CTA of 4 "
+                     "warps per SM)")
     if p.head_dim_v:
         notes.append(f"v's head_dim {p.head_dim_v} (MLA): v (and the backward's dout and out) zero-padded to q's "
                      f"head_dim, out and dv cut back, except in FA3's DV forms (a pair in configs.VALUE_ROWS, forward "

@@ -27,9 +27,7 @@ MAX_HEAD_DIM = SPECIALISED_HEAD_DIMS[-1]
 # The largest head_dim every form, dtype and kind of call runs. Head dims above it (257 - 512, Gemma's global layers)
 # run on the rows at 512 (WIDE_HEAD_DIM) only: float16 / bfloat16 forwards and backwards of kernel='fa2' on the
 # mma.sync forms, whose warps split the head columns (``TileConfig.wc``), and on Hopper FA3's forward, whose consumer
-# warpgroups split them; no decode, paged keys, FP8, float32, fa1 or ablation switch. None of them has run on a
-# GPU yet: validation admits them only under
-# ``RAWFLASH_HEAD_DIM_512=1`` (``settings.head_dim_512``).
+# warpgroups split them; no decode, paged keys, FP8, float32, fa1 or ablation switch.
 COMMON_MAX_HEAD_DIM = 256
 WIDE_HEAD_DIM = 512
 # decode's latent cache (MLA's absorbed decode, DeepSeek-V3 / R1): keys of 576 columns (512 latent + 64 rotary),

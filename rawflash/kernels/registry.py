@@ -132,8 +132,7 @@ COMMON = ("float16, bfloat16, float32", f"head_dim 1..{configs.COMMON_MAX_HEAD_D
           "GQA/MQA")
 # FA2's forward and backward (and standard attention) also run the head dims up to configs.MAX_HEAD_DIM
 WIDE = (f"head_dim {configs.COMMON_MAX_HEAD_DIM + 1}..{configs.MAX_HEAD_DIM} in float16 / bfloat16 (the mma.sync "
-        f"forms' warps, and on Hopper the FA3 forward's consumer warpgroups, split the head columns; not yet run on a "
-        f"GPU: RAWFLASH_HEAD_DIM_512=1)",)
+        f"forms' warps, and on Hopper the FA3 forward's consumer warpgroups, split the head columns)",)
 _NO_TWIN_SM90 = ("wgmma and the Hopper pipeline have no Numba counterpart; the twin of the variant's mma.sync form "
                  "computes the same results")
 
@@ -195,7 +194,7 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
                                "float8_e4m3fn cache with k_descale / v_descale (no Numba twin: the twins read "
                                "16-bit and float32 caches)",
                                "latent cache (MLA: head_dim 576, head_dim_v 512, float16 / bfloat16, sm_90; its "
-                               "8 warps share a split; not yet run on a GPU: RAWFLASH_MLA_DECODE=1)")),
+                               "8 warps share a split)")),
 )}
 
 
