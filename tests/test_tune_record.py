@@ -237,3 +237,10 @@ def test_a_refused_head_dim_v_exits_before_any_gpu_work():
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "tune.py"), "--which", "fwd_fa3", "--head-dims", "128",
                           "--head-dim-v", "100"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--head-dim-v must be a positive multiple of 8" in run.stderr
+
+
+@pytest.mark.parametrize("d", sorted(forms.FA3_TILE_CANDIDATES))
+def test_the_compiled_fa3_candidates_are_tuned(d):
+    """Every row forms.FA3_TILE_CANDIDATES compiles for FA3's forward is among tools/tune.py's candidates at its head
+    dim (otherwise `tune.py --which fwd_fa3` times today's row alone there)."""
+    assert set(forms.FA3_TILE_CANDIDATES[d]) <= set(tune.CANDIDATES[("fa3_fwd_sm90", d)])

@@ -67,6 +67,7 @@ CANDIDATES = {
                             TileConfig(128, 160, 12, stages=2), TileConfig(128, 112, 12, stages=2),
                             TileConfig(128, 128, 12, stages=3), *forms.FA3_TILE_CANDIDATES[128]],
     ("fa3_fwd_sm90", 256): [TileConfig(128, 80, 12, stages=2), TileConfig(128, 64, 12, stages=2)],
+    ("fa3_fwd_sm90", 512): [*forms.FA3_TILE_CANDIDATES[512]],  # beside the column split's 64 x 32 in two stages
     # FP8: a key block is whole 64- or 128-byte panels of V^T (Bc a multiple of 64: hopper.cuh's Sw64x8 / Sw128x8);
     # 128 x 256 and 192 x 128 are not candidates: they spill 288 B (offline compile).
     ("fa3_fwd_sm90_fp8", 128): [TileConfig(128, 128, 12, stages=3), *forms.FP8_TILE_CANDIDATES,
