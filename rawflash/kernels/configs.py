@@ -426,9 +426,10 @@ H100_L2_MAX_BYTES = 56 << 20  # between the H100's 50 MB and the H200's 60 MB
 GPU_ROWS: dict[str, dict[tuple[str, int, str], TileConfig]] = {"h200": {}, "h100": {
     # tools/tune.py --which fwd_fa3 (H100 bf16, kernels, N 2k / 4k / 8k): 128 x 160 with two Q_i buffers 691 / 764 /
     # 785 TFLOP/s full and 564 / 665 / 716 causal against the table's 128 x 176 at 651 / 727 / 764 and 521 / 633 /
-    # 681. 160 keys leave room for a second Q_i buffer, which 176 do not; the H200 keeps the table's row.
+    # 681; rawflash bench in a later H100 run (5 repeats): +4 - 9 % at N 2k / 4k, -2 - 3 % at 8k. 160 keys leave room
+    # for a second Q_i buffer, which 176 do not; the H200 keeps the table's row.
     ("fa3_fwd_sm90", 128, "bfloat16"): TileConfig(128, 160, 12, stages=2, q_stages=2,
-                                                  why="+5 - 8 % over 128x176 at N 2k/4k/8k (H100 bf16)"),
+                                                  why="+4 - 9 % over 128x176 at N 2k/4k, even at 8k (H100 bf16)"),
 }}
 # A situation's rows that differ on one tuned GPU: GPU -> situation (SITUATION_ROWS' names) -> rows keyed like
 # TABLE. None is measured on either GPU.
