@@ -179,8 +179,9 @@ def _problems():
 @pytest.mark.parametrize("p", list(_problems()), ids=lambda p: f"{p.arch}-{p.dtype}-d{p.head_dim}-{p.general}")
 def test_forms_at_512(p):
     """The forward takes FA3's column split on sm_90 and the mma.sync form elsewhere (and on sm_90 with
-    wgmma=False); the backwards take the mma.sync forms with their column splits everywhere. Each fits the arch's
-    shared memory and names WC as its last template argument."""
+    wgmma=False); the backward takes the mma.sync forms with their column splits everywhere, as two passes (dQ
+    apart, no atomics) whether deterministic or not. Each fits the arch's shared memory and names WC as its last
+    template argument."""
     limit = SM90_SMEM if p.arch == "sm_90" else SM80_SMEM
     (fwd,) = forms.forward_plan(p, switches=Switches(wgmma=False)) if p.arch == "sm_90" else forms.forward_plan(p)
     assert fwd.kernel == "fa2_fwd" and fwd.template_args[1] == 512 and fwd.template_args[-1] == fwd.config.wc == 2
@@ -189,12 +190,12 @@ def test_forms_at_512(p):
         (fa3,) = forms.forward_plan(p)
         assert fa3.kernel == "fa3_fwd_sm90" and fa3.template_args[1] == 512 and fa3.template_args[-1] == 2
         assert fa3.smem == launch.smem_fa3_fwd_sm90(fa3.config, 512) == 197728 <= limit
-    pre, main, post = forms.backward_plan(p)
-    assert (pre.kernel, main.kernel, post.kernel) == ("fa2_bwd_preprocess", "fa2_bwd", "fa2_bwd_convert_dq")
-    assert main.config.wc == 4 and main.template_args[5] == 4 and main.smem == 165376 <= limit
-    pre, main, dq = forms.backward_plan(p, deterministic=True)
-    assert (main.kernel, dq.kernel) == ("fa2_bwd", "fa2_bwd_dq") and main.template_args[10] is False
-    assert dq.template_args[-1] == dq.config.wc == 2 and dq.smem == 98560 <= limit
+    for deterministic in (False, True):  # (the two-pass plan either way: no dQ atomics at 512)
+        pre, main, dq = forms.backward_plan(p, deterministic=deterministic)
+        assert (pre.kernel, main.kernel, dq.kernel) == ("fa2_bwd_preprocess", "fa2_bwd", "fa2_bwd_dq")
+        assert main.template_args[10] is False and main.config.wc == 4 and main.template_args[5] == 4
+        assert main.smem <= limit
+        assert dq.template_args[-1] == dq.config.wc == 2 and dq.smem == 98560 <= limit
 
 
 def test_column_split_only_where_a_row_has_one():

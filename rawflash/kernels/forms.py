@@ -402,11 +402,13 @@ def backward_plan(p: Problem, deterministic: bool = False, settings: Settings = 
     """Every launch a backward call makes, in order. ``deterministic``: where the default main pass is FA3's form
     with 64 keys per consumer (Hopper, 16-bit, head_dim <= 128), that form with its dQ reduce-adds in a fixed order
     and the same convert pass; elsewhere (its column split at head_dim 192 / 256 included) the main pass without
-    atomic dQ and a separate dQ pass (fa2_bwd_dq). MLA's narrower v: the FA3 form's DV form where ``value_form``
+    atomic dQ and a separate dQ pass (fa2_bwd_dq). Head dims above COMMON_MAX_HEAD_DIM (the 512 forms) take that
+    two-pass plan whether asked or not: its dQ pass, with no atomics, beats the main pass's atomic dQ there (1.26 -
+    1.30x at 512 on an H100, bench/NOTES.md A10). MLA's narrower v: the FA3 form's DV form where ``value_form``
     says so (its launches then read v, dout and out at v's head_dim: ``reads_value_head_dim``)."""
     p = _value_problem(p, settings, "fa3_bwd_sm90")
     pre = launch.fa2_bwd_preprocess(p)
-    if deterministic:
+    if deterministic or p.head_dim > configs.COMMON_MAX_HEAD_DIM:
         main = fa2_backward_main(p, True, wgmma, settings, override) if hopper_form_fits("fa3_bwd_sm90", p) else None
         if main is not None and main.kernel == "fa3_bwd_sm90" and not launch.fa3_bwd_split_d(main.config):
             return [pre, launch.fa3_bwd_sm90(p, ordered_dq_config(p, main.config), deterministic=True),
