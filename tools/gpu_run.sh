@@ -27,6 +27,7 @@
 #     profile    Nsight Compute (--clock-control none) on tools/profile_kernels.py's cases: PROFILE_CASES
 #                (default "softcap fp8 plain decode"), d = PROFILE_D (128; decode is always 128),
 #                N = PROFILE_N (4096); one file ncu_<case>.txt per case (decode_fp8: decode on an FP8 cache;
+#                latent: decode on MLA's latent cache, 128 heads;
 #                paged: the paged prefill in pages of PROFILE_PAGE, default 16)
 #     paged      the paged prefill: its GPU tests, the sanitizer over its workload (bfloat16, float16),
 #                rawflash bench --paged and tools/tune_paged.py (pages of 64 and 16)
@@ -125,7 +126,7 @@ while [ $i -lt ${#steps[@]} ]; do
       for case in ${PROFILE_CASES:-softcap fp8 plain decode}; do
         case $case in
           fp8) regex='fa3_fwd_sm90_fp8'; skip=2; count=1 ;;
-          decode|decode_fp8) regex='decode_'; skip=2; count=2 ;;  # b = 64: decode_split (append folded), combine
+          decode|decode_fp8|latent) regex='decode_'; skip=2; count=2 ;;  # b = 64: decode_split (append folded), combine
           paged) regex='fa3_fwd_sm90'; skip=2; count=1 ;;  # a call: the REF_FIRST launch, then its way back
           *) regex='fa3_(fwd|bwd)_sm90'; skip=2; count=2 ;;
         esac

@@ -4,8 +4,9 @@ kernel's time goes (its roofline, stalls, occupancy); ``tools/gpu_run.sh profile
 PROFILE_CASES. Cases: ``plain`` (forward and backward), ``softcap`` / ``alibi`` (forward and backward with that
 feature, softcap 30, slopes 2^-1..2^-H), ``fp8`` (the FP8 forward, per-head descales), ``decode`` (one decode
 step: batch --batch, 32 query heads on --kv-heads (8) kv heads, d 128, N cached keys), ``decode_fp8`` (the same
-step on a float8_e4m3fn cache, per (sequence, kv head) descales), ``paged`` (``rawflash bench --paged``'s paged
-prefill in pages of --page rows, forward only). Example:
+step on a float8_e4m3fn cache, per (sequence, kv head) descales), ``latent`` (MLA's absorbed decode: --batch
+sequences, 128 query heads on one latent cache of 576 columns whose first 512 are the values, pages of 64),
+``paged`` (``rawflash bench --paged``'s paged prefill in pages of --page rows, forward only). Example:
 
     ncu --clock-control none --kernel-name regex:'fa[23]_(fwd|bwd)' --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rawflash  # noqa: E402
 from rawflash.cli import bench  # noqa: E402
 
-CASES = ("plain", "softcap", "alibi", "fp8", "decode", "decode_fp8", "paged")
+CASES = ("plain", "softcap", "alibi", "fp8", "decode", "decode_fp8", "latent", "paged")
 
 
 def feature_args(name: str, heads: int) -> dict:
@@ -59,11 +60,15 @@ def main() -> None:
         return
 
     batch, heads = 16384 // args.seqlen, 2048 // args.head_dim
-    if args.case in ("decode", "decode_fp8"):
+    if args.case in ("decode", "decode_fp8", "latent"):
         from rawflash.cli import bench_decode
 
-        case = bench_decode.DecodeCase(batch=args.batch, cache=args.seqlen, heads=32, kv_heads=args.kv_heads,
-                                       head_dim=128, kv_dtype=bench.FP8 if args.case == "decode_fp8" else "")
+        if args.case == "latent":  # MLA's absorbed decode: 128 heads on one latent cache of 576 / 512, pages of 64
+            case = bench_decode.DecodeCase(batch=args.batch, cache=args.seqlen, heads=128, kv_heads=1,
+                                           head_dim=576, head_dim_v=512, page=64)
+        else:
+            case = bench_decode.DecodeCase(batch=args.batch, cache=args.seqlen, heads=32, kv_heads=args.kv_heads,
+                                           head_dim=128, kv_dtype=bench.FP8 if args.case == "decode_fp8" else "")
         q, kc, vc, kn, vn, lens, table = bench_decode._inputs(case)
         kc, vc, descales = bench_decode._quantized(case, kc, vc)
         _, public = bench_decode._rawflash(case, q, kc, vc, kn, vn, lens, table, descales=descales)
