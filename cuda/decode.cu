@@ -27,6 +27,7 @@
 // appends are quantised so (round to nearest, saturating at +-448) and the attention reads K = k_descale K8 and
 // V = v_descale V8.
 #include "mainloop_decode.cuh"
+#include "mainloop_decode_sm90.cuh"
 #include "softmax.cuh"
 
 namespace rf {
@@ -215,12 +216,17 @@ __global__ void decode_append(const __grid_constant__ rf::FwdParams p) {
 }
 
 // DV: the latent cache's value columns (MLA: K of D = 576 columns, V its first DV = 512), the CTA's warps sharing
-// one split (MainloopDecodeLatent); DV = D (the default): separate K and V caches, a split per warp.
-template <typename T, typename C, int D, int MT, int BCW, int STAGES, int WARPS, int SMEM_BYTES, int DV = D>
+// one split (MainloopDecodeLatent; WG: MainloopDecodeLatentWg, its warpgroup products, sm_90a); DV = D (the
+// default): separate K and V caches, a split per warp. The mainloop says which rows and columns of O a thread
+// holds (row0, col0, OAcc, SM_ROWS) and which threads hold the rows' lse.
+template <typename T, typename C, int D, int MT, int BCW, int STAGES, int WARPS, int SMEM_BYTES, int DV = D,
+          bool WG = false>
 __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ rf::FwdParams p) {
   using namespace rf;
-  using Mainloop = typename Select<DV == D, MainloopDecode<T, C, D, MT, BCW, STAGES, WARPS>,
-                                   MainloopDecodeLatent<T, C, D, DV, MT, BCW, STAGES, WARPS>>::type;
+  using Latent = typename Select<WG, MainloopDecodeLatentWg<T, C, D, DV, MT, BCW, STAGES, WARPS>,
+                                 MainloopDecodeLatent<T, C, D, DV, MT, BCW, STAGES, WARPS>>::type;
+  using Mainloop = typename Select<DV == D, MainloopDecode<T, C, D, MT, BCW, STAGES, WARPS>, Latent>::type;
+  static_assert(!WG || DV != D, "the warpgroup form is the latent cache's");
   static_assert(Mainloop::SMEM_BYTES == SMEM_BYTES,
                 "rawflash/kernels/launch.py and the kernel disagree on shared memory");
   constexpr int ROWS = Mainloop::ROWS, WC = Mainloop::WC, SPLITS = Mainloop::SPLITS;  // WC warps a split
@@ -240,8 +246,9 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   bi.seqlen_k = len_ok ? len + p.new_keys : 0;
   const Policy<WINDOW, true> pol(p, bi);
   // ---- [decode:load_q] the packed Q tile, shared by the warps (row r: query r / group, head hk * group + r % group)
-  const Tile<T, ROWS, D> sQ{(T*)smem};
-  using TQ = Tile<T, ROWS, D>;
+  char* const tiles_at = Mainloop::tiles_at(smem);  // the Q tile, then the ring (the swizzled forms: aligned)
+  const typename Mainloop::QTile sQ = Mainloop::q_tile(tiles_at);
+  using TQ = Tile<T, ROWS, D>;  // (its chunk counts; sQ's layout is the mainloop's)
   for (int idx = threadIdx.x; idx < ROWS * TQ::C; idx += WARPS * 32) {
     const int row = idx / TQ::C, col = (idx % TQ::C) * TQ::CHUNK, r = r0 + row;
     const bool valid = row < nrows && col < p.head_dim;
@@ -254,7 +261,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   __syncthreads();  // the Q tile is visible to every warp
   // ---- [decode:q_half] (FP8) the Q tile as float16 in place: row by 2^a (q_half_exp of its largest |q|), each
   // 16 columns permuted for the e4m3 products (permute_k16); a thread per (row, 16 columns) ----
-  unsigned* qmax = (unsigned*)(smem + Mainloop::Q_BYTES);
+  unsigned* qmax = (unsigned*)(tiles_at + Mainloop::Q_BYTES);
   if constexpr (Mainloop::FP8) {
     constexpr int PER_ROW = D / 16;
     for (int r = threadIdx.x; r < ROWS; r += WARPS * 32) qmax[r] = 0u;
@@ -319,18 +326,18 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   else
     __syncthreads();  // (the latent form: the CTA's warps are the split's)
   // ---- [decode:mainloop] this warp's split: its key tiles through the ring (mainloop_decode.cuh) ----
-  Acc<MT, Mainloop::NO> o;  // (the latent form: the warp's columns of O)
-  OnlineSoftmax<2 * MT> sm;
+  typename Mainloop::OAcc o;  // (the latent forms: the thread's share of O)
+  OnlineSoftmax<Mainloop::SM_ROWS> sm;
   const bool bad = !len_ok || !bi.pages_inside(p, k_begin, k_end);  // the split's pages, once (the warp's lanes)
-  float k_mul[2 * MT];  // (FP8) what multiplies a row's scores: 2^-a of its float16 copy, then k_descale
+  float k_mul[Mainloop::SM_ROWS];  // (FP8) what multiplies a row's scores: 2^-a of its float16 copy, k_descale
   const float kd = cache_descale(p, p.k_descale, b, hk);
 #pragma unroll
-  for (int rr = 0; rr < 2 * MT; ++rr)
+  for (int rr = 0; rr < Mainloop::SM_ROWS; ++rr)
     k_mul[rr] = Mainloop::FP8 ? pow2f(-q_half_exp(qmax[16 * (rr / 2) + (lane_id() >> 2) + 8 * (rr % 2)])) * kd : 1.f;
   const int tiles = Mainloop::run(p, bi, pol, group, r0, nrows, k_begin, bad ? k_begin : k_end, sQ,
-                                  WC == 1 ? smem + Mainloop::Q_BYTES + Mainloop::QMAX_BYTES +
+                                  WC == 1 ? tiles_at + Mainloop::Q_BYTES + Mainloop::QMAX_BYTES +
                                                 warp_id() * STAGES * 2 * Mainloop::KV_BYTES
-                                          : smem + Mainloop::Q_BYTES,  // (the latent form: the CTA's one ring)
+                                          : tiles_at + Mainloop::Q_BYTES,  // (the latent forms: the CTA's one ring)
                                   k_mul, o, sm);
   // ---- [decode:merge] the CTA's splits into one partial O (divided by its l) and lse, float32 ----
   // Each warp's O (divided by its own l) and lse go to shared memory (the tiles' bytes: every warp is past its
@@ -339,24 +346,25 @@ __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant
   // per WARPS splits), not the warps'. A split with no key (or past num_splits) has lse -inf and weight 0; a
   // sequence outside its cache has lse NaN in every split, and its partials' lse is NaN (the combine turns its
   // rows into NaN); a partial's O is written only where its lse is finite (the combine reads no other).
-  float f[2 * MT], lse[2 * MT];
+  float f[Mainloop::SM_ROWS], lse[Mainloop::SM_ROWS];
   sm.template finalize<T, false>(-INFINITY, f, lse);
   if constexpr (Mainloop::FP8) {  // O = P (v_descale V8): the split's O by the descale, with its 1 / l
     const float vd = cache_descale(p, p.v_descale, b, hk);
 #pragma unroll
-    for (int rr = 0; rr < 2 * MT; ++rr) f[rr] *= vd;
+    for (int rr = 0; rr < Mainloop::SM_ROWS; ++rr) f[rr] *= vd;
   }
   __syncthreads();  // every warp is done with the Q tile and its ring
   const Merge mg(smem);
-  const int g = lane_id() >> 2, t = lane_id() & 3, c0 = (warp_id() % WC) * 8 * Mainloop::NO;  // the warp's columns
+  // the thread's rows and columns of O: from row0 (the warp's first) and col0 (its first column)
+  const int g = lane_id() >> 2, t = lane_id() & 3, r0w = Mainloop::row0(), c0 = Mainloop::col0();
   if (active && tiles > 0 && !bad)
     for_each(o, [&](float& x, int row, int col) {
-      mg.o(split, row)[Mainloop::FP8 ? o_col_e4m3(col) : c0 + col] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
+      mg.o(split, r0w + row)[Mainloop::FP8 ? o_col_e4m3(col) : c0 + col] = x * f[2 * (row / 16) + ((row % 16) >= 8)];
     });
 #pragma unroll
-  for (int rr = 0; rr < 2 * MT; ++rr)
-    if (t == 0 && warp_id() % WC == 0)  // (the split's warps hold the same lse)
-      mg.lse[split * ROWS + 16 * (rr / 2) + g + 8 * (rr % 2)] = !active ? -INFINITY : bad ? nan_f() : lse[rr];
+  for (int rr = 0; rr < Mainloop::SM_ROWS; ++rr)
+    if (t == 0 && Mainloop::holds_lse())  // (the split's warps that share rows hold the same lse)
+      mg.lse[split * ROWS + r0w + 16 * (rr / 2) + g + 8 * (rr % 2)] = !active ? -INFINITY : bad ? nan_f() : lse[rr];
   __syncthreads();  // every split's O and lse are in shared memory
   const long long lse_split = p.ws_split / out_cols<DV != D>(p);
   float* ows = p.o_ws + blockIdx.x * p.ws_split;

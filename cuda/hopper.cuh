@@ -40,6 +40,7 @@ template <typename T, int ROWS, int COLS> struct Sw128 {
   __device__ __forceinline__ u32 addr(int row, int col) const {
     return base + (col >> 6) * PANEL_BYTES + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4);
   }
+  __device__ __forceinline__ u32 saddr(int row, int col) const { return addr(row, col); }  // (Tile's name)
   // K-major operand (A or B of D = A B^T): rows r0..r0+63 (or N rows), k-step of 16 columns at k0.
   // Within a panel the hardware applies the swizzle to the absolute address, so stepping k is +32 bytes;
   // the 8-row atoms follow each other every 1024 bytes (SBO); LBO is unused in this mode.

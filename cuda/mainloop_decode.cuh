@@ -78,16 +78,18 @@ __device__ __forceinline__ int q_half_exp(unsigned m) {
 }
 __device__ __forceinline__ float pow2f(int a) { return __int_as_float((a + 127) << 23); }  // a in [-126, 127]
 
-// What the latent mainloop knows of a split before its first tile: the key tiles it visits and the thread's 2 MT
-// packed rows (query index, ALiBi slope, visible keys [lo, hi); padding rows past nrows see nothing), computed
-// once, so the tile loop has no division; and the step of a tile's scores through the policy.
+// What the latent mainloops know of a split before its first tile: the key tiles it visits and the thread's 2 MT
+// packed rows (from the warp's first row row_base: query index, ALiBi slope, visible keys [lo, hi); padding rows
+// past nrows see nothing), computed once, so the tile loop has no division; and the step of a tile's scores
+// through the policy.
 template <int MT, int BCW> struct DecodeSplitRows {
   using Pol = Policy<WINDOW, true>;
   int qi[2 * MT], lo[2 * MT], hi[2 * MT];
   float slope[2 * MT];
   int first, end, tiles, interior_start, interior_end;  // tiles from key `first`; keys [first, end) seen by some row
   __device__ __forceinline__ DecodeSplitRows(const FwdParams& p, const BlockInfo<true>& bi, const Pol& pol,
-                                             int group, int r0, int nrows, int k_begin, int k_end) {
+                                             int group, int r0, int nrows, int k_begin, int k_end,
+                                             int row_base = 0) {
     // Packed rows r0 + r: query (r0 + r) / group of head hk * group + (r0 + r) % group.
     const int i_first = r0 / group, i_last = (r0 + nrows - 1) / group;
     // Tiles start on multiples of BCW (split boundaries are), so a tile never reaches into the next split: keys
@@ -98,7 +100,7 @@ template <int MT, int BCW> struct DecodeSplitRows {
     const int g = lane_id() >> 2;
 #pragma unroll
     for (int rr = 0; rr < 2 * MT; ++rr) {
-      const int row = 16 * (rr / 2) + g + 8 * (rr % 2), r = r0 + row;
+      const int row = row_base + 16 * (rr / 2) + g + 8 * (rr % 2), r = r0 + row;
       qi[rr] = r / group;
       slope[rr] = pol.head_slope(p, bi, r % group);
       lo[rr] = row < nrows ? pol.row_start(qi[rr]) : 0x7fffffff;
@@ -180,6 +182,15 @@ template <typename T_, typename C_, int D, int MT, int BCW, int STAGES, int WARP
   // decode_split's view: every warp a split of its own (WC = 1 warp per split, SPLITS per CTA), reading K and V
   static constexpr int WC = 1, SPLITS = WARPS;
   static constexpr bool VALUES = true;
+  using QTile = Tile<T_, ROWS, D>;
+  using OAcc = Acc<MT, NO>;               // the warp's O: every packed row, every column
+  static constexpr int SM_ROWS = 2 * MT;  // softmax rows a thread holds
+  // decode_split's view of the thread's share of O and of the rows
+  __device__ __forceinline__ static char* tiles_at(char* smem) { return smem; }
+  __device__ __forceinline__ static QTile q_tile(char* at) { return QTile{(T_*)at}; }
+  __device__ __forceinline__ static int row0() { return 0; }
+  __device__ __forceinline__ static int col0() { return 0; }
+  __device__ __forceinline__ static bool holds_lse() { return true; }
 
   // (FP8) S = Q K8^T: sQ's float16 rows (their columns permuted as load_b4_nk_e4m3 asks) against the e4m3 tile.
   __device__ __forceinline__ static void scores_e4m3(Acc<MT, NT>& s, const Tile<T, ROWS, D>& sQ,
@@ -338,6 +349,15 @@ struct MainloopDecodeLatent {
   static_assert(Same<T_, C_>::value && sizeof(T_) == 2, "a 16-bit latent cache of the queries' type");
   static_assert(NT == 1 && D % 32 == 0, "8 keys of S a warp (one n-tile), D in 32-column steps");
   static_assert(DV <= D && NO % 2 == 0 && BCW % 16 == 0 && STAGES >= 2, "O's columns in pairs of n-tiles");
+  using QTile = Tile<T_, ROWS, D>;
+  using OAcc = Acc<MT, NO>;               // the warp's columns of O for every packed row
+  static constexpr int SM_ROWS = 2 * MT;  // softmax rows a thread holds
+  // decode_split's view of the thread's share of O and of the rows
+  __device__ __forceinline__ static char* tiles_at(char* smem) { return smem; }
+  __device__ __forceinline__ static QTile q_tile(char* at) { return QTile{(T_*)at}; }
+  __device__ __forceinline__ static int row0() { return 0; }
+  __device__ __forceinline__ static int col0() { return warp_id() * 8 * NO; }
+  __device__ __forceinline__ static bool holds_lse() { return warp_id() == 0; }  // (every warp holds the same)
 
   // S (ROWS x 8 keys: rows n0.. of sK) = Q K^T over D columns: each 32 columns one ldmatrix.x4 of the 8 keys
   // (two k-steps of B) against the MT m-tiles of Q.

@@ -102,7 +102,8 @@ def test_v_cache_none_needs_head_dim_v():
 @pytest.mark.parametrize("backend", ["cupy", "numba"])
 def test_admitted_on_the_gpu_backends_with_no_setting(backend, dtype, monkeypatch):
     """With no RAWFLASH_* variable set, a 16-bit latent cache at 576 / 512 passes validation on the cupy and numba
-    backends, and its problem plans on sm_90 onto the latent form (DV as the last template argument)."""
+    backends, and its problem plans on sm_90 onto the latent cache's warpgroup form (DV, then True, as the last
+    template arguments; compiled for sm_90a)."""
     for name in [n for n in os.environ if n.startswith("RAWFLASH_")]:
         monkeypatch.delenv(name)
     q, kc, lens, kn, _ = _case(dtype=dtype)
@@ -110,7 +111,8 @@ def test_admitted_on_the_gpu_backends_with_no_setting(backend, dtype, monkeypatc
                                 None, DV)
     assert (c.problem.head_dim, c.problem.head_dim_v, c.problem.value_head_dim) == (D, DV, DV)
     split = forms.decode_plan(dataclasses.replace(c.problem, arch="sm_90")).split
-    assert split.kernel == "decode_split" and split.template_args[2] == D and split.template_args[-1] == DV
+    assert split.kernel == "decode_split" and split.template_args[2] == D and split.template_args[-2:] == (DV, True)
+    assert split.compile_arch("sm_90") == "sm_90a"
 
 
 def _problem(heads=128, sq=1, new=1, page=64, cap=32768, batch=64, dtype="bfloat16"):
@@ -118,14 +120,19 @@ def _problem(heads=128, sq=1, new=1, page=64, cap=32768, batch=64, dtype="bfloat
                    head_dim_v=DV)
 
 
+@pytest.mark.parametrize("wgmma", [True, False])
 @pytest.mark.parametrize("heads,sq", [(16, 1), (16, 4), (64, 1), (128, 1), (128, 4)])
-def test_latent_plan(heads, sq):
+def test_latent_plan(heads, sq, wgmma):
     p = _problem(heads, sq)
-    plan = forms.decode_plan(p)
+    plan = forms.decode_plan(p, wgmma=wgmma)
     split = plan.split
     cfg = split.config
-    assert split.template_args[2] == D and split.template_args[-1] == DV and split.block == (cfg.threads, 1, 1)
-    assert split.smem == launch.smem_decode_split(cfg, D, 2, 2, DV) <= 232448  # sm_90's opt-in shared memory
+    form = (DV, True) if wgmma else (DV,)
+    assert split.template_args[2] == D and split.template_args[8:] == form and split.block == (cfg.threads, 1, 1)
+    assert split.compile_arch("sm_90") == ("sm_90a" if wgmma else "sm_90")
+    # sm_90's opt-in shared memory; the warpgroup form: a float per warpgroup and row, 1024 B of alignment slack
+    assert split.smem == launch.smem_decode_split(cfg, D, 2, 2, DV, wgmma) <= 232448
+    assert split.smem == (230912 if wgmma else 231424)
     groups = -(-heads * sq // cfg.br)
     assert split.grid == (plan.num_splits, groups, p.batch)  # one split per CTA
     assert plan.partials == plan.num_splits and plan.split_appends == (groups == 1)
@@ -137,11 +144,21 @@ def test_latent_plan(heads, sq):
         assert plan.launches[-1].template_args[-1] is True  # out of head_dim_v columns
 
 
-def test_latent_merge_fits_the_tiles():
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_latent_merge_fits_the_tiles(wgmma):
     cfg = configs.value_row("decode_split", D, DV, "bfloat16")
     rows, splits = cfg.br, cfg.warps // cfg.wc
     merge = splits * rows * (DV + 4) * 4 + splits * rows * 4
-    assert max(merge, rows * (launch.DECODE_MAX_SPLITS + 1) * 4) + 16 <= launch.smem_decode_split(cfg, D, 2, 2, DV)
+    assert max(merge, rows * (launch.DECODE_MAX_SPLITS + 1) * 4) + 16 <= launch.smem_decode_split(cfg, D, 2, 2, DV,
+                                                                                                   wgmma)
+
+
+def test_warpgroup_form_is_the_latent_caches():
+    p = dataclasses.replace(_problem(), head_dim=128, head_dim_v=0)
+    cfg = forms.decode_plan(p).split.config
+    with pytest.raises(ValueError, match="warpgroup form is the latent cache's"):
+        launch.decode_split(p, cfg, 4, wgmma=True)
+    assert forms.decode_plan(p, wgmma=True).split.template_args == forms.decode_plan(p, wgmma=False).split.template_args
 
 
 def test_latent_needs_sm_90():
@@ -153,6 +170,7 @@ def test_latent_instantiations_are_listed():
     names = {lau.name_expression for lau in forms.all_instantiations("sm_90")}
     for t in ("__half", "__nv_bfloat16"):
         assert f"decode_split<{t}, {t}, 576, 4, 64, 2, 8, 231424, 512>" in names
+        assert f"decode_split<{t}, {t}, 576, 4, 64, 2, 8, 230912, 512, true>" in names
         assert f"decode_append<{t}, {t}, false>" in names and f"decode_combine_warp<{t}, 4, true>" in names
     assert not any(", 576, " in lau.name_expression for lau in forms.all_instantiations("sm_80"))
 

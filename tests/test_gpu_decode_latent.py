@@ -1,7 +1,9 @@
 """decode's latent cache (MLA's absorbed decode: k_cache of 576 columns, the values its first 512; head_dim_v) on a
 GPU against the float64 reference by flash-attn's rule: 16 - 128 query heads on one kv head, contiguous and paged
-(pages of 64), 1 - 4 query rows, appends (across a page edge), float16 and bfloat16, the split counts and combines
-each way, a planned step; tests/test_decode_latent.py checks the plans and the twin without a GPU."""
+(pages of 64, and of 16 and 40, whose key tiles cross pages), 1 - 4 query rows, appends (across a page edge),
+float16 and bfloat16, the split counts and combines each way, a planned step; each in both forms of the split pass
+(the warpgroup form, and the mma.sync form that RAWFLASH_WGMMA=0 runs). tests/test_decode_latent.py checks the plans
+and the twin without a GPU."""
 from __future__ import annotations
 
 import itertools
@@ -22,6 +24,13 @@ D, DV = configs.LATENT_HEAD_DIM, configs.LATENT_HEAD_DIM_V
 def needs_a_gpu():
     if not cupy.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True, params=["wgmma", "mma"])
+def form(request, monkeypatch):
+    """The split pass's form: the warpgroup one (the default) or the mma.sync one (RAWFLASH_WGMMA=0)."""
+    monkeypatch.setenv("RAWFLASH_WGMMA", "1" if request.param == "wgmma" else "0")
+    return request.param
 
 
 def _inputs(batch, sq, h, cap, lens, new, page, dtype, seed=0):
@@ -70,7 +79,8 @@ CASES = [pytest.param(b, sq, h, cap, lens, new, page, dtype,
              [(2, 1, 128, 4200, (4000, 63), 1, 64), (3, 4, 128, 2100, (2040, 0, 127), 4, 64),
               (2, 2, 16, 700, (600, 130), 2, 0), (2, 1, 64, 1100, (1023, 64), 2, 64),
               (4, 3, 32, 300, (1, 2, 250, 63), 3, 0),
-              (1, 1, 128, 33000, (32767,), 1, 64), (2, 4, 16, 200, (126, 64), 2, 64), (2, 1, 16, 130, (0, 0), 0, 0)],
+              (1, 1, 128, 33000, (32767,), 1, 64), (2, 4, 16, 200, (126, 64), 2, 64), (2, 1, 16, 130, (0, 0), 0, 0),
+              (2, 2, 128, 900, (700, 300), 2, 16), (2, 1, 64, 500, (450, 77), 1, 40)],
              ("bfloat16", "float16"))]
 
 

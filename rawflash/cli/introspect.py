@@ -802,7 +802,7 @@ def explain_decode(spec: ShapeSpec, *, page_size: int, new_keys: int, num_splits
     if backend == "reference":
         return {**report, "launched": "nothing: backend 'reference' computes in float64 NumPy on the host"}
     kp = kernel_problem(p)
-    plan = forms.decode_plan(kp, num_splits, tgt.sms)
+    plan = forms.decode_plan(kp, num_splits, tgt.sms, wgmma=settings.load().wgmma)  # (as a call plans it)
     cfg = plan.split.config
     report["launches"] = []
     roles = {"decode_append": "elementwise: k_new / v_new into the cache, before the split pass (several row "

@@ -153,7 +153,7 @@ def decode_plan(shapes: tuple, dtypes: tuple, opts: tuple, num_splits, device: i
         with cupy.cuda.Device(device):
             sms, arch, gpu = cupy_backend._sms(), cupy_backend.device_arch(env), cupy_backend.device_gpu(env)
     pr = dataclasses.replace(c.problem, head_dim=run_head_dim(c.problem.head_dim), arch=arch, sms=sms, gpu=gpu)
-    return c, forms.decode_plan(pr, num_splits, sms)
+    return c, forms.decode_plan(pr, num_splits, sms, wgmma=env.wgmma)
 
 
 class Planned:

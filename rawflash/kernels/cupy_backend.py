@@ -786,7 +786,7 @@ def bind_decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num
     prep = prepare(p, extras, env, value_form=launch.latent_decode(p))
     pr = prep.problem
     q, k_cache, v_cache, k_new, v_new = _decode_inputs(q, k_cache, v_cache, k_new, v_new, pr.head_dim)
-    plan = forms.decode_plan(pr, num_splits, _sms(), override)
+    plan = forms.decode_plan(pr, num_splits, _sms(), override, env.wgmma)
     direct = _writes_in_place(out, pr.value_head_dim, 16 // q.dtype.itemsize)
     bufs = decode_buffers(pr, plan, q, out if direct else None, lse)
     rec = params.fwd_params(pr, q, k_cache, v_cache, bufs["o"], bufs["lse"], scale, o_ws=bufs["o_ws"],

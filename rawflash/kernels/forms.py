@@ -542,8 +542,8 @@ def decode_splits(p: Problem, cfg: TileConfig, sms: int = 132) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _decode_plan(p: Problem, num_splits: int | None, sms: int) -> DecodePlan:
-    return _make_decode_plan(p, _decode_config(p, None), num_splits, sms)
+def _decode_plan(p: Problem, num_splits: int | None, sms: int, wgmma: bool) -> DecodePlan:
+    return _make_decode_plan(p, _decode_config(p, None), num_splits, sms, wgmma)
 
 
 def _decode_config(p: Problem, override: Override | None) -> TileConfig:
@@ -598,32 +598,35 @@ def decode_fuses_combine(p: Problem, cfg: TileConfig, partials: int) -> bool:
     return chunks * cdiv(partials, DECODE_COMBINE_BATCH) <= DECODE_FUSE_ROUND_TRIPS
 
 
-def _make_decode_plan(p: Problem, cfg: TileConfig, num_splits: int | None, sms: int) -> DecodePlan:
+def _make_decode_plan(p: Problem, cfg: TileConfig, num_splits: int | None, sms: int, wgmma: bool) -> DecodePlan:
     splits = decode_splits(p, cfg, sms) if num_splits is None else num_splits
     folded = decode_split_appends(p, cfg)
     partials = launch.decode_partials(cfg, splits)
     fused = decode_fuses_combine(p, cfg, partials)
-    launches = ([launch.decode_append(p)] if p.new_keys and not folded else []) + [launch.decode_split(p, cfg, splits)]
+    split = launch.decode_split(p, cfg, splits, wgmma and launch.latent_decode(p))
+    launches = ([launch.decode_append(p)] if p.new_keys and not folded else []) + [split]
     if not fused:
         launches.append(decode_combine(p, partials))
     return DecodePlan(tuple(launches), splits, folded, partials, fused)
 
 
 def decode_plan(p: Problem, num_splits: int | None = None, sms: int = 132,
-                override: Override | None = None) -> DecodePlan:
+                override: Override | None = None, wgmma: bool = True) -> DecodePlan:
     """The append (when new keys come and decode_split cannot write them itself: ``decode_split_appends``), the
     split-KV pass and the combine (in decode_split's last CTAs, ``decode_fuses_combine``, or ``decode_combine``) of
     one decode call; ``num_splits`` as asked (splits past a
     sequence's keys are empty), or ``decode_splits``'s choice. Cached per problem. An FP8 cache (``p.kv_dtype``)
-    needs sm_90: its rows are Hopper's (e4m3 conversions exist from sm_89; no smaller GPU's rows are measured)."""
+    needs sm_90: its rows are Hopper's (e4m3 conversions exist from sm_89; no smaller GPU's rows are measured).
+    The latent cache runs decode_split's warpgroup form unless ``wgmma`` is False (the settings'
+    ``RAWFLASH_WGMMA=0``; the Numba twins run the mma.sync form)."""
     if p.kv_dtype == configs.FP8 and p.arch != "sm_90":
         raise ValueError(f"float8_e4m3fn caches (k_cache, v_cache) need an sm_90 GPU (Hopper), got {p.arch}")
     if launch.latent_decode(p) and p.arch != "sm_90":
         raise ValueError(f"the latent cache (head_dim_v) needs an sm_90 GPU (Hopper): its CTA takes 231,424 B of "
                          f"shared memory, got {p.arch}")
     if override:
-        return _make_decode_plan(p, _decode_config(p, override), num_splits, sms)
-    return _decode_plan(dataclasses.replace(p, lengths=()), num_splits, sms)
+        return _make_decode_plan(p, _decode_config(p, override), num_splits, sms, wgmma)
+    return _decode_plan(dataclasses.replace(p, lengths=()), num_splits, sms, wgmma)
 
 
 DV_FORM = Settings(dv_form=DV_BOTH)  # all_instantiations compiles the DV form whatever the environment asks
@@ -723,15 +726,17 @@ def all_instantiations(arch: str = "sm_90") -> list[Launch]:
 
 
 def latent_decode_instantiations(gpu: str = configs.DEFAULT_GPU) -> list[Launch]:
-    """The latent cache's decode launches (sm_90, float16 / bfloat16): 16 heads (one row group: the split pass
-    appends and merges the partials itself) and 128 (two row groups: decode_append first, the warp combine), and
-    the CTA combine."""
+    """The latent cache's decode launches (sm_90, float16 / bfloat16), in both forms of the split pass (warpgroup
+    and mma.sync): 16 heads (one row group: the split pass appends and merges the partials itself) and 128 (two
+    row groups: decode_append first, the warp combine), and the CTA combine."""
     out = []
     for dtype in registry.HALF_DTYPES:
         p = Problem(1, 1, 4096, 16, 1, configs.LATENT_HEAD_DIM, dtype, False, "sm_90", seqused_k=True, new_keys=1,
                     head_dim_v=configs.LATENT_HEAD_DIM_V, gpu=gpu)
-        out += [*decode_plan(p, 8).launches, *decode_plan(dataclasses.replace(p, heads=128), 8).launches,
-                launch.decode_append(p), launch.decode_combine(p)]
+        for wg in (True, False):
+            out += [*decode_plan(p, 8, wgmma=wg).launches,
+                    *decode_plan(dataclasses.replace(p, heads=128), 8, wgmma=wg).launches]
+        out += [launch.decode_append(p), launch.decode_combine(p)]
     return out
 
 

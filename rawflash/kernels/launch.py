@@ -543,15 +543,18 @@ def decode_head_dims(p: Problem) -> tuple[int, int]:
     return d, d
 
 
-def smem_decode_split(cfg: TileConfig, d: int, itemsize: int, kv_itemsize: int | None = None, dv: int = 0) -> int:
+def smem_decode_split(cfg: TileConfig, d: int, itemsize: int, kv_itemsize: int | None = None, dv: int = 0,
+                      wgmma: bool = False) -> int:
     """The packed Q tile, for an FP8 cache (``kv_itemsize`` below ``itemsize``) its rows' largest |q| (whole
     128-byte lines), and per warp `stages` tiles of K_j and V_j of the cache's elements. The latent cache (``dv``
     below ``d``): the Q tile, the CTA's `stages` K tiles (V is their first dv columns), P (br x bc) and a float per
-    warp and row (mainloop_decode.cuh's MainloopDecodeLatent)."""
+    warp and row (mainloop_decode.cuh's MainloopDecodeLatent); ``wgmma`` (mainloop_decode_sm90.cuh's
+    MainloopDecodeLatentWg): a float per warpgroup and row instead, after 1024 bytes of slack that align the
+    swizzled tiles."""
     kv = itemsize if kv_itemsize is None else kv_itemsize
     if dv and dv != d:
-        return (cfg.br * d * itemsize + cfg.stages * cfg.bc * d * kv + cfg.br * cfg.bc * itemsize
-                + cfg.warps * cfg.br * 4)
+        return ((1024 if wgmma else 0) + cfg.br * d * itemsize + cfg.stages * cfg.bc * d * kv
+                + cfg.br * cfg.bc * itemsize + (cfg.warps // 4 if wgmma else cfg.warps) * cfg.br * 4)
     qmax = 128 * cdiv(cfg.br * 4, 128) if kv < itemsize else 0
     return cfg.br * d * itemsize + qmax + cfg.warps * cfg.stages * 2 * cfg.bc * d * kv
 
@@ -561,17 +564,21 @@ def decode_splits_per_cta(cfg: TileConfig) -> int:
     return cfg.warps // cfg.wc
 
 
-def decode_split(p: Problem, cfg: TileConfig, num_splits: int) -> Launch:
+def decode_split(p: Problem, cfg: TileConfig, num_splits: int, wgmma: bool = False) -> Launch:
     """Split-KV decode: grid (cdiv(num_splits, splits per CTA), kv_heads x row groups, batch), one split per warp
-    (the latent cache: per CTA), one partial result per CTA (``decode_partials``). The latent form's DV is the last
-    template argument (the default, D, is left out of the name expression)."""
+    (the latent cache: per CTA), one partial result per CTA (``decode_partials``). The latent form's DV follows
+    the defaults' place (left out of the name expression where it is D), then ``wgmma`` (its warpgroup form,
+    compiled for sm_90a; only with the latent cache)."""
     d, dv = decode_head_dims(p)
-    smem = smem_decode_split(cfg, d, p.itemsize, p.kv_itemsize, dv)
+    if wgmma and dv == d:
+        raise ValueError("decode_split's warpgroup form is the latent cache's (head_dim_v below head_dim)")
+    smem = smem_decode_split(cfg, d, p.itemsize, p.kv_itemsize, dv, wgmma)
     args = (CUDA_TYPES[p.dtype], CUDA_TYPES[p.kv_dtype or p.dtype], d, cfg.br // 16, cfg.bc, cfg.stages, cfg.warps,
-            smem) + ((dv,) if dv != d else ())
+            smem) + ((dv,) if dv != d else ()) + ((True,) if wgmma else ())
     grid = _check_grid((decode_partials(cfg, num_splits), p.kv_heads * decode_rows(p, cfg)[1], p.batch),
                        "decode_split")
-    return Launch("decode_split", "decode.cu", args, grid, (cfg.threads, 1, 1), smem, cfg)
+    return Launch("decode_split", "decode.cu", args, grid, (cfg.threads, 1, 1), smem, cfg,
+                  target="sm_90a" if wgmma else None)
 
 
 def decode_partials(cfg: TileConfig, num_splits: int) -> int:

@@ -351,7 +351,7 @@ def decode(p: Problem, q, k_cache, v_cache, k_new, v_new, scale: float, num_spli
     cache_len = int(extras.pop("cache_len", 0))
     table = extras.pop("block_table", None)
     pr = dataclasses.replace(run_problem(p), head_dim_v=p.head_dim_v)  # (decode's head_dim_v: the latent cache)
-    plan = forms.decode_plan(pr, num_splits, _sm_count())
+    plan = forms.decode_plan(pr, num_splits, _sm_count(), wgmma=False)  # (the twins mirror the mma.sync forms)
     resolved = _resolve(list(plan.launches), "decode")
     xp = _xp()
     prep = prepare(p, extras, q, k_cache)
