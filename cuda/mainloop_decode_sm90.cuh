@@ -98,7 +98,7 @@ struct MainloopDecodeLatentWg {
     float* xrow = (float*)(ring + STAGES * KV_BYTES + P_BYTES);  // [GROUPS][ROWS]: the row maxima, then l
     const int wg = uniform_warpgroup_id(), w0 = 16 * warp_in_group(), g = lane_id() >> 2;
     const int kw = wg * (BCW / GROUPS), cw = wg * (DV / GROUPS);  // the warpgroup's keys of S and columns of O
-    // ---- [mainloop_decode_latent_wg:init] O = 0, l = 0, m = -inf; the first STAGES - 1 key tiles start streaming
+    // ---- [mainloop_decode_sm90:init] O = 0, l = 0, m = -inf; the first STAGES - 1 key tiles start streaming
     const DecodeSplitRows<1, BCW> rows(p, bi, pol, group, r0, nrows, k_begin, k_end, w0);
     const int lo = rows.first, hi = rows.end, n = rows.tiles;
     auto load = [&](int t) {
@@ -108,13 +108,13 @@ struct MainloopDecodeLatentWg {
     start_split<STAGES>(o, sm, n, load);
     for (int t = 0; t < n; ++t) {  // (n is the CTA's: every warp takes every barrier)
       const int k0 = lo + t * BCW;
-      // ---- [mainloop_decode_latent_wg:wait] tile t has landed; tile t + STAGES - 1 starts streaming ----
+      // ---- [mainloop_decode_sm90:wait] tile t has landed; tile t + STAGES - 1 starts streaming ----
       cp_async_wait<STAGES - 2>();
       fence_async_smem();  // this thread's copies (tile t; before the first tile, the Q tile) reach the products
       __syncthreads();     // ... every thread's; both warpgroups are done with tile t - 1, its P and the maxima
       if (t + STAGES - 1 < n) load(t + STAGES - 1);
       cp_async_commit();
-      // ---- [mainloop_decode_latent_wg:scores] S = Q K_j^T for the 64 rows over the warpgroup's keys ----
+      // ---- [mainloop_decode_sm90:scores] S = Q K_j^T for the 64 rows over the warpgroup's keys ----
       Acc<1, NS> s;
       wgmma_fence();
       wg_gemm_abt(s, sQ, 0, sK(t), kw, false);
@@ -122,7 +122,7 @@ struct MainloopDecodeLatentWg {
       wgmma_wait<0>();
       fence_operand(s);
       rows.template scores<T, false>(s, pol, k0 + kw, rows.edge(k0), k_mul);
-      // ---- [mainloop_decode_latent_wg:softmax] the tile's row maxima over the warpgroups; P to shared memory --
+      // ---- [mainloop_decode_sm90:softmax] the tile's row maxima over the warpgroups; P to shared memory --
       float mx[SM_ROWS], fo[SM_ROWS];
       row_max(mx, s);
 #pragma unroll
@@ -140,7 +140,7 @@ struct MainloopDecodeLatentWg {
       fence_async_smem();  // this thread's P reaches the products
       __syncthreads();     // ... every thread's
       sm.template rescale<true, true>(o, fo);  // (the same fo in both warpgroups; padding rows see no key at all)
-      // ---- [mainloop_decode_latent_wg:pv] O[:, cw .. cw + DV / GROUPS) += P V_j (V_j: columns of the K tile) --
+      // ---- [mainloop_decode_sm90:pv] O[:, cw .. cw + DV / GROUPS) += P V_j (V_j: columns of the K tile) --
       fence_operand(o);
       wgmma_fence();
       wg_gemm_ab<BCW>(o, sP, 0, sK(t), cw, true);
@@ -149,7 +149,7 @@ struct MainloopDecodeLatentWg {
       fence_operand(o);
     }
     cp_async_wait<0>();
-    // ---- [mainloop_decode_latent_wg:sums] l = the sum of the warpgroups' shares (the same order in both) ----
+    // ---- [mainloop_decode_sm90:sums] l = the sum of the warpgroups' shares (the same order in both) ----
     __syncthreads();  // both warpgroups are done with the maxima
 #pragma unroll
     for (int rr = 0; rr < SM_ROWS; ++rr)

@@ -312,11 +312,17 @@ def list_(gpu, arch, sms, as_json):
            if tgt.arch in introspect.occupancy.ARCHS else "unknown (no occupancy rules for this arch)"}, as_json)
 
 
+def _form_key(v: registry.Variant, f: registry.Form) -> str:
+    """A form's name in the report: its template, and its mainloop where the variant has two forms of one template
+    (decode_split's latent cache on wgmma)."""
+    return f.kernel if [x.kernel for x in v.forms].count(f.kernel) == 1 else f"{f.kernel} ({f.mainloop})"
+
+
 def _variant_entry(v: registry.Variant) -> dict:
     return {"source": f"cuda/{v.source}", "direction": v.direction, "api": f"kernel={v.api_kernel!r}",
             "paper algorithm": v.paper_algorithm, "warp partition": v.warp_partition,
-            "forms": {f.kernel: f"{f.arch}+, cuda/{f.source} with " + " or ".join(f"cuda/{m}" for m in f.mainloops)
-                      for f in v.forms},
+            "forms": {_form_key(v, f): f"{f.arch}+, cuda/{f.source} with "
+                      + " or ".join(f"cuda/{m}" for m in f.mainloops) for f in v.forms},
             "helpers": [h.kernel for h in v.helpers],
             "supports": list(v.supports),
             "numba twin": f"{v.numba_factory} in {v.numba_module}" + ("" if v.has_numba_twin() else " (absent)")}

@@ -183,7 +183,11 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in (
                                                      "on Hopper, else the fa2_bwd_dq pass)",)),
     Variant("decode", "decode", "decode", "Flash-Decoding: split-KV attention of a few query rows against a KV cache",
             "one split of the keys per warp; the GQA group's query heads and rows packed into one tile",
-            (Form("decode_split", "decode.cu", "mainloop_decode.cuh", "sm_80", ALL_DTYPES, "decode"),),
+            (Form("decode_split", "decode.cu", "mainloop_decode.cuh", "sm_80", ALL_DTYPES, "decode"),
+             Form("decode_split", "decode.cu", "mainloop_decode_sm90.cuh", "sm_90", HALF_DTYPES, None,
+                  "the latent cache's warpgroup form (MainloopDecodeLatentWg, template argument WG): the decode "
+                  "twin runs the latent cache's mma.sync form (MainloopDecodeLatent), which computes the same "
+                  "results and which RAWFLASH_WGMMA=0 runs on the GPU")),
             (Helper("decode_append", "decode.cu", "k_new / v_new into the cache (contiguous or paged) where "
                     "decode_split cannot (several row groups read the same keys)", "decode"),
              Helper("decode_combine_warp", "decode.cu", "the splits merged by their lse, the sink added: one warp "
