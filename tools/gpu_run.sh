@@ -126,7 +126,8 @@ while [ $i -lt ${#steps[@]} ]; do
       for case in ${PROFILE_CASES:-softcap fp8 plain decode}; do
         case $case in
           fp8) regex='fa3_fwd_sm90_fp8'; skip=2; count=1 ;;
-          decode|decode_fp8|latent) regex='decode_'; skip=2; count=2 ;;  # b = 64: decode_split (append folded), combine
+          decode|decode_fp8) regex='decode_'; skip=2; count=2 ;;  # b = 64: decode_split (append folded), combine
+          latent) regex='decode_split'; skip=1; count=1 ;;  # the split pass alone (an append and a combine beside it)
           paged) regex='fa3_fwd_sm90'; skip=2; count=1 ;;  # a call: the REF_FIRST launch, then its way back
           *) regex='fa3_(fwd|bwd)_sm90'; skip=2; count=2 ;;
         esac
