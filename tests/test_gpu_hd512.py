@@ -5,10 +5,11 @@ above and below seqlen_k), MHA / GQA / MQA, ragged lengths, packed sequences and
 attention (kernel='naive').
 
 The forward on Hopper is FA3's column split (two consumer warpgroups on 64 rows, each holding half of O's columns),
-elsewhere and with wgmma=False the mma.sync form whose warps split the head columns; the backward is the mma.sync
-forms everywhere, the main pass and then the dQ pass (configs' rows at 512; tests/test_head_dim_512.py checks the
-plans without a GPU). test_forward and the features reach FA3's form on Hopper by default; test_forward_mma_sync runs
-the mma.sync form there too, and test_forward_fa3_switches FA3's switches and grids with more tiles than SMs.
+elsewhere and with wgmma=False the mma.sync form whose warps split the head columns; the backward runs the
+mma.sync forms everywhere, the main pass and then the dQ pass (configs' rows at 512; tests/test_head_dim_512.py
+checks the plans without a GPU). test_forward and the features reach FA3's form on Hopper by default;
+test_forward_mma_sync runs the mma.sync form there too, and test_forward_fa3_switches FA3's switches and grids with
+more tiles than SMs.
 """
 from __future__ import annotations
 
